@@ -1,2 +1,36 @@
-"""oscar_compile: declarative INT2 KV-cache compression for Hugging Face causal LMs."""
+"""oscar_compile: declarative INT2 KV-cache compression for Hugging Face causal LMs.
+
+Two verbs and an artifact: ``calibrate(model, spec, batches) -> Rotations`` and
+``apply(model, spec, rotations)``. Importing this package is cheap: heavy modules load on first use.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+
+_LAZY = {
+    "CompressionSpec": ".spec",
+    "SpecError": ".spec",
+    "Rotations": ".artifact",
+    "ArtifactError": ".artifact",
+    "calibrate": ".calibration",
+    "apply": ".passes",
+    "backend": ".passes",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .artifact import ArtifactError, Rotations
+    from .calibration import calibrate
+    from .passes import apply, backend
+    from .spec import CompressionSpec, SpecError
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'oscar_compile' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY) + ["__version__"]
