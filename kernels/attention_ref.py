@@ -1,0 +1,84 @@
+"""Reference for ``oscar::attention`` over the mixed INT-b / full-precision paged cache (no Triton).
+
+For sequence i with L = cache_lens[i] cached tokens and T new tokens (rows cu[i]..cu[i+1] of q, k, v),
+new token t (position L + t) attends to keys 0..L+t:
+- cached positions p < L, read from the pools: p < S0 from window slot p (sink); S0 <= p < L - W
+  dequantized from history row p - S0 (``oscar_compile.quant.dequantize``: s * (code - z) with
+  s, z read from the scale dtype as float32); L - W <= p from ring slot S0 + (p - S0) % W;
+- the chunk's own keys 0..t in full precision, exactly as passed (not rounded to the window dtype).
+GQA: query head j reads KV head j // (H_q / H_kv). Scores q . k * scale, softmax and the weighted
+sum of values in float32; the result is rounded once to q.dtype. Queries arrive already rotated
+(q R_K), keys rotated and centred, so q . k' = q . k - q . mu: the softmax is unchanged.
+Call it before ``cache_write`` of the same tokens (the chunk is not yet in the pools).
+"""
+from __future__ import annotations
+
+import torch
+
+from oscar_compile import quant
+from oscar_compile.kernels.pools import check_window_config, window_slot
+
+
+def gather_cached(
+    i: int, L: int, window_table: torch.Tensor, quant_table: torch.Tensor,
+    win: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+    sink: int, recent: int, bits: int, group_size: int,
+) -> torch.Tensor:
+    """Dense float32 [L, H_kv, D] view of one sequence's cached keys (or values), positions 0..L-1."""
+    P = win.shape[2]
+    H, D = win.shape[1], win.shape[3]
+    out = torch.empty(L, H, D, dtype=torch.float32, device=win.device)
+    pos = torch.arange(L, device=win.device)
+    hist = (pos >= sink) & (pos < L - recent)
+    wpos = pos[~hist]
+    slot = window_slot(wpos, sink, recent)
+    out[~hist] = win[window_table[i, slot // P].long(), :, slot % P].float()
+    if hist.any():
+        h = pos[hist] - sink
+        page, row = quant_table[i, h // P].long(), h % P
+        out[hist] = quant.dequantize(codes[page, :, row], scale[page, :, row], zero[page, :, row],
+                                     bits, group_size)
+    return out
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, L: int, scale: float) -> torch.Tensor:
+    # q: [T, H_q, D] f32; keys, vals: [L + T, H_kv, D] f32 -> [T, H_q, D] f32
+    T, H_q, _ = q.shape
+    g = H_q // keys.shape[1]
+    kk = keys.repeat_interleave(g, dim=1)  # [L+T, H_q, D]
+    vv = vals.repeat_interleave(g, dim=1)
+    s = torch.einsum("thd,shd->hts", q, kk) * scale  # [H_q, T, L+T]
+    t = torch.arange(T, device=q.device).view(T, 1)
+    allowed = torch.arange(L + T, device=q.device).view(1, L + T) <= L + t  # [T, L+T]
+    s = s.masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("hts,shd->thd", p, vv)
+
+
+def attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+    cache_lens: torch.Tensor, window_table: torch.Tensor, quant_table: torch.Tensor,
+    k_win: torch.Tensor, v_win: torch.Tensor,
+    k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+    v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
+    scale: float, sink: int, recent: int, bits: int, group_size: int,
+) -> torch.Tensor:
+    """q: [N, H_q, D], k, v: [N, H_kv, D] new tokens -> [N, H_q, D] in q.dtype."""
+    N, H_q, D = q.shape
+    H_kv = k.shape[1]
+    if H_q % H_kv:
+        raise ValueError(f"H_kv {H_kv} does not divide H_q {H_q}")
+    check_window_config(sink, recent, k_win.shape[2])
+    out = torch.zeros(N, H_q, D, dtype=torch.float32, device=q.device)
+    cu = cu_seqlens.tolist()
+    for i, L in enumerate(cache_lens.tolist()):
+        a, b = cu[i], cu[i + 1]
+        if a == b:
+            continue
+        common = (window_table, quant_table)
+        kc = gather_cached(i, L, *common, k_win, k_codes, k_scale, k_zero, sink, recent, bits, group_size)
+        vc = gather_cached(i, L, *common, v_win, v_codes, v_scale, v_zero, sink, recent, bits, group_size)
+        keys = torch.cat([kc, k[a:b].float()], dim=0)
+        vals = torch.cat([vc, v[a:b].float()], dim=0)
+        out[a:b] = _attend(q[a:b].float(), keys, vals, L, scale)
+    return out.to(q.dtype)

@@ -1,0 +1,116 @@
+"""Reference for ``oscar::cache_write``: place new tokens in the paged cache, plain torch (no Triton).
+
+Semantics are those of writing the tokens of each sequence one position at a time
+(docs/cache-format.md); the bulk form below reaches the identical state:
+- writing position L (cache grows to L + 1) stores the token in window slot L when L < S0, else in
+  recent-window slot S0 + (L - S0) % W; if the window then holds more than W recent tokens, the
+  oldest, p = L - W (only when p >= S0), is demoted: quantized into history row h = p - S0, i.e.
+  page quant_table[i, h // P], row h % P. W = 0: every p >= S0 goes straight to the history.
+- bulk, T tokens at positions [L, L + T): (1) first demote the old ring tokens that leave,
+  positions [max(S0, L - W), min(L, L + T - W)), read from the ring *before* any new token reuses
+  their slot (p and p + W share a slot); (2) new tokens with p < S0 go to the sink, with
+  p >= L + T - W to the ring, the rest straight to history.
+
+Details that are easy to get wrong:
+- a token is rounded to the window dtype *before* it is quantized, also when it goes straight to
+  history: one-at-a-time writing would have stored it in the window first, so bulk == one-by-one
+  bitwise only with this rounding.
+- keys and values are quantized independently: keys with ``clip_k``, values with ``clip_v``;
+  the scale dtype is the pools' (``k_scale.dtype``), and codes use the scale/zero already rounded
+  to it (``oscar_compile.quant.quantize`` does this).
+- ``cache_lens`` is not advanced here: the caller does it after the write.
+"""
+from __future__ import annotations
+
+import torch
+
+from oscar_compile import quant
+from oscar_compile.kernels.pools import check_window_config, window_slot
+
+
+def check_cache_write_args(k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win,
+                           k_codes, k_scale, sink, recent, bits, group_size) -> None:
+    N, H, D = k.shape
+    if v.shape != k.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    if k_win.dim() != 4 or k_win.shape[1] != H or k_win.shape[3] != D:
+        raise ValueError(f"k_win {tuple(k_win.shape)} does not match k [N, {H}, {D}]")
+    P = k_win.shape[2]
+    check_window_config(sink, recent, P)
+    if k_codes.shape[1:] != (H, P, D * bits // 8):
+        raise ValueError(f"k_codes {tuple(k_codes.shape)} is not [N_q, {H}, {P}, {D * bits // 8}]")
+    if D % group_size or k_scale.shape[1:] != (H, P, D // group_size):
+        raise ValueError(f"k_scale {tuple(k_scale.shape)} does not match group_size {group_size}")
+    B = cache_lens.shape[0]
+    if cu_seqlens.shape != (B + 1,):
+        raise ValueError(f"cu_seqlens must be [B + 1] = [{B + 1}], got {tuple(cu_seqlens.shape)}")
+    if window_table.shape[0] != B or quant_table.shape[0] != B:
+        raise ValueError("window_table and quant_table need one row per sequence")
+    if window_table.shape[1] * P < sink + recent:
+        raise ValueError(f"window_table has {window_table.shape[1]} pages, needs {(sink + recent) // P}")
+
+
+def _locate_history(pos: torch.Tensor, quant_row: torch.Tensor, sink: int, P: int):
+    h = pos - sink
+    return quant_row[h // P].long(), h % P
+
+
+def _locate_window(pos: torch.Tensor, window_row: torch.Tensor, sink: int, recent: int, P: int):
+    slot = window_slot(pos, sink, recent)
+    return window_row[slot // P].long(), slot % P
+
+
+def _store_history(xk, xv, pages, rows, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                   bits, group_size, clip_k, clip_v) -> None:
+    # xk, xv: [n, H_kv, D] already in the window dtype
+    for x, clip, codes, scale, zero in ((xk, clip_k, k_codes, k_scale, k_zero),
+                                        (xv, clip_v, v_codes, v_scale, v_zero)):
+        packed, s, z = quant.quantize(x, bits, group_size, clip, scale.dtype)
+        codes[pages, :, rows] = packed
+        scale[pages, :, rows] = s
+        zero[pages, :, rows] = z
+
+
+def cache_write_ref(
+    k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, cache_lens: torch.Tensor,
+    window_table: torch.Tensor, quant_table: torch.Tensor,
+    k_win: torch.Tensor, v_win: torch.Tensor,
+    k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+    v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
+    sink: int, recent: int, bits: int, group_size: int, clip_k: float, clip_v: float,
+) -> None:
+    """Write k, v: [N, H_kv, D] (N = all new tokens, sequence after sequence) into the pools in place."""
+    check_cache_write_args(k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win,
+                           k_codes, k_scale, sink, recent, bits, group_size)
+    P = k_win.shape[2]
+    wdt = k_win.dtype
+    qpools = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+    cu = cu_seqlens.tolist()
+    lens = cache_lens.tolist()
+    dev = k_win.device
+    for i, L in enumerate(lens):
+        T = cu[i + 1] - cu[i]
+        if T == 0:
+            continue
+        L_new = L + T
+        # (1) old recent tokens that age out, read before their ring slots are reused
+        lo, hi = max(sink, L - recent), min(L, L_new - recent)
+        if hi > lo:
+            old = torch.arange(lo, hi, device=dev)
+            wp, wr = _locate_window(old, window_table[i], sink, recent, P)
+            xk, xv = k_win[wp, :, wr], v_win[wp, :, wr]  # [n, H_kv, D]
+            hp, hr = _locate_history(old, quant_table[i], sink, P)
+            _store_history(xk, xv, hp, hr, *qpools, bits, group_size, clip_k, clip_v)
+        # (2) the new tokens
+        pos = torch.arange(L, L_new, device=dev)
+        kn = k[cu[i]:cu[i + 1]].to(device=dev, dtype=wdt)  # [T, H_kv, D]
+        vn = v[cu[i]:cu[i + 1]].to(device=dev, dtype=wdt)
+        in_window = (pos < sink) | (pos >= L_new - recent)
+        to_hist = ~in_window
+        if in_window.any():
+            wp, wr = _locate_window(pos[in_window], window_table[i], sink, recent, P)
+            k_win[wp, :, wr] = kn[in_window]
+            v_win[wp, :, wr] = vn[in_window]
+        if to_hist.any():
+            hp, hr = _locate_history(pos[to_hist], quant_table[i], sink, P)
+            _store_history(kn[to_hist], vn[to_hist], hp, hr, *qpools, bits, group_size, clip_k, clip_v)

@@ -1,0 +1,136 @@
+"""The ``oscar::`` custom ops: one registration per kernel, plain-torch reference everywhere, Triton on CUDA.
+
+Signatures follow docs/cache-format.md. Each op is a ``torch.library.custom_op`` with a fake
+(meta) implementation so ``torch.compile(fullgraph=True)`` traces through it. The default
+implementation (CPU and any device without a kernel) is the ``*_ref`` module; on CUDA the Triton
+wrapper runs when Triton is importable, else the reference.
+
+Importing this module is cheap: Triton modules are imported inside the CUDA implementations, on
+first call, never here (no CUDA initialisation, no compilation at import).
+
+Additions to the documented signatures (trailing, with defaults, so documented calls still work):
+- ``oscar::rotate``: ``mean`` defaults to None.
+- ``oscar::cache_write``: ``rot_k: Tensor? = None, mean_k: Tensor? = None``. When ``rot_k`` is
+  given, k arrives *unrotated* (post-RoPE) and the op applies ``oscar::rotate(k, rot_k, mean_k)``
+  first (fused into the write kernel on CUDA): one launch per layer instead of two.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from oscar_compile.kernels.attention_ref import attention_ref
+from oscar_compile.kernels.cache_write_ref import cache_write_ref
+from oscar_compile.kernels.pools import CachePools, allocate_pools  # noqa: F401  (re-export)
+from oscar_compile.kernels.rotate_ref import rotate_ref
+
+_POOLS = ("k_win", "v_win", "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when Triton can be imported (checked once, without importing it here)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_impl(module: str, name: str):
+    """The Triton wrapper ``oscar_compile.kernels.<module>.<name>``, or None without Triton / module."""
+    full = f"oscar_compile.kernels.{module}"
+    if not triton_available() or importlib.util.find_spec(full) is None:
+        return None
+    return getattr(importlib.import_module(full), name)
+
+
+def _rotate_tokens_ref(k: Tensor, rot: Tensor, mean: Optional[Tensor]) -> Tensor:
+    # k: [N, H_kv, D] -> rotate sees [1, H_kv, N, D]
+    return rotate_ref(k.transpose(0, 1).unsqueeze(0), rot, mean).squeeze(0).transpose(0, 1)
+
+
+# ---------------------------------------------------------------- oscar::rotate
+@torch.library.custom_op("oscar::rotate", mutates_args=())
+def rotate(x: Tensor, rot: Tensor, mean: Optional[Tensor] = None) -> Tensor:
+    """(x - mean[h // g]) @ rot[h // g]; x: [B, H, T, D], rot: [H_r, D, D] f32, mean: [H_r, D] f32."""
+    return rotate_ref(x, rot, mean)
+
+
+@rotate.register_fake
+def _(x, rot, mean=None):
+    return torch.empty_like(x)
+
+
+@rotate.register_kernel("cuda")
+def _(x, rot, mean=None):
+    impl = _triton_impl("rotate_triton", "rotate_triton")
+    if impl is not None:
+        return impl(x, rot, mean)
+    return rotate_ref(x, rot, mean)
+
+
+# ---------------------------------------------------------------- oscar::cache_write
+@torch.library.custom_op("oscar::cache_write", mutates_args=_POOLS)
+def cache_write(
+    k: Tensor, v: Tensor, cu_seqlens: Tensor, cache_lens: Tensor,
+    window_table: Tensor, quant_table: Tensor,
+    k_win: Tensor, v_win: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor,
+    v_codes: Tensor, v_scale: Tensor, v_zero: Tensor,
+    sink: int, recent: int, bits: int, group_size: int, clip_k: float, clip_v: float,
+    rot_k: Optional[Tensor] = None, mean_k: Optional[Tensor] = None,
+) -> None:
+    """Write new tokens k, v: [N, H_kv, D] into the pools (see cache_write_ref for the rules)."""
+    if rot_k is not None:
+        k = _rotate_tokens_ref(k, rot_k, mean_k)
+    cache_write_ref(k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
+                    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                    sink, recent, bits, group_size, clip_k, clip_v)
+
+
+@cache_write.register_fake
+def _(*args, **kwargs):
+    return None
+
+
+@cache_write.register_kernel("cuda")
+def _(k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win, k_codes, k_scale,
+      k_zero, v_codes, v_scale, v_zero, sink, recent, bits, group_size, clip_k, clip_v,
+      rot_k=None, mean_k=None):
+    args = (k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win, k_codes,
+            k_scale, k_zero, v_codes, v_scale, v_zero, sink, recent, bits, group_size, clip_k, clip_v)
+    impl = _triton_impl("cache_write_triton", "cache_write_triton")
+    if impl is not None:
+        return impl(*args, rot_k=rot_k, mean_k=mean_k)
+    if rot_k is not None:
+        k = _rotate_tokens_ref(k, rot_k, mean_k)
+    cache_write_ref(k, *args[1:])
+
+
+# ---------------------------------------------------------------- oscar::attention
+@torch.library.custom_op("oscar::attention", mutates_args=())
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cache_lens: Tensor,
+    window_table: Tensor, quant_table: Tensor,
+    k_win: Tensor, v_win: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor,
+    v_codes: Tensor, v_scale: Tensor, v_zero: Tensor,
+    scale: float, sink: int, recent: int, bits: int, group_size: int,
+) -> Tensor:
+    """New tokens q: [N, H_q, D] attend to the cache plus their own chunk, causally -> [N, H_q, D]."""
+    return attention_ref(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
+                         k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                         scale, sink, recent, bits, group_size)
+
+
+@attention.register_fake
+def _(q, *args):
+    return torch.empty_like(q)
+
+
+@attention.register_kernel("cuda")
+def _(*args):
+    impl = _triton_impl("attention_triton", "attention_triton")
+    if impl is not None:
+        return impl(*args)
+    return attention_ref(*args)

@@ -1,0 +1,107 @@
+"""One allocator and one address map for the paged KV cache of one layer (docs/cache-format.md).
+
+The HF ``generate()`` cache, the runtime's page manager, the references and the Triton kernels
+all use the same pool shapes and the same position -> (page, row) rule, so both live here:
+
+- pools: ``k_win, v_win: [N_w, H_kv, P, D]`` (model dtype); ``k_codes, v_codes:
+  [N_q, H_kv, P, D * b / 8]`` uint8; ``k_scale, k_zero, v_scale, v_zero: [N_q, H_kv, P, D / G]``
+  (scale dtype). :class:`CachePools` keeps them in the order the ``oscar::`` ops take them, so
+  ``op(..., *pools, ...)`` works.
+- a position ``p`` of a sequence holding ``L`` tokens is in the sink when ``p < S0``, in the
+  history when ``S0 <= p < L - W``, else in the recent window (a ring of ``W`` slots after the
+  ``S0`` sink slots: slot ``S0 + (p - S0) % W``).
+
+Pools are zero-filled rather than left uninitialised: a kernel that reads a padded row must never
+meet a NaN bit pattern (0 * NaN is NaN even under a zero softmax weight).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from oscar_compile.quant import SUPPORTED_BITS, scale_dtype_of
+
+
+class CachePools(NamedTuple):
+    """The eight per-layer pools, in ``oscar::cache_write`` / ``oscar::attention`` argument order."""
+
+    k_win: torch.Tensor  # [N_w, H_kv, P, D] model dtype
+    v_win: torch.Tensor  # [N_w, H_kv, P, D]
+    k_codes: torch.Tensor  # [N_q, H_kv, P, D*b/8] uint8
+    k_scale: torch.Tensor  # [N_q, H_kv, P, D/G] scale dtype
+    k_zero: torch.Tensor
+    v_codes: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+
+
+def allocate_pools(
+    num_quant_pages: int,
+    num_window_pages: int,
+    num_kv_heads: int,
+    page_size: int,
+    head_dim: int,
+    bits: int = 2,
+    group_size: int = 128,
+    scale_dtype: str | torch.dtype = torch.float16,
+    window_dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+) -> CachePools:
+    """Zero-filled pools for one layer. Page 0 may be used like any other page (tables pad with 0)."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+    if head_dim % group_size:
+        raise ValueError(f"group_size {group_size} does not divide head_dim {head_dim}")
+    if (head_dim * bits) % 8:
+        raise ValueError(f"head_dim {head_dim} * bits {bits} is not a whole number of bytes")
+    sdt = scale_dtype_of(scale_dtype)
+    H, P, D = num_kv_heads, page_size, head_dim
+    win = (num_window_pages, H, P, D)
+    codes = (num_quant_pages, H, P, D * bits // 8)
+    groups = (num_quant_pages, H, P, D // group_size)
+
+    def z(shape, dtype):
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    return CachePools(
+        k_win=z(win, window_dtype),
+        v_win=z(win, window_dtype),
+        k_codes=z(codes, torch.uint8),
+        k_scale=z(groups, sdt),
+        k_zero=z(groups, sdt),
+        v_codes=z(codes, torch.uint8),
+        v_scale=z(groups, sdt),
+        v_zero=z(groups, sdt),
+    )
+
+
+def check_window_config(sink: int, recent: int, page_size: int) -> None:
+    """S0 and W must be non-negative multiples of P (a window page never straddles sink/recent)."""
+    if sink < 0 or recent < 0:
+        raise ValueError(f"sink and recent must be >= 0, got {sink}, {recent}")
+    if sink % page_size or recent % page_size:
+        raise ValueError(f"sink {sink} and recent {recent} must be multiples of page_size {page_size}")
+
+
+def num_window_pages_per_seq(sink: int, recent: int, page_size: int) -> int:
+    """Columns of ``window_table``: (S0 + W) / P."""
+    check_window_config(sink, recent, page_size)
+    return (sink + recent) // page_size
+
+
+def num_history_tokens(cache_len: int, sink: int, recent: int) -> int:
+    """Quantized tokens of a sequence holding ``cache_len`` tokens: len([S0, L - W))."""
+    return max(0, cache_len - recent - sink)
+
+
+def num_quant_pages_needed(cache_len: int, sink: int, recent: int, page_size: int) -> int:
+    """History pages a sequence needs once it holds ``cache_len`` tokens (allocate before writing)."""
+    return -(-num_history_tokens(cache_len, sink, recent) // page_size)
+
+
+def window_slot(pos: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
+    """Window slot of positions in the sink or recent window: p if p < S0 else S0 + (p - S0) % W."""
+    if recent == 0:
+        return pos.clone()
+    return torch.where(pos < sink, pos, sink + (pos - sink) % recent)

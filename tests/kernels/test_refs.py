@@ -1,0 +1,228 @@
+"""The plain-torch references against a dense computation written independently here.
+
+The dense oracle: for a sequence holding L tokens, position p is quantize-dequantized
+(``oscar_compile.quant.fake_quantize`` of the token rounded to the window dtype) when
+S0 <= p < L - W, else the window-dtype token itself; then plain softmax attention in float64.
+Tolerance 1e-5 relative: the references compute in float32, the oracle in float64, on the same
+dequantized numbers, so only float32 rounding of the dot products and sums separates them.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oscar_compile import quant
+from oscar_compile.kernels import ops
+from oscar_compile.kernels.attention_ref import attention_ref
+from oscar_compile.kernels.cache_write_ref import cache_write_ref
+from oscar_compile.kernels.rotate_ref import rotate_ref
+from oscar_compile.kernels.testing import build_case, random_kv
+
+RTOL = 1e-5
+
+
+def dense_cached(case, i: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 [L, H_kv, D] keys and values of sequence i holding L tokens, history fake-quantized."""
+    out = []
+    for stream, clip in ((case.keys[i], case.clip_k), (case.values[i], case.clip_v)):
+        x = stream[:L].double()
+        hist = slice(case.sink, max(case.sink, L - case.recent))  # rows quantize independently
+        x[hist] = quant.fake_quantize(stream[hist].float(), case.bits, case.group_size, clip,
+                                      case.pools.k_scale.dtype).double()
+        out.append(x)
+    return out[0], out[1]
+
+
+def dense_attention(q, keys, vals, L, scale):
+    """q: [T, H_q, D]; keys, vals: [L + T, H_kv, D] -> [T, H_q, D] float64, one query at a time."""
+    T, H_q, D = q.shape
+    kv_head = torch.arange(H_q) // (H_q // keys.shape[1])  # query head j reads KV head j // g
+    out = torch.zeros(T, H_q, D, dtype=torch.float64)
+    for t in range(T):
+        n = L + t + 1
+        kk, vv = keys[:n, kv_head].double(), vals[:n, kv_head].double()  # [n, H_q, D]
+        s = (kk * q[t].double()).sum(-1) * scale  # [n, H_q]
+        p = torch.softmax(s, dim=0)
+        out[t] = (p[..., None] * vv).sum(0)
+    return out
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+# ----------------------------------------------------------------------------- rotate
+@pytest.mark.parametrize("H,H_r", [(8, 1), (8, 8), (8, 2), (32, 8)])
+@pytest.mark.parametrize("centre", [False, True])
+def test_rotate_ref_matches_per_head_loop(H, H_r, centre):
+    gen = torch.Generator().manual_seed(1)
+    B, T, D = 2, 5, 64
+    x = torch.randn(B, H, T, D, generator=gen).to(torch.bfloat16)
+    rot = torch.linalg.qr(torch.randn(H_r, D, D, generator=gen, dtype=torch.float64))[0].float()
+    mean = torch.randn(H_r, D, generator=gen) if centre else None
+    out = rotate_ref(x, rot, mean)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    g = H // H_r
+    for h in range(H):
+        xh = x[:, h].double() - (mean[h // g].double() if centre else 0)
+        want = (xh @ rot[h // g].double()).to(torch.bfloat16)
+        # one bf16 rounding of a float32 result: at most one bf16 ulp apart from the float64 one
+        torch.testing.assert_close(out[:, h].float(), want.float(), rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(ops.rotate(x, rot, mean), out, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- cache write
+WINDOWS = [(16, 32), (0, 0), (0, 16), (16, 0), (32, 64)]
+
+
+@pytest.mark.parametrize("sink,recent", WINDOWS)
+@pytest.mark.parametrize("bits,sdt", [(2, torch.float16), (4, torch.bfloat16), (2, torch.float32)])
+@pytest.mark.parametrize("chunk", [1, 7])
+def test_bulk_write_equals_token_by_token(sink, recent, bits, sdt, chunk):
+    lens = [0, 5, 16, 47, 48, 49, 130]  # empty, < sink, page boundaries, > sink + recent
+    kw = dict(num_kv_heads=2, head_dim=64, page_size=16, sink=sink, recent=recent, bits=bits,
+              group_size=32, scale_dtype=sdt, seed=3)
+    bulk = build_case(lens, **kw)
+    step = build_case(lens, chunk=chunk, **kw)
+    for a, b, name in zip(bulk.pools, step.pools, bulk.pools._fields):
+        assert torch.equal(a, b), name
+
+
+def test_write_quantizes_window_dtype_tokens():
+    """A float32 token sent straight to history is rounded to the window dtype first."""
+    gen = torch.Generator().manual_seed(0)
+    kw = dict(num_kv_heads=1, head_dim=64, page_size=16, sink=0, recent=0, group_size=64)
+    case = build_case([0], extra_tokens=1, **kw)
+    k = random_kv(1, 1, 64, gen, torch.float32)
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    cache_write_ref(k, k, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
+                    0, 0, 2, 64, 0.96, 0.92)
+    packed, s, z = quant.quantize(k.to(torch.bfloat16)[0], 2, 64, 0.96, torch.float16)
+    page = case.quant_table[0, 0]
+    assert torch.equal(case.pools.k_codes[page, :, 0], packed)
+    assert torch.equal(case.pools.k_scale[page, :, 0], s)
+
+
+# ----------------------------------------------------------------------------- attention
+def run_chunk_attention(case, chunk_lens, H_q, seed, q_dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    H_kv, D = case.pools.k_win.shape[1], case.pools.k_win.shape[3]
+    q = random_kv(sum(chunk_lens), H_q, D, gen, q_dtype)
+    k = random_kv(sum(chunk_lens), H_kv, D, gen, case.pools.k_win.dtype)
+    v = random_kv(sum(chunk_lens), H_kv, D, gen, case.pools.k_win.dtype)
+    cu = torch.tensor([0] + chunk_lens).cumsum(0).to(torch.int32)
+    scale = D ** -0.5
+    out = attention_ref(q, k, v, cu, case.cache_lens, case.window_table, case.quant_table,
+                        *case.pools, scale, case.sink, case.recent, case.bits, case.group_size)
+    return q, k, v, cu, scale, out
+
+
+@pytest.mark.parametrize("sink,recent", WINDOWS)
+@pytest.mark.parametrize("H_q,H_kv", [(2, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("D,G", [(64, 32), (128, 128)])
+@pytest.mark.parametrize("bits,sdt", [(2, torch.float16), (4, torch.bfloat16), (2, torch.float32)])
+def test_attention_ref_matches_dense(sink, recent, H_q, H_kv, D, G, bits, sdt):
+    lens = [0, 7, 48, 100]
+    chunk_lens = [3, 1, 0, 5]
+    case = build_case(lens, H_kv, D, 16, sink, recent, bits, G, sdt, seed=5, extra_tokens=8)
+    q, k, v, cu, scale, out = run_chunk_attention(case, chunk_lens, H_q, seed=6)
+    assert out.dtype == q.dtype
+    for i, L in enumerate(lens):
+        a, b = cu[i].item(), cu[i + 1].item()
+        if a == b:
+            continue
+        kc, vc = dense_cached(case, i, L)
+        keys = torch.cat([kc, k[a:b].double()])
+        vals = torch.cat([vc, v[a:b].double()])
+        want = dense_attention(q[a:b], keys, vals, L, scale)
+        # out is rounded to bf16 once: compare the float32 result through a float32 call too
+        assert rel_err(out[a:b], want) < 2 ** -8
+    out32 = attention_ref(q.float(), k, v, cu, case.cache_lens, case.window_table,
+                          case.quant_table, *case.pools, scale, sink, recent, bits, G)
+    for i, L in enumerate(lens):
+        a, b = cu[i].item(), cu[i + 1].item()
+        if a == b:
+            continue
+        kc, vc = dense_cached(case, i, L)
+        want = dense_attention(q[a:b], torch.cat([kc, k[a:b].double()]),
+                               torch.cat([vc, v[a:b].double()]), L, scale)
+        assert rel_err(out32[a:b], want) < RTOL
+
+
+@pytest.mark.parametrize("sink,recent", [(16, 32), (0, 0)])
+def test_prefill_then_decode_steps(sink, recent):
+    """Attention then write, chunk after chunk and token after token, always equals the dense cache."""
+    H_q, H_kv, D = 4, 2, 64
+    lens = [0, 0]
+    case = build_case(lens, H_kv, D, 16, sink, recent, 2, 64, torch.float16, seed=8, extra_tokens=120)
+    case.keys = [torch.empty(0, H_kv, D, dtype=torch.bfloat16) for _ in lens]
+    case.values = [torch.empty(0, H_kv, D, dtype=torch.bfloat16) for _ in lens]
+    for step, chunk_lens in enumerate([[50, 33], [1, 1], [1, 0], [20, 1], [1, 1]]):
+        q, k, v, cu, scale, out = run_chunk_attention(case, chunk_lens, H_q, seed=10 + step,
+                                                      q_dtype=torch.float32)
+        for i, L in enumerate(case.cache_lens.tolist()):
+            a, b = cu[i].item(), cu[i + 1].item()
+            if a == b:
+                continue
+            kc, vc = dense_cached(case, i, L)
+            want = dense_attention(q[a:b], torch.cat([kc, k[a:b].double()]),
+                                   torch.cat([vc, v[a:b].double()]), L, scale)
+            assert rel_err(out[a:b], want) < RTOL
+        ops.cache_write(k, v, cu, case.cache_lens, case.window_table, case.quant_table,
+                        *case.pools, sink, recent, 2, 64, 0.96, 0.92)
+        for i in range(len(lens)):
+            case.keys[i] = torch.cat([case.keys[i], k[cu[i]:cu[i + 1]]])
+            case.values[i] = torch.cat([case.values[i], v[cu[i]:cu[i + 1]]])
+        case.cache_lens += torch.tensor(chunk_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("H_r", [1, 2])
+def test_rotation_leaves_window_attention_unchanged(H_r):
+    """q R . (k - mu) R = q . k - q . mu: with every token in the windows, rotating is invisible."""
+    gen = torch.Generator().manual_seed(2)
+    H_q, H_kv, D = 8, 2, 64
+    rot = torch.linalg.qr(torch.randn(H_r, D, D, generator=gen, dtype=torch.float64))[0].float()
+    mean = torch.randn(H_r, D, generator=gen)
+    case = build_case([0], H_kv, D, 16, 16, 32, group_size=64, extra_tokens=40)
+    q = torch.randn(40, H_q, D, generator=gen)
+    k, v = torch.randn(2, 40, H_kv, D, generator=gen)
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    args = (cu, case.cache_lens, case.window_table, case.quant_table, *case.pools, D ** -0.5, 16, 32, 2, 64)
+    plain = attention_ref(q, k, v, *args)
+    rq = rotate_ref(q.transpose(0, 1)[None], rot)[0].transpose(0, 1)
+    rk = rotate_ref(k.transpose(0, 1)[None], rot, mean)[0].transpose(0, 1)
+    assert rel_err(attention_ref(rq, rk, v, *args), plain) < 1e-5
+
+
+def test_fused_rotation_write_matches_rotate_then_write():
+    gen = torch.Generator().manual_seed(4)
+    H_kv, D = 2, 64
+    rot = torch.linalg.qr(torch.randn(H_kv, D, D, generator=gen, dtype=torch.float64))[0].float()
+    mean = torch.randn(H_kv, D, generator=gen)
+    a = build_case([0], H_kv, D, 16, 16, 16, group_size=64, extra_tokens=70)
+    b = build_case([0], H_kv, D, 16, 16, 16, group_size=64, extra_tokens=70)
+    k, v = random_kv(70, H_kv, D, gen), random_kv(70, H_kv, D, gen)
+    cu = torch.tensor([0, 70], dtype=torch.int32)
+    tail = (16, 16, 2, 64, 0.96, 0.92)
+    ops.cache_write(k, v, cu, a.cache_lens, a.window_table, a.quant_table, *a.pools, *tail,
+                    rot_k=rot, mean_k=mean)
+    rk = rotate_ref(k.transpose(0, 1)[None], rot, mean)[0].transpose(0, 1)
+    ops.cache_write(rk, v, cu, b.cache_lens, b.window_table, b.quant_table, *b.pools, *tail)
+    for x, y in zip(a.pools, b.pools):
+        assert torch.equal(x, y)
+
+
+def test_ops_fake_and_compile_trace():
+    """The ops trace under torch.compile's fake tensors (register_fake is consistent)."""
+    case = build_case([20], 2, 64, 16, 16, 16, group_size=64, extra_tokens=2)
+    q = torch.randn(2, 4, 64).to(torch.bfloat16)
+    k = v = torch.randn(2, 2, 64).to(torch.bfloat16)
+    cu = torch.tensor([0, 2], dtype=torch.int32)
+    args = (q, k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
+            0.125, 16, 16, 2, 64)
+    torch.library.opcheck(torch.ops.oscar.attention.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    wargs = (k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
+             16, 16, 2, 64, 0.96, 0.92)
+    torch.library.opcheck(torch.ops.oscar.cache_write.default, wargs,
+                          test_utils=("test_schema", "test_faketensor"))
