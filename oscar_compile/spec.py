@@ -222,3 +222,17 @@ def _allowed_fields(loc: tuple) -> list[str]:
         else:
             return []
     return sorted(model.model_fields)
+
+
+def specs_dir() -> Path:
+    """The folder of shipped specs (``specs/`` in the repo, ``oscar_compile/specs`` when installed)."""
+    return Path(__file__).resolve().parent / "specs"
+
+
+def shipped_spec(name: str) -> CompressionSpec:
+    """Load a shipped spec by name, e.g. ``shipped_spec("oscar-int2")``."""
+    path = specs_dir() / f"{name.removesuffix('.yaml')}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in specs_dir().glob("*.yaml"))
+        raise FileNotFoundError(f"no shipped spec {name!r}; available: {', '.join(names)}")
+    return CompressionSpec.from_yaml(path)
