@@ -1,0 +1,185 @@
+"""Which pages each sequence owns: admission, growth by demotion, release, prefix sharing.
+
+Per docs/cache-format.md, a sequence that has cached L tokens holds
+- ``(S0 + W) / P`` window pages, allocated at admission: the sink pages (slots ``[0, S0)``) and
+  the recent ring (slots ``[S0, S0 + W)``);
+- ``ceil(h / P)`` quant pages for its ``h`` history tokens, positions ``[S0, S0 + h)``. Normally
+  ``h = max(0, L - W - S0)``: a new quant page is taken each ``P`` demoted tokens.
+
+Prefix caching. The tokens are cut into blocks of P: block ``k < S0 / P`` is sink page ``k``,
+block ``S0 / P + j`` is history page ``j``. A block is *final* once its content can no longer
+change (sink block: all its tokens cached; history block: all its tokens demoted); it is then
+registered under a hash chained over the ids of its tokens and of all tokens before it, so equal
+hashes mean equal prompts up to the block end and hence equal K/V. Recent-ring pages are never
+shared: they are overwritten as the sequence advances.
+
+What a hit means with windows. A new sequence of n tokens reuses the longest run of cached
+blocks ``[0, R)`` such that **R <= n - max(W, 1)**: the recomputed tokens ``[R, n)`` cover the
+whole recent window ``[n - W, n)`` (its full-precision values cannot be rebuilt from INT-b
+history) and at least one token is computed to produce logits. After a hit with R > S0 the
+cache holds sink ``[0, S0)``, history ``[S0, R)`` and an *empty* ring: ``history_floor = R - S0``
+and ``h = max(history_floor, L - W - S0)``. This state is transient - once the prompt is in, the
+state is the standard one (history ``[S0, n - W)``, ring ``[n - W, n)``) - but while it lasts the
+ring holds only positions ``>= S0 + h``; the runner receives ``h`` per sequence (``history_lens``)
+and must only demote ring tokens that are in the ring. With W = 0 (BF16 mode) a hit is the
+classic paged-attention hit and the state is always standard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+
+from oscar_compile.runtime.page_pool import PagePool
+from oscar_compile.runtime.pages import CacheLayout
+from oscar_compile.runtime.sequence import Sequence
+
+_ROOT_HASH = b""
+
+
+def hash_block(prev_hash: bytes, token_ids) -> bytes:
+    """128-bit chained hash of one block: collisions are negligible, so no token compare."""
+    digest = hashlib.blake2b(prev_hash, digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Cached blocks a sequence can reuse: ``num_tokens = (len(window) + len(quant)) * P``."""
+
+    num_tokens: int = 0
+    window_pages: tuple[int, ...] = ()
+    quant_pages: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
+                 enable_prefix_caching: bool = True):
+        self.layout = layout
+        self.window_pool = PagePool("window", num_window_pages)
+        self.quant_pool = PagePool("quant", num_quant_pages)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_prefix_queried_tokens = 0
+        self.num_prefix_hit_tokens = 0
+
+    # ---- sizes -------------------------------------------------------------------------------
+    def history_len(self, seq: Sequence, num_cached_tokens: int | None = None) -> int:
+        """History tokens ``h`` held when ``num_cached_tokens`` (default: now) are cached."""
+        L = seq.num_cached_tokens if num_cached_tokens is None else num_cached_tokens
+        floor = max(0, seq.num_prefix_cached_tokens - self.layout.sink)
+        return self.layout.num_history_tokens(L, floor)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether one sequence of ``num_tokens`` fits the pools on its own (else it never runs)."""
+        num_window, num_quant = self.layout.num_pages_for_seq(num_tokens)
+        return num_window <= self.window_pool.num_pages and num_quant <= self.quant_pool.num_pages
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_prefix_hit_tokens / max(self.num_prefix_queried_tokens, 1)
+
+    # ---- admission ---------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        """Longest reusable cached prefix of ``seq`` under the window rule (module docstring)."""
+        if not self.enable_prefix_caching:
+            return PrefixMatch()
+        self._update_hashes(seq)
+        P, num_sink = self.layout.page_size, self.layout.num_sink_pages
+        limit = max(seq.num_tokens - max(self.layout.recent, 1), 0)
+        window: list[int] = []
+        quant: list[int] = []
+        for k in range(min(limit // P, len(seq.block_hashes))):
+            is_sink = k < num_sink
+            page = (self.window_pool if is_sink else self.quant_pool).lookup(seq.block_hashes[k])
+            if page is None:
+                break
+            (window if is_sink else quant).append(page)
+        return PrefixMatch((len(window) + len(quant)) * P, tuple(window), tuple(quant))
+
+    def can_allocate(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int) -> bool:
+        """Room to admit ``seq`` with ``match`` and to cache its first ``num_new_tokens``."""
+        num_window = self.layout.num_window_pages_per_seq - len(match.window_pages)
+        floor = max(0, match.num_tokens - self.layout.sink)
+        history = self.layout.num_history_tokens(match.num_tokens + num_new_tokens, floor)
+        num_quant = self.layout.num_quant_pages_for(history) - len(match.quant_pages)
+        return (num_window <= self._num_available(self.window_pool, match.window_pages)
+                and num_quant <= self._num_available(self.quant_pool, match.quant_pages))
+
+    def allocate(self, seq: Sequence, match: PrefixMatch) -> None:
+        """Give ``seq`` its window pages and the matched prefix; its cache then holds R tokens."""
+        if seq.has_pages:
+            raise RuntimeError(f"{seq} already has pages")
+        # Take the references first so fresh allocations cannot evict the matched pages.
+        for page in match.window_pages:
+            self.window_pool.acquire(page)
+        for page in match.quant_pages:
+            self.quant_pool.acquire(page)
+        num_fresh = self.layout.num_window_pages_per_seq - len(match.window_pages)
+        seq.window_pages = list(match.window_pages) + [self.window_pool.allocate() for _ in range(num_fresh)]
+        seq.quant_pages = list(match.quant_pages)
+        seq.num_cached_tokens = seq.num_prefix_cached_tokens = match.num_tokens
+        seq.num_committed_blocks = len(match.window_pages) + len(match.quant_pages)
+        if self.enable_prefix_caching:
+            self.num_prefix_queried_tokens += seq.num_tokens
+            self.num_prefix_hit_tokens += match.num_tokens
+
+    # ---- growth ------------------------------------------------------------------------------
+    def _num_quant_pages_missing(self, seq: Sequence, num_new_tokens: int) -> int:
+        history = self.history_len(seq, seq.num_cached_tokens + num_new_tokens)
+        return self.layout.num_quant_pages_for(history) - len(seq.quant_pages)
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self._num_quant_pages_missing(seq, num_new_tokens) <= self.quant_pool.num_available
+
+    def may_append(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Take the quant pages that writing ``num_new_tokens`` more tokens will demote into."""
+        for _ in range(self._num_quant_pages_missing(seq, num_new_tokens)):
+            seq.quant_pages.append(self.quant_pool.allocate())
+
+    def commit(self, seq: Sequence) -> None:
+        """Register blocks that became final; call after ``num_cached_tokens`` advanced."""
+        if not self.enable_prefix_caching:
+            return
+        self._update_hashes(seq)
+        num_final = min(self._num_final_blocks(seq), len(seq.block_hashes))
+        num_sink = self.layout.num_sink_pages
+        for k in range(seq.num_committed_blocks, num_final):
+            if k < num_sink:
+                self.window_pool.register(seq.window_pages[k], seq.block_hashes[k])
+            else:
+                self.quant_pool.register(seq.quant_pages[k - num_sink], seq.block_hashes[k])
+        seq.num_committed_blocks = max(seq.num_committed_blocks, num_final)
+
+    # ---- release -----------------------------------------------------------------------------
+    def deallocate(self, seq: Sequence) -> None:
+        """Drop every page reference of ``seq`` (finish, abort or preemption).
+
+        Later blocks are released first so they sit ahead of their prefixes in the eviction
+        order: a chain loses its tail before its head.
+        """
+        for page in reversed(seq.quant_pages):
+            self.quant_pool.release(page)
+        for page in reversed(seq.window_pages):
+            self.window_pool.release(page)
+        seq.reset_cache_state()
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _update_hashes(self, seq: Sequence) -> None:
+        P = self.layout.page_size
+        hashes = seq.block_hashes
+        for k in range(len(hashes), seq.num_tokens // P):
+            prev = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(hash_block(prev, seq.token_ids[k * P:(k + 1) * P]))
+
+    def _num_final_blocks(self, seq: Sequence) -> int:
+        P, sink = self.layout.page_size, self.layout.sink
+        if seq.num_cached_tokens < sink:
+            return seq.num_cached_tokens // P
+        return self.layout.num_sink_pages + self.history_len(seq) // P
+
+    @staticmethod
+    def _num_available(pool: PagePool, matched: tuple[int, ...]) -> int:
+        """Available pages once the matched ones (maybe sitting in the eviction list) are taken."""
+        return pool.num_available - sum(1 for page in matched if pool.is_cached_unused(page))

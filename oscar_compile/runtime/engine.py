@@ -1,0 +1,228 @@
+"""The step loop: scheduler -> model runner -> sampler -> sequence updates.
+
+``LLMEngine`` is single-threaded on purpose: one thread owns every Sequence and page. The server
+wraps it (async_engine.py) and feeds requests in between steps; offline use goes through llm.py.
+Each ``step`` returns one ``RequestOutput`` delta per sequence that produced a token (or ended).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from oscar_compile.runtime.block_manager import BlockManager
+from oscar_compile.runtime.detokenizer import IncrementalDetokenizer
+from oscar_compile.runtime.runner import Batch, ModelRunner
+from oscar_compile.runtime.sampler import Sampler
+from oscar_compile.runtime.sampling_params import RequestError, SamplingParams
+from oscar_compile.runtime.scheduler import Scheduler, SchedulerOutput
+from oscar_compile.runtime.sequence import FinishReason, Sequence
+
+logger = logging.getLogger(__name__)
+_THROUGHPUT_WINDOW_S = 10.0
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """What one request gained in one step (``new_*``) plus its running totals."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_prompt_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, tokenizer, block_manager: BlockManager,
+                 max_model_len: int, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 eos_token_ids: list[int] | tuple[int, ...] = ()):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.scheduler = Scheduler(block_manager, max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._seqs: dict[str, Sequence] = {}
+        self.num_prompt_tokens_total = 0
+        self.num_batched_tokens_total = 0  # every token run, prefill and recomputation included
+        self.num_generation_tokens_total = 0
+        self.num_requests_finished = 0
+        self._recent_tokens: deque[tuple[float, int]] = deque()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError for a request that cannot run; reads only immutable settings,
+        so the server may call it from any thread."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt < 1:
+            raise RequestError("prompt", "prompt must hold at least one token")
+        vocab = self.runner.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+               for t in prompt_token_ids):
+            raise RequestError("prompt", f"prompt token ids must be integers in [0, {vocab})")
+        if num_prompt + 1 > self.max_model_len:
+            raise RequestError(
+                "prompt",
+                f"this model's maximum context length is {self.max_model_len} tokens, "
+                f"the prompt has {num_prompt} (plus at least 1 to generate)",
+                code="context_length_exceeded",
+            )
+        num_tokens = min(num_prompt + params.max_tokens, self.max_model_len)
+        if not self.block_manager.can_ever_fit(num_tokens):
+            raise RequestError(
+                "max_tokens",
+                f"{num_tokens} tokens do not fit the KV cache pages even for one request alone",
+                code="context_length_exceeded",
+            )
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Sequence:
+        params = params if params is not None else SamplingParams()
+        self.validate_request(prompt_token_ids, params)
+        seq = Sequence(prompt_token_ids, params, request_id)
+        if seq.request_id in self._seqs:
+            raise RequestError("request_id", f"request id {seq.request_id!r} is already running")
+        seq.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens)
+        self.scheduler.add(seq)
+        self._seqs[seq.request_id] = seq
+        self.num_prompt_tokens_total += seq.num_prompt_tokens
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its pages; None if it is unknown or already done."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        self._finish(seq, FinishReason.ABORT)
+        return self._output(seq, [], [], finished=True)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        logits = self.runner.run(self._build_batch(out))
+        self.scheduler.advance(out)
+        self.num_batched_tokens_total += out.num_batched_tokens
+        rows = [i for i, seq in enumerate(out.seqs) if seq.num_cached_tokens == seq.num_tokens]
+        if not rows:
+            return []
+        seqs = [out.seqs[i] for i in rows]
+        result = self.sampler(logits[torch.tensor(rows, device=logits.device)],
+                              [s.params for s in seqs], [s.seq_id for s in seqs])
+        self._count_generated(len(seqs))
+        outputs = []
+        for j, seq in enumerate(seqs):
+            logprob = None
+            if result.logprobs[j] is not None:
+                logprob = TokenLogprob(result.token_ids[j], result.logprobs[j], result.top_logprobs[j] or [])
+            outputs.append(self._append_token(seq, result.token_ids[j], logprob))
+        return outputs
+
+    def _build_batch(self, out: SchedulerOutput) -> Batch:
+        fields: dict[str, list] = {name: [] for name in (
+            "seq_ids", "token_ids", "positions", "cache_lens", "history_lens",
+            "window_tables", "quant_tables", "context_token_ids")}
+        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+            L = seq.num_cached_tokens
+            fields["seq_ids"].append(seq.seq_id)
+            fields["token_ids"].append(seq.token_ids[L:L + num_new])
+            fields["positions"].append(list(range(L, L + num_new)))
+            fields["cache_lens"].append(L)
+            fields["history_lens"].append(self.block_manager.history_len(seq))
+            fields["window_tables"].append(seq.window_pages)
+            fields["quant_tables"].append(seq.quant_pages)
+            fields["context_token_ids"].append(seq.token_ids)
+        return Batch(layout=self.block_manager.layout, **fields)
+
+    def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
+        seq.append_token(token_id)
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
+        reason = self._stop_reason(seq, token_id)
+        if reason is not None:
+            self._finish(seq, reason)
+        return self._output(seq, [token_id], [logprob] if logprob else [], reason is not None)
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.params
+        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+            return FinishReason.STOP  # the stop token's text is not part of the output
+        if seq.detokenizer.append(token_id):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.detokenizer.flush()
+        self.sampler.forget(seq.seq_id)
+        self._seqs.pop(seq.request_id, None)
+        self.num_requests_finished += 1
+
+    def _output(self, seq: Sequence, new_ids: list[int], new_logprobs: list[TokenLogprob],
+                finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=new_ids,
+            new_text=seq.detokenizer.take_delta(finished), new_logprobs=new_logprobs,
+            finished=finished, finish_reason=seq.finish_reason.value if finished else None,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            num_cached_prompt_tokens=min(seq.num_prefix_cached_tokens, seq.num_prompt_tokens))
+
+    # ---- stats -------------------------------------------------------------------------------
+    def _count_generated(self, num_tokens: int) -> None:
+        now = time.monotonic()
+        self.num_generation_tokens_total += num_tokens
+        self._recent_tokens.append((now, num_tokens))
+        while self._recent_tokens and now - self._recent_tokens[0][0] > _THROUGHPUT_WINDOW_S:
+            self._recent_tokens.popleft()
+
+    def generation_tokens_per_s(self) -> float:
+        """Generated tokens per second over the last few seconds."""
+        now = time.monotonic()
+        recent = [(t, n) for t, n in self._recent_tokens if now - t <= _THROUGHPUT_WINDOW_S]
+        if not recent:
+            return 0.0
+        span = max(now - recent[0][0], 1e-3)
+        return sum(n for _, n in recent) / span
+
+    def stats(self) -> dict[str, float]:
+        bm = self.block_manager
+        stats = {"num_waiting": self.scheduler.num_waiting, "num_running": self.scheduler.num_running,
+                 "num_preemptions": self.scheduler.num_preemptions,
+                 "num_requests_finished": self.num_requests_finished,
+                 "prompt_tokens_total": self.num_prompt_tokens_total,
+                 "batched_tokens_total": self.num_batched_tokens_total,
+                 "generation_tokens_total": self.num_generation_tokens_total,
+                 "generation_tokens_per_s": self.generation_tokens_per_s(),
+                 "prefix_cache_hit_rate": bm.prefix_hit_rate,
+                 "prefix_cache_queried_tokens": bm.num_prefix_queried_tokens,
+                 "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens}
+        for pool in (bm.window_pool, bm.quant_pool):
+            stats[f"{pool.kind}_pages_total"] = pool.num_pages
+            stats[f"{pool.kind}_pages_used"] = pool.num_used
+            stats[f"{pool.kind}_pages_cached"] = pool.num_cached
+            stats[f"{pool.kind}_pages_free"] = pool.num_free
+        return stats

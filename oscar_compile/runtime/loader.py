@@ -1,0 +1,127 @@
+"""Load a Hugging Face model directory and assemble an engine around it.
+
+Shared by the offline ``LLM`` and the server so both size the cache and pick devices the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from oscar_compile.runtime.block_manager import BlockManager
+from oscar_compile.runtime.engine import LLMEngine
+from oscar_compile.runtime.pages import GIB, CacheLayout, plan_pages
+from oscar_compile.runtime.runner import ModelRunner, RecomputeRunner
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "bundled" / "oscar-tiny-qwen3"
+_DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+_CPU_KV_MEMORY_GB = 1.0  # bookkeeping budget on CPU, where only the recompute runner exists
+_GPU_KV_FRACTION = 0.5  # share of the GPU memory left free after the weights
+
+
+@dataclass
+class EngineConfig:
+    """Serving knobs. Page counts, when both given, override the memory budget (tests use it)."""
+
+    kv_memory_gb: float | None = None
+    page_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    expected_seq_len: int | None = None
+    enable_prefix_caching: bool = True
+    layout: CacheLayout | None = None
+    num_window_pages: int | None = None
+    num_quant_pages: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
+            raise ValueError(f"kv_memory_gb must be > 0, got {self.kv_memory_gb}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if (self.num_window_pages is None) != (self.num_quant_pages is None):
+            raise ValueError("give both num_window_pages and num_quant_pages, or neither")
+
+
+def resolve_model_dir(model: str | Path | None) -> Path:
+    """The model directory to load; the bundled tiny model when none is given."""
+    path = Path(model) if model is not None else BUNDLED_MODEL_DIR
+    if not (path / "config.json").is_file():
+        hint = "pass --model DIR" if model is None else "expected a Hugging Face model directory"
+        what = "the bundled model" if model is None else "model"
+        raise FileNotFoundError(f"{what} not found at {path} (no config.json): {hint}")
+    return path
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+    return device
+
+
+def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None):
+    """(model, tokenizer) from a directory; float32 on CPU, bfloat16 on GPU unless told."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    return model, tokenizer
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """EOS ids from the generation config and the tokenizer (models often list several)."""
+    ids: set[int] = set()
+    gen_config = getattr(model, "generation_config", None)
+    for value in (getattr(gen_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def default_kv_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * _GPU_KV_FRACTION)
+    return int(_CPU_KV_MEMORY_GB * GIB)
+
+
+def build_engine(model, tokenizer, config: EngineConfig | None = None,
+                 runner: ModelRunner | None = None) -> LLMEngine:
+    """An engine over ``model``; ``runner`` defaults to the exact RecomputeRunner (BF16 layout)."""
+    config = config or EngineConfig()
+    text_config = model.config.get_text_config()
+    device = next(model.parameters()).device
+    layout = config.layout or CacheLayout.bf16(
+        text_config.num_hidden_layers,
+        getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads,
+        getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads,
+        page_size=config.page_size, dtype_bytes=_DTYPE_BYTES.get(model.dtype, 2))
+    max_model_len = config.max_model_len or text_config.max_position_embeddings
+    if config.num_window_pages is not None:
+        num_window, num_quant = config.num_window_pages, config.num_quant_pages
+    else:
+        kv_bytes = (int(config.kv_memory_gb * GIB) if config.kv_memory_gb is not None
+                    else default_kv_memory_bytes(device))
+        expected = config.expected_seq_len or min(max_model_len, 4096)
+        plan = plan_pages(layout, kv_bytes, config.max_num_seqs, expected)
+        num_window, num_quant = plan.num_window_pages, plan.num_quant_pages
+    logger.info("KV pages: %d window (%d B each), %d quant (%d B each)", num_window,
+                layout.window_page_bytes, num_quant, layout.quant_page_bytes)
+    block_manager = BlockManager(layout, num_window, num_quant, config.enable_prefix_caching)
+    return LLMEngine(runner or RecomputeRunner(model), tokenizer, block_manager, max_model_len,
+                     config.max_num_seqs, config.max_num_batched_tokens, eos_token_ids(model, tokenizer))

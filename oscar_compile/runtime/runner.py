@@ -1,0 +1,99 @@
+"""What the engine hands a model runner each step, the runner protocol, and the exact fallback.
+
+A runner gets a ``Batch`` of plain Python lists and builds whatever tensors it needs; it returns
+the next-token logits of the *last* new token of every sequence, ``[num_seqs, vocab]``. Rows of
+sequences still mid-prefill are ignored by the engine (computing them is harmless).
+
+The compressed runner (the ``oscar::`` ops over the paged INT2 cache) implements the same
+protocol; ``RecomputeRunner`` is the reference: no cache at all, the plain Hugging Face model
+over each sequence's whole context every step. Exact and slow - for tests, tiny models on CPU and
+as the fallback when no compressed runner is available.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence as Seq, runtime_checkable
+
+import torch
+
+from oscar_compile.runtime.pages import CacheLayout
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step of work. Index ``i`` is a sequence; new tokens are flattened in that order.
+
+    - ``token_ids[i]``: the ``T_i`` new tokens to run (prefill chunk, or 1 when decoding);
+    - ``positions[i]``: their positions, ``cache_lens[i] .. cache_lens[i] + T_i - 1``;
+    - ``cache_lens[i]``: L, tokens already in the cache for sequence i;
+    - ``history_lens[i]``: h, history tokens held before the step (positions ``[S0, S0 + h)``);
+      the recent ring holds positions ``[S0 + h, L)`` (when ``L > S0``). Equals ``max(0, L - W - S0)`` except right
+      after a prefix-cache hit, when the ring starts empty (see block_manager);
+    - ``window_tables[i]``: ``(S0 + W) / P`` window page ids (sink pages, then the ring);
+    - ``quant_tables[i]``: quant page ids, already long enough for the history after the step;
+    - ``context_token_ids[i]``: the sequence's full token list, read-only; the first
+      ``cache_lens[i] + T_i`` entries are its context (runners without a cache use it).
+      Tables and token lists are the engine's own lists: read them during ``run`` only;
+    - ``seq_ids[i]``: stable id of the sequence (for runner-side state keyed per sequence).
+    """
+
+    seq_ids: list[int]
+    token_ids: list[list[int]]
+    positions: list[list[int]]
+    cache_lens: list[int]
+    history_lens: list[int]
+    window_tables: list[list[int]]
+    quant_tables: list[list[int]]
+    context_token_ids: list[Seq[int]]
+    layout: CacheLayout
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(ids) for ids in self.token_ids)
+
+    def cu_seqlens(self) -> list[int]:
+        """[num_seqs + 1] offsets of each sequence's new tokens in the flattened order."""
+        offsets = [0]
+        for ids in self.token_ids:
+            offsets.append(offsets[-1] + len(ids))
+        return offsets
+
+
+@runtime_checkable
+class ModelRunner(Protocol):
+    """Runs one step. ``run`` must cache the batch's new tokens (K/V written into the pages)
+    and return float logits ``[num_seqs, vocab]`` for each sequence's last new token."""
+
+    vocab_size: int
+
+    def run(self, batch: Batch) -> torch.Tensor: ...
+
+
+class RecomputeRunner:
+    """Exact runner without a KV cache: one full forward per sequence per step.
+
+    Cost is O(context) per token, so use it for tiny models, tests and the CPU fallback. The
+    pages in the batch are ignored: the scheduler's bookkeeping still runs (and is exercised).
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device | str | None = None):
+        self.model = model.eval()
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab_size = config.vocab_size
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> torch.Tensor:
+        rows = []
+        for i in range(batch.num_seqs):
+            num_context = batch.cache_lens[i] + len(batch.token_ids[i])
+            ids = torch.tensor([list(batch.context_token_ids[i][:num_context])], device=self.device)
+            # logits_to_keep=1: only the last position's logits are materialized
+            out = self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            rows.append(out.logits[0, -1].float())
+        return torch.stack(rows)

@@ -1,0 +1,114 @@
+"""Turn a batch of next-token logits into tokens: greedy, temperature, top-k, top-p, seeds.
+
+Sampling uses the exponential-race form of the categorical draw: ``argmax(p / E)`` with
+``E ~ Exp(1)`` i.i.d. is a sample from ``p``. The noise row of a seeded request comes from its own
+``torch.Generator``, so its tokens depend only on its seed and its logits, not on what else
+shares the batch or on preemption (a row is drawn only when a token is really sampled).
+
+Logprobs are those of the model's distribution (log-softmax of the raw logits, before
+temperature and filtering), the convention of the OpenAI API and vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oscar_compile.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    """Plain Python results: one entry per row."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+class Sampler:
+    def __init__(self):
+        self._generators: dict[int, torch.Generator] = {}
+
+    def forget(self, seq_id: int) -> None:
+        """Drop a finished request's generator."""
+        self._generators.pop(seq_id, None)
+
+    def _generator(self, seq_id: int, seed: int, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(seq_id)
+        if gen is None or gen.device != device:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+            self._generators[seq_id] = gen
+        return gen
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 seq_ids: list[int]) -> SampleResult:
+        # logits: [B, V] any float dtype; computed in float32
+        logits = logits.float()
+        greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+        token_ids = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            probs = filtered_probs(logits, params)
+            noise = self._noise(probs, params, seq_ids)
+            sampled = (probs / noise).argmax(dim=-1)
+            token_ids = torch.where(greedy, token_ids, sampled)
+        return self._with_logprobs(logits, token_ids, params)
+
+    def _noise(self, probs: torch.Tensor, params: list[SamplingParams],
+               seq_ids: list[int]) -> torch.Tensor:
+        noise = torch.empty_like(probs).exponential_()
+        for row, (p, seq_id) in enumerate(zip(params, seq_ids)):
+            if p.seed is not None and not p.is_greedy:
+                gen = self._generator(seq_id, p.seed, probs.device)
+                noise[row].exponential_(generator=gen)
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    @staticmethod
+    def _with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                       params: list[SamplingParams]) -> SampleResult:
+        ids = token_ids.tolist()
+        wanted = [p.logprobs for p in params]
+        if all(k is None for k in wanted):
+            return SampleResult(ids, [None] * len(ids), [None] * len(ids))
+        logprobs = torch.log_softmax(logits, dim=-1)
+        chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+        max_k = max(k or 0 for k in wanted)
+        top_vals, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (None, None)
+        out_lp: list[float | None] = []
+        out_top: list[list[tuple[int, float]] | None] = []
+        for row, k in enumerate(wanted):
+            out_lp.append(None if k is None else chosen[row])
+            if not k:
+                out_top.append(None if k is None else [])
+                continue
+            out_top.append(list(zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist())))
+        return SampleResult(ids, out_lp, out_top)
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Softmax of ``logits / T`` after top-k and top-p; rows of greedy requests use T = 1."""
+    # logits: [B, V] float32
+    B, V = logits.shape
+    device = logits.device
+    temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
+    logits = logits / temps[:, None]
+    top_ks = [p.top_k if 0 < p.top_k < V else V for p in params]
+    if any(k < V for k in top_ks):
+        k_tensor = torch.tensor(top_ks, device=device)
+        sorted_logits = logits.sort(dim=-1, descending=True).values
+        kth = sorted_logits.gather(1, (k_tensor - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    top_ps = torch.tensor([p.top_p for p in params], device=device)
+    probs = torch.softmax(logits, dim=-1)
+    if bool((top_ps < 1.0).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep a token if the mass strictly before it is < top_p (the top token is always kept)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= top_ps[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs

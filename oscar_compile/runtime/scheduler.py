@@ -1,0 +1,167 @@
+"""Continuous batching: which sequences run this step, with how many new tokens each.
+
+Each step has a token budget (``max_num_batched_tokens``). Running sequences are served first,
+oldest first: a decoding sequence takes 1 token, one still prefilling takes the next chunk of its
+prompt (chunked prefill) up to what is left of the budget. Then waiting sequences are admitted in
+arrival order while budget, sequence slots and pages allow; the head of the queue is never
+skipped, so no request starves (FCFS).
+
+When a running sequence needs a page and none is left, the newest running sequence is preempted:
+its pages are freed and it goes back to the front of the queue, to be recomputed (its tokens are
+kept; its finished history blocks stay in the prefix cache until evicted, so recomputation is
+often cheap). The oldest sequence is never preempted for a newer one, and ``add`` refuses a request
+that could not fit the pools even alone, so every request finishes.
+
+Invariant (tested): every running sequence arrived before every waiting one, so ``running`` is
+sorted by arrival and ``running[-1]`` is the newest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from oscar_compile.runtime.block_manager import BlockManager
+from oscar_compile.runtime.sequence import FinishReason, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerOutput:
+    """The step's work: ``seqs[i]`` caches ``num_new_tokens[i]`` more tokens."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def max_num_tokens(self, seq: Sequence) -> int:
+        """The most tokens ``seq`` can ever hold: prompt + max_tokens, capped by the context."""
+        total = seq.num_prompt_tokens + seq.params.max_tokens
+        return total if self.max_model_len is None else min(total, self.max_model_len)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request; refuses one that could never fit the page pools alone."""
+        if seq.num_prompt_tokens < 1:
+            raise ValueError("prompt must hold at least one token")
+        num_tokens = self.max_num_tokens(seq)
+        if not self.block_manager.can_ever_fit(num_tokens):
+            raise ValueError(
+                f"a sequence of {num_tokens} tokens needs more KV pages than the cache holds; "
+                "lower max_tokens or raise the KV memory"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:  # pages are short: let the preempted catch up before admitting
+            self._schedule_waiting(out, budget)
+        return out
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """The runner has cached the step's tokens: move counters, publish finished blocks."""
+        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+            seq.num_cached_tokens += num_new
+            self.block_manager.commit(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence (stop, length or abort) wherever it is and free its pages."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.has_pages:
+            self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_uncached_tokens, budget)
+            if not self._make_room(seq, num_new, out):
+                break  # seq itself was the newest and got preempted
+            self.block_manager.may_append(seq, num_new)
+            out.add(seq, num_new)
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running sequences until ``seq`` can grow; False if seq went too."""
+        while not self.block_manager.can_append(seq, num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.pop()
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        logger.debug("preempted %s", seq)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        block_manager = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            match = block_manager.match_prefix(seq)
+            num_new = min(seq.num_tokens - match.num_tokens, budget)
+            if not block_manager.can_allocate(seq, match, num_new):
+                break
+            self.waiting.popleft()
+            block_manager.allocate(seq, match)
+            block_manager.may_append(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.add(seq, num_new)
+            budget -= num_new

@@ -1,0 +1,107 @@
+"""One request's state as the scheduler and block manager see it: token ids, counters, page lists.
+
+Holds no tensors (plain lists and ints) so the bookkeeping runs and is tested on a CPU. The model
+state of a sequence is entirely described by ``num_cached_tokens`` and its page lists; what the
+pages hold is the model runner's business.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Any
+
+from oscar_compile.runtime.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # the client went away or the request was cancelled
+
+
+_seq_counter = itertools.count()
+
+
+class Sequence:
+    """A request moving through waiting -> running (possibly preempted back) -> finished.
+
+    ``token_ids`` is prompt + output so far. ``num_cached_tokens`` (L) tokens have their K/V in
+    the cache; the model has yet to see ``token_ids[L:]``. ``window_pages`` is this sequence's row
+    of ``window_table`` (sink pages first, then the recent ring), ``quant_pages`` its row of
+    ``quant_table`` (history page ``j`` holds positions ``S0 + jP .. S0 + (j+1)P - 1``).
+    ``num_prefix_cached_tokens`` is how many tokens the last admission took from the prefix cache.
+    ``block_hashes[k]`` chains the ids of tokens ``[0, (k+1)P)``; the first
+    ``num_committed_blocks`` blocks have final content in the cache and are registered for reuse.
+    """
+
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                 request_id: str | None = None):
+        self.seq_id = next(_seq_counter)  # also the arrival order: FCFS and preemption use it
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.params = params if params is not None else SamplingParams()
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.window_pages: list[int] = []
+        self.quant_pages: list[int] = []
+        self.num_cached_tokens = 0
+        self.num_prefix_cached_tokens = 0
+        self.block_hashes: list[bytes] = []
+        self.num_committed_blocks = 0
+        self.num_preemptions = 0
+        # Filled by the engine as tokens are appended; plain Python values only.
+        self.output_logprobs: list[Any] = []
+        self.output_text = ""
+        self.detokenizer: Any = None
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, status={self.status.value}, "
+                f"tokens={self.num_tokens}, cached={self.num_cached_tokens})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_uncached_tokens(self) -> int:
+        return self.num_tokens - self.num_cached_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def has_pages(self) -> bool:
+        return bool(self.window_pages or self.quant_pages)
+
+    def append_token(self, token_id: int) -> None:
+        """Add a sampled token; its K/V enters the cache at the next step."""
+        self.token_ids.append(int(token_id))
+
+    def reset_cache_state(self) -> None:
+        """Forget everything cached (after preemption): the tokens stay and will be recomputed."""
+        self.window_pages = []
+        self.quant_pages = []
+        self.num_cached_tokens = 0
+        self.num_prefix_cached_tokens = 0
+        self.num_committed_blocks = 0

@@ -1,0 +1,73 @@
+"""Tiny random Qwen3 plus a byte-level BPE tokenizer built on the spot: no downloads.
+
+The weights are random, so outputs are gibberish, but every exactness test compares two paths
+over the same weights. A wider init than the default spreads the logits so greedy argmax ties
+(which float noise could flip) do not occur.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A paged KV cache stores keys and values in fixed-size pages.",
+    "Continuous batching lets new requests join between decoding steps.",
+    "Quantized history pages hold two-bit codes with a scale and a zero point.",
+    "hello world, héllo wörld, 你好, 🙂",
+] * 4
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_model(vocab_size: int, seed: int = 0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=512, initializer_range=0.3,
+                         tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = 0  # "<|endoftext|>" is the first special token
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tokenizer):
+    return build_model(len(tokenizer))
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory, tiny_model, tokenizer):
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    tiny_model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
