@@ -23,6 +23,12 @@ state is the standard one (history ``[S0, n - W)``, ring ``[n - W, n)``) - but w
 ring holds only positions ``>= S0 + h``; the runner receives ``h`` per sequence (``history_lens``)
 and must only demote ring tokens that are in the ring. With W = 0 (BF16 mode) a hit is the
 classic paged-attention hit and the state is always standard.
+
+A runner that only knows the standard state (``cache_write`` demotes ring positions
+``[max(S0, L - W), L)`` whatever the ring holds - the reference kernel does) would overwrite
+shared history pages with garbage after such a hit. So history hits with W > 0 are opt-in
+(``history_hits``, set from the runner's ``supports_history_hits``); without them hits stop at
+the sink (R <= S0), which is always a standard state.
 """
 
 from __future__ import annotations
@@ -56,8 +62,9 @@ class PrefixMatch:
 
 class BlockManager:
     def __init__(self, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, history_hits: bool = True):
         self.layout = layout
+        self.history_hits = history_hits
         self.window_pool = PagePool("window", num_window_pages)
         self.quant_pool = PagePool("quant", num_quant_pages)
         self.enable_prefix_caching = enable_prefix_caching
@@ -71,10 +78,16 @@ class BlockManager:
         floor = max(0, seq.num_prefix_cached_tokens - self.layout.sink)
         return self.layout.num_history_tokens(L, floor)
 
+    def max_seq_len(self) -> int:
+        """The longest sequence the pools can hold on their own (0 if its windows do not fit)."""
+        layout = self.layout
+        if layout.num_window_pages_per_seq > self.window_pool.num_pages:
+            return 0
+        return self.quant_pool.num_pages * layout.page_size + layout.sink + layout.recent
+
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether one sequence of ``num_tokens`` fits the pools on its own (else it never runs)."""
-        num_window, num_quant = self.layout.num_pages_for_seq(num_tokens)
-        return num_window <= self.window_pool.num_pages and num_quant <= self.quant_pool.num_pages
+        return num_tokens <= self.max_seq_len()
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -88,6 +101,8 @@ class BlockManager:
         self._update_hashes(seq)
         P, num_sink = self.layout.page_size, self.layout.num_sink_pages
         limit = max(seq.num_tokens - max(self.layout.recent, 1), 0)
+        if not self.history_hits and self.layout.recent > 0:
+            limit = min(limit, self.layout.sink)
         window: list[int] = []
         quant: list[int] = []
         for k in range(min(limit // P, len(seq.block_hashes))):

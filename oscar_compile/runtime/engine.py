@@ -92,6 +92,11 @@ class LLMEngine:
                 code="context_length_exceeded",
             )
 
+    def max_new_tokens(self, num_prompt_tokens: int) -> int:
+        """The most tokens a prompt of this length may generate (context and pages)."""
+        limit = min(self.max_model_len, self.block_manager.max_seq_len())
+        return max(limit - num_prompt_tokens, 0)
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:
         params = params if params is not None else SamplingParams()

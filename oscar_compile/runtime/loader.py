@@ -122,6 +122,8 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
         num_window, num_quant = plan.num_window_pages, plan.num_quant_pages
     logger.info("KV pages: %d window (%d B each), %d quant (%d B each)", num_window,
                 layout.window_page_bytes, num_quant, layout.quant_page_bytes)
-    block_manager = BlockManager(layout, num_window, num_quant, config.enable_prefix_caching)
-    return LLMEngine(runner or RecomputeRunner(model), tokenizer, block_manager, max_model_len,
+    runner = runner or RecomputeRunner(model)
+    block_manager = BlockManager(layout, num_window, num_quant, config.enable_prefix_caching,
+                                 history_hits=getattr(runner, "supports_history_hits", False))
+    return LLMEngine(runner, tokenizer, block_manager, max_model_len,
                      config.max_num_seqs, config.max_num_batched_tokens, eos_token_ids(model, tokenizer))

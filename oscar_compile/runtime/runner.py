@@ -67,7 +67,12 @@ class Batch:
 @runtime_checkable
 class ModelRunner(Protocol):
     """Runs one step. ``run`` must cache the batch's new tokens (K/V written into the pages)
-    and return float logits ``[num_seqs, vocab]`` for each sequence's last new token."""
+    and return float logits ``[num_seqs, vocab]`` for each sequence's last new token.
+
+    ``supports_history_hits``: True if the runner honours ``Batch.history_lens`` when it is larger
+    than ``max(0, L - W - S0)`` (ring starting empty after a prefix hit); if False or absent,
+    prefix hits stop at the sink (see block_manager).
+    """
 
     vocab_size: int
 
@@ -80,6 +85,8 @@ class RecomputeRunner:
     Cost is O(context) per token, so use it for tiny models, tests and the CPU fallback. The
     pages in the batch are ignored: the scheduler's bookkeeping still runs (and is exercised).
     """
+
+    supports_history_hits = True  # no cache, so any hit state is fine
 
     def __init__(self, model: torch.nn.Module, device: torch.device | str | None = None):
         self.model = model.eval()

@@ -1,0 +1,141 @@
+"""The engine on a background thread, fed by asyncio request handlers.
+
+One thread owns the ``LLMEngine`` (and so every Sequence and page): handlers never touch it.
+They post commands (add, abort) to a thread-safe inbox that the engine thread drains between
+steps, and receive outputs on their own ``asyncio.Queue`` through ``call_soon_threadsafe``. A
+model error fails the requests of that step, not the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Any, AsyncIterator
+
+from oscar_compile.runtime.engine import LLMEngine, RequestOutput
+from oscar_compile.runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+_IDLE_WAIT_S = 0.5
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running; requests cannot be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Any]] = {}
+        self._thread: threading.Thread | None = None
+        self.stats: dict[str, float] = engine.stats()  # snapshot, refreshed by the engine thread
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="oscar-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- called from handlers (any thread) -----------------------------------------------------
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+               sink: asyncio.Queue, tag: Any = None) -> None:
+        """Queue a request; its outputs arrive on ``sink`` as ``(tag, RequestOutput)``, or
+        ``(tag, exception)`` if it fails. Raises RequestError at once for a bad request."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine thread is not running")
+        self.engine.validate_request(prompt_token_ids, params)
+        loop = asyncio.get_running_loop()
+        self._inbox.put(("add", prompt_token_ids, params, request_id, (loop, sink, tag)))
+        self._wakeup.set()
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wakeup.set()
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request; leaving the loop early (client gone) aborts it."""
+        sink: asyncio.Queue = asyncio.Queue()
+        self.submit(prompt_token_ids, params, request_id, sink)
+        finished = False
+        try:
+            while not finished:
+                _, item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        logger.info("engine thread started")
+        while not self._stop.is_set():
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self.stats = self.engine.stats()
+                self._wakeup.wait(_IDLE_WAIT_S)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as err:  # a model error must not take the server down
+                logger.exception("engine step failed; failing the running requests")
+                self._fail_all(err)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out, out.finished)
+            self.stats = self.engine.stats()
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        logger.info("engine thread stopped")
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "abort":
+                out = self.engine.abort_request(command[1])
+                if out is not None:
+                    self._deliver(out.request_id, out, True)
+                continue
+            _, prompt_token_ids, params, request_id, sink = command
+            self._sinks[request_id] = sink
+            try:
+                self.engine.add_request(prompt_token_ids, params, request_id)
+            except Exception as err:
+                self._deliver(request_id, err, True)
+
+    def _deliver(self, request_id: str, item, finished: bool) -> None:
+        sink = self._sinks.pop(request_id, None) if finished else self._sinks.get(request_id)
+        if sink is None:
+            return
+        loop, sink_queue, tag = sink
+        try:
+            loop.call_soon_threadsafe(sink_queue.put_nowait, (tag, item))
+        except RuntimeError:  # the handler's loop is closed: nobody is listening
+            logger.debug("dropped output for %s", request_id)
+
+    def _fail_all(self, err: BaseException) -> None:
+        for request_id in list(self._sinks):
+            self.engine.abort_request(request_id)
+            self._deliver(request_id, err, True)

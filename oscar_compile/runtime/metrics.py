@@ -1,0 +1,51 @@
+"""Prometheus text exposition of the engine's stats snapshot (format version 0.0.4).
+
+Rendered by hand: a dozen gauges and counters do not justify a client-library dependency.
+"""
+
+from __future__ import annotations
+
+# (name, type, help, stats key)
+_SCALARS = (
+    ("oscar_requests_waiting", "gauge", "Requests waiting for admission.", "num_waiting"),
+    ("oscar_requests_running", "gauge", "Requests holding KV pages.", "num_running"),
+    ("oscar_requests_finished_total", "counter", "Requests that ended (any reason).",
+     "num_requests_finished"),
+    ("oscar_preemptions_total", "counter", "Sequences preempted for lack of pages.", "num_preemptions"),
+    ("oscar_prompt_tokens_total", "counter", "Prompt tokens received.", "prompt_tokens_total"),
+    ("oscar_batched_tokens_total", "counter",
+     "Tokens run through the model (prefill, recomputation and decode).", "batched_tokens_total"),
+    ("oscar_generation_tokens_total", "counter", "Tokens generated.", "generation_tokens_total"),
+    ("oscar_generation_tokens_per_second", "gauge",
+     "Generated tokens per second over the last 10 s.", "generation_tokens_per_s"),
+    ("oscar_prefix_cache_hit_rate", "gauge",
+     "Share of admitted tokens served from the prefix cache.", "prefix_cache_hit_rate"),
+    ("oscar_prefix_cache_queried_tokens_total", "counter",
+     "Tokens looked up in the prefix cache at admission.", "prefix_cache_queried_tokens"),
+    ("oscar_prefix_cache_hit_tokens_total", "counter",
+     "Tokens found in the prefix cache at admission.", "prefix_cache_hit_tokens"),
+)
+# (name, help, stats key suffix); labelled by page kind
+_PAGES = (
+    ("oscar_kv_pages_total", "KV pages in the pool.", "pages_total"),
+    ("oscar_kv_pages_used", "KV pages referenced by a sequence.", "pages_used"),
+    ("oscar_kv_pages_cached", "Unreferenced KV pages kept for prefix reuse (evictable).",
+     "pages_cached"),
+    ("oscar_kv_pages_free", "KV pages holding nothing.", "pages_free"),
+)
+PAGE_KINDS = ("window", "quant")
+
+
+def render_metrics(stats: dict[str, float]) -> str:
+    lines: list[str] = []
+    for name, kind, help_text, key in _SCALARS:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {_fmt(stats[key])}"]
+    for name, help_text, suffix in _PAGES:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+        for page_kind in PAGE_KINDS:
+            lines.append(f'{name}{{kind="{page_kind}"}} {_fmt(stats[f"{page_kind}_{suffix}"])}')
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"

@@ -1,0 +1,76 @@
+"""``python -m oscar_compile.runtime.serve``: load a model and serve the OpenAI API.
+
+Without ``--model`` it serves the bundled tiny model (``oscar_compile/bundled/oscar-tiny-qwen3``).
+``--spec`` / ``--rotations`` select the compressed INT2 runner, which is not wired in yet: the
+server refuses them rather than silently serving BF16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+logger = logging.getLogger("oscar_compile.runtime.serve")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m oscar_compile.runtime.serve",
+                                     description="OpenAI-compatible server for oscar_compile models")
+    parser.add_argument("--model", help="Hugging Face model directory (default: the bundled tiny model)")
+    parser.add_argument("--spec", help="compression spec YAML (compressed runner)")
+    parser.add_argument("--rotations", help="rotation artifact (compressed runner)")
+    parser.add_argument("--served-model-name", help="model id clients use (default: the directory name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--kv-memory", type=float, metavar="GB",
+                        help="KV cache budget in GiB (default: half the free GPU memory, 1 GiB on CPU)")
+    parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="token budget of one step (prefill chunks + decodes)")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix reuse")
+    parser.add_argument("--log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug"))
+    return parser.parse_args(argv)
+
+
+def build_app(args: argparse.Namespace):
+    """Load the model and return (FastAPI app, served model name)."""
+    from oscar_compile.runtime.async_engine import AsyncEngine
+    from oscar_compile.runtime.loader import (EngineConfig, build_engine, load_model,
+                                              resolve_device, resolve_model_dir)
+    from oscar_compile.runtime.server import create_app
+
+    if args.spec or args.rotations:
+        raise NotImplementedError("compressed runner lands with the graph-pass integration")
+    model_dir = resolve_model_dir(args.model)
+    device = resolve_device(args.device)
+    model, tokenizer = load_model(model_dir, device)
+    config = EngineConfig(kv_memory_gb=args.kv_memory, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_model_len=args.max_model_len,
+                          enable_prefix_caching=not args.no_prefix_caching)
+    engine = build_engine(model, tokenizer, config)
+    name = args.served_model_name or model_dir.name
+    logger.info("serving %s from %s on %s", name, model_dir, device)
+    return create_app(AsyncEngine(engine), name), name
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app, _ = build_app(args)
+    except (FileNotFoundError, ValueError, NotImplementedError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
