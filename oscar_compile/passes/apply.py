@@ -1,0 +1,177 @@
+"""``apply(model, spec, rotations)``: rewrite every attention layer of a model in place.
+
+Per layer: trace the attention forward (trace.py), find its pieces (sites.py), fold R_V into the
+weights (fold_values.py), rotate keys and queries after RoPE (rotate_keys.py), and swap the
+attention for the oscar ops on quantized layers (swap_attention.py). The rewritten graph becomes
+the module's forward; it stays inspectable as ``module.oscar_graph`` (a GraphModule: print its
+``.graph`` or ``.code``). A forward pre-hook on the model hands the rewritten layers an
+:class:`~oscar_compile.passes.hf_cache.OscarCache` whenever the model is asked to cache.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import types
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..architectures import ModelFingerprint, attention_modules
+from ..artifact import ArtifactError, Rotations
+from ..quant import bits_per_element
+from ..spec import CompressionSpec, LayerSpec
+from .fold_values import fold_value_rotation
+from .hf_cache import OscarCache
+from .rotate_keys import insert_key_rotation
+from .sites import find_attention_site
+from .swap_attention import HFAttentionCall, bind_model_attention, swap_in_oscar_attention
+from .trace import trace_attention
+
+logger = logging.getLogger(__name__)
+_APPLIED = "_oscar_compile_report"
+
+
+@dataclass
+class LayerReport:
+    index: int
+    action: str  # "rewritten" or "kept" (overridden to 16 bits)
+    bits: int
+    key_rotation: str
+    value_rotation: str
+    centered: bool
+    value_folded: bool
+    attention: str  # "oscar::attention" or the model's implementation
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ApplyReport:
+    fingerprint: ModelFingerprint
+    layers: list[LayerReport]
+    spec: CompressionSpec
+
+    def bits_per_element(self, context: Optional[int] = None) -> float:
+        """Average stored bits per K/V element over all layers at ``context`` tokens (None: asymptotic)."""
+        per_layer = []
+        for i in range(len(self.layers)):
+            kv = self.spec.for_layer(i, len(self.layers)).kv_cache
+            per_layer.append(bits_per_element(self.fingerprint.head_dim, kv.bits, kv.group_size, kv.scale_dtype,
+                                              context, kv.sink_tokens, kv.recent_tokens))
+        return sum(per_layer) / len(per_layer)
+
+    def __str__(self) -> str:
+        head = f"{'layer':>5} {'action':>9} {'bits':>4} {'key':>9} {'value':>9} {'centre':>6} {'fold':>5}  attention"
+        rows = [
+            f"{r.index:>5} {r.action:>9} {r.bits:>4} {r.key_rotation:>9} {r.value_rotation:>9} "
+            f"{'yes' if r.centered else 'no':>6} {'yes' if r.value_folded else 'no':>5}  {r.attention}"
+            + (f"  ({'; '.join(r.notes)})" if r.notes else "")
+            for r in self.layers
+        ]
+        return "\n".join([head, *rows])
+
+
+def _oscar_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                   cache=None, **kwargs):
+    """The attention module's new forward: HF calling convention in, the rewritten graph underneath."""
+    cos, sin = position_embeddings
+    cache = cache if cache is not None else past_key_values
+    return type(self.oscar_graph).forward(self, hidden_states, cos, sin, attention_mask, cache)
+
+
+def _set_buffer(modules: list[nn.Module], name: str, value: torch.Tensor) -> None:
+    for m in modules:
+        m.register_buffer(name, value, persistent=False)
+
+
+def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelFingerprint) -> LayerReport:
+    i = layer.index
+    gm = trace_attention(attn)
+    graph = gm.graph
+    site = find_attention_site(graph)
+    device = attn.o_proj.weight.device
+    notes = []
+    folded = layer.value.rotation != "none"
+    if folded:
+        fold_value_rotation(attn.v_proj, attn.o_proj, rot.v[i], fp.num_heads)
+    mean = rot.k_mean[i] if layer.key.center else None
+    if layer.key.center and mean is None:
+        raise ArtifactError(f"layer {i}: key.center is on but the rotation file has no key means (recalibrate)")
+    owners = [attn, gm]
+    _set_buffer(owners, "oscar_rot_k", rot.k[i].to(device=device, dtype=torch.float32))
+    if mean is not None:
+        _set_buffer(owners, "oscar_k_mean", mean.to(device=device, dtype=torch.float32))
+    insert_key_rotation(graph, site, has_mean=mean is not None)
+    if layer.quantized:
+        swap_in_oscar_attention(graph, site, layer, float(attn.scaling))
+        attention = "oscar::attention"
+        if getattr(attn, "sliding_window", None):
+            notes.append(f"sliding window {attn.sliding_window} not applied: attends to the whole context")
+    else:
+        call = HFAttentionCall(attn)
+        attn.oscar_hf_attention = call
+        gm.oscar_hf_attention = call
+        bind_model_attention(graph, site)
+        attention = attn.config._attn_implementation or "eager"
+    graph.lint()
+    gm.recompile()
+    attn.__dict__["oscar_graph"] = gm  # not a submodule: its parameters are the module's own
+    attn.forward = types.MethodType(_oscar_forward, attn)
+    return LayerReport(i, "rewritten", layer.kv_cache.bits, layer.key.rotation, layer.value.rotation,
+                       mean is not None, folded, attention, notes)
+
+
+def _kept_layer(layer: LayerSpec, attn: nn.Module) -> LayerReport:
+    return LayerReport(layer.index, "kept", 16, "none", "none", False, False,
+                       attn.config._attn_implementation or "eager", ["overridden to 16 bits: weights and attention untouched"])
+
+
+def _install_cache_hook(model: nn.Module, layers: list[LayerSpec], rewritten: list[bool]) -> None:
+    """Give the model an OscarCache whenever it is asked to cache and was given none (or an empty HF one)."""
+    specs = [l if (r and l.quantized) else None for l, r in zip(layers, rewritten)]
+    # transformers renamed past_key_values to cache (5.2x); use whichever this version's forward takes
+    default_key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def hook(module, args, kwargs):
+        key = next((k for k in ("cache", "past_key_values") if kwargs.get(k) is not None), default_key)
+        cache = kwargs.get(key)
+        if kwargs.get("use_cache") is False and cache is None:
+            return None
+        if not isinstance(cache, OscarCache):
+            if cache is not None and cache.get_seq_length() > 0:
+                raise ValueError("this model was rewritten by oscar_compile: continue with the OscarCache it returned")
+            cache = OscarCache(specs)
+            kwargs[key] = cache
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        num_new = (ids if ids is not None else kwargs["inputs_embeds"]).shape[1]
+        cache.begin_step(kwargs.get("attention_mask"), num_new)
+        kwargs["use_cache"] = True
+        return args, kwargs
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations) -> ApplyReport:
+    """Rewrite ``model`` (a supported HF causal LM) in place; returns what was done per layer."""
+    if hasattr(model, _APPLIED):
+        raise RuntimeError("oscar_compile.apply was already applied to this model; load a fresh copy to apply again")
+    modules = attention_modules(model)  # refuses unknown architectures
+    rotations.check_model(model)
+    fp = ModelFingerprint.of(model)
+    spec.check_layers(fp.num_layers)
+    layers = [spec.for_layer(i, fp.num_layers) for i in range(fp.num_layers)]
+    for layer in layers:
+        if layer.quantized and fp.head_dim % layer.kv_cache.group_size:
+            raise ValueError(f"layer {layer.index}: group_size {layer.kv_cache.group_size} does not divide head_dim {fp.head_dim}")
+    reports = []
+    for layer, attn in zip(layers, modules):
+        if layer.overridden_to_16_bits:
+            reports.append(_kept_layer(layer, attn))
+        else:
+            reports.append(_rewrite_layer(attn, layer, rotations, fp))
+    _install_cache_hook(model, layers, [r.action == "rewritten" for r in reports])
+    report = ApplyReport(fp, reports, spec)
+    setattr(model, _APPLIED, report)
+    logger.info("oscar_compile rewrote %d of %d layers", sum(r.action == "rewritten" for r in reports), len(reports))
+    return report

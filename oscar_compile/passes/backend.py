@@ -1,0 +1,2 @@
+def backend(spec, rotations):
+    raise NotImplementedError

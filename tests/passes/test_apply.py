@@ -1,0 +1,122 @@
+"""apply(): equivalence with quantization off, the folding identity, overrides and refusals."""
+import copy
+
+import pytest
+import torch
+
+from oscar_compile import ArtifactError, CompressionSpec, apply, calibrate
+from oscar_compile.testing import tiny_model
+
+# (arch, query heads, KV heads, head_dim, attention bias)
+MODELS = [
+    ("qwen3", 4, 2, 32, False),
+    ("qwen3", 4, 4, 32, True),
+    ("qwen2", 8, 2, 16, True),
+    ("llama", 8, 1, 32, False),
+    ("mistral", 6, 2, 16, False),
+]
+ROTATIONS = [
+    ("none", "per_layer", False),
+    ("hadamard", "per_layer", False),
+    ("oscar", "per_layer", False),
+    ("oscar", "per_head", False),
+    ("oscar", "per_layer", True),
+    ("oscar", "per_head", True),
+]
+
+
+def _spec(bits=16, rotation="oscar", granularity="per_layer", center=False, head_dim=32, **extra):
+    return CompressionSpec.from_dict({
+        "kv_cache": {"bits": bits, "group_size": head_dim, "sink_tokens": 16, "recent_tokens": 16},
+        "key": {"rotation": rotation, "granularity": granularity, "center": center},
+        "value": {"rotation": rotation, "granularity": granularity},
+        **extra,
+    })
+
+
+def _calibration_batches(vocab=128):
+    g = torch.Generator().manual_seed(123)
+    return [torch.randint(0, vocab, (2, 32), generator=g)]
+
+
+@pytest.mark.parametrize("arch, heads, kv_heads, head_dim, bias", MODELS, ids=lambda x: str(x))
+@pytest.mark.parametrize("rotation, granularity, center", ROTATIONS, ids=lambda x: str(x))
+def test_rotations_without_quantization_reproduce_the_logits(arch, heads, kv_heads, head_dim, bias, rotation, granularity, center):
+    model = tiny_model(arch, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, attention_bias=bias)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(7))
+    reference = model(ids).logits
+    spec = _spec(16, rotation, granularity, center, head_dim)
+    rot = calibrate(model, spec, _calibration_batches())
+    report = apply(model, spec, rot)
+    assert all(r.action == "rewritten" and r.centered == center for r in report.layers)
+    assert (model(ids).logits - reference).abs().max() <= 1e-4
+    # decoding through the cache also matches the original model's cached decoding
+    out = model.generate(ids[:1, :10], max_new_tokens=6, do_sample=False)
+    original = tiny_model(arch, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, attention_bias=bias)
+    assert torch.equal(out, original.generate(ids[:1, :10], max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.parametrize("granularity", ["per_layer", "per_head"])
+def test_folding_identity(granularity):
+    model = tiny_model("qwen2", num_heads=8, num_kv_heads=2, head_dim=16)
+    before = copy.deepcopy(model)
+    spec = _spec(2, "oscar", granularity, head_dim=16)
+    apply(model, spec, calibrate(model, spec, _calibration_batches()))
+    D, g = 16, 4
+    for new, old in zip(model.model.layers, before.model.layers):
+        wv, wv0 = new.self_attn.v_proj.weight.double(), old.self_attn.v_proj.weight.double()
+        wo, wo0 = new.self_attn.o_proj.weight.double(), old.self_attn.o_proj.weight.double()
+        bv, bv0 = new.self_attn.v_proj.bias.double(), old.self_attn.v_proj.bias.double()
+        assert not torch.allclose(wv, wv0)
+        for j in range(8):
+            h = j // g
+            cols, rows = slice(j * D, (j + 1) * D), slice(h * D, (h + 1) * D)
+            assert torch.allclose(wo[:, cols] @ wv[rows], wo0[:, cols] @ wv0[rows], atol=1e-5)
+            assert torch.allclose(wo[:, cols] @ bv[rows], wo0[:, cols] @ bv0[rows], atol=1e-5)
+
+
+def test_graph_is_inspectable_and_report_lists_layers():
+    model = tiny_model("qwen3")
+    spec = _spec(2)
+    report = apply(model, spec, calibrate(model, spec, _calibration_batches()))
+    code = model.model.layers[0].self_attn.oscar_graph.code
+    for op in ("torch.ops.oscar.rotate", "torch.ops.oscar.attention", "torch.ops.oscar.cache_write"):
+        assert op in code
+    assert "attention_site" not in code and "update" not in code
+    text = str(report)
+    assert "oscar::attention" in text and len(report.layers) == 2
+    assert report.bits_per_element() == pytest.approx(2 + 32 / 32)  # fp16 scale + zero per 32-channel group
+
+
+def test_layers_overridden_to_16_bits_are_untouched():
+    model = tiny_model("llama", num_layers=3)
+    before = copy.deepcopy(model)
+    spec = _spec(2, layers=[{"match": [0, -1], "kv_cache": {"bits": 16}}])
+    report = apply(model, spec, calibrate(model, spec, _calibration_batches()))
+    assert [r.action for r in report.layers] == ["kept", "rewritten", "kept"]
+    for i in (0, 2):
+        attn, old = model.model.layers[i].self_attn, before.model.layers[i].self_attn
+        assert "oscar_graph" not in attn.__dict__ and "forward" not in attn.__dict__
+        assert torch.equal(attn.v_proj.weight, old.v_proj.weight) and torch.equal(attn.o_proj.weight, old.o_proj.weight)
+    assert not torch.equal(model.model.layers[1].self_attn.v_proj.weight, before.model.layers[1].self_attn.v_proj.weight)
+
+
+def test_refusals():
+    model = tiny_model("qwen3")
+    spec = _spec(2)
+    rot = calibrate(model, spec, _calibration_batches())
+    other = tiny_model("qwen3", num_kv_heads=4)
+    with pytest.raises(ArtifactError, match="num_kv_heads"):
+        apply(other, spec, rot)
+    apply(model, spec, rot)
+    with pytest.raises(RuntimeError, match="already applied"):
+        apply(model, spec, rot)
+
+    class Unknown(torch.nn.Module):
+        pass
+
+    with pytest.raises(NotImplementedError, match="does not know the architecture"):
+        apply(Unknown(), spec, rot)
+    no_means = calibrate(tiny_model("qwen3"), _spec(2, "hadamard"))
+    with pytest.raises(ArtifactError, match="no key means"):
+        apply(tiny_model("qwen3"), _spec(2, "hadamard", center=True), no_means)
