@@ -1,0 +1,165 @@
+"""Fused Triton ``oscar::cache_write``: (rotate) + window write + demote/quantize + pack, one launch.
+
+One program per (block of BLOCK_T new tokens, KV head); each row is one new token at position
+p = L + t of its sequence (found by binary search over cu_seqlens: no host sync, CUDA-graph safe).
+Per row at most one vector is quantized, which lets a single launch reach the state of
+one-at-a-time writing (cache_write_ref) without a race:
+- p < S0: the token goes to sink slot p;
+- p >= L + T - W: the token goes to ring slot S0 + (p - S0) % W. It is that slot's last writer in
+  this call, so this row also demotes the slot's old occupant p_old (the position in [L - W, L)
+  congruent to p mod W, when p_old >= S0): read before the slot is overwritten, quantized into
+  history row p_old - S0. No other row touches that slot;
+- otherwise (bulk prefill) the token is quantized straight into history row p - S0.
+Tokens are rounded to the window dtype before quantization (what one-by-one writing stores).
+With ``rot_k`` the incoming keys are unrotated: k <- ((k - mean) @ rot).to(k.dtype) in float32
+(``input_precision='ieee'``), matching ``oscar::rotate`` up to float32 summation order.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from oscar_compile.kernels.cache_write_ref import check_cache_write_args
+from oscar_compile.kernels.quant_triton import clip_indices, clip_rows, interpreting, quantize_rows
+
+
+@triton.jit
+def seq_of_rows(cu_ptr, n, B, LOG_B: tl.constexpr):
+    """Largest i in [0, B) with cu[i] <= n, per element of n (vectorised binary search)."""
+    lo = tl.zeros_like(n)
+    hi = tl.zeros_like(n) + B
+    for _ in tl.static_range(LOG_B):
+        mid = (lo + hi) // 2
+        c = tl.load(cu_ptr + mid)
+        go = c <= n
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    return lo
+
+
+@triton.jit
+def _write_one(x_new, x_ptr_win, codes_ptr, scale_ptr, zero_ptr, rows_win, win_mask, rows_q,
+               quant_mask, demote, lo_idx, hi_idx, frac, CLIP: tl.constexpr, BY_RANK: tl.constexpr, BLOCK_T: tl.constexpr,
+               D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+    # x_new: [BLOCK_T, D] new tokens in the window dtype; rows_*: flat row indices into the pools
+    d = tl.arange(0, D)[None, :]
+    old = tl.load(x_ptr_win + rows_win[:, None] * D + d, mask=demote[:, None], other=0.0)
+    src = tl.where(demote[:, None], old, x_new).to(tl.float32)
+    if CLIP:
+        src = clip_rows(src, lo_idx, hi_idx, frac, D, BY_RANK)
+    packed, scale, zero = quantize_rows(src, BLOCK_T, D, BITS, GROUP, scale_ptr.dtype.element_ty)
+    NG: tl.constexpr = D // GROUP
+    WP: tl.constexpr = D * BITS // 8
+    c = tl.arange(0, WP)[None, :]
+    g = tl.arange(0, NG)[None, :]
+    tl.store(codes_ptr + rows_q[:, None] * WP + c, packed, mask=quant_mask[:, None])
+    tl.store(scale_ptr + rows_q[:, None] * NG + g, scale, mask=quant_mask[:, None])
+    tl.store(zero_ptr + rows_q[:, None] * NG + g, zero, mask=quant_mask[:, None])
+    # every thread's read of the old ring value is done before any thread overwrites the slot
+    tl.debug_barrier()
+    tl.store(x_ptr_win + rows_win[:, None] * D + d, x_new, mask=win_mask[:, None])
+
+
+@triton.jit
+def _cache_write_kernel(
+    k_ptr, v_ptr, rot_ptr, mean_ptr, cu_ptr, lens_ptr, wt_ptr, qt_ptr,
+    kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+    N, B, stride_kn, stride_kh, stride_vn, stride_vh, stride_wt, stride_qt,
+    klo, khi, kfrac, vlo, vhi, vfrac,
+    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, CLIP_K: tl.constexpr, CLIP_V: tl.constexpr,
+    HAS_ROT: tl.constexpr, HAS_MEAN: tl.constexpr, ROT_HEADS: tl.constexpr,
+    LOG_B: tl.constexpr, BLOCK_T: tl.constexpr, BY_RANK: tl.constexpr,
+):
+    h = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] token rows
+    valid = n < N
+    n = tl.where(valid, n, 0)
+    seq = seq_of_rows(cu_ptr, n, B, LOG_B)
+    start = tl.load(cu_ptr + seq)
+    T = tl.load(cu_ptr + seq + 1) - start
+    L = tl.load(lens_ptr + seq)
+    p = L + (n - start)
+    L_new = L + T
+    to_sink = p < SINK
+    to_ring = (~to_sink) & (p >= L_new - RECENT)
+    to_hist = ~(to_sink | to_ring)
+    if RECENT > 0:
+        ring = SINK + (p - SINK) % RECENT
+        slot = tl.where(to_sink, p, ring)
+        p_old = p - RECENT * ((p - L + RECENT) // RECENT)  # in [L - W, L), same slot as p
+        demote = to_ring & (p_old >= SINK) & valid
+    else:
+        slot = p
+        p_old = p
+        demote = to_ring & False
+    h_pos = tl.where(demote, p_old, p) - SINK
+    quant_mask = (to_hist & valid) | demote
+    win_mask = (to_sink | to_ring) & valid
+    wpage = tl.load(wt_ptr + seq * stride_wt + slot // P, mask=win_mask, other=0)
+    rows_win = (wpage.to(tl.int64) * H + h) * P + slot % P
+    qpage = tl.load(qt_ptr + seq * stride_qt + h_pos // P, mask=quant_mask, other=0)
+    rows_q = (qpage.to(tl.int64) * H + h) * P + h_pos % P
+
+    d = tl.arange(0, D)[None, :]
+    kin = tl.load(k_ptr + n[:, None] * stride_kn + h * stride_kh + d, mask=valid[:, None], other=0.0)
+    if HAS_ROT:
+        r = h // (H // ROT_HEADS)
+        x = kin.to(tl.float32)
+        if HAS_MEAN:
+            x = x - tl.load(mean_ptr + r * D + d)
+        e = tl.arange(0, D)
+        rot = tl.load(rot_ptr + r * D * D + e[:, None] * D + e[None, :])  # [D, D] f32
+        kin = tl.dot(x, rot, input_precision="ieee").to(k_ptr.dtype.element_ty)
+    k_new = kin.to(kwin_ptr.dtype.element_ty)
+    vin = tl.load(v_ptr + n[:, None] * stride_vn + h * stride_vh + d, mask=valid[:, None], other=0.0)
+    v_new = vin.to(vwin_ptr.dtype.element_ty)
+    _write_one(k_new, kwin_ptr, kc_ptr, ks_ptr, kz_ptr, rows_win, win_mask, rows_q, quant_mask,
+               demote, klo, khi, kfrac, CLIP_K, BY_RANK, BLOCK_T, D, BITS, GROUP)
+    _write_one(v_new, vwin_ptr, vc_ptr, vs_ptr, vz_ptr, rows_win, win_mask, rows_q, quant_mask,
+               demote, vlo, vhi, vfrac, CLIP_V, BY_RANK, BLOCK_T, D, BITS, GROUP)
+
+
+def _check_pool_layout(pools) -> None:
+    for t in pools:
+        if not t.is_contiguous():
+            raise ValueError("the cache pools must be contiguous (they are written in place)")
+
+
+def cache_write_triton(
+    k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
+    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+    sink, recent, bits, group_size, clip_k, clip_v, rot_k=None, mean_k=None, block_t: int = 16,
+):
+    """Check, then launch one program per (BLOCK_T tokens, KV head). Mutates the pools."""
+    check_cache_write_args(k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win,
+                           k_codes, k_scale, sink, recent, bits, group_size)
+    pools = (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+    _check_pool_layout(pools)
+    N, H, D = k.shape
+    if N == 0:
+        return
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v need a contiguous last dim")
+    if D & (D - 1):
+        raise NotImplementedError(f"the Triton cache write needs a power-of-two head_dim, got {D}")
+    if rot_k is not None:
+        rot_k = rot_k.contiguous().float()
+        mean_k = None if mean_k is None else mean_k.contiguous().float()
+    B = cache_lens.shape[0]
+    klo, khi, kfrac = clip_indices(clip_k, D)
+    vlo, vhi, vfrac = clip_indices(clip_v, D)
+    grid = (triton.cdiv(N, block_t), H)
+    dummy = k_win  # stands in for absent optional pointers (never read)
+    _cache_write_kernel[grid](
+        k, v, rot_k if rot_k is not None else dummy, mean_k if mean_k is not None else dummy,
+        cu_seqlens, cache_lens, window_table, quant_table, *pools,
+        N, B, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        window_table.stride(0), quant_table.stride(0), klo, khi, kfrac, vlo, vhi, vfrac,
+        H=H, D=D, P=k_win.shape[2], SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size,
+        CLIP_K=clip_k < 1.0, CLIP_V=clip_v < 1.0, HAS_ROT=rot_k is not None,
+        HAS_MEAN=mean_k is not None, ROT_HEADS=1 if rot_k is None else rot_k.shape[0],
+        LOG_B=max(1, (B - 1).bit_length() + 1), BLOCK_T=block_t, BY_RANK=interpreting(),
+        num_warps=4, enable_fp_fusion=False,
+    )

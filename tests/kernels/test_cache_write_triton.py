@@ -1,0 +1,78 @@
+"""Triton cache write against the reference: pools equal bitwise (codes, scales, zeros, windows).
+
+Under TRITON_INTERPRET=1 this runs on the CPU; shapes are kept small for that.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oscar_compile.kernels.cache_write_ref import cache_write_ref
+from oscar_compile.kernels.rotate_ref import rotate_ref
+from oscar_compile.kernels.testing import build_case, random_kv
+
+CASES = [  # sink, recent, bits, scale dtype, head_dim, group
+    (16, 32, 2, torch.float16, 64, 64),
+    (0, 0, 2, torch.bfloat16, 64, 32),
+    (16, 0, 4, torch.float32, 64, 32),
+    (0, 16, 2, torch.float16, 128, 128),
+]
+
+
+@pytest.mark.parametrize("sink,recent,bits,sdt,D,G", CASES)
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_triton_write_matches_reference(tdevice, sink, recent, bits, sdt, D, G, chunk):
+    from oscar_compile.kernels.cache_write_triton import cache_write_triton
+
+    lens = [0, 3, 16, 50, 81] if chunk is None else [0, 3, 40]
+    kw = dict(num_kv_heads=2, head_dim=D, page_size=16, sink=sink, recent=recent, bits=bits,
+              group_size=G, scale_dtype=sdt, seed=11, chunk=chunk, device=tdevice)
+    want = build_case(lens, write=cache_write_ref, **kw)
+    got = build_case(lens, write=cache_write_triton, **kw)
+    for a, b, name in zip(got.pools, want.pools, got.pools._fields):
+        assert torch.equal(a, b), name
+
+
+def test_triton_write_no_clip_and_chunked_prefill(tdevice):
+    from oscar_compile.kernels.cache_write_triton import cache_write_triton
+
+    kw = dict(num_kv_heads=1, head_dim=64, page_size=16, sink=16, recent=16, bits=2,
+              group_size=64, clip_k=1.0, clip_v=0.5, seed=12, chunk=37, device=tdevice)
+    want = build_case([100, 70], write=cache_write_ref, **kw)
+    got = build_case([100, 70], write=cache_write_triton, **kw)
+    for a, b in zip(got.pools, want.pools):
+        assert torch.equal(a, b)
+
+
+def test_triton_fused_rotation(tdevice):
+    """Fused rotation equals rotate-then-write up to float32 summation order of the rotation.
+
+    The kernel's float32 dot sums in another order than torch's matmul; a rotated value can then
+    round to the neighbouring bf16 number, and a code can move by one step. Checked: windows
+    within one bf16 ulp, dequantized history within one quantization step.
+    """
+    from oscar_compile import quant
+    from oscar_compile.kernels.cache_write_triton import cache_write_triton
+
+    gen = torch.Generator().manual_seed(5)
+    H, D = 2, 64
+    rot = torch.linalg.qr(torch.randn(H, D, D, generator=gen, dtype=torch.float64))[0].float()
+    mean = torch.randn(H, D, generator=gen)
+    kw = dict(num_kv_heads=H, head_dim=D, page_size=16, sink=16, recent=16, group_size=64,
+              device=tdevice)
+    a = build_case([0], extra_tokens=60, **kw)
+    b = build_case([0], extra_tokens=60, **kw)
+    k, v = random_kv(60, H, D, gen, device=tdevice), random_kv(60, H, D, gen, device=tdevice)
+    cu = torch.tensor([0, 60], dtype=torch.int32, device=tdevice)
+    tail = (16, 16, 2, 64, 0.96, 0.92)
+    rot, mean = rot.to(tdevice), mean.to(tdevice)
+    cache_write_triton(k, v, cu, a.cache_lens, a.window_table, a.quant_table, *a.pools, *tail,
+                       rot_k=rot, mean_k=mean)
+    rk = rotate_ref(k.transpose(0, 1)[None], rot, mean)[0].transpose(0, 1)
+    cache_write_ref(rk, v, cu, b.cache_lens, b.window_table, b.quant_table, *b.pools, *tail)
+    torch.testing.assert_close(a.pools.k_win.float(), b.pools.k_win.float(), rtol=2 ** -7, atol=1e-5)
+    assert torch.equal(a.pools.v_codes, b.pools.v_codes)
+    da = quant.dequantize(a.pools.k_codes, a.pools.k_scale, a.pools.k_zero, 2, 64)
+    db = quant.dequantize(b.pools.k_codes, b.pools.k_scale, b.pools.k_zero, 2, 64)
+    step = b.pools.k_scale.float().repeat_interleave(64, dim=-1)
+    assert bool(((da - db).abs() <= step * 1.01 + 1e-3).all())
