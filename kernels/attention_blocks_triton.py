@@ -1,0 +1,256 @@
+"""Triton building blocks shared by the paged attention kernels (INT-b history and full precision).
+
+Online softmax in base 2 (scores pre-multiplied by scale * log2(e)). The state of one program is
+m, l: [ROWS] and the output accumulator split by *plane*: a0..a3: [ROWS, WP] float32, where plane
+i holds channels [i * WP, (i + 1) * WP) (WP = D * b / 8, the packed row width). Splitting the
+accumulator the way codes are packed lets the INT-b blocks run one tensor-core dot per plane
+straight from the unpacked bytes, with no re-interleaving; the full-precision blocks simply load
+V one plane-wide column block at a time. z0..z3: [ROWS] carry, per plane, the value zero-point
+term sum_n p_n s_n z_n that is subtracted once at the end (see history_block).
+
+Scores start at -inf only where masked; m starts at -1e30 (finite), so a block with every key
+masked gives alpha = 1 and p = 0 instead of NaN.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+NEG_INIT = -1.0e30
+
+
+def _dequant_asm(shift: int, mask: int) -> str:
+    """PTX for 4 packed codes -> 4 fp16 (two f16x2 registers), no int-to-float conversion.
+
+    (byte >> shift) & mask gives one code per byte; prmt places each code byte under a 0x64 high
+    byte, i.e. the fp16 number 1024 + code (exact: the fp16 ulp at 1024 is 1); one f16x2
+    subtraction of (1024, 1024) leaves the code. About 1.5 instructions per element.
+    """
+    return (
+        "{\n.reg .b32 t, m, h;\n"
+        "mov.b32 m, 0x64646464;\nmov.b32 h, 0x64006400;\n"
+        f"shr.b32 t, $2, {shift};\nand.b32 t, t, {mask:#010x};\n"
+        "prmt.b32 $0, t, m, 0x4140;\nprmt.b32 $1, t, m, 0x4342;\n"
+        "sub.f16x2 $0, $0, h;\nsub.f16x2 $1, $1, h;\n}"
+    )
+
+
+ASM2_0: tl.constexpr = tl.constexpr(_dequant_asm(0, 0x03030303))
+ASM2_1: tl.constexpr = tl.constexpr(_dequant_asm(2, 0x03030303))
+ASM2_2: tl.constexpr = tl.constexpr(_dequant_asm(4, 0x03030303))
+ASM2_3: tl.constexpr = tl.constexpr(_dequant_asm(6, 0x03030303))
+ASM4_0: tl.constexpr = tl.constexpr(_dequant_asm(0, 0x0F0F0F0F))
+ASM4_1: tl.constexpr = tl.constexpr(_dequant_asm(4, 0x0F0F0F0F))
+
+
+@triton.jit
+def _asm_codes(b, asm: tl.constexpr):
+    return tl.inline_asm_elementwise(asm, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def decode_plane(b, PLANE: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
+    """Codes of plane PLANE from packed bytes b: [BN, WP] uint8 -> [BN, WP] float16 (exact)."""
+    if USE_ASM:
+        if BITS == 2:
+            if PLANE == 0:
+                out = _asm_codes(b, ASM2_0)
+            elif PLANE == 1:
+                out = _asm_codes(b, ASM2_1)
+            elif PLANE == 2:
+                out = _asm_codes(b, ASM2_2)
+            else:
+                out = _asm_codes(b, ASM2_3)
+        else:
+            if PLANE == 0:
+                out = _asm_codes(b, ASM4_0)
+            else:
+                out = _asm_codes(b, ASM4_1)
+    else:
+        out = ((b >> (PLANE * BITS)) & ((1 << BITS) - 1)).to(tl.float16)
+    return out
+
+
+@triton.jit
+def pick4(I: tl.constexpr, x0, x1, x2, x3):
+    """x_I for a compile-time I (Triton has no run-time indexing of a tuple of tensors)."""
+    if I == 0:
+        out = x0
+    elif I == 1:
+        out = x1
+    elif I == 2:
+        out = x2
+    else:
+        out = x3
+    return out
+
+
+@triton.jit
+def seq_of_program(cub_ptr, pid, B, LOG_B: tl.constexpr):
+    """Largest i in [0, B) with cub[i] <= pid (scalar binary search over the block prefix)."""
+    lo = pid * 0
+    hi = lo + B
+    for _ in tl.static_range(LOG_B):
+        mid = (lo + hi) // 2
+        go = tl.load(cub_ptr + mid) <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    return lo
+
+
+@triton.jit
+def softmax_step(s, m, l):
+    """One online-softmax step on base-2 scores s: [ROWS, BN] -> (p, alpha, m, l)."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l
+
+
+@triton.jit
+def full_block(q, m, l, a0, a1, a2, a3, z0, z1, z2, z3, k_base, v_base, rows, key_ok,
+               stride_row, qk_scale, D: tl.constexpr, WP: tl.constexpr, NPL: tl.constexpr,
+               kdt: tl.constexpr):
+    """Attend to BN full-precision keys/values at row offsets ``rows`` (masked by key_ok: [ROWS, BN]).
+
+    q: [ROWS, D] in kdt (the window dtype; chunk keys are cast to it);
+    k_base/v_base + rows * stride_row is a key's first channel.
+    """
+    col_ok = tl.max(key_ok.to(tl.int32), axis=0) > 0  # [BN]
+    d = tl.arange(0, D)
+    kt = tl.load(k_base + rows[:, None] * stride_row + d[None, :], mask=col_ok[:, None], other=0.0)
+    kt = kt.to(kdt)
+    if kdt == tl.float32:
+        s = tl.dot(q, tl.trans(kt), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(kt))
+    s = tl.where(key_ok, s * qk_scale, float("-inf"))
+    p, alpha, m, l = softmax_step(s, m, l)
+    pk = p.to(kdt)
+    c = tl.arange(0, WP)[None, :]
+    vrow = v_base + rows[:, None] * stride_row
+    a0 = _pv(a0 * alpha[:, None], pk, vrow + c, col_ok, kdt)
+    a1 = _pv(a1 * alpha[:, None], pk, vrow + WP + c, col_ok, kdt)
+    if NPL == 4:
+        a2 = _pv(a2 * alpha[:, None], pk, vrow + 2 * WP + c, col_ok, kdt)
+        a3 = _pv(a3 * alpha[:, None], pk, vrow + 3 * WP + c, col_ok, kdt)
+    return m, l, a0, a1, a2, a3, z0 * alpha, z1 * alpha, z2 * alpha, z3 * alpha
+
+
+@triton.jit
+def _pv(acc, p, vptrs, col_ok, kdt: tl.constexpr):
+    vt = tl.load(vptrs, mask=col_ok[:, None], other=0.0).to(kdt)
+    if kdt == tl.float32:
+        out = tl.dot(p, vt, acc, input_precision="ieee")
+    else:
+        out = tl.dot(p, vt, acc)
+    return out
+
+
+@triton.jit
+def _key_group_fix(s, dg, PL: tl.constexpr, WP: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+                   ks_ptr, kz_ptr, rowq, tmask, qg):
+    """After the last plane of a group: s += scale * (dot - zero * sum(q over the group))."""
+    if ((PL + 1) * WP) % GROUP == 0:
+        g = (PL * WP) // GROUP
+        sc = tl.load(ks_ptr + rowq * NG + g, mask=tmask, other=0.0).to(tl.float32)
+        zr = tl.load(kz_ptr + rowq * NG + g, mask=tmask, other=0.0).to(tl.float32)
+        s = s + sc[None, :] * (dg - zr[None, :] * qg[:, None])
+        dg = dg * 0.0
+    return s, dg
+
+
+@triton.jit
+def _key_plane(s, dg, kb, qp, qg, PL: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
+               GROUP: tl.constexpr, NG: tl.constexpr, ks_ptr, kz_ptr, rowq, tmask,
+               USE_ASM: tl.constexpr):
+    dg = tl.dot(qp, tl.trans(decode_plane(kb, PL, BITS, USE_ASM)), dg)
+    return _key_group_fix(s, dg, PL, WP, GROUP, NG, ks_ptr, kz_ptr, rowq, tmask, qg)
+
+
+@triton.jit
+def _value_plane(acc, zacc, pv, zs, vb, p, PL: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
+                 GROUP: tl.constexpr, NG: tl.constexpr, vs_ptr, vz_ptr, rowq, tmask,
+                 USE_ASM: tl.constexpr):
+    """acc += (p * s_g) @ codes; zacc += sum_n p s_g z_g, with (pv, zs) recomputed at a group start."""
+    if (PL * WP) % GROUP == 0:
+        g = (PL * WP) // GROUP
+        sc = tl.load(vs_ptr + rowq * NG + g, mask=tmask, other=0.0).to(tl.float32)
+        zr = tl.load(vz_ptr + rowq * NG + g, mask=tmask, other=0.0).to(tl.float32)
+        pv = (p * sc[None, :]).to(tl.float16)
+        zs = tl.sum(pv.to(tl.float32) * zr[None, :], axis=1)
+    acc = tl.dot(pv, decode_plane(vb, PL, BITS, USE_ASM), acc)
+    return acc, zacc + zs, pv, zs
+
+
+@triton.jit
+def history_block(q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, z2, z3,
+                  kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rowq, tmask, qk_scale,
+                  ROWS: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
+                  GROUP: tl.constexpr, NG: tl.constexpr, NPL: tl.constexpr, USE_ASM: tl.constexpr):
+    """Attend to BN quantized history tokens (flat pool rows ``rowq``: [BN], masked by tmask).
+
+    Keys, with k = s (c - z) per group: q . k = sum_g s_g (q_g . c_g - z_g * sum(q_g)), so the
+    dots run on raw codes (fp16, exact) and the scale/zero cost two multiply-adds per score.
+    Values: sum_n p_n s_n (c_n - z_n) = (p s) @ c - sum_n p_n s_n z_n; the second term is one
+    number per row and group (z0..z3), subtracted when the output is written.
+    q0..q3: [ROWS, WP] fp16 planes of q; g0..g3: [ROWS] float32 sums of q over each group.
+    """
+    c = tl.arange(0, WP)[None, :]
+    kb = tl.load(kc_ptr + rowq[:, None] * WP + c, mask=tmask[:, None], other=0)  # [BN, WP] u8
+    vb = tl.load(vc_ptr + rowq[:, None] * WP + c, mask=tmask[:, None], other=0)
+    s = tl.zeros([ROWS, BN], tl.float32)
+    dg = tl.zeros([ROWS, BN], tl.float32)
+    s, dg = _key_plane(s, dg, kb, q0, pick4((0 * WP) // GROUP, g0, g1, g2, g3), 0, BITS, WP, GROUP,
+                       NG, ks_ptr, kz_ptr, rowq, tmask, USE_ASM)
+    s, dg = _key_plane(s, dg, kb, q1, pick4((1 * WP) // GROUP, g0, g1, g2, g3), 1, BITS, WP, GROUP,
+                       NG, ks_ptr, kz_ptr, rowq, tmask, USE_ASM)
+    if NPL == 4:
+        s, dg = _key_plane(s, dg, kb, q2, pick4((2 * WP) // GROUP, g0, g1, g2, g3), 2, BITS, WP,
+                           GROUP, NG, ks_ptr, kz_ptr, rowq, tmask, USE_ASM)
+        s, dg = _key_plane(s, dg, kb, q3, pick4((3 * WP) // GROUP, g0, g1, g2, g3), 3, BITS, WP,
+                           GROUP, NG, ks_ptr, kz_ptr, rowq, tmask, USE_ASM)
+    s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
+    p, alpha, m, l = softmax_step(s, m, l)
+    al = alpha[:, None]
+    pv = tl.zeros([ROWS, BN], tl.float16)
+    zs = tl.zeros([ROWS], tl.float32)
+    a0, z0, pv, zs = _value_plane(a0 * al, z0 * alpha, pv, zs, vb, p, 0, BITS, WP, GROUP, NG,
+                                  vs_ptr, vz_ptr, rowq, tmask, USE_ASM)
+    a1, z1, pv, zs = _value_plane(a1 * al, z1 * alpha, pv, zs, vb, p, 1, BITS, WP, GROUP, NG,
+                                  vs_ptr, vz_ptr, rowq, tmask, USE_ASM)
+    if NPL == 4:
+        a2, z2, pv, zs = _value_plane(a2 * al, z2 * alpha, pv, zs, vb, p, 2, BITS, WP, GROUP, NG,
+                                      vs_ptr, vz_ptr, rowq, tmask, USE_ASM)
+        a3, z3, pv, zs = _value_plane(a3 * al, z3 * alpha, pv, zs, vb, p, 3, BITS, WP, GROUP, NG,
+                                      vs_ptr, vz_ptr, rowq, tmask, USE_ASM)
+    return m, l, a0, a1, a2, a3, z0, z1, z2, z3
+
+
+@triton.jit
+def store_rows(base, rows_ok, a0, a1, a2, a3, z0, z1, z2, z3, inv_l, WP: tl.constexpr,
+               NPL: tl.constexpr):
+    """Write (a_i - z_i) * inv_l per plane to base + [ROWS, 1] offsets (plane i at column i * WP)."""
+    c = tl.arange(0, WP)[None, :]
+    dt = base.dtype.element_ty
+    msk = rows_ok[:, None]
+    tl.store(base + c, ((a0 - z0[:, None]) * inv_l[:, None]).to(dt), mask=msk)
+    tl.store(base + WP + c, ((a1 - z1[:, None]) * inv_l[:, None]).to(dt), mask=msk)
+    if NPL == 4:
+        tl.store(base + 2 * WP + c, ((a2 - z2[:, None]) * inv_l[:, None]).to(dt), mask=msk)
+        tl.store(base + 3 * WP + c, ((a3 - z3[:, None]) * inv_l[:, None]).to(dt), mask=msk)
+
+
+@triton.jit
+def merge_kernel(po_ptr, pl_ptr, out_ptr, NS, D: tl.constexpr, NS_P2: tl.constexpr):
+    """out[r] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max); one program per (token, head) row."""
+    r = tl.program_id(0)
+    sidx = tl.arange(0, NS_P2)
+    ok = sidx < NS
+    lse = tl.load(pl_ptr + r * NS + sidx, mask=ok, other=float("-inf"))
+    w = tl.math.exp2(lse - tl.max(lse, axis=0))
+    d = tl.arange(0, D)
+    o = tl.load(po_ptr + (r * NS + sidx[:, None]) * D + d[None, :], mask=ok[:, None], other=0.0)
+    res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + r * D + d, res.to(out_ptr.dtype.element_ty))

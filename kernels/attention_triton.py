@@ -1,0 +1,245 @@
+"""Triton ``oscar::attention``: paged attention over the INT-b history + full-precision windows.
+
+One kernel serves decode and extend (prefill chunks). A program owns BLOCK_M new tokens of one
+sequence and one KV head: its ROWS = BLOCK_M * g query rows (all query heads of the KV head, so
+each K/V byte is loaded once for the whole GQA group) attend to
+- the history (quantized pages), dequantized in registers: codes -> fp16 by bit tricks, scale and
+  zero folded into two multiply-adds per score and into the softmax weights (history_block);
+- the sink + recent window slots and the chunk's own keys (causal), in full precision.
+Flash-decoding: with NSPLIT > 0 the grid's third axis splits the history into NSPLIT equal parts
+per sequence (plus one program for windows + chunk); each writes a normalised partial and its
+log-sum-exp, and merge_kernel combines them. With NSPLIT = 0 (many query blocks, e.g. prefill)
+one program does everything and writes the output. Grid sizes and split counts come from tensor
+shapes only: no host sync, safe under CUDA graphs. The chunk is never written to a BF16 copy of
+the prefix: history stays packed in the pools.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from oscar_compile.kernels.attention_blocks_triton import (
+    NEG_INIT, full_block, history_block, merge_kernel, seq_of_program, store_rows)
+from oscar_compile.kernels.quant_triton import interpreting
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_kernel(
+    q_ptr, k_ptr, v_ptr, cu_ptr, cub_ptr, lens_ptr, wt_ptr, qt_ptr,
+    kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+    out_ptr, po_ptr, pl_ptr, qk_scale, B,
+    sqn, sqh, skn, skh, svn, svh, stride_wt, stride_qt,
+    H_KV: tl.constexpr, G_Q: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    SINK: tl.constexpr, RECENT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    NSPLIT: tl.constexpr, LOG_B: tl.constexpr, USE_ASM: tl.constexpr, DOT_DT: tl.constexpr,
+):
+    NPL: tl.constexpr = 8 // BITS
+    WP: tl.constexpr = D // NPL
+    NG: tl.constexpr = D // GROUP
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    sid = tl.program_id(2)
+    i = seq_of_program(cub_ptr, pid, B, LOG_B)
+    if pid < tl.load(cub_ptr + B):
+        start = tl.load(cu_ptr + i)
+        T = tl.load(cu_ptr + i + 1) - start
+        L = tl.load(lens_ptr + i)
+        t0 = (pid - tl.load(cub_ptr + i)) * BLOCK_M
+        r = tl.arange(0, ROWS)
+        tok = t0 + r // G_Q  # [ROWS] chunk index of each query row
+        head = h * G_Q + r % G_Q
+        row_ok = (r < BLOCK_M * G_Q) & (tok < T)
+        q_rows = q_ptr + (start + tok).to(tl.int64)[:, None] * sqn + head[:, None] * sqh
+        m = tl.zeros([ROWS], tl.float32) + NEG_INIT
+        l = tl.zeros([ROWS], tl.float32)
+        a0 = tl.zeros([ROWS, WP], tl.float32)
+        a1 = tl.zeros([ROWS, WP], tl.float32)
+        a2 = tl.zeros([ROWS, WP], tl.float32)
+        a3 = tl.zeros([ROWS, WP], tl.float32)
+        z0 = tl.zeros([ROWS], tl.float32)
+        z1 = tl.zeros([ROWS], tl.float32)
+        z2 = tl.zeros([ROWS], tl.float32)
+        z3 = tl.zeros([ROWS], tl.float32)
+        n_hist = tl.maximum(L - SINK - RECENT, 0)
+        do_hist = (NSPLIT == 0) | (sid < NSPLIT)
+        if do_hist:
+            if NSPLIT == 0:
+                lo = n_hist * 0
+                hi = n_hist
+            else:
+                chunk = tl.cdiv(tl.cdiv(n_hist, NSPLIT), BLOCK_N) * BLOCK_N
+                lo = tl.minimum(sid * chunk, n_hist)
+                hi = tl.minimum(lo + chunk, n_hist)
+            c = tl.arange(0, WP)[None, :]
+            qm = row_ok[:, None]
+            q0 = tl.load(q_rows + c, mask=qm, other=0.0).to(tl.float16)
+            q1 = tl.load(q_rows + WP + c, mask=qm, other=0.0).to(tl.float16)
+            q2 = q0
+            q3 = q1
+            if NPL == 4:
+                q2 = tl.load(q_rows + 2 * WP + c, mask=qm, other=0.0).to(tl.float16)
+                q3 = tl.load(q_rows + 3 * WP + c, mask=qm, other=0.0).to(tl.float16)
+            # sums of the (fp16-rounded) query over each quantization group
+            s0 = tl.sum(q0.to(tl.float32), axis=1)
+            s1 = tl.sum(q1.to(tl.float32), axis=1)
+            s2 = tl.sum(q2.to(tl.float32), axis=1)
+            s3 = tl.sum(q3.to(tl.float32), axis=1)
+            PPG: tl.constexpr = GROUP // WP  # planes per group: 1, 2 or 4
+            if PPG == 1:
+                g0, g1, g2, g3 = s0, s1, s2, s3
+            elif PPG == 2:
+                g0, g1, g2, g3 = s0 + s1, s2 + s3, s0, s0
+            else:
+                g0 = s0 + s1 + s2 + s3
+                g1, g2, g3 = g0, g0, g0
+            qt_row = qt_ptr + i.to(tl.int64) * stride_qt
+            for n0 in range(lo, hi, BLOCK_N):
+                hidx = n0 + tl.arange(0, BLOCK_N)
+                tmask = hidx < hi
+                page = tl.load(qt_row + hidx // P, mask=tmask, other=0)
+                rowq = (page.to(tl.int64) * H_KV + h) * P + hidx % P
+                m, l, a0, a1, a2, a3, z0, z1, z2, z3 = history_block(
+                    q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, z2, z3,
+                    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rowq, tmask, qk_scale,
+                    ROWS, BLOCK_N, BITS, WP, GROUP, NG, NPL, USE_ASM)
+        if (NSPLIT == 0) | (sid == NSPLIT):
+            kdt = DOT_DT
+            d = tl.arange(0, D)[None, :]
+            qf = tl.load(q_rows + d, mask=row_ok[:, None], other=0.0).to(kdt)
+            # sink and recent slots: which of them hold tokens depends only on L
+            n_sink = tl.minimum(L, SINK)
+            n_rec = tl.minimum(tl.maximum(L - SINK, 0), RECENT)
+            wt_row = wt_ptr + i.to(tl.int64) * stride_wt
+            for w0 in range(0, SINK + RECENT, BLOCK_W):
+                w = w0 + tl.arange(0, BLOCK_W)
+                ok = (w < n_sink) | ((w >= SINK) & (w - SINK < n_rec))
+                page = tl.load(wt_row + w // P, mask=ok, other=0)
+                rows = (page.to(tl.int64) * H_KV + h) * P + w % P
+                key_ok = ok[None, :] & (r[:, None] >= 0)
+                m, l, a0, a1, a2, a3, z0, z1, z2, z3 = full_block(
+                    qf, m, l, a0, a1, a2, a3, z0, z1, z2, z3, kwin_ptr, vwin_ptr, rows, key_ok,
+                    D, qk_scale, D, WP, NPL, kdt)
+            # the chunk's own keys, causally (new token j visible to row tok iff j <= tok)
+            kend = tl.minimum(T, t0 + BLOCK_M)
+            for j0 in range(0, kend, BLOCK_W):
+                j = j0 + tl.arange(0, BLOCK_W)
+                key_ok = (j[None, :] <= tok[:, None]) & (j[None, :] < kend)
+                rows = (start + j).to(tl.int64)
+                m, l, a0, a1, a2, a3, z0, z1, z2, z3 = full_block(
+                    qf, m, l, a0, a1, a2, a3, z0, z1, z2, z3, k_ptr + h * skh, v_ptr + h * svh,
+                    rows, key_ok, skn, qk_scale, D, WP, NPL, kdt)
+        inv_l = tl.where(l > 0.0, 1.0 / l, 0.0)
+        n_glob = (start + tok).to(tl.int64)
+        if NSPLIT == 0:
+            base = out_ptr + (n_glob * (H_KV * G_Q) + head)[:, None] * D
+            store_rows(base, row_ok, a0, a1, a2, a3, z0, z1, z2, z3, inv_l, WP, NPL)
+        else:
+            prow = (n_glob * (H_KV * G_Q) + head) * (NSPLIT + 1) + sid
+            store_rows(po_ptr + prow[:, None] * D, row_ok, a0, a1, a2, a3, z0, z1, z2, z3,
+                       inv_l, WP, NPL)
+            lse = tl.where(l > 0.0, m + tl.math.log2(l), float("-inf"))
+            tl.store(pl_ptr + prow, lse, mask=row_ok)
+
+
+def dot_dtype(window_dtype: torch.dtype):
+    """Operand dtype of the full-precision dots: the window dtype, float32 in the interpreter
+    (whose dot would multiply the raw bit patterns of bfloat16, which numpy lacks)."""
+    if interpreting() or window_dtype == torch.float32:
+        return tl.float32
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[window_dtype]
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def plan_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, device: torch.device,
+                block_n: int = 64) -> tuple[int, int, int]:
+    """(BLOCK_M, ROWS, NSPLIT) from shapes only (no device values: CUDA-graph safe).
+
+    Decode-like batches (about one token per sequence) take BLOCK_M = 1 and split the history
+    so that about four programs per SM are in flight; prefill-like batches take 64-row blocks
+    and split only when the query blocks alone cannot fill the GPU.
+    """
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    if N <= 2 * B:
+        block_m = 1
+    else:
+        block_m = max(1, 64 // g)
+    rows = max(16, triton.next_power_of_2(block_m * g))
+    programs = (triton.cdiv(N, block_m) + (B if block_m > 1 else 0)) * H_kv
+    if max_hist == 0 or programs >= 2 * sms:
+        return block_m, rows, 0
+    min_tokens = 4 * block_n  # below this a split costs more in merging than it saves
+    nsplit = min(triton.cdiv(4 * sms, programs), max(1, max_hist // min_tokens))
+    return block_m, rows, max(1, nsplit) if max_hist > min_tokens else 0
+
+
+def attention_triton(
+    q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
+    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, scale, sink, recent, bits, group_size,
+    block_n: int = 64, use_asm: bool | None = None, num_warps: int = 4, num_stages: int = 2,
+):
+    """Check, plan and launch. q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype."""
+    N, H_q, D = q.shape
+    H_kv = k.shape[1]
+    B = cache_lens.shape[0]
+    P = k_win.shape[2]
+    wp = D * bits // 8
+    if H_q % H_kv or D & (D - 1) or wp < 16 or group_size % wp:
+        # tl.dot needs power-of-two tiles of >= 16; a plane must not straddle groups
+        from oscar_compile.kernels.attention_ref import attention_ref
+
+        return attention_ref(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win,
+                             v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                             scale, sink, recent, bits, group_size)
+    for t in (q, k, v):
+        if t.stride(-1) != 1:
+            raise ValueError("q, k, v need a contiguous last dim")
+    for t in (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero):
+        if not t.is_contiguous():
+            raise ValueError("the cache pools must be contiguous")
+    out = torch.empty(N, H_q, D, dtype=q.dtype, device=q.device)
+    if N == 0:
+        return out
+    g = H_q // H_kv
+    max_hist = quant_table.shape[1] * P
+    block_m, rows, nsplit = plan_launch(N, B, H_kv, g, max_hist, q.device, block_n)
+    if block_m == 1:
+        cub = cu_seqlens
+        nblocks = N
+    else:
+        per_seq = (cu_seqlens[1:] - cu_seqlens[:-1] + block_m - 1) // block_m
+        cub = torch.cat([cu_seqlens[:1] * 0, per_seq.cumsum(0)]).to(torch.int32)
+        nblocks = triton.cdiv(N, block_m) + B
+    if nsplit:
+        po = torch.empty(N * H_q * (nsplit + 1), D, dtype=torch.float32, device=q.device)
+        pl = torch.empty(N * H_q * (nsplit + 1), dtype=torch.float32, device=q.device)
+    else:
+        po = pl = out
+    if use_asm is None:
+        use_asm = q.is_cuda and not interpreting()
+    _attn_kernel[(nblocks, H_kv, nsplit + 1)](
+        q, k, v, cu_seqlens, cub, cache_lens, window_table, quant_table,
+        k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+        out, po, pl, scale * LOG2E, B,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        window_table.stride(0), quant_table.stride(0),
+        H_KV=H_kv, G_Q=g, D=D, P=P, SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size,
+        BLOCK_M=block_m, ROWS=rows, BLOCK_N=block_n, BLOCK_W=16 if block_m == 1 else 64,
+        NSPLIT=nsplit, LOG_B=max(1, B.bit_length()), USE_ASM=use_asm,
+        DOT_DT=dot_dtype(k_win.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if nsplit:
+        merge_kernel[(N * H_q,)](po, pl, out, nsplit + 1, D=D,
+                                 NS_P2=triton.next_power_of_2(nsplit + 1), num_warps=4)
+    return out
