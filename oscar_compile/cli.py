@@ -88,15 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands():
-    """Subcommands that live beside their concern (demo, eval) register themselves here."""
+    """Subcommands that live beside their concern register themselves here."""
     from . import demo
 
-    commands = [demo.add_parser]
-    try:
-        from .evaluation import cli as eval_cli
-    except ImportError:  # the evaluation harness is optional
-        return commands
-    return commands + [eval_cli.add_parser]
+    return [demo.add_parser]
 
 
 def main(argv=None) -> int:
@@ -104,7 +99,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, NotImplementedError, TypeError) as err:
+    except (ValueError, FileNotFoundError, NotImplementedError) as err:
         print(f"oscar-compile {args.command}: error: {err}", file=sys.stderr)
         return 2
 

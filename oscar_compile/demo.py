@@ -1,0 +1,104 @@
+"""``oscar-compile demo``: calibrate, apply and generate, end to end, in one command.
+
+With the bundled model (the default when it is installed) it calibrates on the model's shipped
+calibration tokens and prints BF16 and compressed generations side by side; ``--tiny`` uses a
+randomly initialised tiny Qwen3 instead (no files needed: what CI runs).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from pathlib import Path
+
+BUNDLED_MODEL = Path(__file__).resolve().parent / "bundled" / "oscar-tiny-qwen3"
+DEFAULT_PROMPT = "The Python standard library provides"
+
+
+def bundled_model_dir() -> Path:
+    """Where the project's own small model lives (see oscar_compile/bundled/*/README.md)."""
+    return BUNDLED_MODEL
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("demo", help="calibrate + apply + generate on the bundled (or a tiny random) model")
+    p.add_argument("--model", default=None, help=f"model directory (default: the bundled model, {BUNDLED_MODEL.name})")
+    p.add_argument("--tiny", action="store_true", help="use a tiny random Qwen3 instead of a model directory")
+    p.add_argument("--spec", default=None, help="compression spec YAML (default: specs/oscar-int2.yaml)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--calib-tokens", type=int, default=None, help="calibration tokens (default: the spec's)")
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=run_demo)
+
+
+def _tiny_setup(args):
+    import torch
+
+    from .testing import tiny_model
+
+    model = tiny_model("qwen3", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, vocab_size=256)
+    g = torch.Generator().manual_seed(0)
+    calib = torch.randint(0, 256, (4096,), generator=g)
+    prompt_ids = torch.randint(0, 256, (1, 400), generator=g)
+    return model, None, calib, prompt_ids
+
+
+def _model_setup(args):
+    from .calibration.data import load_tokens
+    from .cli import load_model
+
+    model_dir = Path(args.model) if args.model else BUNDLED_MODEL
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no model at {model_dir} (use --model DIR, or --tiny for a random tiny model)")
+    model, tokenizer = load_model(str(model_dir), args.device)
+    calib_file = model_dir / "calib.bin"
+    if not calib_file.is_file():
+        raise FileNotFoundError(f"{calib_file} not found: the demo calibrates on the model's shipped calibration tokens")
+    calib = load_tokens(calib_file)
+    prompt_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"].to(model.device)
+    return model, tokenizer, calib, prompt_ids
+
+
+def run_demo(args) -> int:
+    import torch
+
+    from .calibration import calibrate
+    from .calibration.data import make_batches
+    from .passes import apply
+    from .spec import CompressionSpec, shipped_spec
+
+    spec = CompressionSpec.from_yaml(args.spec) if args.spec else shipped_spec("oscar-int2")
+    if args.tiny:
+        spec = spec.model_copy(update={"kv_cache": spec.kv_cache.model_copy(update={"group_size": 64, "sink_tokens": 16, "recent_tokens": 64})})
+    num_tokens = args.calib_tokens or spec.calibration.num_tokens
+    model, tokenizer, calib, prompt_ids = (_tiny_setup if args.tiny else _model_setup)(args)
+    spec = spec.model_copy(update={"calibration": spec.calibration.model_copy(update={"num_tokens": num_tokens, "seq_len": min(spec.calibration.seq_len, 1024)})})
+    bos = getattr(tokenizer, "bos_token_id", None)
+    start = time.perf_counter()
+    rot = calibrate(model, spec, make_batches(calib.to(model.device), spec.calibration, bos), progress=True)
+    print(f"calibrated on {rot.num_tokens} tokens in {time.perf_counter() - start:.1f}s")
+    baseline = copy.deepcopy(model)
+    report = apply(model, spec, rot)
+    print(report)
+    ctx = prompt_ids.shape[1] + args.max_new_tokens
+    print(f"bits per K/V element: {report.bits_per_element(ctx):.2f} at {ctx} tokens, "
+          f"{report.bits_per_element():.2f} asymptotically (BF16: 16)")
+    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    with torch.no_grad():
+        ref = baseline.generate(prompt_ids, **gen)[0, prompt_ids.shape[1]:]
+        out = model.generate(prompt_ids, **gen)[0, prompt_ids.shape[1]:]
+    agree = float((ref == out).float().mean()) if len(ref) == len(out) else float("nan")
+    decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: " ".join(map(str, ids.tolist())))
+    print(f"\nprompt: {args.prompt if tokenizer is not None else f'{prompt_ids.shape[1]} random tokens'}")
+    print(f"bf16      : {decode(ref)}")
+    print(f"compressed: {decode(out)}")
+    print(f"greedy-token agreement with BF16: {agree:.2f}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m oscar_compile.demo")
+    sub = parser.add_subparsers(dest="command")
+    add_parser(sub)
+    return run_demo(parser.parse_args(["demo", *(argv or [])]))
