@@ -13,6 +13,11 @@ Additions to the documented signatures (trailing, with defaults, so documented c
 - ``oscar::cache_write``: ``rot_k: Tensor? = None, mean_k: Tensor? = None``. When ``rot_k`` is
   given, k arrives *unrotated* (post-RoPE) and the op applies ``oscar::rotate(k, rot_k, mean_k)``
   first (fused into the write kernel on CUDA): one launch per layer instead of two.
+
+Ops beyond docs/cache-format.md, for the full-precision paged cache (runtime BF16 mode, baseline):
+- ``oscar::cache_write_bf16(k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages) -> ()``
+- ``oscar::attention_bf16(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages, scale)
+  -> [N, H_q, D]``; pages ``[N_p, H_kv, P, D]``, page_table ``[B, max_pages]`` int32.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from oscar_compile.kernels.attention_bf16_ref import attention_bf16_ref, cache_write_bf16_ref
 from oscar_compile.kernels.attention_ref import attention_ref
 from oscar_compile.kernels.cache_write_ref import cache_write_ref
 from oscar_compile.kernels.pools import CachePools, allocate_pools  # noqa: F401  (re-export)
@@ -134,3 +140,40 @@ def _(*args):
     if impl is not None:
         return impl(*args)
     return attention_ref(*args)
+
+
+# ---------------------------------------------------------------- full-precision paged cache
+@torch.library.custom_op("oscar::cache_write_bf16", mutates_args=("k_pages", "v_pages"))
+def cache_write_bf16(
+    k: Tensor, v: Tensor, cu_seqlens: Tensor, cache_lens: Tensor, page_table: Tensor,
+    k_pages: Tensor, v_pages: Tensor,
+) -> None:
+    """Scatter new tokens into full-precision pages (one vectorised scatter on every device)."""
+    cache_write_bf16_ref(k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages)
+
+
+@cache_write_bf16.register_fake
+def _(*args):
+    return None
+
+
+@torch.library.custom_op("oscar::attention_bf16", mutates_args=())
+def attention_bf16(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cache_lens: Tensor, page_table: Tensor,
+    k_pages: Tensor, v_pages: Tensor, scale: float,
+) -> Tensor:
+    """New tokens attend to full-precision pages plus their own chunk, causally -> [N, H_q, D]."""
+    return attention_bf16_ref(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages, scale)
+
+
+@attention_bf16.register_fake
+def _(q, *args):
+    return torch.empty_like(q)
+
+
+@attention_bf16.register_kernel("cuda")
+def _(*args):
+    impl = _triton_impl("attention_bf16_triton", "attention_bf16_triton")
+    if impl is not None:
+        return impl(*args)
+    return attention_bf16_ref(*args)

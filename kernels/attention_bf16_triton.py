@@ -1,0 +1,133 @@
+"""Triton ``oscar::attention_bf16``: paged attention with every cached token in full precision.
+
+Same program layout as the INT-b kernel (attention_triton): BLOCK_M new tokens x all g query
+heads of one KV head per program, flash-decoding splits of the cached range over the grid's third
+axis, the chunk's own keys (causal) in the last split, merge_kernel to combine. It is the
+runtime's BF16 mode and the baseline that isolates the cost of paging from that of INT-b.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from oscar_compile.kernels.attention_blocks_triton import (
+    NEG_INIT, full_block, merge_kernel, seq_of_program, store_rows)
+from oscar_compile.kernels.attention_triton import LOG2E, dot_dtype, plan_launch
+
+
+@triton.jit
+def _attn_bf16_kernel(
+    q_ptr, k_ptr, v_ptr, cu_ptr, cub_ptr, lens_ptr, pt_ptr, kp_ptr, vp_ptr,
+    out_ptr, po_ptr, pl_ptr, qk_scale, B, sqn, sqh, skn, skh, svn, svh, stride_pt,
+    H_KV: tl.constexpr, G_Q: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    NSPLIT: tl.constexpr, LOG_B: tl.constexpr, DOT_DT: tl.constexpr,
+):
+    NPL: tl.constexpr = 2
+    WP: tl.constexpr = D // 2
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    sid = tl.program_id(2)
+    i = seq_of_program(cub_ptr, pid, B, LOG_B)
+    if pid < tl.load(cub_ptr + B):
+        start = tl.load(cu_ptr + i)
+        T = tl.load(cu_ptr + i + 1) - start
+        L = tl.load(lens_ptr + i)
+        t0 = (pid - tl.load(cub_ptr + i)) * BLOCK_M
+        r = tl.arange(0, ROWS)
+        tok = t0 + r // G_Q
+        head = h * G_Q + r % G_Q
+        row_ok = (r < BLOCK_M * G_Q) & (tok < T)
+        q_rows = q_ptr + (start + tok).to(tl.int64)[:, None] * sqn + head[:, None] * sqh
+        qf = tl.load(q_rows + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DT)
+        m = tl.zeros([ROWS], tl.float32) + NEG_INIT
+        l = tl.zeros([ROWS], tl.float32)
+        a0 = tl.zeros([ROWS, WP], tl.float32)
+        a1 = tl.zeros([ROWS, WP], tl.float32)
+        z0 = tl.zeros([ROWS], tl.float32)
+        if (NSPLIT == 0) | (sid < NSPLIT):
+            if NSPLIT == 0:
+                lo = L * 0
+                hi = L
+            else:
+                chunk = tl.cdiv(tl.cdiv(L, NSPLIT), BLOCK_N) * BLOCK_N
+                lo = tl.minimum(sid * chunk, L)
+                hi = tl.minimum(lo + chunk, L)
+            pt_row = pt_ptr + i.to(tl.int64) * stride_pt
+            for n0 in range(lo, hi, BLOCK_N):
+                pos = n0 + tl.arange(0, BLOCK_N)
+                ok = pos < hi
+                page = tl.load(pt_row + pos // P, mask=ok, other=0)
+                rows = (page.to(tl.int64) * H_KV + h) * P + pos % P
+                key_ok = ok[None, :] & (r[:, None] >= 0)
+                m, l, a0, a1, _a2, _a3, z0, _z1, _z2, _z3 = full_block(
+                    qf, m, l, a0, a1, a0, a1, z0, z0, z0, z0, kp_ptr, vp_ptr, rows, key_ok,
+                    D, qk_scale, D, WP, NPL, DOT_DT)
+        if (NSPLIT == 0) | (sid == NSPLIT):
+            kend = tl.minimum(T, t0 + BLOCK_M)
+            for j0 in range(0, kend, BLOCK_C):
+                j = j0 + tl.arange(0, BLOCK_C)
+                key_ok = (j[None, :] <= tok[:, None]) & (j[None, :] < kend)
+                m, l, a0, a1, _a2, _a3, z0, _z1, _z2, _z3 = full_block(
+                    qf, m, l, a0, a1, a0, a1, z0, z0, z0, z0, k_ptr + h * skh, v_ptr + h * svh,
+                    (start + j).to(tl.int64), key_ok, skn, qk_scale, D, WP, NPL, DOT_DT)
+        inv_l = tl.where(l > 0.0, 1.0 / l, 0.0)
+        n_glob = (start + tok).to(tl.int64)
+        zero = tl.zeros([ROWS], tl.float32)
+        if NSPLIT == 0:
+            base = out_ptr + (n_glob * (H_KV * G_Q) + head)[:, None] * D
+            store_rows(base, row_ok, a0, a1, a0, a1, zero, zero, zero, zero, inv_l, WP, NPL)
+        else:
+            prow = (n_glob * (H_KV * G_Q) + head) * (NSPLIT + 1) + sid
+            store_rows(po_ptr + prow[:, None] * D, row_ok, a0, a1, a0, a1, zero, zero, zero, zero,
+                       inv_l, WP, NPL)
+            lse = tl.where(l > 0.0, m + tl.math.log2(l), float("-inf"))
+            tl.store(pl_ptr + prow, lse, mask=row_ok)
+
+
+def attention_bf16_triton(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages, scale,
+                          block_n: int = 64, num_warps: int = 4, num_stages: int = 2):
+    """Check, plan and launch. q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype."""
+    N, H_q, D = q.shape
+    H_kv = k.shape[1]
+    B = cache_lens.shape[0]
+    P = k_pages.shape[2]
+    if H_q % H_kv or D & (D - 1) or D < 32:
+        from oscar_compile.kernels.attention_bf16_ref import attention_bf16_ref
+
+        return attention_bf16_ref(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages,
+                                  scale)
+    for t in (q, k, v):
+        if t.stride(-1) != 1:
+            raise ValueError("q, k, v need a contiguous last dim")
+    if not (k_pages.is_contiguous() and v_pages.is_contiguous()):
+        raise ValueError("the pages must be contiguous")
+    out = torch.empty(N, H_q, D, dtype=q.dtype, device=q.device)
+    if N == 0:
+        return out
+    g = H_q // H_kv
+    block_m, rows, nsplit = plan_launch(N, B, H_kv, g, page_table.shape[1] * P, q.device, block_n)
+    if block_m == 1:
+        cub, nblocks = cu_seqlens, N
+    else:
+        per_seq = (cu_seqlens[1:] - cu_seqlens[:-1] + block_m - 1) // block_m
+        cub = torch.cat([cu_seqlens[:1] * 0, per_seq.cumsum(0)]).to(torch.int32)
+        nblocks = triton.cdiv(N, block_m) + B
+    if nsplit:
+        po = torch.empty(N * H_q * (nsplit + 1), D, dtype=torch.float32, device=q.device)
+        pl = torch.empty(N * H_q * (nsplit + 1), dtype=torch.float32, device=q.device)
+    else:
+        po = pl = out
+    _attn_bf16_kernel[(nblocks, H_kv, nsplit + 1)](
+        q, k, v, cu_seqlens, cub, cache_lens, page_table, k_pages, v_pages, out, po, pl,
+        scale * LOG2E, B, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), page_table.stride(0),
+        H_KV=H_kv, G_Q=g, D=D, P=P, BLOCK_M=block_m, ROWS=rows, BLOCK_N=block_n,
+        BLOCK_C=16 if block_m == 1 else 64, NSPLIT=nsplit, LOG_B=max(1, B.bit_length()),
+        DOT_DT=dot_dtype(k_pages.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    if nsplit:
+        merge_kernel[(N * H_q,)](po, pl, out, nsplit + 1, D=D,
+                                 NS_P2=triton.next_power_of_2(nsplit + 1), num_warps=4)
+    return out
