@@ -101,9 +101,9 @@ class AsyncEngine:
                 logger.exception("engine step failed; failing the running requests")
                 self._fail_all(err)
                 continue
+            self.stats = self.engine.stats()  # before delivery: a client reads it after its output
             for out in outputs:
                 self._deliver(out.request_id, out, out.finished)
-            self.stats = self.engine.stats()
         self._fail_all(EngineDeadError("the server is shutting down"))
         logger.info("engine thread stopped")
 

@@ -64,6 +64,7 @@ class LLMEngine:
         self.num_batched_tokens_total = 0  # every token run, prefill and recomputation included
         self.num_generation_tokens_total = 0
         self.num_requests_finished = 0
+        self.num_requests_aborted = 0
         self._recent_tokens: deque[tuple[float, int]] = deque()
 
     # ---- requests ----------------------------------------------------------------------------
@@ -117,6 +118,7 @@ class LLMEngine:
         if seq is None:
             return None
         self._finish(seq, FinishReason.ABORT)
+        self.num_requests_aborted += 1
         return self._output(seq, [], [], finished=True)
 
     def has_unfinished(self) -> bool:
@@ -218,6 +220,7 @@ class LLMEngine:
         stats = {"num_waiting": self.scheduler.num_waiting, "num_running": self.scheduler.num_running,
                  "num_preemptions": self.scheduler.num_preemptions,
                  "num_requests_finished": self.num_requests_finished,
+                 "num_requests_aborted": self.num_requests_aborted,
                  "prompt_tokens_total": self.num_prompt_tokens_total,
                  "batched_tokens_total": self.num_batched_tokens_total,
                  "generation_tokens_total": self.num_generation_tokens_total,

@@ -11,6 +11,8 @@ _SCALARS = (
     ("oscar_requests_running", "gauge", "Requests holding KV pages.", "num_running"),
     ("oscar_requests_finished_total", "counter", "Requests that ended (any reason).",
      "num_requests_finished"),
+    ("oscar_requests_aborted_total", "counter", "Requests aborted (client gone or cancelled).",
+     "num_requests_aborted"),
     ("oscar_preemptions_total", "counter", "Sequences preempted for lack of pages.", "num_preemptions"),
     ("oscar_prompt_tokens_total", "counter", "Prompt tokens received.", "prompt_tokens_total"),
     ("oscar_batched_tokens_total", "counter",

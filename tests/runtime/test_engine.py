@@ -1,0 +1,159 @@
+"""The engine end to end with the exact RecomputeRunner on a tiny random Qwen3 (CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from oscar_compile.runtime.engine import LLMEngine
+from oscar_compile.runtime.llm import LLM
+from oscar_compile.runtime.loader import BUNDLED_MODEL_DIR, EngineConfig, build_engine, resolve_model_dir
+from oscar_compile.runtime.pages import CacheLayout
+from oscar_compile.runtime.sampling_params import RequestError, SamplingParams
+
+GREEDY = dict(temperature=0.0)
+WINDOWED = dict(sink=16, recent=16)
+
+
+def windowed_layout(model) -> CacheLayout:
+    return CacheLayout.from_hf_config(model.config, page_size=16, group_size=16, **WINDOWED)
+
+
+def run_all(engine: LLMEngine, requests) -> list[list[int]]:
+    seqs = [engine.add_request(list(ids), params) for ids, params in requests]
+    while engine.has_unfinished():
+        engine.step()
+    assert_all_pages_free(engine)
+    return [s.output_token_ids for s in seqs]
+
+
+def assert_all_pages_free(engine: LLMEngine) -> None:
+    for pool in (engine.block_manager.window_pool, engine.block_manager.quant_pool):
+        assert pool.num_used == 0 and all(count == 0 for count in pool.ref_counts)
+
+
+def random_prompts(tokenizer, count: int, seed: int = 0, shared: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    stem = [rng.randrange(3, len(tokenizer)) for _ in range(shared)]
+    return [stem + [rng.randrange(3, len(tokenizer)) for _ in range(rng.randrange(1, 60))]
+            for _ in range(count)]
+
+
+def test_greedy_output_equals_hf_generate(tiny_model, tokenizer):
+    llm = LLM(tiny_model, tokenizer=tokenizer, config=EngineConfig(max_num_batched_tokens=32))
+    prompts = ["hello world", "The quick brown fox", "A paged KV cache stores keys", "x"]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
+    for prompt, out in zip(prompts, outputs):
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        reference = tiny_model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
+        assert out.token_ids == reference.tolist()
+        assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        assert out.finish_reason == ("stop" if out.token_ids[-1] == 0 else "length")
+
+
+def test_many_concurrent_requests_of_mixed_lengths_complete(tiny_model, tokenizer):
+    engine = build_engine(tiny_model, tokenizer, EngineConfig(max_num_seqs=8, max_num_batched_tokens=48))
+    prompts = random_prompts(tokenizer, 40, seed=1)
+    lengths = [random.Random(i).randrange(1, 20) for i in range(40)]
+    outputs = run_all(engine, [(p, SamplingParams(max_tokens=n, ignore_eos=True, **GREEDY))
+                               for p, n in zip(prompts, lengths)])
+    assert [len(o) for o in outputs] == lengths
+    assert engine.stats()["num_requests_finished"] == 40
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_a_tiny_page_budget_preempts_without_changing_greedy_output(tiny_model, tokenizer, windowed):
+    layout = windowed_layout(tiny_model) if windowed else None
+    requests = [(p, SamplingParams(max_tokens=30, ignore_eos=True, **GREEDY))
+                for p in random_prompts(tokenizer, 10, seed=2)]
+    roomy = build_engine(tiny_model, tokenizer, EngineConfig(layout=layout, num_window_pages=100,
+                                                             num_quant_pages=1000, enable_prefix_caching=False))
+    tight = build_engine(tiny_model, tokenizer, EngineConfig(
+        layout=layout, num_window_pages=8 if windowed else 0, num_quant_pages=8,
+        max_num_batched_tokens=24))
+    assert run_all(tight, requests) == run_all(roomy, requests)
+    assert tight.scheduler.num_preemptions > 0 and roomy.scheduler.num_preemptions == 0
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_prefix_cache_hits_give_the_same_output_as_misses(tiny_model, tokenizer, windowed):
+    layout = windowed_layout(tiny_model) if windowed else None
+    prompts = random_prompts(tokenizer, 12, seed=3, shared=70)
+    requests = [(p, SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY)) for p in prompts]
+    config = dict(layout=layout, num_window_pages=60, num_quant_pages=200, max_num_seqs=4,
+                  max_num_batched_tokens=64)
+    hits = build_engine(tiny_model, tokenizer, EngineConfig(**config))
+    misses = build_engine(tiny_model, tokenizer, EngineConfig(**config, enable_prefix_caching=False))
+    assert run_all(hits, requests) == run_all(misses, requests)
+    assert hits.block_manager.num_prefix_hit_tokens >= 8 * 48
+    assert misses.block_manager.num_prefix_hit_tokens == 0
+
+
+def test_a_seed_gives_the_same_tokens_alone_batched_and_preempted(tiny_model, tokenizer):
+    prompt = tokenizer.encode("The quick brown fox")
+    seeded = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
+    alone = run_all(build_engine(tiny_model, tokenizer), [(prompt, seeded)])[0]
+    others = [(p, SamplingParams(max_tokens=25, ignore_eos=True)) for p in random_prompts(tokenizer, 6, seed=4)]
+    tight = build_engine(tiny_model, tokenizer, EngineConfig(num_window_pages=0, num_quant_pages=8,
+                                                             max_num_batched_tokens=16))
+    outputs = run_all(tight, others[:3] + [(prompt, seeded)] + others[3:])
+    assert outputs[3] == alone and tight.scheduler.num_preemptions > 0
+
+
+def test_finish_reasons_and_stop_handling(tiny_model, tokenizer):
+    llm = LLM(tiny_model, tokenizer=tokenizer, config=EngineConfig(max_model_len=40))
+    prompt = tokenizer.encode("hello world")
+    free = llm.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 12
+    stop_token = free.token_ids[5]
+    by_token = llm.generate(prompt, SamplingParams(max_tokens=12, stop_token_ids=[stop_token],
+                                                   ignore_eos=True, **GREEDY))[0]
+    first = free.token_ids.index(stop_token)
+    assert by_token.finish_reason == "stop" and by_token.token_ids == free.token_ids[:first + 1]
+    stop_text = free.text[4:7]
+    by_text = llm.generate(prompt, SamplingParams(max_tokens=12, stop=[stop_text], ignore_eos=True, **GREEDY))[0]
+    assert by_text.finish_reason == "stop" and by_text.text == free.text[:free.text.index(stop_text)]
+    by_context = llm.generate(prompt, SamplingParams(max_tokens=100, ignore_eos=True, **GREEDY))[0]
+    assert by_context.finish_reason == "length" and len(prompt) + len(by_context.token_ids) == 40
+    logprobs = llm.generate(prompt, SamplingParams(max_tokens=3, logprobs=2, **GREEDY))[0].logprobs
+    assert len(logprobs) == 3 and all(len(lp.top) == 2 and lp.top[0][0] == lp.token_id for lp in logprobs)
+
+
+def test_bad_requests_raise_request_error_and_leave_nothing_queued(tiny_model, tokenizer):
+    engine = build_engine(tiny_model, tokenizer, EngineConfig(max_model_len=64))
+    for ids, params, param in [([], SamplingParams(), "prompt"), ([1, 10**6], SamplingParams(), "prompt"),
+                               ([1] * 64, SamplingParams(), "prompt")]:
+        with pytest.raises(RequestError) as info:
+            engine.add_request(ids, params)
+        assert info.value.param == param
+    llm = LLM(tiny_model, tokenizer=tokenizer, config=EngineConfig(max_model_len=64))
+    with pytest.raises(RequestError):
+        llm.generate([[1, 2, 3], [1] * 80])
+    assert not llm.engine.has_unfinished()
+
+
+def test_abort_frees_the_pages_at_once(tiny_model, tokenizer):
+    engine = build_engine(tiny_model, tokenizer, EngineConfig(layout=windowed_layout(tiny_model),
+                                                              num_window_pages=10, num_quant_pages=20))
+    seq = engine.add_request(random_prompts(tokenizer, 1, seed=5)[0] * 2, SamplingParams(max_tokens=50))
+    engine.step()
+    assert seq.has_pages
+    out = engine.abort_request(seq.request_id)
+    assert out.finished and out.finish_reason == "abort" and engine.abort_request(seq.request_id) is None
+    assert_all_pages_free(engine)
+    assert not engine.has_unfinished()
+
+
+def test_llm_loads_a_model_directory(model_dir):
+    llm = LLM(str(model_dir), device="cpu")
+    out = llm.generate("hello", SamplingParams(max_tokens=5, **GREEDY))[0]
+    assert len(out.token_ids) >= 1 and out.prompt_token_ids == llm.tokenizer.encode("hello")
+    with pytest.raises(NotImplementedError, match="graph-pass integration"):
+        LLM(str(model_dir), spec="specs/oscar-int2.yaml")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        resolve_model_dir(model_dir / "missing")
+    if not (BUNDLED_MODEL_DIR / "config.json").exists():
+        with pytest.raises(FileNotFoundError, match="--model"):
+            resolve_model_dir(None)

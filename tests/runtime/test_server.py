@@ -1,0 +1,257 @@
+"""The OpenAI-compatible server over loopback, driven by the real ``openai`` client."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from oscar_compile.runtime.async_engine import AsyncEngine  # noqa: E402
+from oscar_compile.runtime.llm import LLM  # noqa: E402
+from oscar_compile.runtime.loader import EngineConfig, build_engine  # noqa: E402
+from oscar_compile.runtime.sampling_params import SamplingParams  # noqa: E402
+from oscar_compile.runtime.server import create_app  # noqa: E402
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tokenizer):
+    engine = build_engine(tiny_model, tokenizer, EngineConfig(num_window_pages=0, num_quant_pages=256,
+                                                              max_num_batched_tokens=64))
+    async_engine = AsyncEngine(engine)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # a free port, held until uvicorn takes the socket over
+    uv = uvicorn.Server(uvicorn.Config(create_app(async_engine, MODEL), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    yield sock.getsockname()[1], async_engine
+    uv.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{server[0]}/v1", max_retries=0)
+
+
+def post(port: int, path: str, body: bytes | dict) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    payload = json.loads(response.read())
+    conn.close()
+    return response.status, payload
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", path)
+    response = conn.getresponse()
+    text = response.read().decode()
+    conn.close()
+    return response.status, text
+
+
+def wait_idle(async_engine: AsyncEngine, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = async_engine.stats
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["quant_pages_used"] == 0:
+            return stats
+        time.sleep(0.05)
+    raise AssertionError(f"engine still busy: {async_engine.stats}")
+
+
+def test_completion_matches_offline_generation(client, tiny_model, tokenizer):
+    response = client.completions.create(model=MODEL, prompt="hello world", max_tokens=10,
+                                         temperature=0, logprobs=2)
+    offline = LLM(tiny_model, tokenizer=tokenizer).generate(
+        "hello world", SamplingParams(max_tokens=10, temperature=0))[0]
+    choice = response.choices[0]
+    assert choice.text == offline.text and choice.finish_reason == offline.finish_reason
+    assert response.usage.completion_tokens == len(offline.token_ids)
+    assert response.usage.prompt_tokens == len(tokenizer.encode("hello world"))
+    assert len(choice.logprobs.token_logprobs) == len(offline.token_ids)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_completion_uses_the_chat_template(client, tokenizer):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                              temperature=0, logprobs=True, top_logprobs=2)
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    assert response.usage.prompt_tokens == len(prompt_ids)
+    message = response.choices[0].message
+    assert message.role == "assistant" and isinstance(message.content, str)
+    assert all(len(entry.top_logprobs) == 2 for entry in response.choices[0].logprobs.content)
+
+
+def test_streaming_equals_the_whole_response(client):
+    kwargs = dict(model=MODEL, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(prompt="The quick brown", **kwargs).choices[0].text
+    chunks = list(client.completions.create(prompt="The quick brown", stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks) == whole
+    assert chunks[-1].choices[0].finish_reason == "length"
+    messages = [{"role": "user", "content": "hello"}]
+    whole_chat = client.chat.completions.create(messages=messages, **kwargs).choices[0].message.content
+    stream = list(client.chat.completions.create(messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}, **kwargs))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole_chat
+    assert stream[-1].choices == [] and stream[-1].usage.completion_tokens == 16
+
+
+def test_many_concurrent_clients(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> str:
+        return client.completions.create(model=MODEL, prompt="hello " * (i % 7 + 1), max_tokens=i % 9 + 1,
+                                         temperature=0.8, seed=i).choices[0].finish_reason
+
+    with ThreadPoolExecutor(8) as pool:
+        reasons = list(pool.map(one, range(24)))
+    assert all(r in ("stop", "length") for r in reasons)
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokenz": 5}, 400, "max_tokenz"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 3.5}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x " * 600}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": "other", "prompt": "x"}, 404, "model"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400,
+     "messages.0.role"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function"}]}, 400, "tools"),
+])
+def test_bad_requests_get_an_openai_error_and_the_server_keeps_serving(server, path, body, status, param):
+    port, _ = server
+    got_status, payload = post(port, path, body)
+    assert got_status == status
+    error = payload["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    ok_status, ok = post(port, "/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 2})
+    assert ok_status == 200 and ok["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_the_openai_client_raises_on_a_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", temperature=-1)
+    assert info.value.body["param"] == "temperature"
+
+
+def test_a_client_disconnecting_mid_stream_frees_its_pages(server):
+    port, async_engine = server
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")
+    before = async_engine.stats
+    assert before["num_running"] == 1 and before["quant_pages_used"] > 0
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    stats = wait_idle(async_engine)
+    assert stats["num_requests_aborted"] == before["num_requests_aborted"] + 1
+
+
+def test_a_client_giving_up_on_a_whole_response_frees_its_pages(server):
+    port, async_engine = server
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=0.3)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 480, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    aborted = async_engine.stats["num_requests_aborted"]
+    with pytest.raises(TimeoutError):
+        conn.getresponse()
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    assert wait_idle(async_engine)["num_requests_aborted"] == aborted + 1
+
+
+def test_health_and_metrics(server):
+    port, _ = server
+    assert get(port, "/health") == (200, '{"status":"ok"}')
+    status, text = get(port, "/metrics")
+    assert status == 200
+    for name in ("oscar_requests_waiting", "oscar_requests_running", "oscar_prefix_cache_hit_rate",
+                 "oscar_generation_tokens_per_second", 'oscar_kv_pages_used{kind="quant"}',
+                 'oscar_kv_pages_free{kind="window"}'):
+        assert f"\n{name} " in "\n" + text
+
+
+class _FailOnToken:
+    """Wraps a runner; raises when a sequence's context contains ``token`` (a model crash)."""
+
+    def __init__(self, runner, token: int):
+        self.runner, self.token = runner, token
+        self.vocab_size = runner.vocab_size
+
+    def run(self, batch):
+        if any(self.token in ids for ids in batch.context_token_ids):
+            raise RuntimeError("simulated model failure")
+        return self.runner.run(batch)
+
+
+def test_a_model_error_fails_the_request_not_the_server(server, client):
+    port, async_engine = server
+    engine = async_engine.engine
+    original = engine.runner
+    engine.runner = _FailOnToken(original, token=7)
+    try:
+        status, payload = post(port, "/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3})
+        assert status == 500 and payload["error"]["type"] == "internal_error"
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "stream": True}
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        events = conn.getresponse().read().decode().split("\n\n")
+        assert '"error"' in events[0] and events[-2] == "data: [DONE]"
+        wait_idle(async_engine)
+    finally:
+        engine.runner = original
+    assert client.completions.create(model=MODEL, prompt="fine", max_tokens=2).choices[0].text is not None
+
+
+def test_batched_prompts_come_back_as_indexed_choices(client):
+    response = client.completions.create(model=MODEL, prompt=["a", "b b", "c"], max_tokens=3, temperature=0)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    streamed = list(client.completions.create(model=MODEL, prompt=["a", "b b"], max_tokens=3, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True}))
+    texts = {0: "", 1: ""}
+    for chunk in streamed:
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts[0] == client.completions.create(model=MODEL, prompt="a", max_tokens=3, temperature=0,
+                                                 extra_body={"ignore_eos": True}).choices[0].text
+
+
+def test_serve_cli_builds_the_app_and_refuses_what_it_cannot_serve(model_dir, capsys):
+    from oscar_compile.runtime import serve
+
+    app, name = serve.build_app(serve.parse_args(["--model", str(model_dir), "--device", "cpu",
+                                                  "--kv-memory", "0.01"]))
+    assert name == model_dir.name and app.title == "oscar_compile"
+    assert serve.main(["--model", str(model_dir / "missing")]) == 2
+    assert serve.main(["--model", str(model_dir), "--spec", "specs/oscar-int2.yaml"]) == 2
+    assert "graph-pass integration" in capsys.readouterr().err
