@@ -19,10 +19,10 @@ from oscar_compile.kernels.attention_triton import LOG2E, dot_dtype, plan_launch
 @triton.jit
 def _attn_bf16_kernel(
     q_ptr, k_ptr, v_ptr, cu_ptr, cub_ptr, lens_ptr, pt_ptr, kp_ptr, vp_ptr,
-    out_ptr, po_ptr, pl_ptr, qk_scale, B, sqn, sqh, skn, skh, svn, svh, stride_pt,
+    out_ptr, po_ptr, pl_ptr, qk_scale, B, nsplit, sqn, sqh, skn, skh, svn, svh, stride_pt,
     H_KV: tl.constexpr, G_Q: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    NSPLIT: tl.constexpr, LOG_B: tl.constexpr, DOT_DT: tl.constexpr,
+    SPLIT: tl.constexpr, LOG_B: tl.constexpr, DOT_DT: tl.constexpr,
 ):
     NPL: tl.constexpr = 2
     WP: tl.constexpr = D // 2
@@ -46,12 +46,18 @@ def _attn_bf16_kernel(
         a0 = tl.zeros([ROWS, WP], tl.float32)
         a1 = tl.zeros([ROWS, WP], tl.float32)
         z0 = tl.zeros([ROWS], tl.float32)
-        if (NSPLIT == 0) | (sid < NSPLIT):
-            if NSPLIT == 0:
+        if SPLIT:
+            do_hist = sid < nsplit
+            do_win = sid == nsplit
+        else:
+            do_hist = sid >= 0
+            do_win = sid >= 0
+        if do_hist:
+            if not SPLIT:
                 lo = L * 0
                 hi = L
             else:
-                chunk = tl.cdiv(tl.cdiv(L, NSPLIT), BLOCK_N) * BLOCK_N
+                chunk = tl.cdiv(tl.cdiv(L, nsplit), BLOCK_N) * BLOCK_N
                 lo = tl.minimum(sid * chunk, L)
                 hi = tl.minimum(lo + chunk, L)
             pt_row = pt_ptr + i.to(tl.int64) * stride_pt
@@ -64,7 +70,7 @@ def _attn_bf16_kernel(
                 m, l, a0, a1, _a2, _a3, z0, _z1, _z2, _z3 = full_block(
                     qf, m, l, a0, a1, a0, a1, z0, z0, z0, z0, kp_ptr, vp_ptr, rows, key_ok,
                     D, qk_scale, D, WP, NPL, DOT_DT)
-        if (NSPLIT == 0) | (sid == NSPLIT):
+        if do_win:
             kend = tl.minimum(T, t0 + BLOCK_M)
             for j0 in range(0, kend, BLOCK_C):
                 j = j0 + tl.arange(0, BLOCK_C)
@@ -75,11 +81,11 @@ def _attn_bf16_kernel(
         inv_l = tl.where(l > 0.0, 1.0 / l, 0.0)
         n_glob = (start + tok).to(tl.int64)
         zero = tl.zeros([ROWS], tl.float32)
-        if NSPLIT == 0:
+        if not SPLIT:
             base = out_ptr + (n_glob * (H_KV * G_Q) + head)[:, None] * D
             store_rows(base, row_ok, a0, a1, a0, a1, zero, zero, zero, zero, inv_l, WP, NPL)
         else:
-            prow = (n_glob * (H_KV * G_Q) + head) * (NSPLIT + 1) + sid
+            prow = (n_glob * (H_KV * G_Q) + head) * (nsplit + 1) + sid
             store_rows(po_ptr + prow[:, None] * D, row_ok, a0, a1, a0, a1, zero, zero, zero, zero,
                        inv_l, WP, NPL)
             lse = tl.where(l > 0.0, m + tl.math.log2(l), float("-inf"))
@@ -121,10 +127,10 @@ def attention_bf16_triton(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, 
         po = pl = out
     _attn_bf16_kernel[(nblocks, H_kv, nsplit + 1)](
         q, k, v, cu_seqlens, cub, cache_lens, page_table, k_pages, v_pages, out, po, pl,
-        scale * LOG2E, B, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        scale * LOG2E, B, nsplit, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), page_table.stride(0),
         H_KV=H_kv, G_Q=g, D=D, P=P, BLOCK_M=block_m, ROWS=rows, BLOCK_N=block_n,
-        BLOCK_C=16 if block_m == 1 else 64, NSPLIT=nsplit, LOG_B=max(1, B.bit_length()),
+        BLOCK_C=16 if block_m == 1 else 64, SPLIT=nsplit > 0, LOG_B=max(1, B.bit_length()),
         DOT_DT=dot_dtype(k_pages.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     if nsplit:

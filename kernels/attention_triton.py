@@ -6,9 +6,9 @@ each K/V byte is loaded once for the whole GQA group) attend to
 - the history (quantized pages), dequantized in registers: codes -> fp16 by bit tricks, scale and
   zero folded into two multiply-adds per score and into the softmax weights (history_block);
 - the sink + recent window slots and the chunk's own keys (causal), in full precision.
-Flash-decoding: with NSPLIT > 0 the grid's third axis splits the history into NSPLIT equal parts
+Flash-decoding: with nsplit > 0 the grid's third axis splits the history into nsplit equal parts
 per sequence (plus one program for windows + chunk); each writes a normalised partial and its
-log-sum-exp, and merge_kernel combines them. With NSPLIT = 0 (many query blocks, e.g. prefill)
+log-sum-exp, and merge_kernel combines them. With nsplit = 0 (many query blocks, e.g. prefill)
 one program does everything and writes the output. Grid sizes and split counts come from tensor
 shapes only: no host sync, safe under CUDA graphs. The chunk is never written to a BF16 copy of
 the prefix: history stays packed in the pools.
@@ -33,12 +33,12 @@ LOG2E = 1.4426950408889634
 def _attn_kernel(
     q_ptr, k_ptr, v_ptr, cu_ptr, cub_ptr, lens_ptr, wt_ptr, qt_ptr,
     kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-    out_ptr, po_ptr, pl_ptr, qk_scale, B,
+    out_ptr, po_ptr, pl_ptr, qk_scale, B, nsplit,
     sqn, sqh, skn, skh, svn, svh, stride_wt, stride_qt,
     H_KV: tl.constexpr, G_Q: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     SINK: tl.constexpr, RECENT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-    NSPLIT: tl.constexpr, LOG_B: tl.constexpr, USE_ASM: tl.constexpr, DOT_DT: tl.constexpr,
+    SPLIT: tl.constexpr, LOG_B: tl.constexpr, USE_ASM: tl.constexpr, DOT_DT: tl.constexpr,
 ):
     NPL: tl.constexpr = 8 // BITS
     WP: tl.constexpr = D // NPL
@@ -68,13 +68,18 @@ def _attn_kernel(
         z2 = tl.zeros([ROWS], tl.float32)
         z3 = tl.zeros([ROWS], tl.float32)
         n_hist = tl.maximum(L - SINK - RECENT, 0)
-        do_hist = (NSPLIT == 0) | (sid < NSPLIT)
+        if SPLIT:
+            do_hist = sid < nsplit
+            do_win = sid == nsplit
+        else:
+            do_hist = sid >= 0
+            do_win = sid >= 0
         if do_hist:
-            if NSPLIT == 0:
+            if not SPLIT:
                 lo = n_hist * 0
                 hi = n_hist
             else:
-                chunk = tl.cdiv(tl.cdiv(n_hist, NSPLIT), BLOCK_N) * BLOCK_N
+                chunk = tl.cdiv(tl.cdiv(n_hist, nsplit), BLOCK_N) * BLOCK_N
                 lo = tl.minimum(sid * chunk, n_hist)
                 hi = tl.minimum(lo + chunk, n_hist)
             c = tl.arange(0, WP)[None, :]
@@ -109,7 +114,7 @@ def _attn_kernel(
                     q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, z2, z3,
                     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rowq, tmask, qk_scale,
                     ROWS, BLOCK_N, BITS, WP, GROUP, NG, NPL, USE_ASM)
-        if (NSPLIT == 0) | (sid == NSPLIT):
+        if do_win:
             kdt = DOT_DT
             d = tl.arange(0, D)[None, :]
             qf = tl.load(q_rows + d, mask=row_ok[:, None], other=0.0).to(kdt)
@@ -137,11 +142,11 @@ def _attn_kernel(
                     rows, key_ok, skn, qk_scale, D, WP, NPL, kdt)
         inv_l = tl.where(l > 0.0, 1.0 / l, 0.0)
         n_glob = (start + tok).to(tl.int64)
-        if NSPLIT == 0:
+        if not SPLIT:
             base = out_ptr + (n_glob * (H_KV * G_Q) + head)[:, None] * D
             store_rows(base, row_ok, a0, a1, a2, a3, z0, z1, z2, z3, inv_l, WP, NPL)
         else:
-            prow = (n_glob * (H_KV * G_Q) + head) * (NSPLIT + 1) + sid
+            prow = (n_glob * (H_KV * G_Q) + head) * (nsplit + 1) + sid
             store_rows(po_ptr + prow[:, None] * D, row_ok, a0, a1, a2, a3, z0, z1, z2, z3,
                        inv_l, WP, NPL)
             lse = tl.where(l > 0.0, m + tl.math.log2(l), float("-inf"))
@@ -230,12 +235,12 @@ def attention_triton(
     _attn_kernel[(nblocks, H_kv, nsplit + 1)](
         q, k, v, cu_seqlens, cub, cache_lens, window_table, quant_table,
         k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-        out, po, pl, scale * LOG2E, B,
+        out, po, pl, scale * LOG2E, B, nsplit,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         window_table.stride(0), quant_table.stride(0),
         H_KV=H_kv, G_Q=g, D=D, P=P, SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size,
         BLOCK_M=block_m, ROWS=rows, BLOCK_N=block_n, BLOCK_W=16 if block_m == 1 else 64,
-        NSPLIT=nsplit, LOG_B=max(1, B.bit_length()), USE_ASM=use_asm,
+        SPLIT=nsplit > 0, LOG_B=max(1, B.bit_length()), USE_ASM=use_asm,
         DOT_DT=dot_dtype(k_win.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -130,7 +130,7 @@ def _check_pool_layout(pools) -> None:
 def cache_write_triton(
     k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-    sink, recent, bits, group_size, clip_k, clip_v, rot_k=None, mean_k=None, block_t: int = 16,
+    sink, recent, bits, group_size, clip_k, clip_v, rot_k=None, mean_k=None, block_t: int | None = None,
 ):
     """Check, then launch one program per (BLOCK_T tokens, KV head). Mutates the pools."""
     check_cache_write_args(k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win,
@@ -147,6 +147,9 @@ def cache_write_triton(
     if rot_k is not None:
         rot_k = rot_k.contiguous().float()
         mean_k = None if mean_k is None else mean_k.contiguous().float()
+    if block_t is None:
+        # small decode batches: more, smaller programs; the fused rotation's dot needs 16 rows
+        block_t = 16 if (rot_k is not None or N >= 512) else 4
     B = cache_lens.shape[0]
     klo, khi, kfrac = clip_indices(clip_k, D)
     vlo, vhi, vfrac = clip_indices(clip_v, D)
