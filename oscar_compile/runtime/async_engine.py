@@ -3,7 +3,7 @@
 One thread owns the ``LLMEngine`` (and so every Sequence and page): handlers never touch it.
 They post commands (add, abort) to a thread-safe inbox that the engine thread drains between
 steps, and receive outputs on their own ``asyncio.Queue`` through ``call_soon_threadsafe``. A
-model error fails the requests of that step, not the server.
+model error fails the requests in flight (their pages are freed), not the server.
 """
 
 from __future__ import annotations

@@ -40,7 +40,11 @@ class _Common(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict[str, float]] = None
+    # accepted and ignored: they do not change what is generated
     user: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
     # extensions
     top_k: Optional[int] = None
     ignore_eos: bool = False
@@ -128,6 +132,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict[str, Any]] = None
 
     def check_unsupported(self) -> None:

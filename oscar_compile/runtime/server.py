@@ -34,6 +34,7 @@ from oscar_compile.runtime.sampling_params import RequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.5
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
 
 
 class ApiError(Exception):
@@ -169,7 +170,7 @@ class _Server:
         if stream:
             include_usage = bool(stream_options and stream_options.include_usage)
             return StreamingResponse(self._stream(fmt, outputs, len(prompts), include_usage),
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream", headers=_SSE_HEADERS)
         task = asyncio.ensure_future(self._collect(outputs, len(prompts)))
         while not task.done():
             await asyncio.wait([task], timeout=_DISCONNECT_POLL_S)
