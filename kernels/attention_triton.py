@@ -16,7 +16,7 @@ the prefix: history stays packed in the pools.
 from __future__ import annotations
 
 import functools
-import math
+import logging
 
 import torch
 import triton
@@ -27,6 +27,15 @@ from oscar_compile.kernels.attention_blocks_triton import (
 from oscar_compile.kernels.quant_triton import interpreting
 
 LOG2E = 1.4426950408889634
+_log = logging.getLogger(__name__)
+_ASM_FAILED = False
+
+
+def _note_asm_failure() -> None:
+    global _ASM_FAILED
+    _ASM_FAILED = True
+    _log.warning("bit-trick INT-b decode (inline PTX) failed to compile; using plain unpacking",
+                 exc_info=True)
 
 
 @triton.jit
@@ -230,9 +239,11 @@ def attention_triton(
         pl = torch.empty(N * H_q * (nsplit + 1), dtype=torch.float32, device=q.device)
     else:
         po = pl = out
-    if use_asm is None:
-        use_asm = q.is_cuda and not interpreting()
-    _attn_kernel[(nblocks, H_kv, nsplit + 1)](
+    auto_asm = use_asm is None
+    if auto_asm:
+        use_asm = q.is_cuda and not interpreting() and not _ASM_FAILED
+    launch = functools.partial(
+        _attn_kernel[(nblocks, H_kv, nsplit + 1)],
         q, k, v, cu_seqlens, cub, cache_lens, window_table, quant_table,
         k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
         out, po, pl, scale * LOG2E, B, nsplit,
@@ -240,10 +251,17 @@ def attention_triton(
         window_table.stride(0), quant_table.stride(0),
         H_KV=H_kv, G_Q=g, D=D, P=P, SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size,
         BLOCK_M=block_m, ROWS=rows, BLOCK_N=block_n, BLOCK_W=16 if block_m == 1 else 64,
-        SPLIT=nsplit > 0, LOG_B=max(1, B.bit_length()), USE_ASM=use_asm,
+        SPLIT=nsplit > 0, LOG_B=max(1, B.bit_length()),
         DOT_DT=dot_dtype(k_win.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
+    try:
+        launch(USE_ASM=use_asm)
+    except Exception:  # the inline PTX did not build for this GPU / Triton: plain unpack instead
+        if not (auto_asm and use_asm):
+            raise
+        _note_asm_failure()
+        launch(USE_ASM=False)
     if nsplit:
         merge_kernel[(N * H_q,)](po, pl, out, nsplit + 1, D=D,
                                  NS_P2=triton.next_power_of_2(nsplit + 1), num_warps=4)

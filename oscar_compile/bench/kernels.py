@@ -1,0 +1,313 @@
+"""Kernel benchmark (DESIGN.md §8.1-8.2): paged INT2 decode attention and the cache write, on GPU.
+
+    python -m oscar_compile.bench.kernels [--out bench.json] [--quick]
+
+One Qwen3-8B attention layer (32 query heads, 8 KV heads, head_dim 128), sink 64, recent 256,
+page 16. Decode attention at context 8k / 32k / 128k and batch 1 / 8 / 32 (batch * context <= 4M)
+for: torch SDPA on a contiguous BF16 cache (fastest of cuDNN / flash / efficient, GQA), the paged
+BF16 Triton kernel, and the paged INT2 Triton kernel with fp16 and fp32 scale/zero. Each variant
+is captured in a CUDA graph over enough per-layer buffers (up to 36) that the data of one replay
+is >= 3x the 60 MB L2, so no layer is served from L2; time = replay time / layers (median).
+Then the cache write: microseconds per layer per decode step against batch, prefill tokens/s, and
+correctness of every kernel against its reference at the benchmark shapes (same command).
+Prints a table; writes everything to JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import time
+
+import torch
+
+from oscar_compile.kernels import ops
+from oscar_compile.kernels.pools import allocate_pools
+
+HBM_BYTES_PER_S = 4.3e12
+L2_BYTES = 60e6
+H_Q, H_KV, D, LAYERS = 32, 8, 128, 36
+SINK, RECENT, P, BITS, GROUP = 64, 256, 16, 2, 128
+
+
+def graph_time_us(calls, reps: int = 15) -> float:
+    """Median time of one call, from CUDA-graph replays of all ``calls`` (one per layer buffer)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in calls:  # compile / autotune outside the graph
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in calls:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def num_buffers(layer_bytes: float) -> int:
+    return max(1, min(LAYERS, math.ceil(3 * L2_BYTES / layer_bytes)))
+
+
+def make_tables(B: int, pages_per_seq: int, device) -> torch.Tensor:
+    """[B, pages_per_seq] int32: a random permutation of the pages (no contiguity to exploit)."""
+    n = max(B * pages_per_seq, 1)
+    return torch.randperm(n, device=device).to(torch.int32).view(B, pages_per_seq)
+
+
+def int2_layer(B: int, ctx: int, sdt: torch.dtype, device):
+    """Random INT2 pools (codes, scales, zeros, windows) for B sequences holding ctx tokens."""
+    hist = max(0, ctx - SINK - RECENT)
+    qpages, wpages = -(-hist // P), (SINK + RECENT) // P
+    pools = allocate_pools(B * qpages, B * wpages, H_KV, P, D, BITS, GROUP, sdt, torch.bfloat16, device)
+    for c in (pools.k_codes, pools.v_codes):
+        c.copy_(torch.randint(0, 256, c.shape, dtype=torch.uint8, device=device))
+    for s in (pools.k_scale, pools.v_scale):
+        s.copy_(torch.rand(s.shape, device=device) * 0.08 + 0.02)
+    for z in (pools.k_zero, pools.v_zero):
+        z.copy_(torch.rand(z.shape, device=device) * 3)
+    for w in (pools.k_win, pools.v_win):
+        w.copy_(torch.randn(w.shape, device=device))
+    tables = (make_tables(B, wpages, device), make_tables(B, qpages, device))
+    return pools, tables
+
+
+def int2_bytes(B: int, ctx: int, sdt: torch.dtype) -> float:
+    hist = max(0, ctx - SINK - RECENT)
+    per_tok = 2 * (D * BITS // 8 + 2 * (D // GROUP) * torch.finfo(sdt).bits // 8)
+    return B * H_KV * (hist * per_tok + (ctx - hist) * 2 * D * 2)
+
+
+def bench_attention(ctx: int, B: int, check: bool) -> dict:
+    dev = torch.device("cuda")
+    scale = D ** -0.5
+    row = {"context": ctx, "batch": B}
+    q = torch.randn(B, H_Q, D, device=dev, dtype=torch.bfloat16)
+    kn = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
+    vn = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
+    cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
+    lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
+    bf16_bytes = B * H_KV * ctx * 2 * D * 2
+    row["bf16_bytes"] = bf16_bytes
+    nb = num_buffers(bf16_bytes)
+    # torch SDPA, contiguous BF16 cache: the fastest backend that runs
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    kv = [(torch.randn(B, H_KV, ctx, D, device=dev, dtype=torch.bfloat16),
+           torch.randn(B, H_KV, ctx, D, device=dev, dtype=torch.bfloat16)) for _ in range(nb)]
+    q4 = q.unsqueeze(2)
+    sdpa = {}
+    for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                     ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            def call(k=None, v=None, be=be):
+                with sdpa_kernel([be]):
+                    return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+            sdpa[name] = graph_time_us([lambda k=k, v=v: call(k, v) for k, v in kv])
+        except Exception as e:  # a backend that refuses the shape is skipped, and said so
+            sdpa[name] = f"unavailable: {type(e).__name__}"
+    del kv
+    times = [t for t in sdpa.values() if isinstance(t, float)]
+    row["sdpa_us"] = min(times)
+    row["sdpa_backends"] = sdpa
+    # paged BF16 (Triton)
+    pages = [(torch.randn(B * ctx // P, H_KV, P, D, device=dev, dtype=torch.bfloat16),
+              torch.randn(B * ctx // P, H_KV, P, D, device=dev, dtype=torch.bfloat16),
+              make_tables(B, ctx // P, dev)) for _ in range(nb)]
+    row["paged_bf16_us"] = graph_time_us(
+        [lambda kp=kp, vp=vp, pt=pt: ops.attention_bf16(q, kn, vn, cu, lens, pt, kp, vp, scale)
+         for kp, vp, pt in pages])
+    if check:
+        from oscar_compile.kernels.attention_bf16_ref import attention_bf16_ref
+
+        kp, vp, pt = pages[0]
+        got = ops.attention_bf16(q, kn, vn, cu, lens, pt, kp, vp, scale)[:1]
+        want = attention_bf16_ref(q[:1], kn[:1], vn[:1], cu[:2], lens[:1], pt[:1], kp, vp, scale)
+        row["paged_bf16_rel_err"] = rel_err(got, want)
+    del pages
+    for sdt, tag in ((torch.float16, "int2_fp16"), (torch.float32, "int2_fp32")):
+        nbytes = int2_bytes(B, ctx, sdt)
+        layers = [int2_layer(B, ctx, sdt, dev) for _ in range(num_buffers(nbytes))]
+
+        def call(pools, tables):
+            return ops.attention(q, kn, vn, cu, lens, *tables, *pools, scale, SINK, RECENT, BITS, GROUP)
+
+        t = graph_time_us([lambda p=p, tb=tb: call(p, tb) for p, tb in layers])
+        row[f"{tag}_us"] = t
+        row[f"{tag}_bytes"] = nbytes
+        row[f"{tag}_gbps"] = nbytes / t * 1e-3
+        row[f"{tag}_pct_hbm"] = 100 * nbytes / (t * 1e-6) / HBM_BYTES_PER_S
+        row[f"{tag}_kv_elems_per_s"] = B * ctx * H_KV * D * 2 / (t * 1e-6)
+        row[f"{tag}_speedup_vs_sdpa"] = row["sdpa_us"] / t
+        row[f"{tag}_speedup_vs_paged_bf16"] = row["paged_bf16_us"] / t
+        if check:
+            from oscar_compile.kernels.attention_ref import attention_ref
+
+            pools, (wt, qt) = layers[0]
+            got = call(pools, (wt, qt))
+            errs = []
+            for i in sorted({0, B - 1}):
+                want = attention_ref(q[i:i + 1], kn[i:i + 1], vn[i:i + 1], cu[:2], lens[i:i + 1],
+                                     wt[i:i + 1], qt[i:i + 1], *pools, scale, SINK, RECENT, BITS, GROUP)
+                errs.append(rel_err(got[i:i + 1], want))
+            row[f"{tag}_rel_err"] = max(errs)
+        del layers
+    row["paged_bf16_gbps"] = bf16_bytes / row["paged_bf16_us"] * 1e-3
+    row["sdpa_gbps"] = bf16_bytes / row["sdpa_us"] * 1e-3
+    row["sdpa_pct_hbm"] = 100 * bf16_bytes / (row["sdpa_us"] * 1e-6) / HBM_BYTES_PER_S
+    torch.cuda.empty_cache()
+    return row
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def bench_variants(ctx: int, B: int) -> list[dict]:
+    """INT2 kernel knobs at one shape: bit-trick decode on/off, history block, warps."""
+    from oscar_compile.kernels.attention_triton import attention_triton
+
+    dev = torch.device("cuda")
+    q = torch.randn(B, H_Q, D, device=dev, dtype=torch.bfloat16)
+    kn = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
+    cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
+    lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
+    nbytes = int2_bytes(B, ctx, torch.float16)
+    layers = [int2_layer(B, ctx, torch.float16, dev) for _ in range(num_buffers(nbytes))]
+    out = []
+    for use_asm in (True, False):
+        for block_n in (64, 128):
+            for warps in (4, 8):
+                kw = dict(use_asm=use_asm, block_n=block_n, num_warps=warps)
+                try:
+                    t = graph_time_us([lambda p=p, tb=tb: attention_triton(
+                        q, kn, kn, cu, lens, *tb, *p, D ** -0.5, SINK, RECENT, BITS, GROUP, **kw)
+                        for p, tb in layers])
+                    out.append({"context": ctx, "batch": B, **kw, "us": t,
+                                "kv_elems_per_s": B * ctx * H_KV * D * 2 / (t * 1e-6)})
+                except Exception as e:
+                    out.append({"context": ctx, "batch": B, **kw, "error": repr(e)[:300]})
+    del layers
+    torch.cuda.empty_cache()
+    return out
+
+
+def bench_write(check: bool) -> dict:
+    """Cache write: µs per layer per decode step vs batch (plain and fused rotation); prefill tokens/s."""
+    from oscar_compile.kernels.cache_write_ref import cache_write_ref
+    from oscar_compile.kernels.cache_write_triton import cache_write_triton
+
+    dev = torch.device("cuda")
+    res = {"decode": [], "prefill": []}
+    rot = torch.linalg.qr(torch.randn(H_KV, D, D, device=dev, dtype=torch.float64))[0].float()
+    mean = torch.randn(H_KV, D, device=dev)
+    for B in (1, 8, 32, 64):
+        ctx = 4096  # ring full: every step also demotes (quantizes) one token per sequence
+        pools, (wt, qt) = int2_layer(B, ctx + 1, torch.float16, dev)
+        k = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
+        lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
+        args = (cu, lens, wt, qt, *pools, SINK, RECENT, BITS, GROUP, 0.96, 0.92)
+        t = graph_time_us([lambda: ops.cache_write(k, v, *args)] * LAYERS)
+        tr = graph_time_us([lambda: ops.cache_write(k, v, *args, rot_k=rot, mean_k=mean)] * LAYERS)
+        entry = {"batch": B, "us_per_layer": t, "us_per_layer_fused_rotation": tr}
+        if check:
+            ref = [x.clone() for x in pools]
+            cache_write_ref(k, v, *args[:4], *ref, *args[12:])
+            cache_write_triton(k, v, *args)
+            entry["bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(pools, ref))
+        res["decode"].append(entry)
+    for B, T in ((1, 32768), (8, 4096)):
+        N = B * T
+        pools, (wt, qt) = int2_layer(B, T, torch.float16, dev)
+        k = torch.randn(N, H_KV, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        cu = torch.arange(B + 1, device=dev, dtype=torch.int32) * T
+        lens = torch.zeros(B, device=dev, dtype=torch.int32)
+        args = (cu, lens, wt, qt, *pools, SINK, RECENT, BITS, GROUP, 0.96, 0.92)
+        t = graph_time_us([lambda: ops.cache_write(k, v, *args)], reps=10)
+        entry = {"batch": B, "tokens": N, "us": t, "tokens_per_s": N / (t * 1e-6)}
+        if check and N <= 32768:
+            ref = [torch.zeros_like(x) for x in pools]
+            got = [torch.zeros_like(x) for x in pools]
+            cache_write_ref(k, v, *args[:4], *ref, *args[12:])
+            cache_write_triton(k, v, *args[:4], *got, *args[12:])
+            entry["bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(got, ref))
+        res["prefill"].append(entry)
+    return res
+
+
+def device_line() -> str:
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+        gpu = smi.stdout.strip()
+    except Exception:
+        gpu = torch.cuda.get_device_name()
+    import triton
+
+    return f"{gpu}; torch {torch.__version__}; triton {triton.__version__}"
+
+
+def print_table(rows: list[dict], write: dict) -> None:
+    hdr = (f"{'ctx':>6} {'B':>3} {'sdpa_us':>9} {'pagedbf16':>9} {'int2_us':>8} {'GB/s':>6} {'%HBM':>5} "
+           f"{'Tel/s':>6} {'x_sdpa':>6} {'x_paged':>7} {'fp32s_us':>8} {'x_sdpa32':>8} {'err':>8}")
+    print(hdr)
+    for r in rows:
+        print(f"{r['context']:>6} {r['batch']:>3} {r['sdpa_us']:>9.1f} {r['paged_bf16_us']:>9.1f} "
+              f"{r['int2_fp16_us']:>8.1f} {r['int2_fp16_gbps']:>6.0f} {r['int2_fp16_pct_hbm']:>5.1f} "
+              f"{r['int2_fp16_kv_elems_per_s'] / 1e12:>6.2f} {r['int2_fp16_speedup_vs_sdpa']:>6.2f} "
+              f"{r['int2_fp16_speedup_vs_paged_bf16']:>7.2f} {r['int2_fp32_us']:>8.1f} "
+              f"{r['int2_fp32_speedup_vs_sdpa']:>8.2f} {r.get('int2_fp16_rel_err', float('nan')):>8.1e}")
+    print("write, decode step (µs per layer):", [(w["batch"], round(w["us_per_layer"], 2),
+          round(w["us_per_layer_fused_rotation"], 2), w.get("bitwise_equal")) for w in write["decode"]])
+    print("write, prefill (tokens/s):", [(w["tokens"], f"{w['tokens_per_s']:.3g}", w.get("bitwise_equal"))
+                                         for w in write["prefill"]])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_kernels.json")
+    ap.add_argument("--quick", action="store_true", help="8k and 32k at batch 1 and 8 only")
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--no-variants", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA device")
+    ctxs = (8192, 32768) if args.quick else (8192, 32768, 131072)
+    batches = (1, 8) if args.quick else (1, 8, 32)
+    result = {"command": "python -m oscar_compile.bench.kernels", "device": device_line(),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": "Qwen3-8B layer H_q=32 H_kv=8 D=128",
+              "sink": SINK, "recent": RECENT, "page": P, "bits": BITS, "group": GROUP,
+              "hbm_bytes_per_s": HBM_BYTES_PER_S, "attention": [], "variants": []}
+    for ctx in ctxs:
+        for B in batches:
+            if B * ctx <= 4 * 1024 * 1024:
+                result["attention"].append(bench_attention(ctx, B, not args.no_check))
+                print(json.dumps(result["attention"][-1]), flush=True)
+    if not args.no_variants:
+        for ctx, B in ((32768, 8), (131072, 1)):
+            result["variants"] += bench_variants(ctx, B)
+        print(json.dumps(result["variants"]), flush=True)
+    result["write"] = bench_write(not args.no_check)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print_table(result["attention"], result["write"])
+
+
+if __name__ == "__main__":
+    main()
