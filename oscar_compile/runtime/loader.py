@@ -57,7 +57,7 @@ def resolve_model_dir(model: str | Path | None) -> Path:
     if not (path / "config.json").is_file():
         hint = "pass --model DIR" if model is None else "expected a Hugging Face model directory"
         what = "the bundled model" if model is None else "model"
-        raise FileNotFoundError(f"{what} not found at {path} (no config.json): {hint}")
+        raise FileNotFoundError(f"{what} was not found at {path} (no config.json): {hint}")
     return path
 
 

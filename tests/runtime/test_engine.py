@@ -157,3 +157,21 @@ def test_llm_loads_a_model_directory(model_dir):
     if not (BUNDLED_MODEL_DIR / "config.json").exists():
         with pytest.raises(FileNotFoundError, match="--model"):
             resolve_model_dir(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_engine_runs_on_cuda(tiny_model, tokenizer):
+    import copy
+
+    model = copy.deepcopy(tiny_model).to("cuda")
+    llm = LLM(model, tokenizer=tokenizer, config=EngineConfig(max_num_batched_tokens=32))
+    prompt = tokenizer.encode("The quick brown fox")
+    greedy = llm.generate([prompt] * 3, SamplingParams(max_tokens=16, logprobs=1, **GREEDY))
+    reference = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, do_sample=False)
+    assert greedy[0].token_ids == reference[0, len(prompt):].tolist()
+    seeded = SamplingParams(max_tokens=16, temperature=0.9, top_k=20, seed=7, ignore_eos=True)
+    alone = llm.generate(prompt, seeded)[0].token_ids
+    batched = llm.generate([tokenizer.encode("hello")] * 4 + [prompt], [SamplingParams(max_tokens=9)] * 4 + [seeded])
+    assert batched[-1].token_ids == alone
+    assert_all_pages_free(llm.engine)
