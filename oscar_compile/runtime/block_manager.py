@@ -10,7 +10,7 @@ Prefix caching. The tokens are cut into blocks of P: block ``k < S0 / P`` is sin
 block ``S0 / P + j`` is history page ``j``. A block is *final* once its content can no longer
 change (sink block: all its tokens cached; history block: all its tokens demoted); it is then
 registered under a hash chained over the ids of its tokens and of all tokens before it, so equal
-hashes mean equal prompts up to the block end and hence equal K/V. Recent-ring pages are never
+hashes mean equal prompts up to the block end. Recent-ring pages are never
 shared: they are overwritten as the sequence advances.
 
 What a hit means with windows. A new sequence of n tokens reuses the longest run of cached
@@ -27,8 +27,13 @@ classic paged-attention hit and the state is always standard.
 A runner that only knows the standard state (``cache_write`` demotes ring positions
 ``[max(S0, L - W), L)`` whatever the ring holds - the reference kernel does) would overwrite
 shared history pages with garbage after such a hit. So history hits with W > 0 are opt-in
-(``history_hits``, set from the runner's ``supports_history_hits``); without them hits stop at
-the sink (R <= S0), which is always a standard state.
+(``history_hits``, off by default; ``build_engine`` sets it from the runner's
+``supports_history_hits``); without them a hit also stops at the sink (R <= S0), which is always
+a standard state.
+
+Exactness: equal hashes mean equal tokens, hence equal K/V for an exact runner. With a quantized
+cache, K/V of deeper layers depend on which earlier tokens were read back quantized, i.e. on how
+the prefix was chunked; a hit reuses one such chunking, as chunked prefill itself does.
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ class PrefixMatch:
 
 class BlockManager:
     def __init__(self, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
-                 enable_prefix_caching: bool = True, history_hits: bool = True):
+                 enable_prefix_caching: bool = True, history_hits: bool = False):
         self.layout = layout
         self.history_hits = history_hits
         self.window_pool = PagePool("window", num_window_pages)

@@ -25,7 +25,8 @@ def make_layout(**kwargs) -> CacheLayout:
 
 
 def make_bm(num_window=40, num_quant=80, **kwargs) -> BlockManager:
-    flags = {k: kwargs.pop(k) for k in ("history_hits", "enable_prefix_caching") if k in kwargs}
+    flags = {"history_hits": True}
+    flags.update({k: kwargs.pop(k) for k in ("history_hits", "enable_prefix_caching") if k in kwargs})
     return BlockManager(make_layout(**{**WINDOWED, **kwargs}), num_window, num_quant, **flags)
 
 
