@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -101,8 +102,13 @@ def default_kv_memory_bytes(device: torch.device) -> int:
 
 
 def build_engine(model, tokenizer, config: EngineConfig | None = None,
-                 runner: ModelRunner | None = None) -> LLMEngine:
-    """An engine over ``model``; ``runner`` defaults to the exact RecomputeRunner (BF16 layout)."""
+                 runner: ModelRunner | None = None,
+                 make_runner: Callable[[BlockManager], ModelRunner] | None = None) -> LLMEngine:
+    """An engine over ``model``.
+
+    The runner is ``runner``, else ``make_runner(block_manager)`` (a runner that allocates its
+    pools from the page counts, e.g. the compressed one), else the exact RecomputeRunner.
+    """
     config = config or EngineConfig()
     text_config = model.config.get_text_config()
     device = next(model.parameters()).device
@@ -122,8 +128,9 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
         num_window, num_quant = plan.num_window_pages, plan.num_quant_pages
     logger.info("KV pages: %d window (%d B each), %d quant (%d B each)", num_window,
                 layout.window_page_bytes, num_quant, layout.quant_page_bytes)
-    runner = runner or RecomputeRunner(model)
-    block_manager = BlockManager(layout, num_window, num_quant, config.enable_prefix_caching,
-                                 history_hits=getattr(runner, "supports_history_hits", False))
+    block_manager = BlockManager(layout, num_window, num_quant, config.enable_prefix_caching)
+    if runner is None:
+        runner = make_runner(block_manager) if make_runner is not None else RecomputeRunner(model)
+    block_manager.history_hits = bool(getattr(runner, "supports_history_hits", False))
     return LLMEngine(runner, tokenizer, block_manager, max_model_len,
                      config.max_num_seqs, config.max_num_batched_tokens, eos_token_ids(model, tokenizer))

@@ -159,6 +159,23 @@ def test_llm_loads_a_model_directory(model_dir):
             resolve_model_dir(None)
 
 
+def test_a_runner_factory_sizes_its_pools_from_the_block_manager(tiny_model, tokenizer):
+    from oscar_compile.runtime.runner import RecomputeRunner
+
+    seen = {}
+
+    def make_runner(block_manager):
+        seen["pages"] = (block_manager.window_pool.num_pages, block_manager.quant_pool.num_pages)
+        runner = RecomputeRunner(tiny_model)
+        runner.supports_history_hits = False  # e.g. a runner whose cache_write ignores history_lens
+        return runner
+
+    config = EngineConfig(layout=windowed_layout(tiny_model), num_window_pages=6, num_quant_pages=9)
+    engine = build_engine(tiny_model, tokenizer, config, make_runner=make_runner)
+    assert seen["pages"] == (6, 9) and engine.block_manager.history_hits is False
+    assert build_engine(tiny_model, tokenizer, config).block_manager.history_hits is True
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_engine_runs_on_cuda(tiny_model, tokenizer):
