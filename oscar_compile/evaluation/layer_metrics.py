@@ -1,0 +1,139 @@
+"""Per-layer fidelity (DESIGN.md §7) on held-out text, every method against BF16 in one pass.
+
+Setting: teacher-forced decoding of a held-out window of T tokens (every token goes through the
+cache: ``starts[t] = t``), scored at the last Q query positions, where the quantized history is
+longest. Two kinds of numbers:
+
+* **isolated** (one layer's cache quantized, its inputs from the BF16 run): computed inside one
+  BF16 forward per batch, for all methods at once, from that layer's q, k, v:
+  - K / V relative MSE ``sum ||k~ - k||^2 / sum ||k||^2`` over the keys (values) the last query
+    reads quantized, original coordinates (rotations preserve norms; centring is undone);
+  - QK^T MSE: mean squared error of the attention logits ``q . k * scaling`` over the (query,
+    key) pairs read quantized;
+  - attention KL(p_bf16 || p_q) in nats, averaged over query heads and scored positions;
+  - post-W_O error: ``sum ||(o~ - o) W_O^T||^2 / sum ||o W_O^T + b||^2`` (relative).
+* **propagated**: all layers quantized, a second forward per method; each decoder layer's output
+  hidden state against BF16's, ``sum ||h~ - h||^2 / sum ||h||^2`` at the scored positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..architectures import attention_modules
+from .quantizers import LayerQuantizer, cache_starts
+from .simulate import attention_override, capture_hidden, simulated_layer, _repeat_kv
+
+METRICS = ("k_rel_mse", "v_rel_mse", "qk_mse", "attn_kl", "attn_out_rel_err", "hidden_rel_err")
+
+
+@dataclass
+class LayerSums:
+    """Running numerators and denominators of one (method, layer); float64 on the host."""
+
+    k_err: float = 0.0
+    k_ref: float = 0.0
+    v_err: float = 0.0
+    v_ref: float = 0.0
+    qk_sq: float = 0.0
+    qk_n: float = 0.0
+    kl: float = 0.0
+    kl_n: float = 0.0
+    o_err: float = 0.0
+    o_ref: float = 0.0
+    h_err: float = 0.0
+    h_ref: float = 0.0
+
+    def add(self, **values: torch.Tensor) -> None:
+        for name, value in values.items():
+            setattr(self, name, getattr(self, name) + float(value))
+
+    def result(self) -> dict[str, float]:
+        def ratio(a: float, b: float) -> float:
+            return a / b if b else 0.0
+
+        return {"k_rel_mse": ratio(self.k_err, self.k_ref), "v_rel_mse": ratio(self.v_err, self.v_ref),
+                "qk_mse": ratio(self.qk_sq, self.qk_n), "attn_kl": ratio(self.kl, self.kl_n),
+                "attn_out_rel_err": ratio(self.o_err, self.o_ref), "hidden_rel_err": ratio(self.h_err, self.h_ref)}
+
+
+def _isolated(sums: LayerSums, quantizer: LayerQuantizer, o_proj: nn.Linear, q, k, v, scaling: float,
+              starts: torch.Tensor, num_scored: int) -> None:
+    """Accumulate one layer's isolated metrics. q: [B, H_q, T, D]; k, v: [B, H_kv, T, D]; starts: [1, T]."""
+    B, H, T, D = q.shape
+    k_q, v_q = quantizer.fake_quantize(k, v)  # float32
+    k, v = k.float(), v.float()
+    mk, mv = quantizer.bounds(starts[:, T - num_scored:]).masks(T)  # [1, Q, T]
+    last_k, last_v = mk[:, -1, None, :, None], mv[:, -1, None, :, None]  # [1, 1, T, 1]
+    sums.add(k_err=((k_q - k).square() * last_k).sum(), k_ref=(k.square() * last_k).sum(),
+             v_err=((v_q - v).square() * last_v).sum(), v_ref=(v.square() * last_v).sum())
+    qs = q[:, :, T - num_scored:].float()  # [B, H_q, Q, D]
+    kr, kq = _repeat_kv(k, H), _repeat_kv(k_q, H)
+    t = torch.arange(T - num_scored, T, device=q.device)[:, None]
+    future = torch.arange(T, device=q.device)[None, :] > t  # [Q, T]
+    s = (qs @ kr.transpose(-1, -2) * scaling).masked_fill(future, float("-inf"))  # [B, H_q, Q, T]
+    s_q = torch.where(mk[:, None], qs @ kq.transpose(-1, -2) * scaling, s)
+    diff = torch.where(mk[:, None], s_q - s, torch.zeros_like(s))
+    sums.add(qk_sq=diff.square().sum(), qk_n=mk.sum() * B * H)
+    logp, logp_q = s.log_softmax(-1), s_q.log_softmax(-1)
+    p, p_q = logp.exp(), logp_q.exp()
+    kl = torch.where(future, torch.zeros_like(s), p * (logp - logp_q))
+    sums.add(kl=kl.sum(), kl_n=B * H * num_scored)
+    vr, vq = _repeat_kv(v, H), _repeat_kv(v_q, H)
+    mvh = mv[:, None].float()
+    o = p @ vr  # [B, H_q, Q, D]
+    o_q = (p_q * (1 - mvh)) @ vr + (p_q * mvh) @ vq
+    w = o_proj.weight.float()
+    b = None if o_proj.bias is None else o_proj.bias.float()
+    y = F.linear(o.transpose(1, 2).reshape(B, num_scored, H * D), w, b)
+    y_q = F.linear(o_q.transpose(1, 2).reshape(B, num_scored, H * D), w, b)
+    sums.add(o_err=(y_q - y).square().sum(), o_ref=y.square().sum())
+
+
+class LayerMetrics:
+    """Accumulates the per-layer metrics of several methods over batches of held-out windows."""
+
+    def __init__(self, model: nn.Module, methods: dict[str, Sequence[Optional[LayerQuantizer]]], num_scored: int):
+        self.model, self.methods, self.num_scored = model, methods, num_scored
+        self.num_layers = len(attention_modules(model))
+        self.sums = {name: [LayerSums() for _ in range(self.num_layers)] for name in methods}
+
+    def _isolated_layer(self, i: int, o_proj: nn.Linear, starts: torch.Tensor):
+        def attend(q, k, v, scaling, run_inner):
+            for name, quantizers in self.methods.items():
+                if quantizers[i] is not None:
+                    _isolated(self.sums[name][i], quantizers[i], o_proj, q, k, v, scaling, starts, self.num_scored)
+            return run_inner()
+
+        return attend
+
+    def add_batch(self, input_ids: torch.Tensor) -> None:
+        """input_ids: [B, T] held-out windows (T > num_scored)."""
+        T = input_ids.shape[1]
+        if T <= self.num_scored:
+            raise ValueError(f"metric windows of {T} tokens cannot score the last {self.num_scored}")
+        starts = cache_starts(T, device=input_ids.device)
+        positions = torch.arange(T - self.num_scored, T, device=input_ids.device)
+        ref: list[torch.Tensor] = []
+        o_projs = [m.o_proj for m in attention_modules(self.model)]
+        per_layer = [self._isolated_layer(i, o_projs[i], starts) for i in range(self.num_layers)]
+        with attention_override(self.model, per_layer), capture_hidden(self.model, positions, ref):
+            self.model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+        for name, quantizers in self.methods.items():
+            if all(qz is None for qz in quantizers):
+                continue  # the BF16 forward itself: zero error by construction
+            hidden: list[torch.Tensor] = []
+            sim = [simulated_layer(qz, starts) for qz in quantizers]
+            with attention_override(self.model, sim), capture_hidden(self.model, positions, hidden):
+                self.model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+            for sums, h, h_ref in zip(self.sums[name], hidden, ref):
+                sums.add(h_err=(h - h_ref).square().sum(), h_ref=h_ref.square().sum())
+
+    def results(self) -> dict[str, list[dict[str, float]]]:
+        """{method: [{"layer": i, metric: value, ...} per layer]}."""
+        return {name: [{"layer": i, **s.result()} for i, s in enumerate(layers)] for name, layers in self.sums.items()}
+

@@ -1,0 +1,175 @@
+"""Simulated compressed-cache attention: the whole sequence in one forward, with masks.
+
+The compressed cache is exact to simulate without running it step by step: a token's quantized
+key/value never changes once written, and what query t reads depends only on how many tokens were
+cached when it ran (``starts[t]``, quantizers.cache_starts). So each layer fake-quantizes its keys
+and values once per sequence and attends over two copies side by side, ``[K; K_q]`` and
+``[V; V_q]``, with a boolean mask that lets query t see copy 1 of key p exactly when the cache
+would hand it the quantized one (and copy 0 otherwise, causally). One softmax over the union is
+the softmax of the mixed cache. KIVI, whose keys and values age out at different times, uses the
+four (key copy, value copy) pairs. tests/evaluation/test_simulate.py checks this against
+``apply()`` + the real cache, token for token.
+
+The override is an attention implementation registered with transformers; it sees the post-RoPE
+queries and keys and the values of every layer, like calibration's capture.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..architectures import architecture_of, attention_modules
+from .quantizers import LayerQuantizer
+
+IMPLEMENTATION = "oscar_eval"
+
+# fn(q [B, H_q, T, D], k, v [B, H_kv, T, D], scaling, run_inner) -> [B, T, H_q, D]
+LayerAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, Callable[[], torch.Tensor]], torch.Tensor]
+
+_active: dict[int, tuple[LayerAttention, str]] = {}  # id(attention module) -> (fn, the model's own implementation)
+
+
+def _eager_fallback():
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    return eager_attention_forward
+
+
+def _dispatch(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    entry = _active.get(id(module))
+    if entry is None:
+        raise RuntimeError(f"{IMPLEMENTATION} attention called outside attention_override()")
+    fn, inner_name = entry
+    inner = ALL_ATTENTION_FUNCTIONS.get_interface(inner_name, _eager_fallback())
+    if scaling is None:
+        scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
+
+    def run_inner() -> torch.Tensor:
+        return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)[0]
+
+    return fn(query, key, value, scaling, run_inner), None
+
+
+AttentionInterface.register(IMPLEMENTATION, _dispatch)
+
+
+def _configs_of(model: nn.Module) -> list:
+    seen, configs = set(), []
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and id(cfg) not in seen:
+            seen.add(id(cfg))
+            configs.append(cfg)
+    return configs
+
+
+@contextlib.contextmanager
+def attention_override(model: nn.Module, per_layer: Sequence[LayerAttention]) -> Iterator[None]:
+    """Within the block, layer i's attention is ``per_layer[i]`` (which may call the model's own)."""
+    modules = attention_modules(model)
+    if len(per_layer) != len(modules):
+        raise ValueError(f"{len(per_layer)} attention functions for {len(modules)} layers")
+    configs = _configs_of(model)
+    saved = [cfg._attn_implementation for cfg in configs]
+    inner = model.config._attn_implementation or "eager"
+    if inner == IMPLEMENTATION:
+        raise RuntimeError("attention_override() does not nest")
+    for fn, m in zip(per_layer, modules):
+        _active[id(m)] = (fn, inner)
+    try:
+        for cfg in configs:
+            cfg._attn_implementation = IMPLEMENTATION
+        yield
+    finally:
+        for cfg, name in zip(configs, saved):
+            cfg._attn_implementation = name
+        for m in modules:
+            _active.pop(id(m), None)
+
+
+def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[B, H_kv, S, D] -> [B, H_q, S, D]: query head j reads KV head j // g."""
+    return x.repeat_interleave(num_heads // x.shape[1], dim=1)
+
+
+def mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_q: torch.Tensor, v_q: torch.Tensor,
+                    key_mask: torch.Tensor, value_mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal attention where query t reads k_q[p] where key_mask[t, p], v_q[p] where value_mask[t, p].
+
+    q: [B, H_q, T, D]; k, v, k_q, v_q: [B, H_kv, T, D] (same dtype); masks: [B|1, T, T] bool,
+    False on and above the diagonal. Returns [B, T, H_q, D].
+    """
+    T = q.shape[2]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    if key_mask is value_mask:
+        pairs = [(k, v, causal & ~key_mask), (k_q, v_q, key_mask)]
+    else:
+        pairs = [(k, v, causal & ~key_mask & ~value_mask), (k_q, v, key_mask & ~value_mask),
+                 (k, v_q, ~key_mask & value_mask), (k_q, v_q, key_mask & value_mask)]
+    pairs = [pair for pair in pairs if bool(pair[2].any())]
+    H = q.shape[1]
+    keys = _repeat_kv(torch.cat([p[0] for p in pairs], dim=2), H)  # [B, H_q, n * T, D]
+    values = _repeat_kv(torch.cat([p[1] for p in pairs], dim=2), H)
+    mask = torch.cat([p[2].expand(-1, T, T) for p in pairs], dim=-1)[:, None]  # [B|1, 1, T, n * T]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2)
+
+
+def simulated_layer(quantizer: Optional[LayerQuantizer], starts: torch.Tensor) -> LayerAttention:
+    """The attention of one layer under ``quantizer`` for a batch whose cache schedule is ``starts`` [B|1, T]."""
+
+    def attend(q, k, v, scaling, run_inner):
+        if quantizer is None:
+            return run_inner()
+        T = k.shape[2]
+        if T != starts.shape[-1]:
+            raise ValueError(f"the schedule covers {starts.shape[-1]} positions, the forward has {T} (no KV cache here)")
+        # starts[t] <= t and every rule keeps p < starts[t]: the masks never reach past the diagonal
+        key_mask, value_mask = quantizer.bounds(starts.to(q.device)).masks(T)
+        if not bool(key_mask.any() | value_mask.any()):
+            return run_inner()  # nothing quantized yet: exactly the model's own attention
+        k_q, v_q = quantizer.fake_quantize(k, v)
+        return mixed_attention(q, k, v, k_q.to(k.dtype), v_q.to(v.dtype), key_mask, value_mask, scaling)
+
+    return attend
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    obj = model
+    for part in architecture_of(model).layers_path.split("."):
+        obj = getattr(obj, part)
+    return list(obj)
+
+
+@contextlib.contextmanager
+def capture_hidden(model: nn.Module, positions: torch.Tensor, into: list) -> Iterator[None]:
+    """Append each decoder layer's output at ``positions`` ([P] long) to ``into`` as float32 [B, P, hidden]."""
+    def hook(module, args, output):
+        h = output[0] if isinstance(output, tuple) else output
+        into.append(h[:, positions.to(h.device)].float())
+
+    handles = [layer.register_forward_hook(hook) for layer in decoder_layers(model)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def simulated_logits(model: nn.Module, quantizers: Sequence[Optional[LayerQuantizer]], input_ids: torch.Tensor,
+                     starts: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+    """Logits of ``model`` with the compressed cache simulated: [B, T or logits_to_keep, vocab] float32.
+
+    input_ids: [B, T] with no padding inside a row (right padding is harmless: nothing attends
+    forward). ``logits_to_keep`` > 0 computes only the last that many positions.
+    """
+    per_layer = [simulated_layer(qz, starts) for qz in quantizers]
+    kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
+    with attention_override(model, per_layer):
+        return model(input_ids=input_ids, use_cache=False, **kwargs).logits.float()
