@@ -30,12 +30,13 @@ class LLM:
     """Generate from a model directory (or an already loaded model + tokenizer).
 
     ``spec`` / ``rotations`` select the compressed INT2 runner; until it is wired in, passing
-    them raises NotImplementedError and the exact (uncached) RecomputeRunner is the only runner.
+    them raises NotImplementedError and the exact (uncached) RecomputeRunner is the default.
+    ``make_runner(block_manager)`` plugs in another runner (see ``loader.build_engine``).
     """
 
     def __init__(self, model: str | Path | torch.nn.Module | None = None, spec=None, rotations=None,
                  tokenizer=None, device: str = "auto", dtype: torch.dtype | None = None,
-                 config: EngineConfig | None = None):
+                 config: EngineConfig | None = None, make_runner=None):
         if spec is not None or rotations is not None:
             raise NotImplementedError("compressed runner lands with the graph-pass integration")
         if isinstance(model, torch.nn.Module):
@@ -46,7 +47,7 @@ class LLM:
             tokenizer = tokenizer or loaded_tokenizer
         self.model = model
         self.tokenizer = tokenizer
-        self.engine: LLMEngine = build_engine(model, tokenizer, config)
+        self.engine: LLMEngine = build_engine(model, tokenizer, config, make_runner=make_runner)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[CompletionOutput]:
