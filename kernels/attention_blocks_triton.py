@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-NEG_INIT = -1.0e30
+NEG_INIT = tl.constexpr(-1.0e30)
 
 
 def _dequant_asm(shift: int, mask: int) -> str:
@@ -35,12 +35,12 @@ def _dequant_asm(shift: int, mask: int) -> str:
     )
 
 
-ASM2_0: tl.constexpr = tl.constexpr(_dequant_asm(0, 0x03030303))
-ASM2_1: tl.constexpr = tl.constexpr(_dequant_asm(2, 0x03030303))
-ASM2_2: tl.constexpr = tl.constexpr(_dequant_asm(4, 0x03030303))
-ASM2_3: tl.constexpr = tl.constexpr(_dequant_asm(6, 0x03030303))
-ASM4_0: tl.constexpr = tl.constexpr(_dequant_asm(0, 0x0F0F0F0F))
-ASM4_1: tl.constexpr = tl.constexpr(_dequant_asm(4, 0x0F0F0F0F))
+ASM2_0 = tl.constexpr(_dequant_asm(0, 0x03030303))
+ASM2_1 = tl.constexpr(_dequant_asm(2, 0x03030303))
+ASM2_2 = tl.constexpr(_dequant_asm(4, 0x03030303))
+ASM2_3 = tl.constexpr(_dequant_asm(6, 0x03030303))
+ASM4_0 = tl.constexpr(_dequant_asm(0, 0x0F0F0F0F))
+ASM4_1 = tl.constexpr(_dequant_asm(4, 0x0F0F0F0F))
 
 
 @triton.jit
