@@ -26,7 +26,8 @@ from .fold_values import fold_value_rotation
 from .hf_cache import OscarCache
 from .rotate_keys import insert_key_rotation
 from .sites import find_attention_site
-from .swap_attention import HFAttentionCall, bind_model_attention, swap_in_oscar_attention
+from .hf_cache import cache_geometry
+from .swap_attention import swap_in_oscar_attention
 from .trace import trace_attention
 
 logger = logging.getLogger(__name__)
@@ -103,17 +104,9 @@ def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelF
     if mean is not None:
         _set_buffer(owners, "oscar_k_mean", mean.to(device=device, dtype=torch.float32))
     insert_key_rotation(graph, site, has_mean=mean is not None)
-    if layer.quantized:
-        swap_in_oscar_attention(graph, site, layer, float(attn.scaling))
-        attention = "oscar::attention"
-        if getattr(attn, "sliding_window", None):
-            notes.append(f"sliding window {attn.sliding_window} not applied: attends to the whole context")
-    else:
-        call = HFAttentionCall(attn)
-        attn.oscar_hf_attention = call
-        gm.oscar_hf_attention = call
-        bind_model_attention(graph, site)
-        attention = attn.config._attn_implementation or "eager"
+    attention = swap_in_oscar_attention(graph, site, layer, float(attn.scaling))
+    if getattr(attn, "sliding_window", None):
+        notes.append(f"sliding window {attn.sliding_window} not applied: attends to the whole context")
     graph.lint()
     gm.recompile()
     attn.__dict__["oscar_graph"] = gm  # not a submodule: its parameters are the module's own
@@ -129,7 +122,7 @@ def _kept_layer(layer: LayerSpec, attn: nn.Module) -> LayerReport:
 
 def _install_cache_hook(model: nn.Module, layers: list[LayerSpec], rewritten: list[bool]) -> None:
     """Give the model an OscarCache whenever it is asked to cache and was given none (or an empty HF one)."""
-    specs = [l if (r and l.quantized) else None for l, r in zip(layers, rewritten)]
+    geometries = [cache_geometry(l) if r else None for l, r in zip(layers, rewritten)]
     # transformers renamed past_key_values to cache (5.2x); use whichever this version's forward takes
     default_key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -141,7 +134,7 @@ def _install_cache_hook(model: nn.Module, layers: list[LayerSpec], rewritten: li
         if not isinstance(cache, OscarCache):
             if cache is not None and cache.get_seq_length() > 0:
                 raise ValueError("this model was rewritten by oscar_compile: continue with the OscarCache it returned")
-            cache = OscarCache(specs)
+            cache = OscarCache(geometries)
             kwargs[key] = cache
         ids = kwargs.get("input_ids", args[0] if args else None)
         num_new = (ids if ids is not None else kwargs["inputs_embeds"]).shape[1]

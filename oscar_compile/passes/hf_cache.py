@@ -23,37 +23,21 @@ from ..spec import LayerSpec
 from ..quant import scale_dtype_of
 
 
-class OscarLayer(CacheLayerMixin):
-    """One quantized layer: pools, per-row tables and lengths. Allocated on first write."""
+class _PagedLayer(CacheLayerMixin):
+    """What both paged layer kinds share: HF's view of the length, per-row real lengths."""
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, sink: int, recent: int, page_size: int, bits: int, group_size: int, scale_dtype: str):
+    def __init__(self, page_size: int):
         super().__init__()
-        self.sink, self.recent, self.page_size = sink, recent, page_size
-        self.bits, self.group_size, self.scale_dtype = bits, group_size, scale_dtype_of(scale_dtype)
+        self.page_size = page_size
         self.num_positions = 0  # positions seen, pads included (what HF's masks count)
         self.cache_lens: Optional[torch.Tensor] = None  # [B] int32 real tokens cached per row
-        self.pools = None
-        self.window_table: Optional[torch.Tensor] = None  # [B, (S0 + W) / P] int32
-        self.quant_table: Optional[torch.Tensor] = None  # [B, num pages per row] int32
-
-    # -- HF cache-layer protocol -----------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        B, H_kv, _, D = key_states.shape
-        device = key_states.device
-        per_row = num_window_pages_per_seq(self.sink, self.recent, self.page_size)
-        self.window_table = torch.arange(B * per_row, dtype=torch.int32, device=device).reshape(B, per_row)
-        self.quant_table = torch.zeros(B, 0, dtype=torch.int32, device=device)
-        self.cache_lens = torch.zeros(B, dtype=torch.int32, device=device)
-        self.pools = allocate_pools(0, max(1, B * per_row), H_kv, self.page_size, D, self.bits, self.group_size,
-                                    self.scale_dtype, key_states.dtype, device)
-        self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("a quantized oscar layer is written by oscar::cache_write, not Cache.update")
+        raise NotImplementedError("an oscar cache layer is written by the oscar:: cache-write ops, not Cache.update")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.num_positions + query_length, 0
@@ -67,35 +51,129 @@ class OscarLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.is_initialized = False
         self.num_positions = 0
-        self.cache_lens = self.pools = self.window_table = self.quant_table = None
+        self.cache_lens = None
 
-    # -- growth ----------------------------------------------------------------------------
+    def _pages_needed(self, cache_len: int) -> int:
+        raise NotImplementedError
+
+    def _grow(self, num_rows: int, num_new_pages: int) -> int:
+        """Append ``num_rows * num_new_pages`` zeroed pages; return the id of the first."""
+        raise NotImplementedError
+
     def reserve(self, new_lens: torch.Tensor) -> None:
-        """Give every row enough history pages for ``new_lens`` cached tokens (one host sync per step)."""
-        need = max(num_quant_pages_needed(int(n), self.sink, self.recent, self.page_size) for n in new_lens.tolist())
-        have = self.quant_table.shape[1]
+        """Give every row enough pages for ``new_lens`` cached tokens (one host sync per step)."""
+        need = max(self._pages_needed(int(n)) for n in new_lens.tolist())
+        have = self.page_table.shape[1]
         if need <= have:
             return
-        B = self.quant_table.shape[0]
+        B = self.page_table.shape[0]
         grow = max(need - have, have)  # amortised doubling
+        first = self._grow(B, grow)
+        new_pages = torch.arange(first, first + B * grow, dtype=torch.int32, device=self.page_table.device)
+        self.page_table = torch.cat([self.page_table, new_pages.reshape(B, grow)], dim=1)
+
+
+class OscarLayer(_PagedLayer):
+    """A quantized layer: window ring + history pages per batch row (docs/cache-format.md)."""
+
+    def __init__(self, sink: int, recent: int, page_size: int, bits: int, group_size: int, scale_dtype: str):
+        super().__init__(page_size)
+        self.sink, self.recent = sink, recent
+        self.bits, self.group_size, self.scale_dtype = bits, group_size, scale_dtype_of(scale_dtype)
+        self.pools = None
+        self.window_table: Optional[torch.Tensor] = None  # [B, (S0 + W) / P] int32
+        self.page_table: Optional[torch.Tensor] = None  # the history (quant) table [B, pages per row]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H_kv, _, D = key_states.shape
+        device = key_states.device
+        per_row = num_window_pages_per_seq(self.sink, self.recent, self.page_size)
+        self.window_table = torch.arange(B * per_row, dtype=torch.int32, device=device).reshape(B, per_row)
+        self.page_table = torch.zeros(B, 0, dtype=torch.int32, device=device)
+        self.cache_lens = torch.zeros(B, dtype=torch.int32, device=device)
+        self.pools = allocate_pools(0, max(1, B * per_row), H_kv, self.page_size, D, self.bits, self.group_size,
+                                    self.scale_dtype, key_states.dtype, device)
+        self.is_initialized = True
+
+    def reset(self) -> None:
+        super().reset()
+        self.pools = self.window_table = self.page_table = None
+
+    def _pages_needed(self, cache_len: int) -> int:
+        return num_quant_pages_needed(cache_len, self.sink, self.recent, self.page_size)
+
+    def _grow(self, num_rows: int, num_new_pages: int) -> int:
         first = self.pools.k_codes.shape[0]
-        extra = allocate_pools(B * grow, 0, self.pools.k_win.shape[1], self.page_size, self.pools.k_win.shape[3],
-                               self.bits, self.group_size, self.scale_dtype, self.pools.k_win.dtype,
-                               self.pools.k_win.device)
+        win = self.pools.k_win
+        extra = allocate_pools(num_rows * num_new_pages, 0, win.shape[1], self.page_size, win.shape[3],
+                               self.bits, self.group_size, self.scale_dtype, win.dtype, win.device)
         self.pools = type(self.pools)(*(
             old if name in ("k_win", "v_win") else torch.cat([old, new])
             for name, old, new in zip(self.pools._fields, self.pools, extra)
         ))
-        new_pages = torch.arange(first, first + B * grow, dtype=torch.int32, device=self.quant_table.device)
-        self.quant_table = torch.cat([self.quant_table, new_pages.reshape(B, grow)], dim=1)
+        return first
+
+    def op_inputs(self) -> tuple:
+        """(cache_lens, window_table, quant_table, *8 pools): the cache arguments of the INT-b ops."""
+        return (self.cache_lens, self.window_table, self.page_table, *self.pools)
+
+
+class FullPrecisionLayer(_PagedLayer):
+    """A 16-bit layer: every token in full-precision pages (the ``oscar::*_bf16`` ops)."""
+
+    def __init__(self, page_size: int):
+        super().__init__(page_size)
+        self.k_pages = self.v_pages = self.page_table = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H_kv, _, D = key_states.shape
+        device = key_states.device
+        self.page_table = torch.zeros(B, 0, dtype=torch.int32, device=device)
+        self.cache_lens = torch.zeros(B, dtype=torch.int32, device=device)
+        self.k_pages = torch.zeros(0, H_kv, self.page_size, D, dtype=key_states.dtype, device=device)
+        self.v_pages = torch.zeros_like(self.k_pages)
+        self.is_initialized = True
+
+    def reset(self) -> None:
+        super().reset()
+        self.k_pages = self.v_pages = self.page_table = None
+
+    def _pages_needed(self, cache_len: int) -> int:
+        return -(-cache_len // self.page_size)
+
+    def _grow(self, num_rows: int, num_new_pages: int) -> int:
+        first = self.k_pages.shape[0]
+        extra = self.k_pages.new_zeros((num_rows * num_new_pages, *self.k_pages.shape[1:]))
+        self.k_pages = torch.cat([self.k_pages, extra])
+        self.v_pages = torch.cat([self.v_pages, torch.zeros_like(extra)])
+        return first
+
+    def op_inputs(self) -> tuple:
+        """(cache_lens, page_table, k_pages, v_pages): the cache arguments of the full-precision ops."""
+        return (self.cache_lens, self.page_table, self.k_pages, self.v_pages)
+
+
+def cache_geometry(layer: LayerSpec) -> tuple:
+    """(sink, recent, page_size, bits, group_size, scale_dtype) of a layer: what its pools look like."""
+    kv = layer.kv_cache
+    return kv.sink_tokens, kv.recent_tokens, kv.page_size, kv.bits, kv.group_size, kv.scale_dtype
+
+
+def _new_layer(geometry: tuple) -> _PagedLayer:
+    sink, recent, page_size, bits = geometry[:4]
+    return FullPrecisionLayer(page_size) if bits == 16 else OscarLayer(*geometry)
 
 
 class OscarCache(Cache):
-    """HF cache with one :class:`OscarLayer` per quantized layer and a ``DynamicLayer`` per 16-bit one."""
+    """HF cache: a paged layer per rewritten layer, a ``DynamicLayer`` per layer left untouched.
 
-    def __init__(self, layer_specs: list[Optional[LayerSpec]]):
-        """``layer_specs[i]`` is the resolved spec of a quantized layer, None for a 16-bit one."""
-        layers = [DynamicLayer() if s is None else OscarLayer(*cache_geometry(s)) for s in layer_specs]
+    The rewritten graphs talk to it through two methods, ``oscar_layer_inputs`` and
+    ``oscar_layer_outputs``; the runtime's cache implements the same two over its own pages.
+    """
+
+    def __init__(self, geometries: list[Optional[tuple]]):
+        """``geometries[i]``: :func:`cache_geometry` of a rewritten layer, None for an untouched one."""
+        layers = [DynamicLayer() if g is None else _new_layer(g) for g in geometries]
         super().__init__(layers=layers)
         self.step_mask: Optional[torch.Tensor] = None  # [B, T] bool: the real new tokens of this forward
 
@@ -106,52 +184,72 @@ class OscarCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor):
         raise NotImplementedError("beam search is not supported with the oscar INT2 cache")
 
+    def _mask(self, q: torch.Tensor) -> torch.Tensor:
+        B, _, T, _ = q.shape
+        mask = self.step_mask
+        if mask is None or mask.shape != (B, T):
+            return torch.ones(B, T, dtype=torch.bool, device=q.device)
+        return mask.to(q.device)
 
-def cache_geometry(layer: LayerSpec) -> tuple:
-    """(sink, recent, page_size, bits, group_size, scale_dtype) of a layer: what its pools look like."""
-    kv = layer.kv_cache
-    return kv.sink_tokens, kv.recent_tokens, kv.page_size, kv.bits, kv.group_size, kv.scale_dtype
+    def oscar_layer_inputs(self, layer_idx: int, q, k, v, geometry: tuple) -> tuple:
+        state = self.layers[layer_idx]
+        if not state.is_initialized:
+            state.lazy_initialization(k, v)
+        mask = self._mask(q)
+        counts = mask.sum(dim=1, dtype=torch.int32)
+        state.reserve(state.cache_lens + counts)
+        cu = _cu_seqlens(counts)
+        return (*_flatten(mask, q, k, v), cu, *state.op_inputs(), cu)
+
+    def oscar_layer_outputs(self, layer_idx: int, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        mask = self._mask(q)
+        state = self.layers[layer_idx]
+        state.cache_lens += mask.sum(dim=1, dtype=torch.int32)
+        state.num_positions += q.shape[2]
+        return _unflatten(mask, out, q)
+
+
+def _cu_seqlens(counts: torch.Tensor) -> torch.Tensor:
+    cu = torch.zeros(counts.shape[0] + 1, dtype=torch.int32, device=counts.device)
+    cu[1:] = torch.cumsum(counts, 0)
+    return cu
+
+
+def _flatten(mask: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """[B, H, T, D] tensors -> [N, H, D] holding the tokens where mask [B, T] is set, row after row."""
+    return [x.transpose(1, 2)[mask] for x in xs]
+
+
+def _unflatten(mask: torch.Tensor, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[N, H, D] -> HF's attention-output layout [B, T, H, D], zeros at masked (pad) tokens."""
+    B, H, T, D = q.shape
+    full = torch.zeros(B, T, H, D, dtype=out.dtype, device=out.device)
+    full[mask] = out
+    return full
 
 
 def layer_inputs(cache: Optional[Cache], layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  *geometry) -> tuple:
-    """Flatten the real new tokens for the ops. q: [B, H_q, T, D]; k, v: [B, H_kv, T, D] (rotated).
+    """The op inputs for the new tokens. q: [B, H_q, T, D]; k, v: [B, H_kv, T, D] (rotated).
 
-    Returns (q, k, v, cu_seqlens, cache_lens, window_table, quant_table, *pools, write_cu) with
-    q/k/v as [N, H, D]. ``write_cu`` is ``cu_seqlens`` when there is a cache to write, all zeros
-    (nothing written) when the forward runs without one.
+    Returns (q, k, v, cu_seqlens, <cache tensors of the layer kind>, write_cu) with q/k/v as
+    [N, H, D]; the cache tensors are those of :meth:`OscarLayer.op_inputs` (quantized) or
+    :meth:`FullPrecisionLayer.op_inputs` (16-bit). ``write_cu`` is ``cu_seqlens`` when there is
+    a cache to write, all zeros (nothing written) when the forward runs without one.
     """
-    B, _, T, _ = q.shape
-    has_cache = isinstance(cache, OscarCache)
-    mask = cache.step_mask if has_cache else None
-    if mask is None or mask.shape != (B, T):
-        mask = torch.ones(B, T, dtype=torch.bool, device=q.device)
-    mask = mask.to(q.device)
-    counts = mask.sum(dim=1, dtype=torch.int32)
-    cu = torch.zeros(B + 1, dtype=torch.int32, device=q.device)
-    cu[1:] = torch.cumsum(counts, 0)
-    state = cache.layers[layer_idx] if has_cache else OscarLayer(*geometry)
-    if not state.is_initialized:
-        state.lazy_initialization(k, v)
-    if has_cache:
-        state.reserve(state.cache_lens + counts)
-    flat = [x.transpose(1, 2)[mask] for x in (q, k, v)]  # [N, H, D], row after row
-    write_cu = cu if has_cache else torch.zeros_like(cu)
-    return (*flat, cu, state.cache_lens, state.window_table, state.quant_table, *state.pools, write_cu)
+    if hasattr(cache, "oscar_layer_inputs"):
+        return cache.oscar_layer_inputs(layer_idx, q, k, v, geometry)
+    B, _, T, _ = q.shape  # no cache: attention within the chunk only, nothing kept
+    mask = torch.ones(B, T, dtype=torch.bool, device=q.device)
+    state = _new_layer(geometry)
+    state.lazy_initialization(k, v)
+    cu = _cu_seqlens(mask.sum(dim=1, dtype=torch.int32))
+    return (*_flatten(mask, q, k, v), cu, *state.op_inputs(), torch.zeros_like(cu))
 
 
 def layer_outputs(cache: Optional[Cache], layer_idx: int, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Scatter the ops' output [N, H_q, D] back to HF's [B, T, H_q, D] and advance the cache lengths."""
-    B, H, T, D = q.shape
-    has_cache = isinstance(cache, OscarCache)
-    mask = cache.step_mask if has_cache else None
-    if mask is None or mask.shape != (B, T):
-        mask = torch.ones(B, T, dtype=torch.bool, device=q.device)
-    mask = mask.to(q.device)
-    full = torch.zeros(B, T, H, D, dtype=out.dtype, device=out.device)
-    full[mask] = out
-    if has_cache:
-        state = cache.layers[layer_idx]
-        state.cache_lens += mask.sum(dim=1, dtype=torch.int32)
-        state.num_positions += T
-    return full
+    """Scatter the ops' output [N, H_q, D] back to [B, T, H_q, D] and advance the cache lengths."""
+    if hasattr(cache, "oscar_layer_outputs"):
+        return cache.oscar_layer_outputs(layer_idx, out, q)
+    B, _, T, _ = q.shape
+    return _unflatten(torch.ones(B, T, dtype=torch.bool, device=q.device), out, q)

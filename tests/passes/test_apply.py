@@ -49,6 +49,7 @@ def test_rotations_without_quantization_reproduce_the_logits(arch, heads, kv_hea
     rot = calibrate(model, spec, _calibration_batches())
     report = apply(model, spec, rot)
     assert all(r.action == "rewritten" and r.centered == center for r in report.layers)
+    assert all(r.attention == "oscar::attention_bf16" for r in report.layers)  # paged full-precision ops
     assert (model(ids).logits - reference).abs().max() <= 1e-4
     # decoding through the cache also matches the original model's cached decoding
     out = model.generate(ids[:1, :10], max_new_tokens=6, do_sample=False)
