@@ -29,22 +29,26 @@ class CompletionOutput:
 class LLM:
     """Generate from a model directory (or an already loaded model + tokenizer).
 
-    ``spec`` / ``rotations`` select the compressed INT2 runner; until it is wired in, passing
-    them raises NotImplementedError and the exact (uncached) RecomputeRunner is the default.
-    ``make_runner(block_manager)`` plugs in another runner (see ``loader.build_engine``).
+    With ``spec`` (a CompressionSpec or a YAML path) the model is rewritten by
+    ``oscar_compile.apply`` with ``rotations`` (a Rotations or a .safetensors path; omitted, they
+    are made without data, which only ``none`` / ``hadamard`` rotations allow) and served by the
+    compressed runner over the paged cache. Without a spec the exact (uncached) RecomputeRunner
+    runs the plain model. ``make_runner(block_manager)`` plugs in another runner.
     """
 
     def __init__(self, model: str | Path | torch.nn.Module | None = None, spec=None, rotations=None,
                  tokenizer=None, device: str = "auto", dtype: torch.dtype | None = None,
                  config: EngineConfig | None = None, make_runner=None):
-        if spec is not None or rotations is not None:
-            raise NotImplementedError("compressed runner lands with the graph-pass integration")
+        if rotations is not None and spec is None:
+            raise ValueError("rotations were given without the spec they are applied with")
         if isinstance(model, torch.nn.Module):
             if tokenizer is None:
                 raise ValueError("tokenizer is required when model is an nn.Module")
         else:
             model, loaded_tokenizer = load_model(resolve_model_dir(model), resolve_device(device), dtype)
             tokenizer = tokenizer or loaded_tokenizer
+        if spec is not None:
+            config, make_runner = compress(model, spec, rotations, config)
         self.model = model
         self.tokenizer = tokenizer
         self.engine: LLMEngine = build_engine(model, tokenizer, config, make_runner=make_runner)
@@ -76,6 +80,32 @@ class LLM:
                 if delta.finished:
                     out.finish_reason = delta.finish_reason
         return [outputs[request_id] for request_id in order]
+
+
+def compress(model: torch.nn.Module, spec, rotations, config: EngineConfig | None):
+    """Apply ``spec`` to ``model`` in place; the engine config and runner factory that serve it."""
+    import dataclasses
+
+    from oscar_compile.artifact import Rotations
+    from oscar_compile.calibration import calibrate
+    from oscar_compile.passes import apply
+    from oscar_compile.runtime.compressed_runner import compressed_layout, runner_factory
+    from oscar_compile.spec import CompressionSpec
+
+    if not isinstance(spec, CompressionSpec):
+        spec = CompressionSpec.from_yaml(spec)
+    if rotations is None:
+        try:
+            rotations = calibrate(model, spec)  # only none / hadamard rotations need no data
+        except ValueError:
+            raise ValueError("this spec's rotations are calibrated from data: pass rotations= (a file made by "
+                             "`oscar-compile calibrate`, or a Rotations)") from None
+    elif not isinstance(rotations, Rotations):
+        rotations = Rotations.load(rotations, model)
+    apply(model, spec, rotations)
+    layout = compressed_layout(model, spec)
+    config = dataclasses.replace(config or EngineConfig(), layout=layout, page_size=layout.page_size)
+    return config, runner_factory(model, layout)
 
 
 def _as_prompt_list(prompts) -> list:

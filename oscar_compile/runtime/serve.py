@@ -1,8 +1,10 @@
 """``python -m oscar_compile.runtime.serve``: load a model and serve the OpenAI API.
 
-Without ``--model`` it serves the bundled tiny model (``oscar_compile/bundled/oscar-tiny-qwen3``).
-``--spec`` / ``--rotations`` select the compressed INT2 runner, which is not wired in yet: the
-server refuses them rather than silently serving BF16.
+Without ``--model`` it serves the bundled tiny model (``oscar_compile/bundled/oscar-tiny-qwen3``)
+compressed with ``specs/oscar-int2.yaml`` and the rotations shipped beside it. With ``--model``
+the default spec is ``specs/bf16.yaml`` (the same paged runtime, no compression) unless
+``--spec`` says otherwise; ``--rotations`` defaults to ``<model>/rotations/<spec name>.safetensors``
+when that file exists.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m oscar_compile.runtime.serve",
                                      description="OpenAI-compatible server for oscar_compile models")
     parser.add_argument("--model", help="Hugging Face model directory (default: the bundled tiny model)")
-    parser.add_argument("--spec", help="compression spec YAML (compressed runner)")
-    parser.add_argument("--rotations", help="rotation artifact (compressed runner)")
+    parser.add_argument("--spec", help="compression spec YAML (default: oscar-int2 for the bundled model, else bf16)")
+    parser.add_argument("--rotations", help="rotation artifact (default: <model>/rotations/<spec name>.safetensors)")
     parser.add_argument("--served-model-name", help="model id clients use (default: the directory name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -43,8 +45,8 @@ def build_app(args: argparse.Namespace):
                                               resolve_device, resolve_model_dir)
     from oscar_compile.runtime.server import create_app
 
-    if args.spec or args.rotations:
-        raise NotImplementedError("compressed runner lands with the graph-pass integration")
+    from oscar_compile.runtime.llm import compress
+
     model_dir = resolve_model_dir(args.model)
     device = resolve_device(args.device)
     model, tokenizer = load_model(model_dir, device)
@@ -52,10 +54,26 @@ def build_app(args: argparse.Namespace):
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len,
                           enable_prefix_caching=not args.no_prefix_caching)
-    engine = build_engine(model, tokenizer, config)
+    spec, rotations = compression_for(args, model_dir)
+    config, make_runner = compress(model, spec, rotations, config)
+    engine = build_engine(model, tokenizer, config, make_runner=make_runner)
     name = args.served_model_name or model_dir.name
-    logger.info("serving %s from %s on %s", name, model_dir, device)
+    logger.info("serving %s from %s on %s with %s (rotations: %s)", name, model_dir, device, spec, rotations)
     return create_app(AsyncEngine(engine), name), name
+
+
+def compression_for(args: argparse.Namespace, model_dir):
+    """(spec path, rotations path or None) the server compresses the model with."""
+    from oscar_compile.spec import specs_dir
+
+    spec = args.spec or str(specs_dir() / ("oscar-int2.yaml" if args.model is None else "bf16.yaml"))
+    rotations = args.rotations
+    if rotations is None:
+        from pathlib import Path
+
+        shipped = Path(model_dir) / "rotations" / f"{Path(spec).stem}.safetensors"
+        rotations = str(shipped) if shipped.is_file() else None
+    return spec, rotations
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -150,7 +150,7 @@ def test_llm_loads_a_model_directory(model_dir):
     llm = LLM(str(model_dir), device="cpu")
     out = llm.generate("hello", SamplingParams(max_tokens=5, **GREEDY))[0]
     assert len(out.token_ids) >= 1 and out.prompt_token_ids == llm.tokenizer.encode("hello")
-    with pytest.raises(NotImplementedError, match="graph-pass integration"):
+    with pytest.raises(ValueError, match="pass rotations="):
         LLM(str(model_dir), spec="specs/oscar-int2.yaml")
     with pytest.raises(FileNotFoundError, match="config.json"):
         resolve_model_dir(model_dir / "missing")
