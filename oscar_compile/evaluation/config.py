@@ -1,7 +1,7 @@
 """The settings of one evaluation run, checked up front so a bad value fails before any model loads."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -47,7 +47,6 @@ class EvalConfig:
     tasks: tuple[str, ...] = TASKS
     seed: int = 0
     progress: bool = False
-    extra: dict = field(default_factory=dict)  # free-form notes copied into the JSON
 
     def __post_init__(self) -> None:
         self.specs, self.contexts = tuple(self.specs), tuple(int(c) for c in self.contexts)
@@ -69,10 +68,10 @@ class EvalConfig:
         if unknown:
             raise ValueError(f"unknown tasks {sorted(unknown)}; choose from {TASKS}")
         shortest = min(self.contexts)
-        for name in ("ppl_tokens", "gen_tokens"):
-            if getattr(self, name) >= shortest:
+        for task, name in (("perplexity", "ppl_tokens"), ("agreement", "gen_tokens")):
+            if task in self.tasks and getattr(self, name) >= shortest:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be shorter than the shortest context ({shortest})")
-        if self.metric_queries >= self.layers_context:
+        if "layers" in self.tasks and self.metric_queries >= self.layers_context:
             raise ValueError(f"metric_queries ({self.metric_queries}) must be shorter than the metrics context "
                              f"({self.layers_context})")
 

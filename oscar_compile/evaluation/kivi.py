@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from ..quant import quantize_groups, dequantize_groups, scale_dtype_of
+from ..quant import scale_dtype_of
 from .quantizers import HistoryBounds
 
 _NAME = re.compile(r"^kivi-int(?P<bits>[24])(?:-g(?P<group>\d+))?(?:-r(?P<residual>\d+))?$")
@@ -60,26 +60,42 @@ def parse_kivi_name(name: str) -> Optional[KiviConfig]:
     return KiviConfig(**kwargs)
 
 
+def minmax_fake_quantize(x: torch.Tensor, bits: int, group_size: int, scale_dtype: str = "float16") -> torch.Tensor:
+    """KIVI's asymmetric min-max in groups along the last dim, stored as (scale, min): x [..., D] -> float32.
+
+    ``code = clamp(round((x - mn) / s), 0, 2^b - 1)``, dequant ``code * s + mn``, with s and mn
+    rounded to ``scale_dtype`` first. Storing the minimum rather than a zero point ``-mn / s`` (as
+    KIVI does) keeps nearly constant groups finite: per-channel groups over tokens meet them (a
+    repeated token in a slowly rotating RoPE channel), and ``-mn / s`` would overflow fp16 there.
+    A constant group dequantizes to its (rounded) value.
+    """
+    sdt = scale_dtype_of(scale_dtype)
+    qmax = 2**bits - 1
+    xg = x.float().unflatten(-1, (-1, group_size))  # [..., D/G, G]
+    lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+    scale, lo = ((hi - lo) / qmax).to(sdt).float(), lo.to(sdt).float()
+    codes = torch.clamp(torch.round((xg - lo) / torch.where(scale == 0, torch.ones_like(scale), scale)), 0, qmax)
+    return (codes * scale + lo).flatten(-2)
+
+
 def kivi_fake_quantize_keys(k: torch.Tensor, cfg: KiviConfig) -> torch.Tensor:
     """Per-channel fake quantization over aligned blocks of G tokens. k: [B, H, T, D] -> float32.
 
     The tail of fewer than G tokens is returned unchanged: KIVI never quantizes an incomplete block
     (those tokens are still in its residual).
     """
-    B, H, T, D = k.shape
+    T = k.shape[2]
     full = (T // cfg.group_size) * cfg.group_size
     out = k.float().clone()
     if full:
         x = out[:, :, :full].transpose(-1, -2)  # [B, H, D, full]: groups run along tokens
-        codes, scale, zero = quantize_groups(x, cfg.bits, cfg.group_size, cfg.scale_dtype)
-        out[:, :, :full] = dequantize_groups(codes, scale, zero, cfg.group_size).transpose(-1, -2)
+        out[:, :, :full] = minmax_fake_quantize(x, cfg.bits, cfg.group_size, cfg.scale_dtype).transpose(-1, -2)
     return out
 
 
 def kivi_fake_quantize_values(v: torch.Tensor, cfg: KiviConfig) -> torch.Tensor:
     """Per-token fake quantization in groups of G channels. v: [B, H, T, D] -> float32."""
-    codes, scale, zero = quantize_groups(v.float(), cfg.bits, cfg.group_size, cfg.scale_dtype)
-    return dequantize_groups(codes, scale, zero, cfg.group_size)
+    return minmax_fake_quantize(v, cfg.bits, cfg.group_size, cfg.scale_dtype)
 
 
 class KiviQuantizer:

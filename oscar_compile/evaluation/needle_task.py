@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -55,8 +55,10 @@ def needle_cases(tokenizer, haystack: Sequence[int], lengths: Sequence[int], dep
                     s = (seed * 1_000_003 + li * 10_007 + di * 101 + k) & 0x7FFFFFFF
                     sample = make_needle_sample(tokenizer, haystack, length, depth=depth, seed=s,
                                                 with_text=False, tok=tk)
-                    tail = len(tk.encode(PLAIN_QUESTION.format(key=sample.key)))
-                    cases.append(NeedleCase(sample, float(depth), tail))
+                    tail = tk.encode(PLAIN_QUESTION.format(key=sample.key))
+                    if sample.input_ids[-len(tail):] != tail:
+                        raise RuntimeError("the needle prompt no longer ends with its question: update needle_task.py")
+                    cases.append(NeedleCase(sample, float(depth), len(tail)))
         except ValueError as err:
             logger.warning("needle length %d skipped: %s", length, err)
             cases = [c for c in cases if c.sample.length != length]
@@ -106,7 +108,8 @@ def needle_accuracy(model: nn.Module, methods: dict[str, Quantizers], cases: lis
         ids, starts = _batch(chunk, mode, pad, device)
         first = chunk[0].sample.length - 1  # one length per batch: logits from the last prompt position on
         for name, quantizers in methods.items():
-            logits = simulated_logits(model, quantizers, ids, starts, logits_to_keep=ids.shape[1] - first)
+            logits = simulated_logits(model, quantizers, ids, starts, logits_to_keep=ids.shape[1] - first,
+                                      label=name)
             for c, ok in zip(chunk, _correct(logits, chunk, first)):
                 cell = cells[name].setdefault((c.sample.length, c.depth), [0, 0])
                 cell[0] += ok

@@ -53,8 +53,7 @@ def _summary(results: dict) -> list[str]:
         ref = _reference(results)
         out += [f"## Perplexity ({results['perplexity']['tokens']} continuation tokens after a prefill of C - "
                 f"{results['perplexity']['tokens']})", ""]
-        fmt = lambda r: f"{r['ppl']:.3f}"
-        out += _by_context(results, "perplexity", fmt) + [""]
+        out += _by_context(results, "perplexity", lambda r: f"{r['ppl']:.3f}") + [""]
         if ref is not None:
             out += ["Relative to BF16 (`ppl / ppl_bf16 - 1`, %):", ""]
             out += _relative_ppl(results, ref) + [""]
@@ -66,10 +65,7 @@ def _summary(results: dict) -> list[str]:
 
 
 def _reference(results: dict) -> Optional[str]:
-    for name, info in results["methods"].items():
-        if info["rotations"] == "none (16-bit cache)":
-            return name
-    return None
+    return next((name for name, info in results["methods"].items() if info.get("reference")), None)
 
 
 def _relative_ppl(results: dict, ref: str) -> list[str]:
@@ -115,7 +111,7 @@ def _layers(results: dict) -> list[str]:
 def markdown(results: dict) -> str:
     """The human-readable report: settings line, method list, then one table per metric."""
     s = results["settings"]
-    lines = [f"# KV-cache compression: side-by-side evaluation", "",
+    lines = ["# KV-cache compression: side-by-side evaluation", "",
              f"Model `{results['model']}` ({results['fingerprint']['architecture']}, {results['fingerprint']['num_layers']} "
              f"layers, head_dim {results['fingerprint']['head_dim']}), {results['dtype']} on {results['device']}; "
              f"held-out `{results['data']}`, calibration `{results['calib']}`; {s['num_samples']} windows per context; "

@@ -58,8 +58,8 @@ def evaluate(config: Optional[EvalConfig] = None, **settings) -> dict:
     tokens = read_tokens(data_path, tokenizer)
     fp = ModelFingerprint.of(model)
     results = _header(cfg, model_dir, data_path, calib_path, device, model, fp)
-    results["methods"] = {m.name: {"source": m.source, "description": m.description, "rotations": notes[m.name]}
-                          for m in methods}
+    results["methods"] = {m.name: {"source": m.source, "description": m.description, "rotations": notes[m.name],
+                                   "reference": m.is_reference} for m in methods}
     results["bits_per_element"] = {
         m.name: {**{str(c): m.bits_per_element(fp.head_dim, fp.num_layers, c) for c in cfg.contexts},
                  "asymptotic": m.bits_per_element(fp.head_dim, fp.num_layers, None)} for m in methods}

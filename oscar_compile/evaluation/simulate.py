@@ -16,6 +16,7 @@ queries and keys and the values of every layer, like calibration's capture.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -27,6 +28,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..architectures import architecture_of, attention_modules
 from .quantizers import LayerQuantizer
 
+logger = logging.getLogger(__name__)
 IMPLEMENTATION = "oscar_eval"
 
 # fn(q [B, H_q, T, D], k, v [B, H_kv, T, D], scaling, run_inner) -> [B, T, H_q, D]
@@ -163,13 +165,18 @@ def capture_hidden(model: nn.Module, positions: torch.Tensor, into: list) -> Ite
 
 
 def simulated_logits(model: nn.Module, quantizers: Sequence[Optional[LayerQuantizer]], input_ids: torch.Tensor,
-                     starts: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+                     starts: torch.Tensor, logits_to_keep: int = 0, label: str = "") -> torch.Tensor:
     """Logits of ``model`` with the compressed cache simulated: [B, T or logits_to_keep, vocab] float32.
 
     input_ids: [B, T] with no padding inside a row (right padding is harmless: nothing attends
-    forward). ``logits_to_keep`` > 0 computes only the last that many positions.
+    forward). ``logits_to_keep`` > 0 computes only the last that many positions. Non-finite logits
+    (a quantizer overflowing) are logged under ``label`` and returned as they are, so one broken
+    method shows up as NaN in the results instead of ending a long run.
     """
     per_layer = [simulated_layer(qz, starts) for qz in quantizers]
     kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
     with attention_override(model, per_layer):
-        return model(input_ids=input_ids, use_cache=False, **kwargs).logits.float()
+        logits = model(input_ids=input_ids, use_cache=False, **kwargs).logits.float()
+    if not bool(torch.isfinite(logits).all()):
+        logger.warning("%s: non-finite logits under the simulated cache", label or "a method")
+    return logits

@@ -52,7 +52,8 @@ def perplexity(model: nn.Module, methods: dict[str, Quantizers], windows: torch.
         ids = ids.to(device)
         targets = ids[:, C - ppl_tokens:]  # [B, M]
         for name, quantizers in methods.items():
-            logits = simulated_logits(model, quantizers, ids, starts, logits_to_keep=ppl_tokens + 1)[:, :-1]
+            logits = simulated_logits(model, quantizers, ids, starts, logits_to_keep=ppl_tokens + 1,
+                                      label=name)[:, :-1]
             nll[name] += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"))
         count += targets.numel()
     return {name: {"ppl": math.exp(total / count), "nll": total / count, "tokens": count} for name, total in nll.items()}
@@ -99,7 +100,7 @@ def agreement(model: nn.Module, methods: dict[str, Quantizers], windows: torch.T
         ref = greedy_reference(model, prompt, N)  # [B, N]
         seq = torch.cat([prompt, ref], dim=1)[:, :-1]  # [B, C - 1]: the last token is never fed back
         for name, quantizers in methods.items():
-            pred = simulated_logits(model, quantizers, seq, starts, logits_to_keep=N).argmax(-1)  # [B, N]
+            pred = simulated_logits(model, quantizers, seq, starts, logits_to_keep=N, label=name).argmax(-1)  # [B, N]
             same = pred == ref
             match[name] += float(same.float().mean(dim=1).sum())
             prefix[name] += float(same.long().cumprod(dim=1).sum(dim=1).float().div(N).sum())
