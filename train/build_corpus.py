@@ -92,6 +92,15 @@ def shingles(text: str) -> set[int]:
     return out
 
 
+def installed_distributions() -> list[str]:
+    """name==version of every installed distribution: the site-packages part of the corpus
+    is only reproducible with the same set of packages."""
+    from importlib import metadata
+
+    return sorted({f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()
+                   if d.metadata["Name"]}, key=str.lower)
+
+
 def is_heldout(path: str) -> bool:
     return int(hashlib.sha256(path.encode()).hexdigest(), 16) % 100 < HELDOUT_PERCENT
 
@@ -143,6 +152,8 @@ def main() -> None:
     for w in writers.values():
         w.close()
     (out / "stats.json").write_text(json.dumps(stats, indent=1))
+    (out / "distributions.json").write_text(json.dumps(
+        {"python": sys.version.split()[0], "docs": str(DOCS_DIR), "distributions": installed_distributions()}, indent=1))
     for k, v in stats.items():
         print(k, v)
     print("total train MB", sum(v["bytes_train"] for v in stats.values()) / 1e6,
