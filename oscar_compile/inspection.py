@@ -38,6 +38,8 @@ def rotation_health(rot: Rotations) -> list[RotationHealth]:
             before = after = spread = None
             if cov is not None:
                 c, rr = cov.double(), r.double()
+                if bool((rr == rr[:1]).all()):  # one rotation per layer: fit to the head-averaged target
+                    c, rr = c.mean(0, keepdim=True), rr[:1]
                 before = _peak_over_mean(torch.diagonal(c, dim1=-2, dim2=-1))
                 after = _peak_over_mean(torch.diagonal(rr.transpose(-1, -2) @ c @ rr, dim1=-2, dim2=-1))
             if eig is not None:
