@@ -27,6 +27,7 @@ from oscar_compile.kernels.attention_blocks_triton import (
 from oscar_compile.kernels.quant_triton import interpreting
 
 LOG2E = 1.4426950408889634
+MAX_SPLIT_TOKENS = 8192
 _log = logging.getLogger(__name__)
 _ASM_FAILED = False
 
@@ -193,14 +194,19 @@ def plan_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, device: torch.
     if max_hist == 0 or programs >= 2 * sms:
         return block_m, rows, 0
     min_tokens = 4 * block_n  # below this a split costs more in merging than it saves
+    if max_hist <= min_tokens:
+        return block_m, rows, 0
     nsplit = min(triton.cdiv(4 * sms, programs), max(1, max_hist // min_tokens))
-    return block_m, rows, max(1, nsplit) if max_hist > min_tokens else 0
+    # at most MAX_SPLIT_TOKENS per split: the value accumulator and its zero-point term nearly
+    # cancel (see history_block), and float32 rounding grows with the length of one running sum
+    nsplit = max(nsplit, triton.cdiv(max_hist, MAX_SPLIT_TOKENS))
+    return block_m, rows, nsplit
 
 
 def attention_triton(
     q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, scale, sink, recent, bits, group_size,
-    block_n: int = 64, use_asm: bool | None = None, num_warps: int = 4, num_stages: int = 2,
+    block_n: int = 128, use_asm: bool | None = None, num_warps: int = 4, num_stages: int = 2,
 ):
     """Check, plan and launch. q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype."""
     N, H_q, D = q.shape

@@ -131,8 +131,21 @@ def cache_write_triton(
     k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
     sink, recent, bits, group_size, clip_k, clip_v, rot_k=None, mean_k=None, block_t: int | None = None,
+    fuse_rotation: bool = False,
 ):
-    """Check, then launch one program per (BLOCK_T tokens, KV head). Mutates the pools."""
+    """Check, then launch one program per (BLOCK_T tokens, KV head). Mutates the pools.
+
+    With ``rot_k`` and ``fuse_rotation=False`` (default) the keys are rotated by the torch
+    reference (one float32 matmul, bitwise what ``oscar::rotate`` gives on the same device)
+    before the launch. ``fuse_rotation=True`` does the rotation inside the kernel; Triton 3.6
+    fails to compile that variant at head_dim 128 (a layout-propagation error on a select that
+    follows the dot), so it is opt-in until verified on the GPU's Triton.
+    """
+    if rot_k is not None and not fuse_rotation:
+        from oscar_compile.kernels.rotate_ref import rotate_ref
+
+        k = rotate_ref(k.transpose(0, 1).unsqueeze(0), rot_k, mean_k).squeeze(0).transpose(0, 1)
+        rot_k = mean_k = None
     check_cache_write_args(k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win,
                            k_codes, k_scale, sink, recent, bits, group_size)
     pools = (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)

@@ -178,7 +178,9 @@ def rel_err(a, b) -> float:
 
 
 def bench_variants(ctx: int, B: int) -> list[dict]:
-    """INT2 kernel knobs at one shape: bit-trick decode on/off, history block, warps."""
+    """INT2 kernel knobs at one shape: history block, pipelining depth, bit-trick decode on/off.
+
+    (A first run, bench/results, also swept num_warps 8: always slower than 4.)"""
     from oscar_compile.kernels.attention_triton import attention_triton
 
     dev = torch.device("cuda")
@@ -189,10 +191,12 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     nbytes = int2_bytes(B, ctx, torch.float16)
     layers = [int2_layer(B, ctx, torch.float16, dev) for _ in range(num_buffers(nbytes))]
     out = []
-    for use_asm in (True, False):
-        for block_n in (64, 128):
-            for warps in (4, 8):
-                kw = dict(use_asm=use_asm, block_n=block_n, num_warps=warps)
+    for block_n in (64, 128, 256):
+        for stages in (2, 3):
+            for use_asm in (True, False):
+                if not use_asm and (block_n != 128 or stages != 2):
+                    continue
+                kw = dict(use_asm=use_asm, block_n=block_n, num_warps=4, num_stages=stages)
                 try:
                     t = graph_time_us([lambda p=p, tb=tb: attention_triton(
                         q, kn, kn, cu, lens, *tb, *p, D ** -0.5, SINK, RECENT, BITS, GROUP, **kw)

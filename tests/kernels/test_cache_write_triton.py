@@ -47,7 +47,8 @@ def test_triton_write_no_clip_and_chunked_prefill(tdevice):
         assert torch.equal(a.cpu(), b)
 
 
-def test_triton_fused_rotation(tdevice):
+@pytest.mark.parametrize("fused", [False, True])
+def test_triton_fused_rotation(tdevice, fused):
     """Fused rotation equals rotate-then-write up to float32 summation order of the rotation.
 
     The kernel's float32 dot sums in another order than torch's matmul; a rotated value can then
@@ -69,7 +70,7 @@ def test_triton_fused_rotation(tdevice):
     tail = (16, 16, 2, 64, 0.96, 0.92)
     rot, mean = rot.to(tdevice), mean.to(tdevice)
     cache_write_triton(k, v, cu, a.cache_lens, a.window_table, a.quant_table, *a.pools, *tail,
-                       rot_k=rot, mean_k=mean)
+                       rot_k=rot, mean_k=mean, fuse_rotation=fused)
     rk = rotate_ref(k.transpose(0, 1)[None], rot, mean)[0].transpose(0, 1)
     b = build_case([0], extra_tokens=60, **{**kw, "device": "cpu"})
     cache_write_ref(rk.cpu(), v.cpu(), cu.cpu(), b.cache_lens, b.window_table, b.quant_table,
