@@ -77,7 +77,8 @@ def run_demo(args) -> int:
     bos = getattr(tokenizer, "bos_token_id", None)
     start = time.perf_counter()
     rot = calibrate(model, spec, make_batches(calib.to(model.device), spec.calibration, bos), progress=True)
-    print(f"calibrated on {rot.num_tokens} tokens in {time.perf_counter() - start:.1f}s")
+    print(f"calibrated on {rot.num_tokens} tokens in {time.perf_counter() - start:.1f}s "
+          f"(`oscar-compile calibrate` writes such rotations to a file; the bundled model ships its own)")
     baseline = copy.deepcopy(model)
     report = apply(model, spec, rot)
     print(report)
