@@ -52,12 +52,14 @@ def evaluate(config: Optional[EvalConfig] = None, **settings) -> dict:
     rot_dir = None if cfg.rotations_dir is None else Path(cfg.rotations_dir)
     save_dir = None if cfg.out_dir is None else cfg.out_dir / "rotations"
     quantizers, notes = {}, {}
+    t_rot = time.time()
     for m in methods:
         quantizers[m.name], notes[m.name] = method_quantizers(model, m, rot_dir, calib_tokens, bos, save_dir,
                                                               cfg.progress, cfg.calib_tokens)
     tokens = read_tokens(data_path, tokenizer)
     fp = ModelFingerprint.of(model)
     results = _header(cfg, model_dir, data_path, calib_path, device, model, fp)
+    results["timings_s"] = {"rotations": _done("rotations", t_rot)}
     results["methods"] = {m.name: {"source": m.source, "description": m.description, "rotations": notes[m.name],
                                    "reference": m.is_reference} for m in methods}
     results["bits_per_element"] = {
@@ -84,8 +86,11 @@ def _header(cfg: EvalConfig, model_dir, data_path, calib_path, device, model, fp
 
 
 def _run_tasks(cfg: EvalConfig, model, tokenizer, tokens: torch.Tensor, bos, quantizers: dict, results: dict) -> None:
+    """Run the selected tasks in order, recording how long each took in ``results["timings_s"]``."""
     device = next(model.parameters()).device
+    timings = results.setdefault("timings_s", {})
     if "layers" in cfg.tasks:
+        t0 = time.time()
         T = cfg.layers_context
         windows = heldout_windows(tokens, T, cfg.num_samples, bos)
         metrics = LayerMetrics(model, quantizers, cfg.metric_queries)
@@ -93,14 +98,25 @@ def _run_tasks(cfg: EvalConfig, model, tokenizer, tokens: torch.Tensor, bos, qua
             metrics.add_batch(ids.to(device))
         results["layers"] = {"context": T, "scored_queries": cfg.metric_queries, "windows": windows.shape[0],
                              "metrics": metrics.results()}
+        timings["layers"] = _done("layer metrics", t0)
     for task, fn, n in (("perplexity", perplexity, cfg.ppl_tokens), ("agreement", agreement, cfg.gen_tokens)):
         if task in cfg.tasks:
+            t0 = time.time()
             results[task] = {"tokens": n}
             for c in cfg.contexts:
                 windows = heldout_windows(tokens, c, cfg.num_samples, bos)
                 results[task][str(c)] = fn(model, quantizers, windows, n, cfg.batch_size, cfg.progress)
+            timings[task] = _done(task, t0)
     if "needle" in cfg.tasks and cfg.needle_per_cell > 0:
+        t0 = time.time()
         results["needle"] = _needle(cfg, model, tokenizer, tokens, quantizers)
+        timings["needle"] = _done("needle", t0)
+
+
+def _done(task: str, t0: float) -> float:
+    elapsed = time.time() - t0
+    logger.info("%s: %.1f s", task, elapsed)
+    return elapsed
 
 
 def _needle(cfg: EvalConfig, model, tokenizer, tokens: torch.Tensor, quantizers: dict) -> dict:

@@ -29,11 +29,16 @@ def slice_args(tmp_path_factory):
                   "--needle-depths", "0", "1", "--quiet"]
 
 
-def test_cli_writes_table_json_and_plots(slice_args):
+@pytest.fixture(scope="module")
+def full_run(slice_args):
     root, args = slice_args
     out = root / "out"
     assert main([*args, "--out", str(out)]) == 0
-    results = json.loads((out / "results.json").read_text())
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_cli_writes_table_json_and_plots(full_run):
+    out, results = full_run
     names = ["bf16", "naive", "oscar", "kivi-int2-g32-r64"]
     assert list(results["methods"]) == names
     for task in ("perplexity", "agreement"):
@@ -51,6 +56,17 @@ def test_cli_writes_table_json_and_plots(slice_args):
     assert {p.name for p in out.glob("*.png")} == {"by_context.png", "layers.png", "needle.png"}
 
 
+def test_rotations_dir_is_used_instead_of_calibrating(slice_args, full_run):
+    root, args = slice_args
+    out, first = full_run
+    oscar_yaml = args[5]
+    again = evaluate(model=args[1], specs=[oscar_yaml], contexts=[192, 256], num_samples=2, ppl_tokens=32,
+                     tasks=["perplexity"], rotations_dir=str(out / "rotations"))
+    assert again["methods"]["oscar"]["rotations"].startswith("loaded")
+    for c in ("192", "256"):
+        assert again["perplexity"][c]["oscar"] == first["perplexity"][c]["oscar"]
+
+
 def test_without_matplotlib_table_and_json_still_written(slice_args, monkeypatch, caplog):
     root, args = slice_args
     import oscar_compile.evaluation.plots as plots
@@ -62,20 +78,6 @@ def test_without_matplotlib_table_and_json_still_written(slice_args, monkeypatch
     assert results["plots"] == [] and "matplotlib is not installed" in caplog.text
     assert (out / "results.md").is_file() and (out / "results.json").is_file()
     assert not list(out.glob("*.png"))
-
-
-def test_rotations_dir_is_used_instead_of_calibrating(slice_args):
-    root, args = slice_args
-    rot_dir = root / "rot"
-    rot_dir.mkdir(exist_ok=True)
-    oscar_yaml = args[5]
-    first = evaluate(model=args[1], specs=[oscar_yaml], contexts=[192], num_samples=1, ppl_tokens=32,
-                     tasks=["perplexity"], out=str(root / "calibrated"))
-    shutil.copy(root / "calibrated" / "rotations" / "oscar.safetensors", rot_dir)
-    again = evaluate(model=args[1], specs=[oscar_yaml], contexts=[192], num_samples=1, ppl_tokens=32,
-                     tasks=["perplexity"], rotations_dir=str(rot_dir))
-    assert again["methods"]["oscar"]["rotations"].startswith("loaded")
-    assert again["perplexity"]["192"]["oscar"] == first["perplexity"]["192"]["oscar"]
 
 
 def test_same_file_for_calibration_and_evaluation_is_refused(slice_args, tmp_path, capsys):
