@@ -28,6 +28,7 @@ def write_plots(results: dict, out_dir: Path) -> list[str]:
     if plt is None:
         logger.warning(MISSING)
         return []
+    out_dir.mkdir(parents=True, exist_ok=True)
     files = []
     for name, fn in (("by_context.png", _by_context), ("layers.png", _layers), ("needle.png", _needle)):
         fig = fn(plt, results)
@@ -58,7 +59,9 @@ def _by_context(plt, results: dict):
         ax = axes[0][-1]
         for name, acc in needle.items():
             ax.plot([int(L) for L in acc], list(acc.values()), marker="o", label=name)
+        lengths = sorted({int(L) for acc in needle.values() for L in acc})
         ax.set(xlabel="prompt length", ylabel="accuracy", xscale="log", ylim=(-0.02, 1.02), title="needle retrieval")
+        ax.set_xticks(lengths, [str(L) for L in lengths])
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     return fig
