@@ -6,13 +6,13 @@ import logging
 import sys
 from pathlib import Path
 
-from .config import TASKS, EvalConfig
-from .methods import BUILTIN_VARIANTS, DEFAULT_METHODS
+from .config import EvalConfig
+from .names import BUILTIN_VARIANT_NAMES, DEFAULT_METHODS, NEEDLE_MODES, TASKS
 
 HELP = "compare KV-cache compression methods side by side on held-out data (table, JSON, plots)"
 EPILOG = f"""\
 methods (--specs): spec .yaml files (named after the file stem), shipped spec names (bf16,
-naive-int2, hadamard-int2, oscar-int2, oscar-int4), built-in variants ({', '.join(BUILTIN_VARIANTS)}),
+naive-int2, hadamard-int2, oscar-int2, oscar-int4), built-in variants ({', '.join(BUILTIN_VARIANT_NAMES)}),
 and the KIVI-style baseline kivi-int2 / kivi-int4 with optional -g<G> (group size, default 32)
 and -r<R> (full-precision residual, default 128), e.g. kivi-int2-g128-r256.
 Default: {' '.join(DEFAULT_METHODS)}.
@@ -41,7 +41,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--needle-per-cell", type=int, default=d.needle_per_cell, help="needle prompts per (length, "
                    "depth) (default: %(default)s; 0 skips)")
     p.add_argument("--needle-depths", nargs="+", type=float, default=list(d.needle_depths), metavar="D")
-    p.add_argument("--needle-mode", choices=("context", "prompt"), default=d.needle_mode,
+    p.add_argument("--needle-mode", choices=NEEDLE_MODES, default=d.needle_mode,
                    help="context: haystack cached, then the question; prompt: one prefill (default: %(default)s)")
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS), help="tasks to run (default: all)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per forward (default: %(default)s)")

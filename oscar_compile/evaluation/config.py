@@ -5,10 +5,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from .methods import DEFAULT_METHODS
-from .needle_task import MODES
-
-TASKS = ("layers", "perplexity", "agreement", "needle")
+from .names import DEFAULT_METHODS, NEEDLE_MODES, TASKS
 
 
 @dataclass
@@ -62,8 +59,8 @@ class EvalConfig:
             raise ValueError(f"needle_per_cell must be >= 0, got {self.needle_per_cell}")
         if any(not 0.0 <= d <= 1.0 for d in self.needle_depths):
             raise ValueError(f"needle depths must lie in [0, 1], got {self.needle_depths}")
-        if self.needle_mode not in MODES:
-            raise ValueError(f"needle_mode must be one of {MODES}, got {self.needle_mode!r}")
+        if self.needle_mode not in NEEDLE_MODES:
+            raise ValueError(f"needle_mode must be one of {NEEDLE_MODES}, got {self.needle_mode!r}")
         unknown = set(self.tasks) - set(TASKS)
         if unknown:
             raise ValueError(f"unknown tasks {sorted(unknown)}; choose from {TASKS}")

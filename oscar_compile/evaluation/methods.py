@@ -14,6 +14,7 @@ from typing import Callable, Optional, Sequence
 from ..quant import bits_per_element
 from ..spec import CompressionSpec, shipped_spec, specs_dir
 from .kivi import KiviConfig, kivi_bits_per_element, parse_kivi_name
+from .names import DEFAULT_METHODS
 
 
 def _variant(base: str, **sections: dict) -> Callable[[], CompressionSpec]:
@@ -40,10 +41,6 @@ BUILTIN_VARIANTS: dict[str, tuple[Callable[[], CompressionSpec], str]] = {
     ),
 }
 
-DEFAULT_METHODS = (
-    "bf16", "naive-int2", "kivi-int2", "hadamard-int2", "oscar-int2",
-    "oscar-int2-per-head", "oscar-int2-attn-output", "oscar-int4",
-)
 
 
 @dataclass(frozen=True)
@@ -120,3 +117,6 @@ def resolve_methods(names: Sequence[str]) -> list[Method]:
     if not methods:
         raise ValueError("no methods to compare")
     return methods
+
+
+__all__ = ["BUILTIN_VARIANTS", "DEFAULT_METHODS", "Method", "resolve_method", "resolve_methods"]

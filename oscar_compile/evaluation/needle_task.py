@@ -22,12 +22,13 @@ import torch
 from torch import nn
 
 from ..data.needle import PLAIN_QUESTION, NeedleSample, TokenAdapter, make_needle_sample
+from .names import NEEDLE_MODES
 from .quantizers import cache_starts
 from .simulate import simulated_logits
 from .tasks import Quantizers
 
 logger = logging.getLogger(__name__)
-MODES = ("context", "prompt")
+MODES = NEEDLE_MODES
 
 
 @dataclass

@@ -1,13 +1,18 @@
 """Method names: YAML files, shipped specs, built-in variants, KIVI; honest bits per element."""
 import pytest
 
-from oscar_compile.evaluation.methods import DEFAULT_METHODS, resolve_method, resolve_methods
+from oscar_compile.evaluation.methods import BUILTIN_VARIANTS, DEFAULT_METHODS, resolve_method, resolve_methods
+from oscar_compile.evaluation.names import BUILTIN_VARIANT_NAMES
 
 
 def test_every_default_method_resolves():
     methods = resolve_methods(DEFAULT_METHODS)
     assert [m.name for m in methods] == list(DEFAULT_METHODS)
     assert methods[0].is_reference and not any(m.is_reference for m in methods[1:])
+
+
+def test_the_cli_knows_every_builtin_variant():
+    assert tuple(BUILTIN_VARIANTS) == BUILTIN_VARIANT_NAMES
 
 
 def test_builtin_variants_change_only_what_they_say():
