@@ -90,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _extra_commands():
     """Subcommands that live beside their concern register themselves here."""
     from . import demo
+    from .evaluation import cli as evaluation_cli
 
-    return [demo.add_parser]
+    return [demo.add_parser, evaluation_cli.add_parser]
 
 
 def main(argv=None) -> int:
