@@ -137,9 +137,9 @@ def cache_write_triton(
 
     With ``rot_k`` and ``fuse_rotation=False`` (default) the keys are rotated by the torch
     reference (one float32 matmul, bitwise what ``oscar::rotate`` gives on the same device)
-    before the launch. ``fuse_rotation=True`` does the rotation inside the kernel; Triton 3.6
-    fails to compile that variant at head_dim 128 (a layout-propagation error on a select that
-    follows the dot), so it is opt-in until verified on the GPU's Triton.
+    before the launch. ``fuse_rotation=True`` does the rotation inside the kernel (interpreter
+    tested; Triton 3.9 compiles it for sm_90); Triton 3.6 cannot compile it (BLOCK_T = 16 above),
+    so it is opt-in.
     """
     if rot_k is not None and not fuse_rotation:
         from oscar_compile.kernels.rotate_ref import rotate_ref
@@ -161,8 +161,10 @@ def cache_write_triton(
         rot_k = rot_k.contiguous().float()
         mean_k = None if mean_k is None else mean_k.contiguous().float()
     if block_t is None:
-        # small decode batches: more, smaller programs; the fused rotation's dot needs 16 rows
-        block_t = 16 if (rot_k is not None or N >= 512) else 4
+        # small decode batches: more, smaller programs. Triton 3.6 fails to compile this kernel
+        # at BLOCK_T = 16 (RemoveLayoutConversions error; checked by compiling for sm_90 with
+        # Triton 3.6 off-GPU), so 8 is the largest; the fused rotation's dot needs 16 rows.
+        block_t = 16 if rot_k is not None else (8 if N >= 512 else 4)
     B = cache_lens.shape[0]
     klo, khi, kfrac = clip_indices(clip_k, D)
     vlo, vhi, vfrac = clip_indices(clip_v, D)

@@ -269,6 +269,8 @@ def device_line() -> str:
 
 
 def print_table(rows: list[dict], write: dict) -> None:
+    if write.get("error"):
+        print("write part failed:", write["error"])
     hdr = (f"{'ctx':>6} {'B':>3} {'sdpa_us':>9} {'pagedbf16':>9} {'int2_us':>8} {'GB/s':>6} {'%HBM':>5} "
            f"{'Tel/s':>6} {'x_sdpa':>6} {'x_paged':>7} {'fp32s_us':>8} {'x_sdpa32':>8} {'err':>8}")
     print(hdr)
@@ -290,6 +292,7 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="8k and 32k at batch 1 and 8 only")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--write-only", action="store_true", help="only the cache-write part")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
@@ -300,12 +303,12 @@ def main(argv=None) -> None:
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": "Qwen3-8B layer H_q=32 H_kv=8 D=128",
               "sink": SINK, "recent": RECENT, "page": P, "bits": BITS, "group": GROUP,
               "hbm_bytes_per_s": HBM_BYTES_PER_S, "attention": [], "variants": []}
-    for ctx in ctxs:
+    for ctx in () if args.write_only else ctxs:
         for B in batches:
             if B * ctx <= 4 * 1024 * 1024:
                 result["attention"].append(bench_attention(ctx, B, not args.no_check))
                 print(json.dumps(result["attention"][-1]), flush=True)
-    if not args.no_variants:
+    if not (args.no_variants or args.write_only):
         for ctx, B in ((32768, 8), (131072, 1)):
             result["variants"] += bench_variants(ctx, B)
         print(json.dumps(result["variants"]), flush=True)
