@@ -48,10 +48,15 @@ def _get_path(obj, path: str):
     return obj
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers, in order."""
+    return list(_get_path(model, architecture_of(model).layers_path))
+
+
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The attention module of every decoder layer, in layer order."""
-    info = architecture_of(model)
-    return [getattr(layer, info.attention_attr) for layer in _get_path(model, info.layers_path)]
+    attr = architecture_of(model).attention_attr
+    return [getattr(layer, attr) for layer in decoder_layers(model)]
 
 
 @dataclass(frozen=True)

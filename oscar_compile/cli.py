@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 logger = logging.getLogger("oscar_compile")
 

@@ -1,7 +1,6 @@
 """The oscar-compile CLI: calibrate, inspect, demo on tiny models (no downloads)."""
 import numpy as np
 import pytest
-import torch
 
 from oscar_compile import Rotations
 from oscar_compile.cli import main

@@ -81,7 +81,7 @@ def card(out: Path) -> str:
 
     w("## Architecture\n")
     w("| | |\n|---|---|")
-    w(f"| class | `Qwen3ForCausalLM` (`model_type: qwen3`), tied input/output embeddings |")
+    w("| class | `Qwen3ForCausalLM` (`model_type: qwen3`), tied input/output embeddings |")
     w(f"| parameters | {tl['params']:,} ({2 * tl['params'] / 1e6:.1f} MB in bf16) |")
     w(f"| layers / hidden / MLP | {cfg['num_hidden_layers']} / {cfg['hidden_size']} / {cfg['intermediate_size']} (SwiGLU) |")
     w(f"| attention | {cfg['num_attention_heads']} query heads, {cfg['num_key_value_heads']} KV heads "

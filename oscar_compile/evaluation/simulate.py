@@ -10,8 +10,8 @@ the softmax of the mixed cache. KIVI, whose keys and values age out at different
 four (key copy, value copy) pairs. tests/evaluation/test_simulate.py checks this against
 ``apply()`` + the real cache, token for token.
 
-The override is an attention implementation registered with transformers; it sees the post-RoPE
-queries and keys and the values of every layer, like calibration's capture.
+The override (oscar_compile/attention_override.py, shared with calibration's capture) sees the
+post-RoPE queries and keys and the values of every layer.
 """
 from __future__ import annotations
 
@@ -22,77 +22,29 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..architectures import architecture_of, attention_modules
+from ..architectures import attention_modules, decoder_layers
+from ..attention_override import override_attention
 from .quantizers import LayerQuantizer
 
 logger = logging.getLogger(__name__)
-IMPLEMENTATION = "oscar_eval"
 
 # fn(q [B, H_q, T, D], k, v [B, H_kv, T, D], scaling, run_inner) -> [B, T, H_q, D]
 LayerAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, Callable[[], torch.Tensor]], torch.Tensor]
 
-_active: dict[int, tuple[LayerAttention, str]] = {}  # id(attention module) -> (fn, the model's own implementation)
-
-
-def _eager_fallback():
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
-    return eager_attention_forward
-
-
-def _dispatch(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    entry = _active.get(id(module))
-    if entry is None:
-        raise RuntimeError(f"{IMPLEMENTATION} attention called outside attention_override()")
-    fn, inner_name = entry
-    inner = ALL_ATTENTION_FUNCTIONS.get_interface(inner_name, _eager_fallback())
-    if scaling is None:
-        scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
-
-    def run_inner() -> torch.Tensor:
-        return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)[0]
-
-    return fn(query, key, value, scaling, run_inner), None
-
-
-AttentionInterface.register(IMPLEMENTATION, _dispatch)
-
-
-def _configs_of(model: nn.Module) -> list:
-    seen, configs = set(), []
-    for m in model.modules():
-        cfg = getattr(m, "config", None)
-        if cfg is not None and id(cfg) not in seen:
-            seen.add(id(cfg))
-            configs.append(cfg)
-    return configs
-
-
 @contextlib.contextmanager
 def attention_override(model: nn.Module, per_layer: Sequence[LayerAttention]) -> Iterator[None]:
     """Within the block, layer i's attention is ``per_layer[i]`` (which may call the model's own)."""
-    modules = attention_modules(model)
-    if len(per_layer) != len(modules):
-        raise ValueError(f"{len(per_layer)} attention functions for {len(modules)} layers")
-    configs = _configs_of(model)
-    saved = [cfg._attn_implementation for cfg in configs]
-    inner = model.config._attn_implementation or "eager"
-    if inner == IMPLEMENTATION:
-        raise RuntimeError("attention_override() does not nest")
-    for fn, m in zip(per_layer, modules):
-        _active[id(m)] = (fn, inner)
-    try:
-        for cfg in configs:
-            cfg._attn_implementation = IMPLEMENTATION
+    num_layers = len(attention_modules(model))
+    if len(per_layer) != num_layers:
+        raise ValueError(f"{len(per_layer)} attention functions for {num_layers} layers")
+
+    def dispatch(layer, module, q, k, v, kwargs, run_inner):
+        scaling = kwargs.get("scaling") or getattr(module, "scaling", q.shape[-1] ** -0.5)
+        return per_layer[layer](q, k, v, scaling, lambda: run_inner()[0]), None
+
+    with override_attention(model, dispatch):
         yield
-    finally:
-        for cfg, name in zip(configs, saved):
-            cfg._attn_implementation = name
-        for m in modules:
-            _active.pop(id(m), None)
 
 
 def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -140,13 +92,6 @@ def simulated_layer(quantizer: Optional[LayerQuantizer], starts: torch.Tensor) -
         return mixed_attention(q, k, v, k_q.to(k.dtype), v_q.to(v.dtype), key_mask, value_mask, scaling)
 
     return attend
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    obj = model
-    for part in architecture_of(model).layers_path.split("."):
-        obj = getattr(obj, part)
-    return list(obj)
 
 
 @contextlib.contextmanager
