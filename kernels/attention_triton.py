@@ -48,6 +48,7 @@ def _attn_kernel(
     H_KV: tl.constexpr, G_Q: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     SINK: tl.constexpr, RECENT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     SPLIT: tl.constexpr, LOG_B: tl.constexpr, USE_ASM: tl.constexpr, DOT_DT: tl.constexpr,
 ):
     NPL: tl.constexpr = 8 // BITS
@@ -143,8 +144,8 @@ def _attn_kernel(
                     D, qk_scale, D, WP, NPL, kdt)
             # the chunk's own keys, causally (new token j visible to row tok iff j <= tok)
             kend = tl.minimum(T, t0 + BLOCK_M)
-            for j0 in range(0, kend, BLOCK_W):
-                j = j0 + tl.arange(0, BLOCK_W)
+            for j0 in range(0, kend, BLOCK_C):
+                j = j0 + tl.arange(0, BLOCK_C)
                 key_ok = (j[None, :] <= tok[:, None]) & (j[None, :] < kend)
                 rows = (start + j).to(tl.int64)
                 m, l, a0, a1, a2, a3, z0, z1, z2, z3 = full_block(
@@ -256,7 +257,10 @@ def attention_triton(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         window_table.stride(0), quant_table.stride(0),
         H_KV=H_kv, G_Q=g, D=D, P=P, SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size,
-        BLOCK_M=block_m, ROWS=rows, BLOCK_N=block_n, BLOCK_W=16 if block_m == 1 else 64,
+        BLOCK_M=block_m, ROWS=rows, BLOCK_N=block_n,
+        # window slots in 64-key blocks (the 320 slots were the batch-1 critical path at 16);
+        # the chunk's own keys in 16-key blocks for decode (T = 1), 64 for extend
+        BLOCK_W=64, BLOCK_C=16 if block_m == 1 else 64,
         SPLIT=nsplit > 0, LOG_B=max(1, B.bit_length()),
         DOT_DT=dot_dtype(k_win.dtype),
         num_warps=num_warps, num_stages=num_stages,
