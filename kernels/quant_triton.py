@@ -8,7 +8,7 @@ rounding per torch op:
   (double precision, as quant.py does), then ``lo_v + frac * (hi_v - lo_v)`` with frac rounded to
   float32, a separate multiply and add (the kernel is compiled with ``enable_fp_fusion=False``,
   so no FMA contraction changes the rounding);
-- ``s = (max - min) / qmax`` and ``z = -min / s`` with correctly rounded division (``div_rn``;
+- ``s = max((max - min) / qmax, max(|min|, |max|) * 2^-10)`` and ``z = -min / s`` with correctly rounded division (``div_rn``;
   Triton's default float division is approximate), s = 1 where max == min;
 - scale/zero rounded to the scale dtype (round to nearest even), codes computed from the rounded
   values: ``rint(div_rn(x, s) + z)`` (round half to even, like ``torch.round``, by the 1.5 * 2^23 trick), clamped.
@@ -106,6 +106,7 @@ def quantize_rows(x, R: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP
     mn = tl.min(xg, axis=2)
     mx = tl.max(xg, axis=2)
     s = tl.math.div_rn(mx - mn, tl.full(mn.shape, QMAX, tl.float32))
+    s = tl.maximum(s, tl.maximum(tl.abs(mn), tl.abs(mx)) * 0.0009765625)  # quant.ZERO_POINT_FLOOR = 2^-10 (exact)
     s = tl.where(s == 0.0, 1.0, s)
     z = tl.math.div_rn(-mn, s)
     if SCALE_DT == tl.bfloat16:

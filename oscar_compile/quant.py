@@ -6,8 +6,10 @@ one vector x of D channels, already in rotated coordinates:
 1. per-token clip: tau = quantile(|x|, rho) over the D channels, linear interpolation between
    order statistics (what ``torch.quantile`` does); x <- clamp(x, -tau, tau). rho = 1: no clip.
 2. per group of G consecutive channels, asymmetric min-max:
-   s = (max - min) / (2^b - 1), with s = 1 when max == min (the group then dequantizes exactly
-   to its constant); z = -min / s. s and z are rounded to ``scale_dtype`` *before* the codes are
+   s = max((max - min) / (2^b - 1), max(|min|, |max|) / 2^10), with s = 1 when that is 0 (an
+   all-zero group); z = -min / s. The floor keeps |z| <= 2^10, so a nearly constant group far
+   from 0 cannot overflow an fp16 zero (it costs nothing: such a group's spread is below what its
+   16-bit values resolve). s and z are rounded to ``scale_dtype`` *before* the codes are
    computed, so codes and the stored scale/zero agree:
    code = clamp(round_half_to_even(x / s + z), 0, 2^b - 1); dequant = s * (code - z).
 3. planar packing: n = 8 / b codes per byte; byte j of a row holds channels j, j + D/n, ...,
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 
 SUPPORTED_BITS = (2, 4)
+ZERO_POINT_FLOOR = 2.0**-10  # scale >= this times the group's largest magnitude: |zero| <= 2^10
 _SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -85,7 +88,9 @@ def quantize_groups(
     xg = _grouped(x.float(), group_size)  # [..., D/G, G]
     lo = xg.amin(dim=-1)
     hi = xg.amax(dim=-1)
-    s = (hi - lo) / qmax
+    # a tensor divisor: on CUDA, division by a Python scalar is a multiply by its rounded reciprocal
+    s = (hi - lo) / torch.full_like(hi, qmax)
+    s = torch.maximum(s, torch.maximum(lo.abs(), hi.abs()) * ZERO_POINT_FLOOR)
     s = torch.where(s == 0, torch.ones_like(s), s)
     z = -lo / s
     scale, zero = s.to(sdt), z.to(sdt)

@@ -28,12 +28,16 @@ def test_ties_round_half_to_even():
     assert codes.tolist() == [[0, 0, 2, 2, 3, 3, 3, 3]]
 
 
-def test_constant_rows_dequantize_exactly():
+@pytest.mark.parametrize("scale_dtype", ["float16", "float32"])
+def test_constant_rows_dequantize_exactly(scale_dtype):
     x = torch.full((3, 8), 1.25)
-    codes, scale, zero = quantize_groups(x, bits=2, group_size=4, scale_dtype="float32")
-    assert torch.all(scale == 1.0)  # the s = 0 guard
-    out = fake_quantize(x, bits=2, group_size=4, scale_dtype="float32")
-    assert torch.equal(out, x)
+    codes, scale, zero = quantize_groups(x, bits=2, group_size=4, scale_dtype=scale_dtype)
+    assert torch.all(scale.float() == 1.25 * 2**-10)  # the floor: |zero| = 2^10
+    assert torch.equal(fake_quantize(x, bits=2, group_size=4, scale_dtype=scale_dtype), x)
+    zeros = torch.zeros(2, 4)
+    _, scale, zero = quantize_groups(zeros, bits=2, group_size=4)
+    assert torch.all(scale == 1.0) and torch.all(zero == 0.0)  # the s = 0 guard
+    assert torch.equal(fake_quantize(zeros, bits=2, group_size=4), zeros)
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -99,3 +103,13 @@ def test_bits_per_element():
         assert round(bits_per_element(128, 2, 128, "float16", ctx, 64, 256), 2) == expected
     assert bits_per_element(128, 2, 128, "float16", 100, 64, 256) == 16.0
     assert bits_per_element(128, 16, 128) == 16.0
+
+
+@pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16", "float32"])
+def test_nearly_constant_groups_far_from_zero_stay_finite(scale_dtype):
+    x = torch.tensor([[3.0, 3.0 + 1e-6, 3.0 - 1e-6, 3.0]])
+    codes, scale, zero = quantize_groups(x, bits=2, group_size=4, scale_dtype=scale_dtype)
+    assert torch.isfinite(zero.float()).all() and zero.float().abs().max() <= 2**10
+    out = fake_quantize(x, bits=2, group_size=4, scale_dtype=scale_dtype)
+    assert torch.isfinite(out).all()
+    assert (out - x).abs().max() <= 3.0 * 2**-10  # at most one floored step
