@@ -46,5 +46,8 @@ def test_int2_decoding_on_gpu_matches_the_cpu_reference_ops():
                 step = m(input_ids=tokens[:, t:t + 1].to(dev), past_key_values=cache)
                 logits.append(step.logits[:, -1].float().cpu())
         outs.append(torch.stack(logits, 1))
-    # float32 model; the Triton kernels accumulate in a different order than the reference
-    assert torch.allclose(outs[0], outs[1], atol=2e-3, rtol=1e-3)
+    # The Triton kernel takes q . k and p . v on tensor cores in fp16 over the decoded codes (the
+    # design PERF_NOTES.md argues for), where the reference works in float32: ~1e-3 relative per
+    # score, and the decoded tokens then drift by that much more, layer after layer.
+    assert (outs[0] - outs[1]).abs().max() < 3e-2
+    assert (outs[0].argmax(-1) == outs[1].argmax(-1)).float().mean() > 0.95
