@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
@@ -83,18 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m oscar_compile.evaluation", description=HELP, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    args = configure_parser(parser).parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError, NotImplementedError) as err:
-        print(f"oscar-compile eval: error: {err}", file=sys.stderr)
-        return 2
+    """``python -m oscar_compile.evaluation ...`` is ``oscar-compile eval ...``."""
+    from ..cli import main as cli_main
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return cli_main(["eval", *(sys.argv[1:] if argv is None else argv)])
