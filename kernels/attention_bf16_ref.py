@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar_compile.kernels.attention_ref import _attend
+from oscar_compile.kernels.attention_ref import attend_over_cache
 
 
 def token_positions(cu_seqlens: torch.Tensor, cache_lens: torch.Tensor, num_tokens: int):
@@ -37,17 +37,11 @@ def cache_write_bf16_ref(k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pa
 
 def attention_bf16_ref(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages, scale):
     """q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype."""
-    N, H_q, D = q.shape
     P = k_pages.shape[2]
-    out = torch.zeros(N, H_q, D, dtype=torch.float32, device=q.device)
-    cu = cu_seqlens.tolist()
-    for i, L in enumerate(cache_lens.tolist()):
-        a, b = cu[i], cu[i + 1]
-        if a == b:
-            continue
+
+    def gather(i: int, L: int):
         pos = torch.arange(L, device=q.device)
         page, row = page_table[i, pos // P].long(), pos % P
-        keys = torch.cat([k_pages[page, :, row].float(), k[a:b].float()])
-        vals = torch.cat([v_pages[page, :, row].float(), v[a:b].float()])
-        out[a:b] = _attend(q[a:b].float(), keys, vals, L, scale)
-    return out.to(q.dtype)
+        return k_pages[page, :, row].float(), v_pages[page, :, row].float()
+
+    return attend_over_cache(q, k, v, cu_seqlens, cache_lens, scale, gather)

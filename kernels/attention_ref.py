@@ -69,15 +69,26 @@ def attention_ref(
     if H_q % H_kv:
         raise ValueError(f"H_kv {H_kv} does not divide H_q {H_q}")
     check_window_config(sink, recent, k_win.shape[2])
-    out = torch.zeros(N, H_q, D, dtype=torch.float32, device=q.device)
+    common = (window_table, quant_table)
+
+    def gather(i: int, L: int):
+        kc = gather_cached(i, L, *common, k_win, k_codes, k_scale, k_zero, sink, recent, bits, group_size)
+        vc = gather_cached(i, L, *common, v_win, v_codes, v_scale, v_zero, sink, recent, bits, group_size)
+        return kc, vc
+
+    return attend_over_cache(q, k, v, cu_seqlens, cache_lens, scale, gather)
+
+
+def attend_over_cache(q, k, v, cu_seqlens, cache_lens, scale: float, gather) -> torch.Tensor:
+    """Each sequence's new tokens attend to ``gather(i, L)`` (its cached keys and values, float32
+    [L, H_kv, D]) plus their own chunk, causally. q: [N, H_q, D] -> [N, H_q, D] in q.dtype."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     cu = cu_seqlens.tolist()
     for i, L in enumerate(cache_lens.tolist()):
         a, b = cu[i], cu[i + 1]
         if a == b:
             continue
-        common = (window_table, quant_table)
-        kc = gather_cached(i, L, *common, k_win, k_codes, k_scale, k_zero, sink, recent, bits, group_size)
-        vc = gather_cached(i, L, *common, v_win, v_codes, v_scale, v_zero, sink, recent, bits, group_size)
+        kc, vc = gather(i, L)
         keys = torch.cat([kc, k[a:b].float()], dim=0)
         vals = torch.cat([vc, v[a:b].float()], dim=0)
         out[a:b] = _attend(q[a:b].float(), keys, vals, L, scale)

@@ -16,7 +16,6 @@ With ``rot_k`` the incoming keys are unrotated: k <- ((k - mean) @ rot).to(k.dty
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
