@@ -66,6 +66,17 @@ class CalibrationSpec(_Strict):
     batch_size: int = Field(1, ge=1, description="sequences per forward pass")
 
 
+class OptRSpec(_Strict):
+    """OptR refinement (rotation: optr): per-head corrections learned against the post-W_O error."""
+
+    steps: int = Field(80, ge=1, description="Adam steps per layer and phase (keys, then values)")
+    lr: float = Field(0.02, gt=0.0)
+    lambda_k: float = Field(1.0, ge=0.0, description="weight of the post-W_O error in the key loss")
+    num_queries: int = Field(64, ge=1, description="last query positions of each sequence in the loss")
+    eval_every: int = Field(20, ge=1, description="held-out check interval; the best check is kept")
+    heldout_fraction: float = Field(0.5, gt=0.0, lt=1.0, description="calibration sequences held out for selection")
+
+
 # Overrides name a subset of fields; unset ones fall back to the top-level section.
 class KVCacheOverride(_Strict):
     bits: Optional[Bits] = None
@@ -125,6 +136,7 @@ class CompressionSpec(_Strict):
     key: KeySpec = KeySpec()
     value: ValueSpec = ValueSpec()
     calibration: CalibrationSpec = CalibrationSpec()
+    optr: OptRSpec = OptRSpec()
     layers: list[LayerOverride] = []
 
     @model_validator(mode="after")

@@ -35,6 +35,51 @@ def _needs_value_pass(layer: LayerSpec) -> bool:
     return layer.value.rotation in ("oscar", "optr") and layer.value.target == "score_weighted"
 
 
+def _uses_optr(layer: LayerSpec) -> bool:
+    return "optr" in (layer.key.rotation, layer.value.rotation) and layer.quantized
+
+
+def _keep_trace(into: list, q, k, v, mask, num_queries: int) -> None:
+    """Keep, on the CPU, every fully unpadded sequence of the batch long enough for OptR's loss."""
+    T = k.shape[2]
+    if T <= num_queries:
+        return
+    rows = range(k.shape[0]) if mask is None else [b for b in range(k.shape[0]) if bool(mask[b].all())]
+    for b in rows:
+        into.append((q[b, :, -num_queries:].float().cpu(), k[b].float().cpu(), v[b].float().cpu()))
+
+
+def _refine_with_optr(model, spec: CompressionSpec, layers, solved, traces, progress: bool) -> None:
+    """Replace the base rotations of optr layers by their OptR refinements (in ``solved``)."""
+    from ..architectures import attention_modules
+    from .optr import LayerTraces, refine_layer
+
+    modules = attention_modules(model)
+    todo = [i for i, l in enumerate(layers) if _uses_optr(l)]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(todo), desc="calibrate: OptR refinement", unit="layer")
+    for i in todo:
+        seqs = traces[i]
+        if not seqs:
+            raise ValueError(f"OptR needs calibration sequences longer than optr.num_queries ({spec.optr.num_queries})")
+        lengths = [s[1].shape[1] for s in seqs]
+        T = max(set(lengths), key=lengths.count)  # positions must line up: use the most common length
+        seqs = [s for s in seqs if s[1].shape[1] == T]
+        q, k, v = (torch.stack([s[j] for s in seqs]) for j in range(3))
+        attn = modules[i]
+        data = LayerTraces(q, k, v, attn.o_proj.weight.detach().float().cpu(), float(attn.scaling))
+        mean = solved[i].extras.get("k_mean") if layers[i].key.center else None
+        with torch.enable_grad():
+            solved[i].k, solved[i].v = refine_layer(data, layers[i], solved[i].k, solved[i].v, mean, spec.optr)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+
 def _unpack(batch: Batch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """A batch is token ids [B, T] or a dict with ``input_ids`` (and optionally ``attention_mask``)."""
     if isinstance(batch, dict):
@@ -103,8 +148,12 @@ def calibrate(
         model.eval()
         token_mask: list = [None]
 
+        traces = {i: [] for i, l in enumerate(layers) if _uses_optr(l)}
+
         def first_pass(layer, q, k, v, out):
             stats[layer].add(q, k, out, token_mask[0])
+            if layer in traces:
+                _keep_trace(traces[layer], q, k, v, token_mask[0], spec.optr.num_queries)
 
         def value_pass(layer, q, k, v, out):
             if _needs_value_pass(layers[layer]):
@@ -118,6 +167,8 @@ def calibrate(
             model.train(was_training)
         logger.info("calibrated on %d tokens", stats[0].num_tokens)
     solved = [solve_layer(l, s, fp) for l, s in zip(layers, stats)]
+    if any(_uses_optr(l) for l in layers):
+        _refine_with_optr(model, spec, layers, solved, traces, progress)
     return Rotations(
         spec=spec,
         fingerprint=fp,

@@ -24,11 +24,7 @@ def _rotation(method: str, granularity: str, target_fn, fp: ModelFingerprint, na
         return identity_rotation(H, D)
     if method == "hadamard":
         return hadamard_rotation(H, D)
-    if method == "optr":
-        raise NotImplementedError(
-            "rotation: optr (learned per-head corrections, OptR) is not implemented yet; "
-            "use rotation: oscar (optionally with key.center: true)"
-        )
+    # oscar, and optr's starting point (its per-head corrections are learned afterwards, optr.py)
     cov = target_fn().double().cpu()  # [H_kv, D, D]
     extras[f"{name}_cov"] = cov.float()
     if granularity == "per_layer":
