@@ -10,8 +10,8 @@ from .names import BUILTIN_VARIANT_NAMES, DEFAULT_METHODS, NEEDLE_MODES, TASKS
 
 HELP = "compare KV-cache compression methods side by side on held-out data (table, JSON, plots)"
 EPILOG = f"""\
-methods (--specs): spec .yaml files (named after the file stem), shipped spec names (bf16,
-naive-int2, hadamard-int2, oscar-int2, oscar-int4), built-in variants ({', '.join(BUILTIN_VARIANT_NAMES)}),
+methods (--specs): spec .yaml files (named after the file stem), shipped spec names (the stems of
+specs/*.yaml: bf16, naive-int2, hadamard-int2, oscar-int2, oscar-optr-int2, oscar-int4), built-in variants ({', '.join(BUILTIN_VARIANT_NAMES)}),
 and the KIVI-style baseline kivi-int2 / kivi-int4 with optional -g<G> (group size, default 32)
 and -r<R> (full-precision residual, default 128), e.g. kivi-int2-g128-r256.
 Default: {' '.join(DEFAULT_METHODS)}.
