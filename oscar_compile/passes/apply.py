@@ -99,11 +99,12 @@ def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelF
     mean = rot.k_mean[i] if layer.key.center else None
     if layer.key.center and mean is None:
         raise ArtifactError(f"layer {i}: key.center is on but the rotation file has no key means (recalibrate)")
-    owners = [attn, gm]
-    _set_buffer(owners, "oscar_rot_k", rot.k[i].to(device=device, dtype=torch.float32))
-    if mean is not None:
-        _set_buffer(owners, "oscar_k_mean", mean.to(device=device, dtype=torch.float32))
-    insert_key_rotation(graph, site, has_mean=mean is not None)
+    if layer.key.rotation != "none" or mean is not None:  # an identity rotation would only cost time
+        owners = [attn, gm]
+        _set_buffer(owners, "oscar_rot_k", rot.k[i].to(device=device, dtype=torch.float32))
+        if mean is not None:
+            _set_buffer(owners, "oscar_k_mean", mean.to(device=device, dtype=torch.float32))
+        insert_key_rotation(graph, site, has_mean=mean is not None)
     attention = swap_in_oscar_attention(graph, site, layer, float(attn.scaling))
     if getattr(attn, "sliding_window", None):
         notes.append(f"sliding window {attn.sliding_window} not applied: attends to the whole context")

@@ -1,0 +1,229 @@
+"""End-to-end decode benchmark of the runtime's model runner (DESIGN.md §8.3), INT2 vs the BF16 mode.
+
+    python -m oscar_compile.bench.serve [--shapes 8b 4b] [--contexts 8192 32768 131072]
+        [--capacity-contexts 32768 100000] [--kv-memory GB] [--out bench.json]
+
+A Qwen3-8B- (and 4B-) shaped model with random weights, rewritten by ``apply`` with an INT2 spec
+(``hadamard-int2``: the same ops and cost as OSCAR, no calibration data needed) or with
+``bf16.yaml`` (the runtime's BF16 mode, paged full-precision attention). Each decode step runs
+the real ``CompressedRunner`` on a synthetic batch whose caches are pre-filled to the context
+(random page contents: speed does not depend on them):
+1. batch-1 decode tokens/s at each context, INT2 vs BF16, with the step broken into GEMM,
+   attention, cache write, rotation and other by the torch profiler (as the OSCAR paper's Table 8);
+2. the most sequences of each capacity context that fit the same KV budget, INT2 vs BF16, and the
+   decode throughput of that full batch.
+Transformers' own continuous batching (the issue's third comparison) is not measured here yet.
+Prints a table and writes JSON. ``--shapes tiny --device cpu`` is the CPU smoke run CI uses.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from oscar_compile.passes import apply
+from oscar_compile.runtime.compressed_runner import CompressedRunner, compressed_layout
+from oscar_compile.runtime.runner import Batch
+from oscar_compile.spec import shipped_spec
+
+SHAPES = {
+    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, vocab_size=151936),
+    "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, vocab_size=151936),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=512),
+}
+HEADS = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+TINY_HEADS = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+MODES = {"int2": "hadamard-int2", "bf16": "bf16"}
+GIB = 1024**3
+
+
+def build_model(shape: str, mode: str, max_len: int, device: torch.device):
+    """A random-weight Qwen3 of ``shape``, rewritten for ``mode``; returns (model, layout)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    heads = TINY_HEADS if shape == "tiny" else HEADS
+    config = Qwen3Config(**SHAPES[shape], **heads, max_position_embeddings=max_len, tie_word_embeddings=False)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    spec = shipped_spec(MODES[mode])
+    if shape == "tiny":  # windows that fit the smoke run's short contexts
+        spec = spec.model_copy(update={"kv_cache": spec.kv_cache.model_copy(update={"sink_tokens": 16, "recent_tokens": 32})})
+    from oscar_compile.calibration import calibrate
+
+    apply(model, spec, calibrate(model, spec))
+    return model, compressed_layout(model, spec)
+
+
+def decode_batch(layout, batch_size: int, context: int) -> tuple[Batch, int, int]:
+    """One decode step of ``batch_size`` sequences holding ``context`` tokens; (batch, window pages, quant pages)."""
+    num_window, num_quant = layout.num_pages_for_seq(context + 1)
+    seqs = range(batch_size)
+    batch = Batch(
+        seq_ids=list(seqs), token_ids=[[7] for _ in seqs], positions=[[context] for _ in seqs],
+        cache_lens=[context] * batch_size,
+        history_lens=[layout.num_history_tokens(context)] * batch_size,
+        window_tables=[list(range(i * num_window, (i + 1) * num_window)) for i in seqs],
+        quant_tables=[list(range(i * num_quant, (i + 1) * num_quant)) for i in seqs],
+        context_token_ids=[[] for _ in seqs], layout=layout,
+    )
+    return batch, batch_size * num_window, batch_size * num_quant
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_time_s(runner: CompressedRunner, batch: Batch, reps: int) -> float:
+    """Median wall time of one decode step (after a warm-up that compiles the kernels)."""
+    runner.run(batch)
+    _sync(runner.device)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        runner.run(batch)
+        _sync(runner.device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+_OPS = {
+    "attention": ("oscar::attention", "oscar::attention_bf16"),
+    "cache_write": ("oscar::cache_write", "oscar::cache_write_bf16"),
+    "rotation": ("oscar::rotate",),
+}
+_GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
+
+
+def _inside(event, names) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name in names:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def step_breakdown(runner: CompressedRunner, batch: Batch, reps: int = 3) -> dict[str, float]:
+    """Share of the steps' device time (CPU time on a CPU) per category, from the torch profiler.
+
+    An oscar op counts with everything under it; a GEMM counts when no oscar op encloses it (the
+    CPU references do matmuls of their own); "other" is the rest of the step.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(reps):
+            runner.run(batch)
+        _sync(runner.device)
+    ours = {name for names in _OPS.values() for name in names}
+    totals = dict.fromkeys([*_OPS, "gemm"], 0.0)
+    whole = 0.0
+    for ev in prof.events():
+        self_time = ev.self_device_time_total if cuda else ev.self_cpu_time_total
+        whole += self_time
+        for category, names in _OPS.items():
+            if ev.name in names and not _inside(ev, ours):
+                totals[category] += ev.device_time_total if cuda else ev.cpu_time_total
+        if ev.name in _GEMMS and not _inside(ev, ours):
+            totals["gemm"] += self_time
+    shares = {name: (t / whole if whole else 0.0) for name, t in totals.items()}
+    shares["other"] = max(0.0, 1.0 - sum(shares.values()))
+    return shares
+
+
+def run(args) -> dict:
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    max_len = max(args.contexts + args.capacity_contexts) + 1
+    rows, capacity = [], []
+    for shape in args.shapes:
+        for mode in MODES:
+            model, layout = build_model(shape, mode, max_len, device)
+            for context in args.contexts:
+                batch, num_window, num_quant = decode_batch(layout, 1, context)
+                runner = CompressedRunner(model, layout, num_window, num_quant)
+                t = step_time_s(runner, batch, args.reps)
+                rows.append(dict(shape=shape, mode=mode, context=context, batch=1, step_ms=t * 1e3,
+                                 tokens_per_s=1 / t, breakdown=step_breakdown(runner, batch)))
+                del runner
+            budget = int(args.kv_memory * GIB) if args.kv_memory else _free_memory_bytes(device)
+            for context in args.capacity_contexts:
+                per_seq = _bytes_per_seq(layout, context)
+                max_seqs = max(0, budget // per_seq)
+                entry = dict(shape=shape, mode=mode, context=context, kv_budget_gib=budget / GIB,
+                             bytes_per_seq=per_seq, max_seqs=int(max_seqs))
+                if max_seqs:
+                    batch, num_window, num_quant = decode_batch(layout, int(max_seqs), context)
+                    runner = CompressedRunner(model, layout, num_window, num_quant)
+                    t = step_time_s(runner, batch, args.reps)
+                    entry.update(step_ms=t * 1e3, tokens_per_s=max_seqs / t)
+                    del runner
+                capacity.append(entry)
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return dict(device=_device_line(device), command=args.command, decode=rows, capacity=capacity)
+
+
+def _bytes_per_seq(layout, context: int) -> int:
+    num_window, num_quant = layout.num_pages_for_seq(context + 1)
+    return num_window * layout.window_page_bytes + num_quant * layout.quant_page_bytes
+
+
+def _free_memory_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1 * GIB
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * 0.85)
+
+
+def _device_line(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}"
+    return f"cpu; torch {torch.__version__}"
+
+
+def print_tables(result: dict) -> None:
+    print(result["device"])
+    print(f"{'shape':>5} {'mode':>5} {'context':>8} {'ms/step':>9} {'tok/s':>8}  gemm attn write rot other")
+    for r in result["decode"]:
+        b = r["breakdown"]
+        print(f"{r['shape']:>5} {r['mode']:>5} {r['context']:>8} {r['step_ms']:>9.2f} {r['tokens_per_s']:>8.1f}  "
+              f"{b['gemm']:.2f} {b['attention']:.2f} {b['cache_write']:.2f} {b['rotation']:.2f} {b['other']:.2f}")
+    print(f"\n{'shape':>5} {'mode':>5} {'context':>8} {'max seqs':>8} {'tok/s':>9}")
+    for c in result["capacity"]:
+        print(f"{c['shape']:>5} {c['mode']:>5} {c['context']:>8} {c['max_seqs']:>8} {c.get('tokens_per_s', 0):>9.1f}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m oscar_compile.bench.serve", description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["8b", "4b"], choices=sorted(SHAPES))
+    parser.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768, 131072])
+    parser.add_argument("--capacity-contexts", nargs="+", type=int, default=[32768, 100000])
+    parser.add_argument("--kv-memory", type=float, default=None, help="KV budget in GiB (default: 85%% of free GPU memory)")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    args.command = "python -m oscar_compile.bench.serve " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    result = run(args)
+    print_tables(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

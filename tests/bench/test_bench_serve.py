@@ -1,0 +1,18 @@
+"""The end-to-end benchmark runs (tiny shape, CPU): the real runner, INT2 and BF16 mode, JSON out."""
+import json
+
+from oscar_compile.bench.serve import main
+
+
+def test_serve_benchmark_smoke(tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    assert main(["--shapes", "tiny", "--contexts", "64", "--capacity-contexts", "96", "--kv-memory", "0.002",
+                 "--device", "cpu", "--reps", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    modes = {(r["mode"], r["context"]) for r in result["decode"]}
+    assert modes == {("int2", 64), ("bf16", 64)}
+    for r in result["decode"]:
+        assert r["step_ms"] > 0 and abs(sum(r["breakdown"].values()) - 1) < 1e-6
+    capacity = {c["mode"]: c["max_seqs"] for c in result["capacity"]}
+    assert capacity["int2"] > capacity["bf16"] >= 1  # same budget, smaller pages
+    assert "max seqs" in capsys.readouterr().out
