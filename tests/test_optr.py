@@ -1,5 +1,4 @@
 """OptR: the straight-through quantizer, refinement that never loses on held-out data, end to end."""
-import pytest
 import torch
 
 from oscar_compile import CompressionSpec, apply, calibrate
