@@ -59,3 +59,22 @@ def test_bf16_mode_serves_the_plain_model(setup):
     out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
     expected = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert out.token_ids == expected[0, len(prompt):].tolist()
+
+
+def test_prefix_cache_hits_equal_misses_with_the_int2_runner(setup):
+    """Sink pages are shared between requests with a common prefix; outputs do not change."""
+    tokenizer, model, rot = setup
+    shared = _prompts(len(tokenizer), [20], seed=7)[0]
+    prompts = [shared + tail for tail in _prompts(len(tokenizer), [6, 11, 3], seed=8)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for caching in (True, False):
+        config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=256,
+                              enable_prefix_caching=caching)
+        llm = LLM(copy.deepcopy(model), spec=SPEC, rotations=rot, tokenizer=tokenizer, config=config)
+        outputs[caching] = [o.token_ids for o in llm.generate(prompts, params)]
+        # run the prompts again: now every one finds its prefix cached (when caching is on)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == outputs[caching]
+        if caching:
+            assert llm.engine.block_manager.num_prefix_hit_tokens >= SPEC.kv_cache.sink_tokens
+    assert outputs[True] == outputs[False]
