@@ -10,6 +10,8 @@ On CUDA the ops run the Triton kernels, on CPU their references.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from oscar_compile.kernels.pools import allocate_pools
@@ -33,12 +35,10 @@ class StepCache(OscarCache):
     def __init__(self, runner: "CompressedRunner", batch: Batch, device: torch.device):
         super().__init__([None] * runner.num_layers)
         self.runner = runner
-        counts = [len(t) for t in batch.token_ids]
         self.cu = torch.tensor(batch.cu_seqlens(), dtype=torch.int32, device=device)
         self.cache_lens = torch.tensor(batch.cache_lens, dtype=torch.int32, device=device)
         self.window_table = _padded(batch.window_tables, device)
         self.quant_table = _padded(batch.quant_tables, device)
-        self.num_tokens = sum(counts)
 
     def begin_step(self, attention_mask, num_new: int) -> None:  # the runner packs tokens itself
         pass
@@ -71,6 +71,8 @@ class CompressedRunner:
                 "serve them rewritten (a bits: 16 override without rotation changes) or use LLM without a spec"
             )
         self.model = model
+        # transformers renamed the forward's past_key_values to cache (5.2x): look it up once, not per step
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.num_layers = len(report.layers)
         self.vocab_size = model.config.get_text_config().vocab_size
         param = next(model.parameters())
@@ -91,16 +93,9 @@ class CompressedRunner:
         ids = torch.tensor([[t for toks in batch.token_ids for t in toks]], device=self.device)
         positions = torch.tensor([[p for pos in batch.positions for p in pos]], device=self.device)
         cache = StepCache(self, batch, self.device)
-        kwargs = {"cache" if "cache" in _forward_params(self.model) else "past_key_values": cache}
-        logits = self.model(input_ids=ids, position_ids=positions, use_cache=True, **kwargs).logits[0]
+        logits = self.model(input_ids=ids, position_ids=positions, use_cache=True, **{self.cache_kwarg: cache}).logits[0]
         last = cache.cu[1:].long() - 1  # each sequence's last new token
         return logits[last].float()
-
-
-def _forward_params(model) -> set:
-    import inspect
-
-    return set(inspect.signature(model.forward).parameters)
 
 
 def runner_factory(model: torch.nn.Module, layout: CacheLayout):

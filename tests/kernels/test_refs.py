@@ -117,6 +117,18 @@ def run_chunk_attention(case, chunk_lens, H_q, seed, q_dtype=torch.bfloat16):
     return q, k, v, cu, scale, out
 
 
+def assert_matches_dense(case, q, k, v, cu, scale, out, tol):
+    """Every sequence's chunk output equals dense attention over its dequantized cache + chunk."""
+    for i, L in enumerate(case.cache_lens.tolist()):
+        a, b = cu[i].item(), cu[i + 1].item()
+        if a == b:
+            continue
+        kc, vc = dense_cached(case, i, L)
+        want = dense_attention(q[a:b], torch.cat([kc, k[a:b].double()]),
+                               torch.cat([vc, v[a:b].double()]), L, scale)
+        assert rel_err(out[a:b], want) < tol
+
+
 @pytest.mark.parametrize("sink,recent", WINDOWS)
 @pytest.mark.parametrize("H_q,H_kv", [(2, 2), (8, 2), (8, 1)])
 @pytest.mark.parametrize("D,G", [(64, 32), (128, 128)])
@@ -127,26 +139,11 @@ def test_attention_ref_matches_dense(sink, recent, H_q, H_kv, D, G, bits, sdt):
     case = build_case(lens, H_kv, D, 16, sink, recent, bits, G, sdt, seed=5, extra_tokens=8)
     q, k, v, cu, scale, out = run_chunk_attention(case, chunk_lens, H_q, seed=6)
     assert out.dtype == q.dtype
-    for i, L in enumerate(lens):
-        a, b = cu[i].item(), cu[i + 1].item()
-        if a == b:
-            continue
-        kc, vc = dense_cached(case, i, L)
-        keys = torch.cat([kc, k[a:b].double()])
-        vals = torch.cat([vc, v[a:b].double()])
-        want = dense_attention(q[a:b], keys, vals, L, scale)
-        # out is rounded to bf16 once: compare the float32 result through a float32 call too
-        assert rel_err(out[a:b], want) < 2 ** -8
+    # out is rounded to bf16 once: compare the float32 result through a float32 call too
+    assert_matches_dense(case, q, k, v, cu, scale, out, 2 ** -8)
     out32 = attention_ref(q.float(), k, v, cu, case.cache_lens, case.window_table,
                           case.quant_table, *case.pools, scale, sink, recent, bits, G)
-    for i, L in enumerate(lens):
-        a, b = cu[i].item(), cu[i + 1].item()
-        if a == b:
-            continue
-        kc, vc = dense_cached(case, i, L)
-        want = dense_attention(q[a:b], torch.cat([kc, k[a:b].double()]),
-                               torch.cat([vc, v[a:b].double()]), L, scale)
-        assert rel_err(out32[a:b], want) < RTOL
+    assert_matches_dense(case, q, k, v, cu, scale, out32, RTOL)
 
 
 @pytest.mark.parametrize("sink,recent", [(16, 32), (0, 0)])
@@ -160,14 +157,7 @@ def test_prefill_then_decode_steps(sink, recent):
     for step, chunk_lens in enumerate([[50, 33], [1, 1], [1, 0], [20, 1], [1, 1]]):
         q, k, v, cu, scale, out = run_chunk_attention(case, chunk_lens, H_q, seed=10 + step,
                                                       q_dtype=torch.float32)
-        for i, L in enumerate(case.cache_lens.tolist()):
-            a, b = cu[i].item(), cu[i + 1].item()
-            if a == b:
-                continue
-            kc, vc = dense_cached(case, i, L)
-            want = dense_attention(q[a:b], torch.cat([kc, k[a:b].double()]),
-                                   torch.cat([vc, v[a:b].double()]), L, scale)
-            assert rel_err(out[a:b], want) < RTOL
+        assert_matches_dense(case, q, k, v, cu, scale, out, RTOL)
         ops.cache_write(k, v, cu, case.cache_lens, case.window_table, case.quant_table,
                         *case.pools, sink, recent, 2, 64, 0.96, 0.92)
         for i in range(len(lens)):
