@@ -1,19 +1,23 @@
-"""End-to-end decode benchmark of the runtime's model runner (DESIGN.md §8.3), INT2 vs the BF16 mode.
+"""Serving benchmark of the runtime (DESIGN.md §8.3): decode steps, capacity, end-to-end generation; INT2 vs BF16 mode.
 
     python -m oscar_compile.bench.serve [--shapes 8b 4b] [--contexts 8192 32768 131072]
-        [--capacity-contexts 32768 100000] [--kv-memory GB] [--out bench.json]
+        [--capacity-contexts 32768 100000] [--kv-memory GB]
+        [--e2e-batches 1 16 64] [--e2e-prompt 8192] [--e2e-output 1024] [--out bench.json]
 
 A Qwen3-8B- (and 4B-) shaped model with random weights, rewritten by ``apply`` with an INT2 spec
 (``hadamard-int2``: the same ops and cost as OSCAR, no calibration data needed) or with
-``bf16.yaml`` (the runtime's BF16 mode, paged full-precision attention). Each decode step runs
-the real ``CompressedRunner`` on a synthetic batch whose caches are pre-filled to the context
+``bf16.yaml`` (the runtime's BF16 mode, paged full-precision attention). Decode steps run the
+real ``CompressedRunner`` on a synthetic batch whose caches are pre-filled to the context
 (random page contents: speed does not depend on them):
-1. batch-1 decode tokens/s at each context, INT2 vs BF16, with the step broken into GEMM,
-   attention, cache write, rotation and other by the torch profiler (as the OSCAR paper's Table 8);
+1. batch-1 decode tokens/s at each context, INT2 vs BF16, replayed from CUDA graphs (and eager),
+   with the step broken into GEMM, attention, cache write, rotation and other by the torch
+   profiler on eager steps (the same kernels; as the OSCAR paper's Table 8);
 2. the most sequences of each capacity context that fit the same KV budget, INT2 vs BF16, and the
-   decode throughput of that full batch.
-Transformers' own continuous batching (the issue's third comparison) is not measured here yet.
-Prints a table and writes JSON. ``--shapes tiny --device cpu`` is the CPU smoke run CI uses.
+   decode throughput of that full batch;
+3. (``--e2e-batches``, first shape only) prompts of ``--e2e-prompt`` random tokens generating
+   ``--e2e-output`` tokens through the whole runtime, INT2 and BF16 mode, against transformers'
+   continuous batching (``generate_batch``) on the same model (see ``oscar_compile.bench.e2e``).
+Prints tables and writes JSON. ``--shapes tiny --device cpu`` is the CPU smoke run CI uses.
 """
 from __future__ import annotations
 
@@ -40,8 +44,8 @@ MODES = {"int2": "hadamard-int2", "bf16": "bf16"}
 GIB = 1024**3
 
 
-def build_model(shape: str, mode: str, max_len: int, device: torch.device):
-    """A random-weight Qwen3 of ``shape``, rewritten for ``mode``; returns (model, layout)."""
+def random_model(shape: str, max_len: int, device: torch.device, seed: int = 0):
+    """A random-weight Qwen3 of ``shape`` (bfloat16 on CUDA, float32 on CPU)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     heads = TINY_HEADS if shape == "tiny" else HEADS
@@ -49,16 +53,28 @@ def build_model(shape: str, mode: str, max_len: int, device: torch.device):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    torch.manual_seed(seed)
     try:
         with torch.device(device):
             model = Qwen3ForCausalLM(config).eval()
     finally:
         torch.set_default_dtype(previous)
+    return model
+
+
+def mode_spec(shape: str, mode: str):
     spec = shipped_spec(MODES[mode])
     if shape == "tiny":  # windows that fit the smoke run's short contexts
         spec = spec.model_copy(update={"kv_cache": spec.kv_cache.model_copy(update={"sink_tokens": 16, "recent_tokens": 32})})
+    return spec
+
+
+def build_model(shape: str, mode: str, max_len: int, device: torch.device):
+    """A random-weight Qwen3 of ``shape``, rewritten for ``mode``; returns (model, layout)."""
     from oscar_compile.calibration import calibrate
 
+    model = random_model(shape, max_len, device)
+    spec = mode_spec(shape, mode)
     apply(model, spec, calibrate(model, spec))
     return model, compressed_layout(model, spec)
 
@@ -143,37 +159,75 @@ def step_breakdown(runner: CompressedRunner, batch: Batch, reps: int = 3) -> dic
     return shares
 
 
+def _runner(model, layout, batch: Batch, num_window: int, num_quant: int, context: int, graphs: bool):
+    return CompressedRunner(model, layout, num_window, num_quant, max_seq_len=context + 1,
+                            max_num_seqs=batch.num_seqs, max_num_batched_tokens=batch.num_tokens, cuda_graphs=graphs)
+
+
+def decode_rows(model, layout, shape: str, mode: str, contexts: list[int], reps: int) -> list[dict]:
+    rows = []
+    for context in contexts:
+        batch, num_window, num_quant = decode_batch(layout, 1, context)
+        runner = _runner(model, layout, batch, num_window, num_quant, context, graphs=True)
+        t = step_time_s(runner, batch, reps)
+        row = dict(shape=shape, mode=mode, context=context, batch=1, step_ms=t * 1e3, tokens_per_s=1 / t,
+                   cuda_graphs=runner.graphs is not None)
+        if runner.graphs is not None:  # the profile's op attribution needs eager launches
+            row["eager_step_ms"] = step_time_s(_eager(runner), batch, reps) * 1e3
+        row["breakdown"] = step_breakdown(_eager(runner), batch)
+        rows.append(row)
+        del runner
+    return rows
+
+
+def _eager(runner: CompressedRunner) -> CompressedRunner:
+    runner.graphs = None
+    return runner
+
+
+def capacity_rows(model, layout, shape: str, mode: str, contexts: list[int], budget: int, reps: int) -> list[dict]:
+    rows = []
+    for context in contexts:
+        per_seq = _bytes_per_seq(layout, context)
+        max_seqs = max(0, budget // per_seq)
+        row = dict(shape=shape, mode=mode, context=context, kv_budget_gib=budget / GIB, bytes_per_seq=per_seq,
+                   max_seqs=int(max_seqs))
+        if max_seqs:
+            batch, num_window, num_quant = decode_batch(layout, int(max_seqs), context)
+            runner = _runner(model, layout, batch, num_window, num_quant, context, graphs=True)
+            t = step_time_s(runner, batch, reps)
+            row.update(step_ms=t * 1e3, tokens_per_s=max_seqs / t, cuda_graphs=runner.graphs is not None)
+            del runner
+        rows.append(row)
+    return rows
+
+
 def run(args) -> dict:
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    max_len = max(args.contexts + args.capacity_contexts) + 1
-    rows, capacity = [], []
+    max_len = max(args.contexts + args.capacity_contexts + [args.e2e_prompt + args.e2e_output]) + 1
+    rows, capacity, e2e = [], [], []
     for shape in args.shapes:
         for mode in MODES:
             model, layout = build_model(shape, mode, max_len, device)
-            for context in args.contexts:
-                batch, num_window, num_quant = decode_batch(layout, 1, context)
-                runner = CompressedRunner(model, layout, num_window, num_quant)
-                t = step_time_s(runner, batch, args.reps)
-                rows.append(dict(shape=shape, mode=mode, context=context, batch=1, step_ms=t * 1e3,
-                                 tokens_per_s=1 / t, breakdown=step_breakdown(runner, batch)))
-                del runner
-            budget = int(args.kv_memory * GIB) if args.kv_memory else _free_memory_bytes(device)
-            for context in args.capacity_contexts:
-                per_seq = _bytes_per_seq(layout, context)
-                max_seqs = max(0, budget // per_seq)
-                entry = dict(shape=shape, mode=mode, context=context, kv_budget_gib=budget / GIB,
-                             bytes_per_seq=per_seq, max_seqs=int(max_seqs))
-                if max_seqs:
-                    batch, num_window, num_quant = decode_batch(layout, int(max_seqs), context)
-                    runner = CompressedRunner(model, layout, num_window, num_quant)
-                    t = step_time_s(runner, batch, args.reps)
-                    entry.update(step_ms=t * 1e3, tokens_per_s=max_seqs / t)
-                    del runner
-                capacity.append(entry)
+            rows += decode_rows(model, layout, shape, mode, args.contexts, args.reps)
+            if args.capacity_contexts:
+                budget = int(args.kv_memory * GIB) if args.kv_memory else _free_memory_bytes(device)
+                capacity += capacity_rows(model, layout, shape, mode, args.capacity_contexts, budget, args.reps)
             del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    return dict(device=_device_line(device), command=args.command, decode=rows, capacity=capacity)
+            _empty_cache(device)
+    if args.e2e_batches:
+        from oscar_compile.bench.e2e import e2e_rows
+
+        shape = args.shapes[0]
+        e2e = e2e_rows(lambda: random_model(shape, max_len, device), {m: mode_spec(shape, m) for m in MODES},
+                       args.e2e_batches, args.e2e_prompt, args.e2e_output, args.e2e_kv_memory,
+                       args.max_num_batched_tokens, args.e2e_time_limit)
+    return dict(device=_device_line(device), command=args.command, decode=rows, capacity=capacity, e2e=e2e)
+
+
+def _empty_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _bytes_per_seq(layout, context: int) -> int:
@@ -201,17 +255,31 @@ def print_tables(result: dict) -> None:
         b = r["breakdown"]
         print(f"{r['shape']:>5} {r['mode']:>5} {r['context']:>8} {r['step_ms']:>9.2f} {r['tokens_per_s']:>8.1f}  "
               f"{b['gemm']:.2f} {b['attention']:.2f} {b['cache_write']:.2f} {b['rotation']:.2f} {b['other']:.2f}")
-    print(f"\n{'shape':>5} {'mode':>5} {'context':>8} {'max seqs':>8} {'tok/s':>9}")
+    if result["capacity"]:
+        print(f"\n{'shape':>5} {'mode':>5} {'context':>8} {'max seqs':>8} {'tok/s':>9}")
     for c in result["capacity"]:
         print(f"{c['shape']:>5} {c['mode']:>5} {c['context']:>8} {c['max_seqs']:>8} {c.get('tokens_per_s', 0):>9.1f}")
+    if result["e2e"]:
+        print(f"\n{'system':>11} {'batch':>5} {'tok/s':>9} {'user tok/s':>10}  note")
+    for e in result["e2e"]:
+        note = e.get("error") or e.get("skipped") or ""
+        print(f"{e['system']:>11} {e['batch']:>5} {e.get('tokens_per_s') or 0:>9.1f} "
+              f"{e.get('per_user_tokens_per_s') or 0:>10.1f}  {note}")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m oscar_compile.bench.serve", description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["8b", "4b"], choices=sorted(SHAPES))
-    parser.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768, 131072])
-    parser.add_argument("--capacity-contexts", nargs="+", type=int, default=[32768, 100000])
+    parser.add_argument("--contexts", nargs="*", type=int, default=[8192, 32768, 131072])
+    parser.add_argument("--capacity-contexts", nargs="*", type=int, default=[32768, 100000])
     parser.add_argument("--kv-memory", type=float, default=None, help="KV budget in GiB (default: 85%% of free GPU memory)")
+    parser.add_argument("--e2e-batches", nargs="*", type=int, default=[], help="end-to-end runs (e.g. 1 16 64)")
+    parser.add_argument("--e2e-prompt", type=int, default=8192, help="prompt tokens of the end-to-end runs")
+    parser.add_argument("--e2e-output", type=int, default=1024, help="generated tokens of the end-to-end runs")
+    parser.add_argument("--e2e-kv-memory", type=float, default=90.0, help="KV budget in GiB of the runtime's e2e runs")
+    parser.add_argument("--e2e-time-limit", type=float, default=240.0,
+                        help="seconds one system may spend before it skips its remaining batch sizes")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill token budget per step (e2e)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=None, help="write the results as JSON here")

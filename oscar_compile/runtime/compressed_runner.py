@@ -6,11 +6,19 @@ runs the rewritten model with a :class:`StepCache`: the graphs ask it for their 
 ``cache_lens`` and page tables, and the layer's pools. Quantized layers use the window ring +
 history pages; in the BF16 mode (a spec with ``bits: 16``) the runtime's quant pages hold
 full-precision rows and the quant table is a plain page table (``oscar::attention_bf16``).
-On CUDA the ops run the Triton kernels, on CPU their references.
+On CUDA the ops run the Triton kernels, on CPU their references; decode steps replay CUDA
+graphs (:mod:`oscar_compile.runtime.cuda_graphs`).
+
+Every pool has one extra *scratch* page (the last id) that no sequence owns: the padding rows of
+a graph replay write and read only there. Hugging Face's mask construction is skipped during
+the forward (the rewritten layers never read a mask; the ops mask causally themselves), which
+also keeps host syncs out of captured graphs.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import math
 
 import torch
 
@@ -18,27 +26,23 @@ from oscar_compile.kernels.pools import allocate_pools
 from oscar_compile.passes.hf_cache import OscarCache
 from oscar_compile.runtime.pages import CacheLayout
 from oscar_compile.runtime.runner import Batch
+from oscar_compile.runtime.step_inputs import StepInputs
 
-
-def _padded(rows: list[list[int]], device) -> torch.Tensor:
-    width = max(1, max((len(r) for r in rows), default=0))
-    table = torch.zeros(len(rows), width, dtype=torch.int32)
-    for i, r in enumerate(rows):
-        if r:
-            table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
-    return table.to(device)
+# an attention implementation name with no registered mask function: create_causal_mask returns None
+_NO_MASK_IMPLEMENTATION = "oscar_paged"
 
 
 class StepCache(OscarCache):
     """One packed step of many sequences, seen through the cache protocol of the rewritten graphs."""
 
-    def __init__(self, runner: "CompressedRunner", batch: Batch, device: torch.device):
+    def __init__(self, runner: "CompressedRunner", inputs: dict[str, torch.Tensor]):
         super().__init__([None] * runner.num_layers)
         self.runner = runner
-        self.cu = torch.tensor(batch.cu_seqlens(), dtype=torch.int32, device=device)
-        self.cache_lens = torch.tensor(batch.cache_lens, dtype=torch.int32, device=device)
-        self.window_table = _padded(batch.window_tables, device)
-        self.quant_table = _padded(batch.quant_tables, device)
+        self.cu = inputs["cu_seqlens"]
+        self.cache_lens = inputs["cache_lens"]
+        self.history_lens = inputs["history_lens"]
+        self.window_table = inputs["window_table"]
+        self.quant_table = inputs["quant_table"]
 
     def begin_step(self, attention_mask, num_new: int) -> None:  # the runner packs tokens itself
         pass
@@ -57,11 +61,19 @@ class StepCache(OscarCache):
 
 
 class CompressedRunner:
-    """Runs ``model`` (already rewritten by ``apply``) over the engine's page tables."""
+    """Runs ``model`` (already rewritten by ``apply``) over the engine's page tables.
+
+    ``max_seq_len`` bounds one sequence (it sizes the page-table mirrors); ``max_num_seqs`` and
+    ``max_num_batched_tokens`` size the step buffers (they grow if a step needs more).
+    ``cuda_graphs``: replay captured graphs for decode steps of up to ``max_graph_batch``
+    sequences on CUDA (captured lazily, once per padded batch size).
+    """
 
     supports_history_hits = False  # the ops derive the ring from cache_lens (see block_manager)
 
-    def __init__(self, model: torch.nn.Module, layout: CacheLayout, num_window_pages: int, num_quant_pages: int):
+    def __init__(self, model: torch.nn.Module, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
+                 max_seq_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 cuda_graphs: bool = True, max_graph_batch: int = 64):
         report = getattr(model, "_oscar_compile_report", None)
         if report is None:
             raise ValueError("CompressedRunner needs a model rewritten by oscar_compile.apply")
@@ -71,38 +83,84 @@ class CompressedRunner:
                 "serve them rewritten (a bits: 16 override without rotation changes) or use LLM without a spec"
             )
         self.model = model
+        self.layout = layout
         # transformers renamed the forward's past_key_values to cache (5.2x): look it up once, not per step
         self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.num_layers = len(report.layers)
         self.vocab_size = model.config.get_text_config().vocab_size
         param = next(model.parameters())
         self.device, dtype = param.device, param.dtype
-        self.pools = [self._layer_pools(layout, i, num_window_pages, num_quant_pages, dtype) for i in range(self.num_layers)]
+        num_window_pages, num_quant_pages = max(1, num_window_pages), max(1, num_quant_pages)
+        self.scratch_window, self.scratch_quant = num_window_pages, num_quant_pages  # the extra last pages
+        self.pools = [self._layer_pools(layout, i, num_window_pages + 1, num_quant_pages + 1, dtype)
+                      for i in range(self.num_layers)]
+        longest = max_seq_len if max_seq_len is not None else num_quant_pages * layout.page_size
+        self.quant_width = min(num_quant_pages, math.ceil(longest / layout.page_size))
+        self.inputs = self._step_inputs(max_num_seqs, max_num_batched_tokens)
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            from oscar_compile.runtime.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, min(max_graph_batch, max_num_seqs))
 
     def _layer_pools(self, layout: CacheLayout, layer: int, num_window: int, num_quant: int, dtype) -> tuple:
         fmt = layout.format_of(layer)
         H, P, D = layout.num_kv_heads, layout.page_size, layout.head_dim
         if fmt.bits == 16:
-            pages = torch.zeros(max(1, num_quant), H, P, D, dtype=dtype, device=self.device)
+            pages = torch.zeros(num_quant, H, P, D, dtype=dtype, device=self.device)
             return pages, torch.zeros_like(pages)
-        return tuple(allocate_pools(max(1, num_quant), max(1, num_window), H, P, D, fmt.bits, fmt.group_size,
+        return tuple(allocate_pools(num_quant, num_window, H, P, D, fmt.bits, fmt.group_size,
                                     fmt.scale_dtype, dtype, self.device))
+
+    def _step_inputs(self, max_seqs: int, max_tokens: int) -> StepInputs:
+        return StepInputs(max_seqs, max_tokens, self.layout.num_window_pages_per_seq, self.quant_width,
+                          self.device, self.scratch_window, self.scratch_quant)
 
     @torch.no_grad()
     def run(self, batch: Batch) -> torch.Tensor:
-        ids = torch.tensor([[t for toks in batch.token_ids for t in toks]], device=self.device)
-        positions = torch.tensor([[p for pos in batch.positions for p in pos]], device=self.device)
-        cache = StepCache(self, batch, self.device)
-        logits = self.model(input_ids=ids, position_ids=positions, use_cache=True, **{self.cache_kwarg: cache}).logits[0]
-        last = cache.cu[1:].long() - 1  # each sequence's last new token
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        if not self.inputs.fits(batch):
+            self.inputs = self._step_inputs(max(batch.num_seqs, self.inputs.max_seqs),
+                                            max(batch.num_tokens, self.inputs.max_tokens))
+        inputs = self.inputs.load(batch)
+        logits = self.forward(inputs)
+        last = inputs["cu_seqlens"][1:].long() - 1  # each sequence's last new token
         return logits[last].float()
 
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model over one packed step: logits ``[N, vocab]`` of every new token."""
+        cache = StepCache(self, inputs)
+        with _without_hf_masks(self.model.config):
+            out = self.model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=True,
+                             **{self.cache_kwarg: cache})
+        return out.logits[0]
 
-def runner_factory(model: torch.nn.Module, layout: CacheLayout):
-    """``make_runner`` for ``build_engine``: pools sized from the block manager's page counts."""
+
+@contextlib.contextmanager
+def _without_hf_masks(config):
+    previous = config._attn_implementation
+    config._attn_implementation = _NO_MASK_IMPLEMENTATION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def runner_factory(model: torch.nn.Module, layout: CacheLayout, config=None):
+    """``make_runner`` for ``build_engine``: pools sized from the block manager's page counts,
+    step buffers and CUDA graphs from the engine config (``EngineConfig``) when given."""
 
     def make(block_manager) -> CompressedRunner:
-        return CompressedRunner(model, layout, block_manager.window_pool.num_pages, block_manager.quant_pool.num_pages)
+        kwargs = {}
+        if config is not None:
+            kwargs = dict(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                          cuda_graphs=config.cuda_graphs)
+            if config.max_model_len is not None:
+                kwargs["max_seq_len"] = config.max_model_len
+        kwargs.setdefault("max_seq_len", block_manager.max_seq_len())
+        return CompressedRunner(model, layout, block_manager.window_pool.num_pages, block_manager.quant_pool.num_pages,
+                                **kwargs)
 
     return make
 

@@ -105,7 +105,7 @@ def compress(model: torch.nn.Module, spec, rotations, config: EngineConfig | Non
     apply(model, spec, rotations)
     layout = compressed_layout(model, spec)
     config = dataclasses.replace(config or EngineConfig(), layout=layout, page_size=layout.page_size)
-    return config, runner_factory(model, layout)
+    return config, runner_factory(model, layout, config)
 
 
 def _as_prompt_list(prompts) -> list:

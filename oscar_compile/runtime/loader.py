@@ -39,6 +39,7 @@ class EngineConfig:
     layout: CacheLayout | None = None
     num_window_pages: int | None = None
     num_quant_pages: int | None = None
+    cuda_graphs: bool = True  # replay captured CUDA graphs for decode steps (compressed runner on a GPU)
 
     def __post_init__(self) -> None:
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:

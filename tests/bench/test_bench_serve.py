@@ -7,7 +7,8 @@ from oscar_compile.bench.serve import main
 def test_serve_benchmark_smoke(tmp_path, capsys):
     out = tmp_path / "serve.json"
     assert main(["--shapes", "tiny", "--contexts", "64", "--capacity-contexts", "96", "--kv-memory", "0.002",
-                 "--device", "cpu", "--reps", "1", "--out", str(out)]) == 0
+                 "--device", "cpu", "--reps", "1", "--e2e-batches", "2", "--e2e-prompt", "40", "--e2e-output", "3",
+                 "--e2e-kv-memory", "0.01", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     modes = {(r["mode"], r["context"]) for r in result["decode"]}
     assert modes == {("int2", 64), ("bf16", 64)}
@@ -15,4 +16,9 @@ def test_serve_benchmark_smoke(tmp_path, capsys):
         assert r["step_ms"] > 0 and abs(sum(r["breakdown"].values()) - 1) < 1e-6
     capacity = {c["mode"]: c["max_seqs"] for c in result["capacity"]}
     assert capacity["int2"] > capacity["bf16"] >= 1  # same budget, smaller pages
+    e2e = {e["system"]: e for e in result["e2e"]}
+    assert set(e2e) == {"oscar-int2", "oscar-bf16", "hf-cb"}
+    for name in ("oscar-int2", "oscar-bf16"):
+        assert "error" not in e2e[name], e2e[name]
+        assert e2e[name]["generated_tokens"] == 2 * 3 and e2e[name]["decode_steps"] >= 1
     assert "max seqs" in capsys.readouterr().out

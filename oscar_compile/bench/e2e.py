@@ -1,0 +1,169 @@
+"""End-to-end generation benchmark: the runtime (INT2 and BF16 mode) against transformers' continuous batching.
+
+B prompts of ``prompt_len`` random tokens each generate ``output_len`` tokens (greedy, EOS
+ignored) on the same random-weight model, through:
+- ``oscar-int2`` / ``oscar-bf16``: ``LLM(model, spec)`` - the whole runtime (scheduler, chunked
+  prefill, compressed runner with CUDA graphs, sampler, detokenizer);
+- ``hf-cb``: ``model.generate_batch`` - transformers' own continuous batching (paged attention
+  with its own CUDA graphs), on the plain model.
+Reported per run: wall time, output tokens/s over the whole run (prefill included), per-user
+decode tokens/s (the decode phase only: time between a request's first and last token), and for
+the runtime the host share of its decode steps (scheduling, bookkeeping, sampling, detokenizing:
+step wall time minus the runner's synced time). The tokenizer is a stub that spells token ids
+(random weights need no real vocabulary); it is not cheaper than a fast tokenizer's decode.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import torch
+
+
+class SpelledIdTokenizer:
+    """A tokenizer stand-in for random-weight models: token id n decodes to the text ``" tn"``."""
+
+    eos_token_id = None
+    pad_token_id = 0
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, **kwargs) -> list[int]:
+        return [int(piece[1:]) for piece in text.split()]
+
+    def decode(self, ids, skip_special_tokens: bool = True, **kwargs) -> str:
+        return "".join(f" t{i}" for i in ids)
+
+
+def random_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab_size, (batch, prompt_len), generator=g).tolist()
+
+
+class _StepClock:
+    """Times engine steps and the runner inside them (synced), marking decode-only steps."""
+
+    def __init__(self, engine):
+        self.steps: list[tuple[bool, float, float]] = []  # (decode only, step s, runner s)
+        self._runner_s, self._decode = 0.0, False
+        run, step = engine.runner.run, engine.step
+
+        def timed_run(batch):
+            start = time.perf_counter()
+            logits = run(batch)
+            if logits.is_cuda:
+                torch.cuda.synchronize()
+            self._runner_s = time.perf_counter() - start
+            self._decode = batch.num_tokens == batch.num_seqs
+            return logits
+
+        def timed_step():
+            start = time.perf_counter()
+            out = step()
+            self.steps.append((self._decode, time.perf_counter() - start, self._runner_s))
+            return out
+
+        engine.runner.run, engine.step = timed_run, timed_step
+
+    def decode_summary(self, batch: int) -> dict:
+        decode = [(s, r) for is_decode, s, r in self.steps if is_decode]
+        step_s = sum(s for s, _ in decode)
+        return dict(decode_steps=len(decode),
+                    per_user_tokens_per_s=len(decode) / step_s if step_s else None,
+                    host_share_of_decode_step=(step_s - sum(r for _, r in decode)) / step_s if step_s else None,
+                    decode_step_ms_median=statistics.median(s for s, _ in decode) * 1e3 if decode else None)
+
+
+def run_runtime(model, spec, prompts, output_len: int, kv_memory_gb: float, max_batched_tokens: int) -> dict:
+    """One batch through ``LLM(model, spec)``; ``model`` is rewritten in place (use a fresh one)."""
+    from oscar_compile.runtime import LLM, SamplingParams
+    from oscar_compile.runtime.loader import EngineConfig
+
+    batch, prompt_len = len(prompts), len(prompts[0])
+    vocab = model.config.get_text_config().vocab_size
+    config = EngineConfig(kv_memory_gb=kv_memory_gb, max_num_seqs=max(batch, 1), max_num_batched_tokens=max_batched_tokens,
+                          max_model_len=prompt_len + output_len + 1, expected_seq_len=prompt_len + output_len)
+    llm = LLM(model, spec=spec, tokenizer=SpelledIdTokenizer(vocab), config=config)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    # compile the kernels and capture the decode graph of this batch size, on other tokens (no prefix hits)
+    llm.generate(_warmup_prompts(batch, prompt_len, vocab), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    clock = _StepClock(llm.engine)
+    _sync()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    _sync()
+    wall = time.perf_counter() - start
+    generated = sum(len(o.token_ids) for o in outs)
+    row = dict(batch=batch, wall_s=wall, generated_tokens=generated, tokens_per_s=generated / wall)
+    row.update(clock.decode_summary(batch))
+    del llm
+    return row
+
+
+def run_hf_continuous_batching(model, prompts, output_len: int) -> dict:
+    """One batch through transformers' ``generate_batch`` (continuous batching, paged attention)."""
+    from transformers import GenerationConfig
+
+    batch = len(prompts)
+    gen = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0)
+    warm = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate_batch(_warmup_prompts(batch, len(prompts[0]), model.config.vocab_size), generation_config=warm)
+    _sync()
+    outs = model.generate_batch(prompts, generation_config=gen, record_timestamps=True)
+    _sync()
+    # from the first request's creation to the last one's end: the manager's own warm-up (CUDA
+    # graph capture, run before requests are queued) is left out, as it is for the runtime
+    wall = max(o.lifespan[1] for o in outs.values()) - min(o.created_time for o in outs.values())
+    generated = sum(len(o.generated_tokens) for o in outs.values())
+    rates = [(len(o.timestamps) - 1) / (o.timestamps[-1] - o.timestamps[0])
+             for o in outs.values() if o.timestamps and len(o.timestamps) > 1 and o.timestamps[-1] > o.timestamps[0]]
+    return dict(batch=batch, wall_s=wall, generated_tokens=generated, tokens_per_s=generated / wall,
+                per_user_tokens_per_s=statistics.mean(rates) if rates else None,
+                errors=[o.error for o in outs.values() if o.error][:3])
+
+
+def e2e_rows(make_model, spec_of_mode: dict, batches: list[int], prompt_len: int, output_len: int,
+             kv_memory_gb: float, max_batched_tokens: int, time_limit_s: float, log=print) -> list[dict]:
+    """Every system at every batch size; a system skips its remaining sizes once it has used
+    ``time_limit_s`` (the row says so), so one slow system cannot eat the whole run."""
+    rows = []
+    systems = [(f"oscar-{mode}", spec) for mode, spec in spec_of_mode.items()] + [("hf-cb", None)]
+    for name, spec in systems:
+        spent = 0.0
+        for batch in batches:
+            row = dict(system=name, batch=batch, prompt_len=prompt_len, output_len=output_len)
+            if spent > time_limit_s:
+                rows.append({**row, "skipped": f"time limit {time_limit_s:.0f} s reached"})
+                continue
+            model = make_model()
+            prompts = random_prompts(batch, prompt_len, model.config.get_text_config().vocab_size)
+            start = time.perf_counter()
+            try:
+                if spec is None:
+                    row.update(run_hf_continuous_batching(model, prompts, output_len))
+                else:
+                    row.update(run_runtime(model, spec, prompts, output_len, kv_memory_gb, max_batched_tokens))
+            except Exception as exc:  # a failing system is a result too; keep measuring the others
+                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            spent += time.perf_counter() - start
+            log(row)
+            rows.append(row)
+            del model
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _warmup_prompts(batch: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
+    return random_prompts(batch, min(256, prompt_len), vocab_size, seed=1)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

@@ -1,0 +1,81 @@
+"""CUDA graphs of decode steps: one captured forward per padded batch size, replayed on static inputs.
+
+A decode step of a 36-layer model launches several hundred small kernels; launched one by one
+from Python they take longer than the GPU needs to run them at small batch. A graph is captured
+(lazily, the first time a size is needed) for batch sizes 1, 2, 4, 8 and multiples of 16 up to
+the maximum; a batch of B sequences replays the graph of the next size up, its extra rows being
+padding sequences on the scratch pages (see StepInputs). Shapes that the kernels plan their
+launches from (the number of tokens and sequences, the page-table widths) are fixed per graph;
+values (lengths, tables, tokens) are read from the static buffers at replay, and the kernels
+decide from them on the device.
+
+Capture runs the forward on an all-padding batch, so warming up and capturing never write to a
+page that a sequence owns (writing a real token twice would demote the wrong ring entry).
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from oscar_compile.runtime.runner import Batch
+
+_log = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16))
+    return sizes + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_batch: int):
+        self.runner = runner
+        self.sizes = graph_batch_sizes(max(1, max_batch))
+        self.max_batch = self.sizes[-1]
+        self.inputs = runner._step_inputs(self.max_batch, self.max_batch)
+        self.pool = None  # one memory pool shared by every captured graph
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+        self.failed = False
+
+    def can_run(self, batch: Batch) -> bool:
+        """A decode step (one new token per sequence) of at most ``max_batch`` sequences."""
+        return (not self.failed and 0 < batch.num_seqs <= self.max_batch and batch.num_tokens == batch.num_seqs
+                and all(len(ids) == 1 for ids in batch.token_ids))
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        """Logits ``[B, vocab]`` (float32). A view of the graph's output: valid until the next step."""
+        size = self.sizes[bisect.bisect_left(self.sizes, batch.num_seqs)]
+        if size not in self.graphs:
+            try:
+                self.graphs[size] = self._capture(size, batch.layout)
+            except RuntimeError:
+                # e.g. a shape the Triton kernels do not cover, whose reference fallback syncs with the host
+                _log.warning("capturing a CUDA graph of the decode step failed; decoding eagerly", exc_info=True)
+                self.failed = True
+                torch.cuda.synchronize()
+                return self.runner.run(batch)
+        graph, logits = self.graphs[size]
+        self.inputs.load(batch, pad_to=size, graph_shapes=True)
+        graph.replay()
+        return logits[: batch.num_seqs]
+
+    def _capture(self, size: int, layout) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        padding = Batch(seq_ids=[], token_ids=[], positions=[], cache_lens=[], history_lens=[], window_tables=[],
+                        quant_tables=[], context_token_ids=[], layout=layout)
+        inputs = self.inputs.load(padding, pad_to=size, graph_shapes=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile and autotune the kernels outside the capture
+            for _ in range(2):
+                self.runner.forward(inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.runner.forward(inputs).float()
+        torch.cuda.synchronize()
+        return graph, logits
