@@ -208,8 +208,11 @@ def attention_triton(
     q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, scale, sink, recent, bits, group_size,
     block_n: int = 128, use_asm: bool | None = None, num_warps: int = 4, num_stages: int = 2,
+    nsplit: int | None = None,
 ):
-    """Check, plan and launch. q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype."""
+    """Check, plan and launch. q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype.
+
+    ``nsplit`` overrides the planned number of history splits (benchmark sweeps)."""
     N, H_q, D = q.shape
     H_kv = k.shape[1]
     B = cache_lens.shape[0]
@@ -233,7 +236,8 @@ def attention_triton(
         return out
     g = H_q // H_kv
     max_hist = quant_table.shape[1] * P
-    block_m, rows, nsplit = plan_launch(N, B, H_kv, g, max_hist, q.device, block_n)
+    block_m, rows, planned = plan_launch(N, B, H_kv, g, max_hist, q.device, block_n)
+    nsplit = planned if nsplit is None else nsplit
     if block_m == 1:
         cub = cu_seqlens
         nblocks = N

@@ -19,6 +19,7 @@ import json
 import math
 import statistics
 import subprocess
+import sys
 import time
 import warnings
 
@@ -178,10 +179,13 @@ def rel_err(a, b) -> float:
 
 
 def bench_variants(ctx: int, B: int) -> list[dict]:
-    """INT2 kernel knobs at one shape: history block, pipelining depth, bit-trick decode on/off.
+    """INT2 decode at one shape against the number of history splits and the history block.
 
-    (A first run, bench/results, also swept num_warps 8: always slower than 4.)"""
-    from oscar_compile.kernels.attention_triton import attention_triton
+    Small batches are latency-bound: a split is a chain of dependent block iterations, so more,
+    shorter splits shorten the chain at the cost of a larger merge. The planned split count
+    (``plan_launch``) is the row with ``nsplit: "planned"``. (Earlier runs, bench/results, swept
+    num_warps, pipelining depth and the bit-trick decode: 4 warps, 2 stages and the bit trick won.)"""
+    from oscar_compile.kernels.attention_triton import attention_triton, plan_launch
 
     dev = torch.device("cuda")
     q = torch.randn(B, H_Q, D, device=dev, dtype=torch.bfloat16)
@@ -190,21 +194,22 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
     nbytes = int2_bytes(B, ctx, torch.float16)
     layers = [int2_layer(B, ctx, torch.float16, dev) for _ in range(num_buffers(nbytes))]
+    max_hist = layers[0][1][1].shape[1] * P
     out = []
-    for block_n in (64, 128, 256):
-        for stages in (2, 3):
-            for use_asm in (True, False):
-                if not use_asm and (block_n != 128 or stages != 2):
-                    continue
-                kw = dict(use_asm=use_asm, block_n=block_n, num_warps=4, num_stages=stages)
-                try:
-                    t = graph_time_us([lambda p=p, tb=tb: attention_triton(
-                        q, kn, kn, cu, lens, *tb, *p, D ** -0.5, SINK, RECENT, BITS, GROUP, **kw)
-                        for p, tb in layers])
-                    out.append({"context": ctx, "batch": B, **kw, "us": t,
-                                "kv_elems_per_s": B * ctx * H_KV * D * 2 / (t * 1e-6)})
-                except Exception as e:
-                    out.append({"context": ctx, "batch": B, **kw, "error": repr(e)[:300]})
+    for block_n in (64, 128):
+        planned = plan_launch(B, B, H_KV, H_Q // H_KV, max_hist, dev, block_n)[2]
+        for nsplit in sorted({planned, 16, 32, 64, 128, 256}):
+            if nsplit * block_n > max(max_hist, block_n) * 2:
+                continue  # splits that would all be empty
+            kw = dict(block_n=block_n, nsplit=nsplit)
+            try:
+                t = graph_time_us([lambda p=p, tb=tb: attention_triton(
+                    q, kn, kn, cu, lens, *tb, *p, D ** -0.5, SINK, RECENT, BITS, GROUP, **kw)
+                    for p, tb in layers])
+                out.append({"context": ctx, "batch": B, **kw, "planned": nsplit == planned, "us": t,
+                            "kv_elems_per_s": B * ctx * H_KV * D * 2 / (t * 1e-6)})
+            except Exception as e:
+                out.append({"context": ctx, "batch": B, **kw, "error": repr(e)[:300]})
     del layers
     torch.cuda.empty_cache()
     return out
@@ -291,31 +296,34 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="bench_kernels.json")
     ap.add_argument("--quick", action="store_true", help="8k and 32k at batch 1 and 8 only")
     ap.add_argument("--no-check", action="store_true")
-    ap.add_argument("--no-variants", action="store_true")
-    ap.add_argument("--write-only", action="store_true", help="only the cache-write part")
+    ap.add_argument("--parts", nargs="+", choices=("attention", "variants", "write"),
+                    default=["attention", "variants", "write"], help="which parts to run (default: all)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
     warnings.filterwarnings("ignore", message=".*(kernel not used|num_heads|runtime disabled).*")
     ctxs = (8192, 32768) if args.quick else (8192, 32768, 131072)
     batches = (1, 8) if args.quick else (1, 8, 32)
-    result = {"command": "python -m oscar_compile.bench.kernels", "device": device_line(),
+    command = " ".join(["python -m oscar_compile.bench.kernels", *(argv if argv is not None else sys.argv[1:])])
+    result = {"command": command, "device": device_line(),
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": "Qwen3-8B layer H_q=32 H_kv=8 D=128",
               "sink": SINK, "recent": RECENT, "page": P, "bits": BITS, "group": GROUP,
               "hbm_bytes_per_s": HBM_BYTES_PER_S, "attention": [], "variants": []}
-    for ctx in () if args.write_only else ctxs:
+    for ctx in ctxs if "attention" in args.parts else ():
         for B in batches:
             if B * ctx <= 4 * 1024 * 1024:
                 result["attention"].append(bench_attention(ctx, B, not args.no_check))
                 print(json.dumps(result["attention"][-1]), flush=True)
-    if not (args.no_variants or args.write_only):
-        for ctx, B in ((32768, 8), (131072, 1)):
+    if "variants" in args.parts:
+        for ctx, B in ((8192, 1), (32768, 1), (131072, 1), (8192, 8)):
             result["variants"] += bench_variants(ctx, B)
         print(json.dumps(result["variants"]), flush=True)
     with open(args.out, "w") as f:  # keep the attention numbers even if the write part fails
         json.dump(result, f, indent=1)
+    result["write"] = {"decode": [], "prefill": []}
     try:
-        result["write"] = bench_write(not args.no_check)
+        if "write" in args.parts:
+            result["write"] = bench_write(not args.no_check)
     except Exception as e:
         result["write"] = {"error": repr(e)[:1000], "decode": [], "prefill": []}
     with open(args.out, "w") as f:
