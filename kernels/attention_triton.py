@@ -208,11 +208,12 @@ def attention_triton(
     q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, scale, sink, recent, bits, group_size,
     block_n: int = 128, use_asm: bool | None = None, num_warps: int = 4, num_stages: int = 2,
-    nsplit: int | None = None,
+    nsplit: int | None = None, block_w: int = 64,
 ):
     """Check, plan and launch. q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype.
 
-    ``nsplit`` overrides the planned number of history splits (benchmark sweeps)."""
+    ``nsplit`` overrides the planned number of history splits, ``block_w`` is the window block
+    (benchmark sweeps)."""
     N, H_q, D = q.shape
     H_kv = k.shape[1]
     B = cache_lens.shape[0]
@@ -264,7 +265,7 @@ def attention_triton(
         BLOCK_M=block_m, ROWS=rows, BLOCK_N=block_n,
         # window slots in 64-key blocks (the 320 slots were the batch-1 critical path at 16);
         # the chunk's own keys in 16-key blocks for decode (T = 1), 64 for extend
-        BLOCK_W=64, BLOCK_C=16 if block_m == 1 else 64,
+        BLOCK_W=block_w, BLOCK_C=16 if block_m == 1 else 64,
         SPLIT=nsplit > 0, LOG_B=max(1, B.bit_length()),
         DOT_DT=dot_dtype(k_win.dtype),
         num_warps=num_warps, num_stages=num_stages,

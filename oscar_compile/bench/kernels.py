@@ -182,8 +182,10 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     """INT2 decode at one shape against the number of history splits and the history block.
 
     Small batches are latency-bound: a split is a chain of dependent block iterations, so more,
-    shorter splits shorten the chain at the cost of a larger merge. The planned split count
-    (``plan_launch``) is the row with ``nsplit: "planned"``. (Earlier runs, bench/results, swept
+    shorter splits shorten the chain at the cost of a larger merge; the window program (sink +
+    recent slots, ``block_w`` keys at a time) is one more chain, but a larger window block raises
+    the registers of the one kernel that also runs the history. ``planned`` marks plan_launch's
+    split count. (Earlier runs, bench/results, swept
     num_warps, pipelining depth and the bit-trick decode: 4 warps, 2 stages and the bit trick won.)"""
     from oscar_compile.kernels.attention_triton import attention_triton, plan_launch
 
@@ -196,12 +198,13 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     layers = [int2_layer(B, ctx, torch.float16, dev) for _ in range(num_buffers(nbytes))]
     max_hist = layers[0][1][1].shape[1] * P
     out = []
-    for block_n in (64, 128):
-        planned = plan_launch(B, B, H_KV, H_Q // H_KV, max_hist, dev, block_n)[2]
-        for nsplit in sorted({planned, 16, 32, 64, 128, 256}):
+    block_n = 128  # 64 lost everywhere in the first sweep of this kind
+    planned = plan_launch(B, B, H_KV, H_Q // H_KV, max_hist, dev, block_n)[2]
+    for block_w in (16, 32, 64):
+        for nsplit in sorted({planned, 32, 64, 128}):
             if nsplit * block_n > max(max_hist, block_n) * 2:
                 continue  # splits that would all be empty
-            kw = dict(block_n=block_n, nsplit=nsplit)
+            kw = dict(block_n=block_n, block_w=block_w, nsplit=nsplit)
             try:
                 t = graph_time_us([lambda p=p, tb=tb: attention_triton(
                     q, kn, kn, cu, lens, *tb, *p, D ** -0.5, SINK, RECENT, BITS, GROUP, **kw)
@@ -315,7 +318,7 @@ def main(argv=None) -> None:
                 result["attention"].append(bench_attention(ctx, B, not args.no_check))
                 print(json.dumps(result["attention"][-1]), flush=True)
     if "variants" in args.parts:
-        for ctx, B in ((8192, 1), (32768, 1), (131072, 1), (8192, 8)):
+        for ctx, B in ((8192, 1), (32768, 1), (131072, 1), (8192, 8), (32768, 32)):
             result["variants"] += bench_variants(ctx, B)
         print(json.dumps(result["variants"]), flush=True)
     with open(args.out, "w") as f:  # keep the attention numbers even if the write part fails

@@ -22,6 +22,7 @@ Prints tables and writes JSON. ``--shapes tiny --device cpu`` is the CPU smoke r
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -175,9 +176,17 @@ def decode_rows(model, layout, shape: str, mode: str, contexts: list[int], reps:
         if runner.graphs is not None:  # the profile's op attribution needs eager launches
             row["eager_step_ms"] = step_time_s(_eager(runner), batch, reps) * 1e3
         row["breakdown"] = step_breakdown(_eager(runner), batch)
+        print(row, flush=True)
         rows.append(row)
-        del runner
+        _release(runner)
     return rows
+
+
+def _release(runner: CompressedRunner) -> None:
+    """Free a runner's pools and graphs now (the runner and its graphs refer to each other)."""
+    runner.graphs = runner.pools = None
+    gc.collect()
+    _empty_cache(runner.device)
 
 
 def _eager(runner: CompressedRunner) -> CompressedRunner:
@@ -197,7 +206,8 @@ def capacity_rows(model, layout, shape: str, mode: str, contexts: list[int], bud
             runner = _runner(model, layout, batch, num_window, num_quant, context, graphs=True)
             t = step_time_s(runner, batch, reps)
             row.update(step_ms=t * 1e3, tokens_per_s=max_seqs / t, cuda_graphs=runner.graphs is not None)
-            del runner
+            _release(runner)
+        print(row, flush=True)
         rows.append(row)
     return rows
 
@@ -214,6 +224,7 @@ def run(args) -> dict:
                 budget = int(args.kv_memory * GIB) if args.kv_memory else _free_memory_bytes(device)
                 capacity += capacity_rows(model, layout, shape, mode, args.capacity_contexts, budget, args.reps)
             del model
+            gc.collect()
             _empty_cache(device)
     if args.e2e_batches:
         from oscar_compile.bench.e2e import e2e_rows
