@@ -41,7 +41,7 @@ def _note_asm_failure() -> None:
 
 @triton.jit
 def _attn_kernel(
-    q_ptr, k_ptr, v_ptr, cu_ptr, cub_ptr, lens_ptr, wt_ptr, qt_ptr,
+    q_ptr, k_ptr, v_ptr, cu_ptr, cub_ptr, lens_ptr, hist_ptr, wt_ptr, qt_ptr,
     kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
     out_ptr, po_ptr, pl_ptr, qk_scale, B, nsplit,
     sqn, sqh, skn, skh, svn, svh, stride_wt, stride_qt,
@@ -50,6 +50,7 @@ def _attn_kernel(
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_C: tl.constexpr,
     SPLIT: tl.constexpr, LOG_B: tl.constexpr, USE_ASM: tl.constexpr, DOT_DT: tl.constexpr,
+    HAS_HIST: tl.constexpr,
 ):
     NPL: tl.constexpr = 8 // BITS
     WP: tl.constexpr = D // NPL
@@ -78,7 +79,10 @@ def _attn_kernel(
         z1 = tl.zeros([ROWS], tl.float32)
         z2 = tl.zeros([ROWS], tl.float32)
         z3 = tl.zeros([ROWS], tl.float32)
-        n_hist = tl.maximum(L - SINK - RECENT, 0)
+        if HAS_HIST:
+            n_hist = tl.load(hist_ptr + i)  # larger than standard after a prefix-cache hit
+        else:
+            n_hist = tl.maximum(L - SINK - RECENT, 0)
         if SPLIT:
             do_hist = sid < nsplit
             do_win = sid == nsplit
@@ -129,13 +133,13 @@ def _attn_kernel(
             kdt = DOT_DT
             d = tl.arange(0, D)[None, :]
             qf = tl.load(q_rows + d, mask=row_ok[:, None], other=0.0).to(kdt)
-            # sink and recent slots: which of them hold tokens depends only on L
+            # sink slots [0, min(L, S0)); the ring holds positions [S0 + h, L)
             n_sink = tl.minimum(L, SINK)
-            n_rec = tl.minimum(tl.maximum(L - SINK, 0), RECENT)
+            n_rec = tl.maximum(L - SINK - n_hist, 0)
             wt_row = wt_ptr + i.to(tl.int64) * stride_wt
             for w0 in range(0, SINK + RECENT, BLOCK_W):
                 w = w0 + tl.arange(0, BLOCK_W)
-                ok = (w < n_sink) | ((w >= SINK) & (w - SINK < n_rec))
+                ok = window_slot_ok(w, n_sink, n_hist, n_rec, SINK, RECENT)
                 page = tl.load(wt_row + w // P, mask=ok, other=0)
                 rows = (page.to(tl.int64) * H_KV + h) * P + w % P
                 key_ok = ok[None, :] & (r[:, None] >= 0)
@@ -162,6 +166,22 @@ def _attn_kernel(
                        inv_l, WP, NPL)
             lse = tl.where(l > 0.0, m + tl.math.log2(l), float("-inf"))
             tl.store(pl_ptr + prow, lse, mask=row_ok)
+
+
+@triton.jit
+def window_slot_ok(w, n_sink, n_hist, n_rec, SINK: tl.constexpr, RECENT: tl.constexpr):
+    """Which window slots w: [BLOCK_W] hold a cached token (n_rec ring tokens after n_hist history).
+
+    Ring position S0 + n_hist + j (j in [0, n_rec), n_rec <= W) sits at ring index
+    (n_hist + j) % W, so ring index r holds a token iff j = (r - n_hist) mod W < n_rec: a cyclic
+    run of n_rec indices from n_hist % W. Standard state (n_hist = max(0, L - S0 - W)): either
+    n_rec = W (every index) or n_hist = 0 and r < n_rec, the rule without history_lens.
+    """
+    ok = w < n_sink
+    if RECENT > 0:
+        j = (w - SINK + RECENT - n_hist % RECENT) % RECENT  # >= 0 on ring slots (w >= S0)
+        ok = ok | ((w >= SINK) & (w < SINK + RECENT) & (j < n_rec))  # the last block pads past the ring
+    return ok
 
 
 def dot_dtype(window_dtype: torch.dtype):
@@ -207,9 +227,15 @@ def plan_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, device: torch.
 def attention_triton(
     q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, scale, sink, recent, bits, group_size,
-    block_n: int = 128, use_asm: bool | None = None, num_warps: int = 4, num_stages: int = 2,
+    history_lens=None, block_n: int = 128, use_asm: bool | None = None, num_warps: int = 4,
+    num_stages: int = 2,
 ):
-    """Check, plan and launch. q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype."""
+    """Check, plan and launch. q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype.
+
+    ``history_lens``: [B] int32 history length per sequence, or None (standard). The grid does not
+    depend on it (history splits are planned for the quant table's capacity), so it may change
+    between replays of a captured CUDA graph.
+    """
     N, H_q, D = q.shape
     H_kv = k.shape[1]
     B = cache_lens.shape[0]
@@ -221,7 +247,9 @@ def attention_triton(
 
         return attention_ref(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win,
                              v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                             scale, sink, recent, bits, group_size)
+                             scale, sink, recent, bits, group_size, history_lens)
+    if history_lens is not None and history_lens.shape != (B,):
+        raise ValueError(f"history_lens must be [B] = [{B}], got {tuple(history_lens.shape)}")
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError("q, k, v need a contiguous last dim")
@@ -251,7 +279,8 @@ def attention_triton(
         use_asm = q.is_cuda and not interpreting() and not _ASM_FAILED
     launch = functools.partial(
         _attn_kernel[(nblocks, H_kv, nsplit + 1)],
-        q, k, v, cu_seqlens, cub, cache_lens, window_table, quant_table,
+        q, k, v, cu_seqlens, cub, cache_lens,
+        history_lens if history_lens is not None else cache_lens, window_table, quant_table,
         k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
         out, po, pl, scale * LOG2E, B, nsplit,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -262,7 +291,7 @@ def attention_triton(
         # the chunk's own keys in 16-key blocks for decode (T = 1), 64 for extend
         BLOCK_W=64, BLOCK_C=16 if block_m == 1 else 64,
         SPLIT=nsplit > 0, LOG_B=max(1, B.bit_length()),
-        DOT_DT=dot_dtype(k_win.dtype),
+        DOT_DT=dot_dtype(k_win.dtype), HAS_HIST=history_lens is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     try:
