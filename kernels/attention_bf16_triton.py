@@ -14,6 +14,7 @@ import triton.language as tl
 from oscar_compile.kernels.attention_blocks_triton import (
     NEG_INIT, full_block, merge_kernel, seq_of_program, store_rows)
 from oscar_compile.kernels.attention_triton import LOG2E, dot_dtype, plan_launch
+from oscar_compile.kernels.quant_triton import search_steps
 
 
 @triton.jit
@@ -130,7 +131,7 @@ def attention_bf16_triton(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, 
         scale * LOG2E, B, nsplit, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), page_table.stride(0),
         H_KV=H_kv, G_Q=g, D=D, P=P, BLOCK_M=block_m, ROWS=rows, BLOCK_N=block_n,
-        BLOCK_C=16 if block_m == 1 else 64, SPLIT=nsplit > 0, LOG_B=max(1, B.bit_length()),
+        BLOCK_C=16 if block_m == 1 else 64, SPLIT=nsplit > 0, LOG_B=search_steps(B),
         DOT_DT=dot_dtype(k_pages.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     if nsplit:

@@ -2,9 +2,11 @@
 
 For sequence i with L = cache_lens[i] cached tokens and T new tokens (rows cu[i]..cu[i+1] of q, k, v),
 new token t (position L + t) attends to keys 0..L+t:
-- cached positions p < L, read from the pools: p < S0 from window slot p (sink); S0 <= p < L - W
+- cached positions p < L, read from the pools: p < S0 from window slot p (sink); S0 <= p < S0 + h
   dequantized from history row p - S0 (``oscar_compile.quant.dequantize``: s * (code - z) with
-  s, z read from the scale dtype as float32); L - W <= p from ring slot S0 + (p - S0) % W;
+  s, z read from the scale dtype as float32); S0 + h <= p from ring slot S0 + (p - S0) % W.
+  h = ``history_lens[i]`` when given (larger than standard right after a prefix-cache hit: the
+  ring then holds fewer than W tokens), else the standard max(0, L - W - S0);
 - the chunk's own keys 0..t in full precision, exactly as passed (not rounded to the window dtype).
 GQA: query head j reads KV head j // (H_q / H_kv). Scores q . k * scale, softmax and the weighted
 sum of values in float32; the result is rounded once to q.dtype. Queries arrive already rotated
@@ -16,20 +18,26 @@ from __future__ import annotations
 import torch
 
 from oscar_compile import quant
-from oscar_compile.kernels.pools import check_window_config, window_slot
+from oscar_compile.kernels.pools import check_window_config, history_lens_of, window_slot
 
 
 def gather_cached(
     i: int, L: int, window_table: torch.Tensor, quant_table: torch.Tensor,
     win: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-    sink: int, recent: int, bits: int, group_size: int,
+    sink: int, recent: int, bits: int, group_size: int, history_len: int | None = None,
 ) -> torch.Tensor:
-    """Dense float32 [L, H_kv, D] view of one sequence's cached keys (or values), positions 0..L-1."""
+    """Dense float32 [L, H_kv, D] view of one sequence's cached keys (or values), positions 0..L-1.
+
+    history_len: h, the positions [S0, S0 + h) read from the history; None: the standard
+    max(0, L - W - S0).
+    """
     P = win.shape[2]
     H, D = win.shape[1], win.shape[3]
+    if history_len is None:
+        history_len = max(0, L - recent - sink)
     out = torch.empty(L, H, D, dtype=torch.float32, device=win.device)
     pos = torch.arange(L, device=win.device)
-    hist = (pos >= sink) & (pos < L - recent)
+    hist = (pos >= sink) & (pos < sink + history_len)
     wpos = pos[~hist]
     slot = window_slot(wpos, sink, recent)
     out[~hist] = win[window_table[i, slot // P].long(), :, slot % P].float()
@@ -62,18 +70,24 @@ def attention_ref(
     k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
     v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
     scale: float, sink: int, recent: int, bits: int, group_size: int,
+    history_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [N, H_q, D], k, v: [N, H_kv, D] new tokens -> [N, H_q, D] in q.dtype."""
+    """q: [N, H_q, D], k, v: [N, H_kv, D] new tokens -> [N, H_q, D] in q.dtype.
+
+    history_lens: [B] int32 history length h per sequence, or None (standard).
+    """
     N, H_q, D = q.shape
     H_kv = k.shape[1]
     if H_q % H_kv:
         raise ValueError(f"H_kv {H_kv} does not divide H_q {H_q}")
     check_window_config(sink, recent, k_win.shape[2])
     common = (window_table, quant_table)
+    hists = history_lens_of(cache_lens, history_lens, sink, recent)
 
     def gather(i: int, L: int):
-        kc = gather_cached(i, L, *common, k_win, k_codes, k_scale, k_zero, sink, recent, bits, group_size)
-        vc = gather_cached(i, L, *common, v_win, v_codes, v_scale, v_zero, sink, recent, bits, group_size)
+        geometry = (sink, recent, bits, group_size, hists[i])
+        kc = gather_cached(i, L, *common, k_win, k_codes, k_scale, k_zero, *geometry)
+        vc = gather_cached(i, L, *common, v_win, v_codes, v_scale, v_zero, *geometry)
         return kc, vc
 
     return attend_over_cache(q, k, v, cu_seqlens, cache_lens, scale, gather)

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from oscar_compile.kernels.attention_blocks_triton import (
     NEG_INIT, full_block, history_block, merge_kernel, seq_of_program, store_rows)
-from oscar_compile.kernels.quant_triton import interpreting
+from oscar_compile.kernels.quant_triton import interpreting, search_steps
 
 LOG2E = 1.4426950408889634
 MAX_SPLIT_TOKENS = 8192
@@ -41,7 +41,7 @@ def _note_asm_failure() -> None:
 
 @triton.jit
 def _attn_kernel(
-    q_ptr, k_ptr, v_ptr, cu_ptr, cub_ptr, lens_ptr, wt_ptr, qt_ptr,
+    q_ptr, k_ptr, v_ptr, cu_ptr, cub_ptr, lens_ptr, hist_ptr, wt_ptr, qt_ptr,
     kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
     out_ptr, po_ptr, pl_ptr, qk_scale, B, nsplit,
     sqn, sqh, skn, skh, svn, svh, stride_wt, stride_qt,
@@ -50,6 +50,7 @@ def _attn_kernel(
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_C: tl.constexpr,
     SPLIT: tl.constexpr, LOG_B: tl.constexpr, USE_ASM: tl.constexpr, DOT_DT: tl.constexpr,
+    HAS_HIST: tl.constexpr,
 ):
     NPL: tl.constexpr = 8 // BITS
     WP: tl.constexpr = D // NPL
@@ -78,7 +79,10 @@ def _attn_kernel(
         z1 = tl.zeros([ROWS], tl.float32)
         z2 = tl.zeros([ROWS], tl.float32)
         z3 = tl.zeros([ROWS], tl.float32)
-        n_hist = tl.maximum(L - SINK - RECENT, 0)
+        if HAS_HIST:
+            n_hist = tl.load(hist_ptr + i)  # larger than standard after a prefix-cache hit
+        else:
+            n_hist = tl.maximum(L - SINK - RECENT, 0)
         if SPLIT:
             do_hist = sid < nsplit
             do_win = sid == nsplit
@@ -129,13 +133,13 @@ def _attn_kernel(
             kdt = DOT_DT
             d = tl.arange(0, D)[None, :]
             qf = tl.load(q_rows + d, mask=row_ok[:, None], other=0.0).to(kdt)
-            # sink and recent slots: which of them hold tokens depends only on L
+            # sink slots [0, min(L, S0)); the ring holds positions [S0 + h, L)
             n_sink = tl.minimum(L, SINK)
-            n_rec = tl.minimum(tl.maximum(L - SINK, 0), RECENT)
+            n_rec = tl.maximum(L - SINK - n_hist, 0)
             wt_row = wt_ptr + i.to(tl.int64) * stride_wt
             for w0 in range(0, SINK + RECENT, BLOCK_W):
                 w = w0 + tl.arange(0, BLOCK_W)
-                ok = (w < n_sink) | ((w >= SINK) & (w - SINK < n_rec))
+                ok = window_slot_ok(w, n_sink, n_hist, n_rec, SINK, RECENT)
                 page = tl.load(wt_row + w // P, mask=ok, other=0)
                 rows = (page.to(tl.int64) * H_KV + h) * P + w % P
                 key_ok = ok[None, :] & (r[:, None] >= 0)
@@ -164,6 +168,22 @@ def _attn_kernel(
             tl.store(pl_ptr + prow, lse, mask=row_ok)
 
 
+@triton.jit
+def window_slot_ok(w, n_sink, n_hist, n_rec, SINK: tl.constexpr, RECENT: tl.constexpr):
+    """Which window slots w: [BLOCK_W] hold a cached token (n_rec ring tokens after n_hist history).
+
+    Ring position S0 + n_hist + j (j in [0, n_rec), n_rec <= W) sits at ring index
+    (n_hist + j) % W, so ring index r holds a token iff j = (r - n_hist) mod W < n_rec: a cyclic
+    run of n_rec indices from n_hist % W. Standard state (n_hist = max(0, L - S0 - W)): either
+    n_rec = W (every index) or n_hist = 0 and r < n_rec, the rule without history_lens.
+    """
+    ok = w < n_sink
+    if RECENT > 0:
+        j = (w - SINK + RECENT - n_hist % RECENT) % RECENT  # >= 0 on ring slots (w >= S0)
+        ok = ok | ((w >= SINK) & (w < SINK + RECENT) & (j < n_rec))  # the last block pads past the ring
+    return ok
+
+
 def dot_dtype(window_dtype: torch.dtype):
     """Operand dtype of the full-precision dots: the window dtype, float32 in the interpreter
     (whose dot would multiply the raw bit patterns of bfloat16, which numpy lacks)."""
@@ -178,12 +198,14 @@ def _num_sms(device_index: int) -> int:
 
 
 def plan_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, device: torch.device,
-                block_n: int = 64) -> tuple[int, int, int]:
+                block_n: int = 64, min_split_blocks: int = 4) -> tuple[int, int, int]:
     """(BLOCK_M, ROWS, NSPLIT) from shapes only (no device values: CUDA-graph safe).
 
     Decode-like batches (about one token per sequence) take BLOCK_M = 1 and split the history
-    so that about four programs per SM are in flight; prefill-like batches take 64-row blocks
-    and split only when the query blocks alone cannot fill the GPU.
+    so that about four programs per SM are in flight, each split at least ``min_split_blocks``
+    history blocks long; prefill-like batches take 64-row blocks and split only when the query
+    blocks alone cannot fill the GPU. The count is then trimmed so that the planned length is a
+    whole number of blocks per split (63 splits of a 254-block history leave 13 of them idle).
     """
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
     if N <= 2 * B:
@@ -194,10 +216,12 @@ def plan_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, device: torch.
     programs = (triton.cdiv(N, block_m) + (B if block_m > 1 else 0)) * H_kv
     if max_hist == 0 or programs >= 2 * sms:
         return block_m, rows, 0
-    min_tokens = 4 * block_n  # below this a split costs more in merging than it saves
+    min_tokens = min_split_blocks * block_n  # below this a split costs more in merging than it saves
     if max_hist <= min_tokens:
         return block_m, rows, 0
     nsplit = min(triton.cdiv(4 * sms, programs), max(1, max_hist // min_tokens))
+    blocks = triton.cdiv(max_hist, block_n)
+    nsplit = triton.cdiv(blocks, triton.cdiv(blocks, nsplit))
     # at most MAX_SPLIT_TOKENS per split: the value accumulator and its zero-point term nearly
     # cancel (see history_block), and float32 rounding grows with the length of one running sum
     nsplit = max(nsplit, triton.cdiv(max_hist, MAX_SPLIT_TOKENS))
@@ -207,13 +231,16 @@ def plan_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, device: torch.
 def attention_triton(
     q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, scale, sink, recent, bits, group_size,
-    block_n: int = 128, use_asm: bool | None = None, num_warps: int = 4, num_stages: int = 2,
-    nsplit: int | None = None, block_w: int = 64,
+    history_lens=None, block_n: int = 128, use_asm: bool | None = None, num_warps: int = 4,
+    num_stages: int = 2, nsplit: int | None = None, block_w: int = 32,
 ):
     """Check, plan and launch. q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype.
 
-    ``nsplit`` overrides the planned number of history splits, ``block_w`` is the window block
-    (benchmark sweeps)."""
+    ``history_lens``: [B] int32 history length per sequence, or None (standard). The grid does not
+    depend on it (history splits are planned for the quant table's capacity), so it may change
+    between replays of a captured CUDA graph. ``nsplit`` overrides the planned number of history
+    splits, ``block_w`` is the window block (benchmark sweeps).
+    """
     N, H_q, D = q.shape
     H_kv = k.shape[1]
     B = cache_lens.shape[0]
@@ -225,7 +252,9 @@ def attention_triton(
 
         return attention_ref(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win,
                              v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                             scale, sink, recent, bits, group_size)
+                             scale, sink, recent, bits, group_size, history_lens)
+    if history_lens is not None and history_lens.shape != (B,):
+        raise ValueError(f"history_lens must be [B] = [{B}], got {tuple(history_lens.shape)}")
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError("q, k, v need a contiguous last dim")
@@ -237,7 +266,9 @@ def attention_triton(
         return out
     g = H_q // H_kv
     max_hist = quant_table.shape[1] * P
-    block_m, rows, planned = plan_launch(N, B, H_kv, g, max_hist, q.device, block_n)
+    # splits of 2 history blocks: measured on the H200 (bench.kernels variants, 2026-11-30) the
+    # best at batch 1 for 8k-128k; 4 blocks (the paged BF16 kernel's choice) was 10-20 % slower
+    block_m, rows, planned = plan_launch(N, B, H_kv, g, max_hist, q.device, block_n, min_split_blocks=2)
     nsplit = planned if nsplit is None else nsplit
     if block_m == 1:
         cub = cu_seqlens
@@ -256,18 +287,20 @@ def attention_triton(
         use_asm = q.is_cuda and not interpreting() and not _ASM_FAILED
     launch = functools.partial(
         _attn_kernel[(nblocks, H_kv, nsplit + 1)],
-        q, k, v, cu_seqlens, cub, cache_lens, window_table, quant_table,
+        q, k, v, cu_seqlens, cub, cache_lens,
+        history_lens if history_lens is not None else cache_lens, window_table, quant_table,
         k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
         out, po, pl, scale * LOG2E, B, nsplit,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         window_table.stride(0), quant_table.stride(0),
         H_KV=H_kv, G_Q=g, D=D, P=P, SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size,
         BLOCK_M=block_m, ROWS=rows, BLOCK_N=block_n,
-        # window slots in 64-key blocks (the 320 slots were the batch-1 critical path at 16);
+        # window slots in 32-key blocks: 16 made the 320-slot window program the batch-1 critical
+        # path, 64 raised the registers of the whole kernel (128k batch 1: 87 -> 140 us; H200 sweep)
         # the chunk's own keys in 16-key blocks for decode (T = 1), 64 for extend
         BLOCK_W=block_w, BLOCK_C=16 if block_m == 1 else 64,
-        SPLIT=nsplit > 0, LOG_B=max(1, B.bit_length()),
-        DOT_DT=dot_dtype(k_win.dtype),
+        SPLIT=nsplit > 0, LOG_B=search_steps(B),
+        DOT_DT=dot_dtype(k_win.dtype), HAS_HIST=history_lens is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     try:

@@ -6,10 +6,15 @@ Semantics are those of writing the tokens of each sequence one position at a tim
   recent-window slot S0 + (L - S0) % W; if the window then holds more than W recent tokens, the
   oldest, p = L - W (only when p >= S0), is demoted: quantized into history row h = p - S0, i.e.
   page quant_table[i, h // P], row h % P. W = 0: every p >= S0 goes straight to the history.
+- the ring holds positions [S0 + h, L), h = the history length before the call: ``history_lens[i]``
+  when given, else the standard max(0, L - W - S0). A larger h is the state after a prefix-cache
+  hit (shared history [S0, S0 + h), a ring not yet full): the ring slots of positions below
+  S0 + h hold no token, and nothing is demoted from them (their history rows are already
+  written, and may be shared with other sequences).
 - bulk, T tokens at positions [L, L + T): (1) first demote the old ring tokens that leave,
-  positions [max(S0, L - W), min(L, L + T - W)), read from the ring *before* any new token reuses
+  positions [S0 + h, min(L, L + T - W)), read from the ring *before* any new token reuses
   their slot (p and p + W share a slot); (2) new tokens with p < S0 go to the sink, with
-  p >= L + T - W to the ring, the rest straight to history.
+  p >= L + T - W to the ring, the rest straight to history (rows p - S0 >= h).
 
 Details that are easy to get wrong:
 - a token is rounded to the window dtype *before* it is quantized, also when it goes straight to
@@ -25,11 +30,11 @@ from __future__ import annotations
 import torch
 
 from oscar_compile import quant
-from oscar_compile.kernels.pools import check_window_config, window_slot
+from oscar_compile.kernels.pools import check_window_config, history_lens_of, window_slot
 
 
 def check_cache_write_args(k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win,
-                           k_codes, k_scale, sink, recent, bits, group_size) -> None:
+                           k_codes, k_scale, sink, recent, bits, group_size, history_lens=None) -> None:
     N, H, D = k.shape
     if v.shape != k.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
@@ -48,6 +53,8 @@ def check_cache_write_args(k, v, cu_seqlens, cache_lens, window_table, quant_tab
         raise ValueError("window_table and quant_table need one row per sequence")
     if window_table.shape[1] * P < sink + recent:
         raise ValueError(f"window_table has {window_table.shape[1]} pages, needs {(sink + recent) // P}")
+    if history_lens is not None and history_lens.shape != (B,):
+        raise ValueError(f"history_lens must be [B] = [{B}], got {tuple(history_lens.shape)}")
 
 
 def _locate_history(pos: torch.Tensor, quant_row: torch.Tensor, sink: int, P: int):
@@ -78,23 +85,28 @@ def cache_write_ref(
     k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
     v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
     sink: int, recent: int, bits: int, group_size: int, clip_k: float, clip_v: float,
+    history_lens: torch.Tensor | None = None,
 ) -> None:
-    """Write k, v: [N, H_kv, D] (N = all new tokens, sequence after sequence) into the pools in place."""
+    """Write k, v: [N, H_kv, D] (N = all new tokens, sequence after sequence) into the pools in place.
+
+    history_lens: [B] int32 history length h per sequence before the call, or None (standard).
+    """
     check_cache_write_args(k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win,
-                           k_codes, k_scale, sink, recent, bits, group_size)
+                           k_codes, k_scale, sink, recent, bits, group_size, history_lens)
     P = k_win.shape[2]
     wdt = k_win.dtype
     qpools = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     cu = cu_seqlens.tolist()
     lens = cache_lens.tolist()
+    hists = history_lens_of(cache_lens, history_lens, sink, recent)
     dev = k_win.device
-    for i, L in enumerate(lens):
+    for i, (L, h) in enumerate(zip(lens, hists)):
         T = cu[i + 1] - cu[i]
         if T == 0:
             continue
         L_new = L + T
-        # (1) old recent tokens that age out, read before their ring slots are reused
-        lo, hi = max(sink, L - recent), min(L, L_new - recent)
+        # (1) old ring tokens that age out, read before their slots are reused
+        lo, hi = sink + h, min(L, L_new - recent)
         if hi > lo:
             old = torch.arange(lo, hi, device=dev)
             wp, wr = _locate_window(old, window_table[i], sink, recent, P)

@@ -7,9 +7,15 @@ one-at-a-time writing (cache_write_ref) without a race:
 - p < S0: the token goes to sink slot p;
 - p >= L + T - W: the token goes to ring slot S0 + (p - S0) % W. It is that slot's last writer in
   this call, so this row also demotes the slot's old occupant p_old (the position in [L - W, L)
-  congruent to p mod W, when p_old >= S0): read before the slot is overwritten, quantized into
+  congruent to p mod W, when p_old >= S0 + h): read before the slot is overwritten, quantized into
   history row p_old - S0. No other row touches that slot;
 - otherwise (bulk prefill) the token is quantized straight into history row p - S0.
+The ring holds positions [S0 + h, L) (h: ``history_lens``, or the standard max(0, L - W - S0)),
+at most W of them, so S0 + h >= L - W. The old ring positions that must leave are
+q in [S0 + h, min(L, L + T - W)); q + W >= L and q < L + T - W, so the unique position congruent
+to q in [L + T - W, L + T) is a new ring token whose p_old is q: every leaving token is demoted
+by exactly one row, and a slot whose p_old < S0 + h holds no token (after a prefix-cache hit, its
+history row is already written and may be shared) and demotes nothing.
 Tokens are rounded to the window dtype before quantization (what one-by-one writing stores).
 With ``rot_k`` the incoming keys are unrotated: k <- ((k - mean) @ rot).to(k.dtype) in float32
 (``input_precision='ieee'``), matching ``oscar::rotate`` up to float32 summation order.
@@ -20,7 +26,7 @@ import triton
 import triton.language as tl
 
 from oscar_compile.kernels.cache_write_ref import check_cache_write_args
-from oscar_compile.kernels.quant_triton import clip_indices, clip_rows, interpreting, quantize_rows
+from oscar_compile.kernels.quant_triton import clip_indices, clip_rows, interpreting, quantize_rows, search_steps
 
 
 @triton.jit
@@ -62,13 +68,13 @@ def _write_one(x_new, x_ptr_win, codes_ptr, scale_ptr, zero_ptr, rows_win, win_m
 
 @triton.jit
 def _cache_write_kernel(
-    k_ptr, v_ptr, rot_ptr, mean_ptr, cu_ptr, lens_ptr, wt_ptr, qt_ptr,
+    k_ptr, v_ptr, rot_ptr, mean_ptr, cu_ptr, lens_ptr, hist_ptr, wt_ptr, qt_ptr,
     kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
     N, B, stride_kn, stride_kh, stride_vn, stride_vh, stride_wt, stride_qt,
     klo, khi, kfrac, vlo, vhi, vfrac,
     H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, CLIP_K: tl.constexpr, CLIP_V: tl.constexpr,
-    HAS_ROT: tl.constexpr, HAS_MEAN: tl.constexpr, ROT_HEADS: tl.constexpr,
+    HAS_ROT: tl.constexpr, HAS_MEAN: tl.constexpr, ROT_HEADS: tl.constexpr, HAS_HIST: tl.constexpr,
     LOG_B: tl.constexpr, BLOCK_T: tl.constexpr, BY_RANK: tl.constexpr,
 ):
     h = tl.program_id(1)
@@ -88,7 +94,11 @@ def _cache_write_kernel(
         ring = SINK + (p - SINK) % RECENT
         slot = tl.where(to_sink, p, ring)
         p_old = p - RECENT * ((p - L + RECENT) // RECENT)  # in [L - W, L), same slot as p
-        demote = to_ring & (p_old >= SINK) & valid
+        if HAS_HIST:
+            ring_lo = SINK + tl.load(hist_ptr + seq)  # the ring holds [S0 + h, L)
+        else:
+            ring_lo = SINK  # standard: p_old >= L - W >= S0 + h as soon as p_old >= S0
+        demote = to_ring & (p_old >= ring_lo) & valid
     else:
         slot = p
         p_old = p
@@ -129,10 +139,12 @@ def _check_pool_layout(pools) -> None:
 def cache_write_triton(
     k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-    sink, recent, bits, group_size, clip_k, clip_v, rot_k=None, mean_k=None, block_t: int | None = None,
-    fuse_rotation: bool = False,
+    sink, recent, bits, group_size, clip_k, clip_v, rot_k=None, mean_k=None, history_lens=None,
+    block_t: int | None = None, fuse_rotation: bool = False,
 ):
     """Check, then launch one program per (BLOCK_T tokens, KV head). Mutates the pools.
+
+    ``history_lens``: [B] int32 history length per sequence before the write, or None (standard).
 
     With ``rot_k`` and ``fuse_rotation=False`` (default) the keys are rotated by the torch
     reference (one float32 matmul, bitwise what ``oscar::rotate`` gives on the same device)
@@ -146,7 +158,7 @@ def cache_write_triton(
         k = rotate_ref(k.transpose(0, 1).unsqueeze(0), rot_k, mean_k).squeeze(0).transpose(0, 1)
         rot_k = mean_k = None
     check_cache_write_args(k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win,
-                           k_codes, k_scale, sink, recent, bits, group_size)
+                           k_codes, k_scale, sink, recent, bits, group_size, history_lens)
     pools = (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     _check_pool_layout(pools)
     N, H, D = k.shape
@@ -171,12 +183,14 @@ def cache_write_triton(
     dummy = k_win  # stands in for absent optional pointers (never read)
     _cache_write_kernel[grid](
         k, v, rot_k if rot_k is not None else dummy, mean_k if mean_k is not None else dummy,
-        cu_seqlens, cache_lens, window_table, quant_table, *pools,
+        cu_seqlens, cache_lens, history_lens if history_lens is not None else cache_lens,
+        window_table, quant_table, *pools,
         N, B, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         window_table.stride(0), quant_table.stride(0), klo, khi, kfrac, vlo, vhi, vfrac,
         H=H, D=D, P=k_win.shape[2], SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size,
         CLIP_K=clip_k < 1.0, CLIP_V=clip_v < 1.0, HAS_ROT=rot_k is not None,
         HAS_MEAN=mean_k is not None, ROT_HEADS=1 if rot_k is None else rot_k.shape[0],
-        LOG_B=max(1, (B - 1).bit_length() + 1), BLOCK_T=block_t, BY_RANK=interpreting(),
+        HAS_HIST=history_lens is not None,
+        LOG_B=search_steps(B), BLOCK_T=block_t, BY_RANK=interpreting(),
         num_warps=4, enable_fp_fusion=False,
     )

@@ -13,6 +13,10 @@ Additions to the documented signatures (trailing, with defaults, so documented c
 - ``oscar::cache_write``: ``rot_k: Tensor? = None, mean_k: Tensor? = None``. When ``rot_k`` is
   given, k arrives *unrotated* (post-RoPE) and the op applies ``oscar::rotate(k, rot_k, mean_k)``
   first (fused into the write kernel on CUDA): one launch per layer instead of two.
+- ``oscar::cache_write`` and ``oscar::attention``: ``history_lens: Tensor? = None`` (last), [B]
+  int32, the history length h of each sequence before the call. The ring then holds positions
+  ``[S0 + h, L)``; None means the standard ``h = max(0, L - W - S0)`` (a full ring once L >= S0 + W).
+  The runtime passes it after prefix-cache hits past the sink (shared history, ring refilling).
 
 Ops beyond docs/cache-format.md, for the full-precision paged cache (runtime BF16 mode, baseline):
 - ``oscar::cache_write_bf16(k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages) -> ()``
@@ -86,13 +90,14 @@ def cache_write(
     v_codes: Tensor, v_scale: Tensor, v_zero: Tensor,
     sink: int, recent: int, bits: int, group_size: int, clip_k: float, clip_v: float,
     rot_k: Optional[Tensor] = None, mean_k: Optional[Tensor] = None,
+    history_lens: Optional[Tensor] = None,
 ) -> None:
     """Write new tokens k, v: [N, H_kv, D] into the pools (see cache_write_ref for the rules)."""
     if rot_k is not None:
         k = _rotate_tokens_ref(k, rot_k, mean_k)
     cache_write_ref(k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
                     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                    sink, recent, bits, group_size, clip_k, clip_v)
+                    sink, recent, bits, group_size, clip_k, clip_v, history_lens)
 
 
 @cache_write.register_fake
@@ -103,15 +108,15 @@ def _(*args, **kwargs):
 @cache_write.register_kernel("cuda")
 def _(k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win, k_codes, k_scale,
       k_zero, v_codes, v_scale, v_zero, sink, recent, bits, group_size, clip_k, clip_v,
-      rot_k=None, mean_k=None):
+      rot_k=None, mean_k=None, history_lens=None):
     args = (k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win, k_codes,
             k_scale, k_zero, v_codes, v_scale, v_zero, sink, recent, bits, group_size, clip_k, clip_v)
     impl = _triton_impl("cache_write_triton", "cache_write_triton")
     if impl is not None:
-        return impl(*args, rot_k=rot_k, mean_k=mean_k)
+        return impl(*args, rot_k=rot_k, mean_k=mean_k, history_lens=history_lens)
     if rot_k is not None:
         k = _rotate_tokens_ref(k, rot_k, mean_k)
-    cache_write_ref(k, *args[1:])
+    cache_write_ref(k, *args[1:], history_lens=history_lens)
 
 
 # ---------------------------------------------------------------- oscar::attention
@@ -122,11 +127,12 @@ def attention(
     k_win: Tensor, v_win: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor,
     v_codes: Tensor, v_scale: Tensor, v_zero: Tensor,
     scale: float, sink: int, recent: int, bits: int, group_size: int,
+    history_lens: Optional[Tensor] = None,
 ) -> Tensor:
     """New tokens q: [N, H_q, D] attend to the cache plus their own chunk, causally -> [N, H_q, D]."""
     return attention_ref(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
                          k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                         scale, sink, recent, bits, group_size)
+                         scale, sink, recent, bits, group_size, history_lens)
 
 
 @attention.register_fake
@@ -135,7 +141,7 @@ def _(q, *args):
 
 
 @attention.register_kernel("cuda")
-def _(*args):
+def _(*args):  # positional, as the dispatcher passes them (history_lens only when given)
     impl = _triton_impl("attention_triton", "attention_triton")
     if impl is not None:
         return impl(*args)

@@ -8,7 +8,8 @@ all use the same pool shapes and the same position -> (page, row) rule, so both 
   (scale dtype). :class:`CachePools` keeps them in the order the ``oscar::`` ops take them, so
   ``op(..., *pools, ...)`` works.
 - a position ``p`` of a sequence holding ``L`` tokens is in the sink when ``p < S0``, in the
-  history when ``S0 <= p < L - W``, else in the recent window (a ring of ``W`` slots after the
+  history when ``S0 <= p < S0 + h`` (``h = max(0, L - W - S0)``, or more right after a prefix-cache
+  hit: :func:`history_lens_of`), else in the recent window (a ring of ``W`` slots after the
   ``S0`` sink slots: slot ``S0 + (p - S0) % W``).
 
 Pools are zero-filled rather than left uninitialised: a kernel that reads a padded row must never
@@ -93,6 +94,29 @@ def num_window_pages_per_seq(sink: int, recent: int, page_size: int) -> int:
 def num_history_tokens(cache_len: int, sink: int, recent: int) -> int:
     """Quantized tokens of a sequence holding ``cache_len`` tokens: len([S0, L - W))."""
     return max(0, cache_len - recent - sink)
+
+
+def history_lens_of(cache_lens: torch.Tensor, history_lens: torch.Tensor | None, sink: int,
+                    recent: int) -> list[int]:
+    """h per sequence as host ints, for the references: ``history_lens`` when given, else the
+    standard ``max(0, L - W - S0)``.
+
+    A given h must leave a ring the window can hold: the ring holds positions ``[S0 + h, L)``, so
+    ``max(0, L - W - S0) <= h <= max(0, L - S0)`` (after a prefix-cache hit, h exceeds the lower
+    bound while the ring refills).
+    """
+    lens = cache_lens.tolist()
+    derived = [num_history_tokens(L, sink, recent) for L in lens]
+    if history_lens is None:
+        return derived
+    given = history_lens.tolist()
+    if len(given) != len(lens):
+        raise ValueError(f"history_lens has {len(given)} entries for {len(lens)} sequences")
+    for i, (L, h, lo) in enumerate(zip(lens, given, derived)):
+        if not lo <= h <= max(0, L - sink):
+            raise ValueError(f"sequence {i}: history_lens {h} outside [{lo}, {max(0, L - sink)}] "
+                             f"for cache_lens {L}, sink {sink}, recent {recent}")
+    return given
 
 
 def num_quant_pages_needed(cache_len: int, sink: int, recent: int, page_size: int) -> int:

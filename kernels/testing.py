@@ -2,7 +2,8 @@
 
 Used by tests/kernels and by the benchmark's correctness check. A case holds the pools, the page
 tables (pages handed out in a shuffled order, so a kernel that assumes contiguous pages fails),
-and the token streams that were written, so a test can rebuild the dense cache independently.
+and the token streams that were written, so a test can rebuild the dense cache independently;
+optionally the state after prefix-cache hits past the sink (``history_lens``).
 """
 from __future__ import annotations
 
@@ -34,10 +35,22 @@ class CacheCase:
     group_size: int
     clip_k: float
     clip_v: float
+    history_lens: torch.Tensor | None = None  # [B] int32 h per sequence, None: the standard state
 
     @property
     def page_size(self) -> int:
         return self.pools.k_win.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+        """Record that the new tokens k, v: [N, H_kv, D] were written: streams, lengths, history."""
+        cu = cu_seqlens.tolist()
+        for i in range(len(self.keys)):
+            self.keys[i] = torch.cat([self.keys[i], k[cu[i]:cu[i + 1]].to(self.keys[i])])
+            self.values[i] = torch.cat([self.values[i], v[cu[i]:cu[i + 1]].to(self.values[i])])
+        self.cache_lens += (cu_seqlens[1:] - cu_seqlens[:-1]).to(self.cache_lens)
+        if self.history_lens is not None:
+            standard = (self.cache_lens - self.recent - self.sink).clamp_min(0)
+            self.history_lens = torch.maximum(self.history_lens, standard).to(torch.int32)
 
 
 def random_kv(n: int, num_kv_heads: int, head_dim: int, generator: torch.Generator,
@@ -73,30 +86,75 @@ def build_case(
     recent: int = 32, bits: int = 2, group_size: int = 128, scale_dtype=torch.float16,
     window_dtype=torch.bfloat16, clip_k: float = 0.96, clip_v: float = 0.92, seed: int = 0,
     chunk: int | None = None, extra_tokens: int = 0, write: Callable = cache_write_ref,
-    device="cpu",
+    device="cpu", hits: list[int] | None = None,
 ) -> CacheCase:
     """Write random streams of ``cache_lens[i]`` tokens per sequence through ``write``.
 
     ``chunk``: tokens per write call and sequence (None: one bulk call). ``extra_tokens``: room
     in the tables for that many more tokens per sequence (for a following write / attention).
+    ``hits``: sequence i starts as after a prefix-cache hit on its first ``hits[i]`` tokens
+    (block_manager): sink ``[0, S0)`` and history ``[S0, hits[i])`` written in one call with
+    W = 0 (each history row quantized as a demotion would), ring slots full of stale garbage
+    (large values: a kernel that reads or demotes one fails loudly); the rest is then written
+    (``chunk`` as above) with ``history_lens`` = max(hits[i] - S0, L - W - S0), and
+    ``case.history_lens`` holds the final h. ``hits[i] <= S0`` gives the standard state.
     """
     gen = torch.Generator().manual_seed(seed)
     B, H, D = len(cache_lens), num_kv_heads, head_dim
-    wt, qt, n_w, n_q = make_tables([L + extra_tokens for L in cache_lens], sink, recent, page_size, gen)
+    if hits is not None and any(not 0 <= R <= L for R, L in zip(hits, cache_lens)):
+        raise ValueError(f"hits {hits} must lie in [0, cache_lens {cache_lens}]")
+    floors = [max(0, R - sink) for R in hits or [0] * B]
+    # room for max(floor, L - W - S0) history tokens: a floor counts like S0 + W + floor tokens
+    room = [max(L + extra_tokens, sink + recent + f) for L, f in zip(cache_lens, floors)]
+    wt, qt, n_w, n_q = make_tables(room, sink, recent, page_size, gen)
     pools = allocate_pools(n_q, n_w, H, page_size, D, bits, group_size, scale_dtype, window_dtype, device)
     keys = [random_kv(L, H, D, gen, window_dtype, device) for L in cache_lens]
     values = [random_kv(L, H, D, gen, window_dtype, device) for L in cache_lens]
     wt, qt = wt.to(device), qt.to(device)
-    done = [0] * B
-    step = chunk or max(cache_lens + [1])
-    while any(d < L for d, L in zip(done, cache_lens)):
-        take = [min(step, L - d) for d, L in zip(done, cache_lens)]
-        ks = [keys[i][done[i]:done[i] + take[i]] for i in range(B)]
-        vs = [values[i][done[i]:done[i] + take[i]] for i in range(B)]
-        cu = torch.tensor([0] + take, dtype=torch.int32).cumsum(0).to(torch.int32)
-        lens = torch.tensor(done, dtype=torch.int32)
-        write(torch.cat(ks), torch.cat(vs), cu.to(device), lens.to(device), wt, qt, *pools,
-              sink, recent, bits, group_size, clip_k, clip_v)
-        done = [d + t for d, t in zip(done, take)]
+    quant = (bits, group_size, clip_k, clip_v)
+
+    def write_all(start: list[int], stop: list[int], window: int, floor: list[int] | None,
+                  step: int | None) -> None:
+        """Positions [start[i], stop[i]) of every stream; with history floors, pass history_lens."""
+        done = list(start)
+        step = step or max(stop + [1])
+        while any(d < L for d, L in zip(done, stop)):
+            take = [min(step, L - d) for d, L in zip(done, stop)]
+            ks = [keys[i][done[i]:done[i] + take[i]] for i in range(B)]
+            vs = [values[i][done[i]:done[i] + take[i]] for i in range(B)]
+            cu = torch.tensor([0] + take, dtype=torch.int32).cumsum(0).to(torch.int32)
+            lens = torch.tensor(done, dtype=torch.int32)
+            extra = {}
+            if floor is not None:
+                h = [max(f, d - window - sink) for f, d in zip(floor, done)]
+                extra["history_lens"] = torch.tensor(h, dtype=torch.int32, device=device)
+            write(torch.cat(ks), torch.cat(vs), cu.to(device), lens.to(device), wt, qt, *pools,
+                  sink, window, *quant, **extra)
+            done = [d + t for d, t in zip(done, take)]
+
+    start = [0] * B
+    if hits is not None:
+        start = [min(sink + f, L) for f, L in zip(floors, cache_lens)]
+        write_all([0] * B, start, 0, None, None)  # sink + shared history, no ring
+        for i in range(B):  # stale ring slots (pages a previous owner left behind)
+            ring = wt[i, sink // page_size:].long()
+            pools.k_win[ring] = 1000.0
+            pools.v_win[ring] = -1000.0
+    write_all(start, list(cache_lens), recent, None if hits is None else floors, chunk)
+    history_lens = None
+    if hits is not None:
+        h = [max(f, L - recent - sink, 0) for f, L in zip(floors, cache_lens)]
+        history_lens = torch.tensor(h, dtype=torch.int32, device=device)
     return CacheCase(pools, wt, qt, torch.tensor(cache_lens, dtype=torch.int32, device=device),
-                     keys, values, sink, recent, bits, group_size, clip_k, clip_v)
+                     keys, values, sink, recent, bits, group_size, clip_k, clip_v, history_lens)
+
+
+def with_standard_history_lens(write: Callable) -> Callable:
+    """``write`` given ``history_lens`` = the standard max(0, L - W - S0) explicitly (changes nothing)."""
+
+    def call(k, v, cu_seqlens, cache_lens, *rest, **kwargs):
+        sink, recent = rest[10], rest[11]  # after the two tables and the eight pools
+        h = (cache_lens - recent - sink).clamp_min(0).to(torch.int32)
+        return write(k, v, cu_seqlens, cache_lens, *rest, history_lens=h, **kwargs)
+
+    return call

@@ -128,9 +128,10 @@ def run_hf_continuous_batching(model, prompts, output_len: int) -> dict:
 
 
 def e2e_rows(make_model, spec_of_mode: dict, batches: list[int], prompt_len: int, output_len: int,
-             kv_memory_gb: float, max_batched_tokens: int, time_limit_s: float, log=print) -> list[dict]:
+             kv_memory_gb: float, max_batched_tokens: int, time_limit_s: float, keep=print) -> list[dict]:
     """Every system at every batch size; a system skips its remaining sizes once it has used
-    ``time_limit_s`` (the row says so), so one slow system cannot eat the whole run."""
+    ``time_limit_s`` (the row says so), so one slow system cannot eat the whole run. ``keep``
+    sees each row as soon as it is measured."""
     rows = []
     systems = [(f"oscar-{mode}", spec) for mode, spec in spec_of_mode.items()] + [("hf-cb", None)]
     for name, spec in systems:
@@ -139,6 +140,7 @@ def e2e_rows(make_model, spec_of_mode: dict, batches: list[int], prompt_len: int
             row = dict(system=name, batch=batch, prompt_len=prompt_len, output_len=output_len)
             if spent > time_limit_s:
                 rows.append({**row, "skipped": f"time limit {time_limit_s:.0f} s reached"})
+                keep(rows[-1])
                 continue
             model = make_model()
             prompts = random_prompts(batch, prompt_len, model.config.get_text_config().vocab_size)
@@ -151,8 +153,8 @@ def e2e_rows(make_model, spec_of_mode: dict, batches: list[int], prompt_len: int
             except Exception as exc:  # a failing system is a result too; keep measuring the others
                 row["error"] = f"{type(exc).__name__}: {exc}"[:500]
             spent += time.perf_counter() - start
-            log(row)
             rows.append(row)
+            keep(row)
             del model
             gc.collect()
             if torch.cuda.is_available():

@@ -134,8 +134,11 @@ def step_breakdown(runner: CompressedRunner, batch: Batch, reps: int = 3) -> dic
     """Share of the steps' device time (CPU time on a CPU) per category, from the torch profiler.
 
     An oscar op counts with everything under it; a GEMM counts when no oscar op encloses it (the
-    CPU references do matmuls of their own); "other" is the rest of the step.
+    CPU references do matmuls of their own); "other" is the rest of the step. On CUDA the whole is
+    the sum of the kernels' own events: each kernel also shows in its launching op's device time,
+    so summing every event's self time would count it twice.
     """
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = runner.device.type == "cuda"
@@ -148,13 +151,18 @@ def step_breakdown(runner: CompressedRunner, batch: Batch, reps: int = 3) -> dic
     totals = dict.fromkeys([*_OPS, "gemm"], 0.0)
     whole = 0.0
     for ev in prof.events():
-        self_time = ev.self_device_time_total if cuda else ev.self_cpu_time_total
-        whole += self_time
+        on_device = ev.device_type != DeviceType.CPU
+        if cuda:
+            whole += ev.device_time_total if on_device else 0.0
+            if on_device:
+                continue
+        else:
+            whole += ev.self_cpu_time_total
         for category, names in _OPS.items():
             if ev.name in names and not _inside(ev, ours):
                 totals[category] += ev.device_time_total if cuda else ev.cpu_time_total
         if ev.name in _GEMMS and not _inside(ev, ours):
-            totals["gemm"] += self_time
+            totals["gemm"] += ev.self_device_time_total if cuda else ev.self_cpu_time_total
     shares = {name: (t / whole if whole else 0.0) for name, t in totals.items()}
     shares["other"] = max(0.0, 1.0 - sum(shares.values()))
     return shares
@@ -213,27 +221,43 @@ def capacity_rows(model, layout, shape: str, mode: str, contexts: list[int], bud
 
 
 def run(args) -> dict:
+    """Every section, in order; the result so far is written to ``args.out`` after each row
+    group, so a run stopped by a time limit still leaves what it measured."""
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     max_len = max(args.contexts + args.capacity_contexts + [args.e2e_prompt + args.e2e_output]) + 1
-    rows, capacity, e2e = [], [], []
+    result = dict(device=_device_line(device), command=args.command, decode=[], capacity=[], e2e=[])
     for shape in args.shapes:
         for mode in MODES:
             model, layout = build_model(shape, mode, max_len, device)
-            rows += decode_rows(model, layout, shape, mode, args.contexts, args.reps)
+            result["decode"] += decode_rows(model, layout, shape, mode, args.contexts, args.reps)
+            _save(result, args.out)
             if args.capacity_contexts:
                 budget = int(args.kv_memory * GIB) if args.kv_memory else _free_memory_bytes(device)
-                capacity += capacity_rows(model, layout, shape, mode, args.capacity_contexts, budget, args.reps)
+                result["capacity"] += capacity_rows(model, layout, shape, mode, args.capacity_contexts, budget,
+                                                    args.reps)
+                _save(result, args.out)
             del model
             gc.collect()
             _empty_cache(device)
     if args.e2e_batches:
         from oscar_compile.bench.e2e import e2e_rows
 
+        def keep(row: dict) -> None:
+            print(row, flush=True)
+            result["e2e"].append(row)
+            _save(result, args.out)
+
         shape = args.shapes[0]
-        e2e = e2e_rows(lambda: random_model(shape, max_len, device), {m: mode_spec(shape, m) for m in MODES},
-                       args.e2e_batches, args.e2e_prompt, args.e2e_output, args.e2e_kv_memory,
-                       args.max_num_batched_tokens, args.e2e_time_limit)
-    return dict(device=_device_line(device), command=args.command, decode=rows, capacity=capacity, e2e=e2e)
+        e2e_rows(lambda: random_model(shape, max_len, device), {m: mode_spec(shape, m) for m in MODES},
+                 args.e2e_batches, args.e2e_prompt, args.e2e_output, args.e2e_kv_memory,
+                 args.max_num_batched_tokens, args.e2e_time_limit, keep)
+    return result
+
+
+def _save(result: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def _empty_cache(device: torch.device) -> None:
@@ -296,11 +320,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     args.command = "python -m oscar_compile.bench.serve " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
-    result = run(args)
-    print_tables(result)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    print_tables(run(args))
     return 0
 
 

@@ -31,7 +31,7 @@ def run_both(case, chunk_lens, H_q, device, seed=0, **kw):
     v = random_kv(n, H_kv, D, gen, device=device)
     cu = torch.tensor([0] + chunk_lens, device=device).cumsum(0).to(torch.int32)
     args = (q, k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
-            D ** -0.5, case.sink, case.recent, case.bits, case.group_size)
+            D ** -0.5, case.sink, case.recent, case.bits, case.group_size, case.history_lens)
     return attention_triton(*args, **kw), attention_ref(*args)
 
 
@@ -75,6 +75,54 @@ def test_split_history_matches_reference(tdevice):
     finally:
         at.plan_launch = orig
     assert rel_err(got, want) < TOL
+
+
+# (hit, L), S0 = 16, W = 32: standard (h = 22); right after a hit (h = 48, empty ring); a ring
+# of 20 wrapping past the ring's end; a ring of 13; shorter than the sink
+HITS, HIT_LENS = [0, 64, 64, 48, 0], [70, 64, 84, 61, 5]
+
+
+@pytest.mark.parametrize("H_q,H_kv,D,G", [(2, 2, 64, 32), (8, 2, 128, 128)])
+@pytest.mark.parametrize("chunk_lens", [[1] * 5, [3, 40, 1, 33, 2]])
+def test_after_prefix_hits_matches_reference(tdevice, H_q, H_kv, D, G, chunk_lens):
+    """history_lens past the standard: history rows [0, h), only the ring slots of [S0 + h, L)
+    (the others hold stale garbage); decode and chunks longer than W."""
+    case = build_case(HIT_LENS, H_kv, D, group_size=G, seed=6, extra_tokens=40, hits=HITS,
+                      device=tdevice)
+    got, want = run_both(case, chunk_lens, H_q, tdevice, seed=7)
+    assert rel_err(got, want) < TOL
+
+
+def test_split_history_after_prefix_hits_matches_reference(tdevice):
+    """Flash-decoding splits of a history whose length comes from history_lens."""
+    import oscar_compile.kernels.attention_triton as at
+
+    case = build_case([190, 90, 120], 1, 64, 16, 16, 32, 2, 64, torch.float16, seed=8,
+                      extra_tokens=2, device=tdevice, hits=[176, 0, 96])
+    assert case.history_lens.tolist() == [160, 42, 80]  # three non-empty splits each
+    orig = at.plan_launch
+    at.plan_launch = lambda *a, **k: (1, 16, 3)
+    try:
+        got, want = run_both(case, [1, 2, 1], 4, tdevice, seed=9, block_n=16)
+    finally:
+        at.plan_launch = orig
+    assert rel_err(got, want) < TOL
+
+
+def test_standard_history_lens_change_nothing(tdevice):
+    """history_lens = max(0, L - W - S0) given explicitly: the output bitwise as with None."""
+    from oscar_compile.kernels.attention_triton import attention_triton
+
+    case = build_case([0, 9, 48, 150], 2, 64, 16, 16, 32, 2, 64, torch.float16, seed=10,
+                      extra_tokens=4, device=tdevice)
+    derived = (case.cache_lens - 48).clamp_min(0).to(torch.int32)
+    gen = torch.Generator().manual_seed(11)
+    q = random_kv(7, 4, 64, gen, device=tdevice)
+    k, v = random_kv(7, 2, 64, gen, device=tdevice), random_kv(7, 2, 64, gen, device=tdevice)
+    cu = torch.tensor([0, 1, 2, 3, 7], dtype=torch.int32, device=tdevice)
+    args = (q, k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
+            0.125, 16, 32, 2, 64)
+    assert torch.equal(attention_triton(*args), attention_triton(*args, derived))
 
 
 @pytest.mark.parametrize("chunk_lens", [[1, 1, 1], [5, 0, 30]])

@@ -12,7 +12,7 @@ import torch
 
 from oscar_compile.kernels.cache_write_ref import cache_write_ref
 from oscar_compile.kernels.rotate_ref import rotate_ref
-from oscar_compile.kernels.testing import build_case, random_kv
+from oscar_compile.kernels.testing import build_case, random_kv, with_standard_history_lens
 
 CASES = [  # sink, recent, bits, scale dtype, head_dim, group
     (16, 32, 2, torch.float16, 64, 64),
@@ -34,6 +34,44 @@ def test_triton_write_matches_reference(tdevice, sink, recent, bits, sdt, D, G, 
     got = build_case(lens, write=cache_write_triton, device=tdevice, **kw)
     for a, b, name in zip(got.pools, want.pools, got.pools._fields):
         assert torch.equal(a.cpu(), b), name
+
+
+def test_triton_write_after_prefix_hits_matches_reference(tdevice):
+    """Rings refilling after prefix-cache hits past the sink (history_lens > standard), next to a
+    standard sequence: same pools bitwise (stale ring slots are never demoted)."""
+    from oscar_compile.kernels.cache_write_triton import cache_write_triton
+
+    # (hit, L), S0 = 8, W = 16, P = 8: standard; empty ring; a ring of 12 wrapping past the
+    # ring's end; a ring of 7; 26 > W tokens written after the hit in one call
+    hits, lens = [0, 32, 32, 24, 24], [40, 32, 44, 31, 50]
+    kw = dict(num_kv_heads=1, head_dim=64, page_size=8, sink=8, recent=16, group_size=32,
+              seed=13, hits=hits, extra_tokens=20)
+    want = build_case(lens, write=cache_write_ref, **kw)
+    got = build_case(lens, write=cache_write_triton, device=tdevice, **kw)
+    gen = torch.Generator().manual_seed(14)
+    for chunk_lens in ([], [1] * 5, [3, 17, 1, 9, 0]):  # the built state, then decode, then chunks
+        if chunk_lens:
+            cu = torch.tensor([0] + chunk_lens).cumsum(0).to(torch.int32)
+            k, v = random_kv(sum(chunk_lens), 1, 64, gen), random_kv(sum(chunk_lens), 1, 64, gen)
+            for case, write, dev in ((want, cache_write_ref, "cpu"), (got, cache_write_triton, tdevice)):
+                write(k.to(dev), v.to(dev), cu.to(dev), case.cache_lens, case.window_table,
+                      case.quant_table, *case.pools, 8, 16, 2, 32, 0.96, 0.92,
+                      history_lens=case.history_lens)
+                case.append(k.to(dev), v.to(dev), cu.to(dev))
+        for a, b, name in zip(got.pools, want.pools, got.pools._fields):
+            assert torch.equal(a.cpu(), b), name
+
+
+@pytest.mark.parametrize("sink,recent", [(16, 32), (0, 0)])
+def test_triton_write_standard_history_lens_change_nothing(tdevice, sink, recent):
+    from oscar_compile.kernels.cache_write_triton import cache_write_triton
+
+    kw = dict(num_kv_heads=1, head_dim=64, page_size=16, sink=sink, recent=recent, group_size=64,
+              seed=14, chunk=11, device=tdevice)
+    want = build_case([3, 29, 57], write=cache_write_triton, **kw)
+    got = build_case([3, 29, 57], write=with_standard_history_lens(cache_write_triton), **kw)
+    for a, b, name in zip(got.pools, want.pools, got.pools._fields):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("block_t", [4, 8])

@@ -2,7 +2,8 @@
 
 The dense oracle: for a sequence holding L tokens, position p is quantize-dequantized
 (``oscar_compile.quant.fake_quantize`` of the token rounded to the window dtype) when
-S0 <= p < L - W, else the window-dtype token itself; then plain softmax attention in float64.
+S0 <= p < S0 + h (h = max(0, L - W - S0), or the larger history after a prefix-cache hit), else
+the window-dtype token itself; then plain softmax attention in float64.
 Tolerance 1e-5 relative: the references compute in float32, the oracle in float64, on the same
 dequantized numbers, so only float32 rounding of the dot products and sums separates them.
 """
@@ -16,17 +17,18 @@ from oscar_compile.kernels import ops
 from oscar_compile.kernels.attention_ref import attention_ref
 from oscar_compile.kernels.cache_write_ref import cache_write_ref
 from oscar_compile.kernels.rotate_ref import rotate_ref
-from oscar_compile.kernels.testing import build_case, random_kv
+from oscar_compile.kernels.testing import build_case, random_kv, with_standard_history_lens
 
 RTOL = 1e-5
 
 
 def dense_cached(case, i: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 [L, H_kv, D] keys and values of sequence i holding L tokens, history fake-quantized."""
+    h = max(0, L - case.recent - case.sink) if case.history_lens is None else int(case.history_lens[i])
     out = []
     for stream, clip in ((case.keys[i], case.clip_k), (case.values[i], case.clip_v)):
         x = stream[:L].double()
-        hist = slice(case.sink, max(case.sink, L - case.recent))  # rows quantize independently
+        hist = slice(case.sink, case.sink + h)  # rows quantize independently
         x[hist] = quant.fake_quantize(stream[hist].float(), case.bits, case.group_size, clip,
                                       case.pools.k_scale.dtype).double()
         out.append(x)
@@ -113,7 +115,8 @@ def run_chunk_attention(case, chunk_lens, H_q, seed, q_dtype=torch.bfloat16):
     cu = torch.tensor([0] + chunk_lens).cumsum(0).to(torch.int32)
     scale = D ** -0.5
     out = attention_ref(q, k, v, cu, case.cache_lens, case.window_table, case.quant_table,
-                        *case.pools, scale, case.sink, case.recent, case.bits, case.group_size)
+                        *case.pools, scale, case.sink, case.recent, case.bits, case.group_size,
+                        case.history_lens)
     return q, k, v, cu, scale, out
 
 
@@ -164,6 +167,68 @@ def test_prefill_then_decode_steps(sink, recent):
             case.keys[i] = torch.cat([case.keys[i], k[cu[i]:cu[i + 1]]])
             case.values[i] = torch.cat([case.values[i], v[cu[i]:cu[i + 1]]])
         case.cache_lens += torch.tensor(chunk_lens, dtype=torch.int32)
+
+
+# ----------------------------------------------------------------------------- history_lens
+# After a prefix-cache hit past the sink (runtime/block_manager.py) a sequence holds sink
+# [0, S0), shared history [S0, S0 + h) and a ring of fewer than W tokens [S0 + h, L).
+# (hits, cache_lens) per sequence, S0 = 16, W = 32, P = 16: standard (h = 22, derived), right
+# after a hit (h = 48, empty ring), ring of 20 wrapping past the ring's end (starts at slot
+# 16 + 48 % 32), ring of 13 from slot 16, a sequence shorter than the sink, a hit on the sink only.
+HITS = [0, 64, 64, 48, 0, 32, 16]
+HIT_LENS = [70, 64, 84, 61, 5, 40, 30]
+
+
+@pytest.mark.parametrize("sink,recent", WINDOWS)
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_standard_history_lens_change_nothing(sink, recent, chunk):
+    """history_lens = max(0, L - W - S0) given explicitly: pools and outputs bitwise as with None."""
+    lens = [0, 5, 16, 47, 48, 49, 130]
+    kw = dict(num_kv_heads=2, head_dim=64, page_size=16, sink=sink, recent=recent, group_size=32,
+              seed=3, chunk=chunk, extra_tokens=8)
+    plain = build_case(lens, **kw)
+    given = build_case(lens, write=with_standard_history_lens(cache_write_ref), **kw)
+    for a, b, name in zip(plain.pools, given.pools, plain.pools._fields):
+        assert torch.equal(a, b), name
+    q, k, v, cu, scale, out = run_chunk_attention(plain, [3, 1, 0, 8, 1, 2, 1], 4, seed=4)
+    derived = (plain.cache_lens - recent - sink).clamp_min(0).to(torch.int32)
+    again = attention_ref(q, k, v, cu, plain.cache_lens, plain.window_table, plain.quant_table,
+                          *plain.pools, scale, sink, recent, 2, 32, derived)
+    assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize("H_q,H_kv", [(2, 2), (8, 2)])
+@pytest.mark.parametrize("D,G", [(64, 32), (128, 128)])
+@pytest.mark.parametrize("chunk_lens", [[1] * 7, [3, 40, 33, 1, 5, 2, 0]])
+def test_attention_after_prefix_hits_matches_dense(H_q, H_kv, D, G, chunk_lens):
+    """Shared history [S0, S0 + h) dequantized, only the ring slots of [S0 + h, L) read (the
+    others hold stale garbage), chunks of 1 token and longer than W."""
+    case = build_case(HIT_LENS, H_kv, D, group_size=G, seed=7, extra_tokens=40, hits=HITS)
+    assert case.history_lens.tolist() == [22, 48, 48, 32, 0, 16, 0]
+    q, k, v, cu, scale, out = run_chunk_attention(case, chunk_lens, H_q, seed=8, q_dtype=torch.float32)
+    assert_matches_dense(case, q, k, v, cu, scale, out, RTOL)
+
+
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_writes_after_prefix_hits_keep_shared_history(chunk):
+    """Step after step (one token, chunks crossing W) from the hit states: shared history rows
+    are never written, demotions land in rows >= h, and attention sees the dense cache."""
+    S0, W, P = 16, 32, 16
+    case = build_case(HIT_LENS, 2, 64, group_size=64, seed=9, chunk=chunk, extra_tokens=90, hits=HITS)
+    shared = [max(0, R - S0) for R in HITS]
+    rows = [[(int(case.quant_table[i, h // P]), h % P) for h in range(n)] for i, n in enumerate(shared)]
+    before = [[case.pools.k_codes[p, :, r].clone() for p, r in seq_rows] for seq_rows in rows]
+    for step, chunk_lens in enumerate([[1] * 7, [40, 1, 13, 33, 2, 1, 0], [1] * 7, [9, 0, 2, 1, 20, 3, 1]]):
+        q, k, v, cu, scale, out = run_chunk_attention(case, chunk_lens, 4, seed=20 + step, q_dtype=torch.float32)
+        assert_matches_dense(case, q, k, v, cu, scale, out, RTOL)
+        ops.cache_write(k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
+                        S0, W, 2, 64, 0.96, 0.92, history_lens=case.history_lens)
+        case.append(k, v, cu)
+    for seq_rows, seq_before in zip(rows, before):
+        for (p, r), old in zip(seq_rows, seq_before):
+            assert torch.equal(case.pools.k_codes[p, :, r], old)
+    q, k, v, cu, scale, out = run_chunk_attention(case, [1] * 7, 4, seed=30, q_dtype=torch.float32)
+    assert_matches_dense(case, q, k, v, cu, scale, out, RTOL)  # the rows demoted last read back
 
 
 @pytest.mark.parametrize("H_r", [1, 2])
