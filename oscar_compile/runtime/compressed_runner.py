@@ -37,6 +37,7 @@ class StepCache(OscarCache):
         self.runner = runner
         self.cu = torch.tensor(batch.cu_seqlens(), dtype=torch.int32, device=device)
         self.cache_lens = torch.tensor(batch.cache_lens, dtype=torch.int32, device=device)
+        self.history_lens = torch.tensor(batch.history_lens, dtype=torch.int32, device=device)
         self.window_table = _padded(batch.window_tables, device)
         self.quant_table = _padded(batch.quant_tables, device)
 
@@ -50,7 +51,8 @@ class StepCache(OscarCache):
             cache_args = (self.cache_lens, self.quant_table, *pools)
         else:
             cache_args = (self.cache_lens, self.window_table, self.quant_table, *pools)
-        return (*flat, self.cu, *cache_args, self.cu)
+        history_lens = None if geometry[3] == 16 else self.history_lens  # the INT-b ops' ring state
+        return (*flat, self.cu, *cache_args, self.cu, history_lens)
 
     def oscar_layer_outputs(self, layer_idx: int, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         return out.unsqueeze(0)  # [N, H, D] -> [1, N, H, D]
@@ -59,7 +61,7 @@ class StepCache(OscarCache):
 class CompressedRunner:
     """Runs ``model`` (already rewritten by ``apply``) over the engine's page tables."""
 
-    supports_history_hits = False  # the ops derive the ring from cache_lens (see block_manager)
+    supports_history_hits = True  # the INT-b ops get Batch.history_lens (see block_manager)
 
     def __init__(self, model: torch.nn.Module, layout: CacheLayout, num_window_pages: int, num_quant_pages: int):
         report = getattr(model, "_oscar_compile_report", None)
