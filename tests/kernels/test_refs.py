@@ -275,9 +275,12 @@ def test_ops_fake_and_compile_trace():
     cu = torch.tensor([0, 2], dtype=torch.int32)
     args = (q, k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
             0.125, 16, 16, 2, 64)
-    torch.library.opcheck(torch.ops.oscar.attention.default, args,
-                          test_utils=("test_schema", "test_faketensor"))
+    history_lens = torch.tensor([4], dtype=torch.int32)  # [16, 20) in the history (standard: none)
+    for extra in ((), (history_lens,)):
+        torch.library.opcheck(torch.ops.oscar.attention.default, (*args, *extra),
+                              test_utils=("test_schema", "test_faketensor"))
     wargs = (k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
              16, 16, 2, 64, 0.96, 0.92)
-    torch.library.opcheck(torch.ops.oscar.cache_write.default, wargs,
-                          test_utils=("test_schema", "test_faketensor"))
+    for kwargs in ({}, {"history_lens": history_lens}):
+        torch.library.opcheck(torch.ops.oscar.cache_write.default, wargs, kwargs,
+                              test_utils=("test_schema", "test_faketensor"))
