@@ -22,11 +22,16 @@ With ``rot_k`` the incoming keys are unrotated: k <- ((k - mean) @ rot).to(k.dty
 """
 from __future__ import annotations
 
+import logging
+
 import triton
 import triton.language as tl
 
 from oscar_compile.kernels.cache_write_ref import check_cache_write_args
 from oscar_compile.kernels.quant_triton import clip_indices, clip_rows, interpreting, quantize_rows, search_steps
+
+_log = logging.getLogger(__name__)
+_WIDE_BLOCK_FAILED = False  # set once the 8-row variant failed to compile on this machine
 
 
 @triton.jit
@@ -177,20 +182,39 @@ def cache_write_triton(
         # Triton 3.6 off-GPU), so 8 is the largest; the fused rotation's dot needs 16 rows.
         block_t = 16 if rot_k is not None else (8 if N >= 512 else 4)
     B = cache_lens.shape[0]
+    # Triton 3.6 fails to compile (RemoveLayoutConversions) the 8-row block with an 8-step search
+    # (H200, 2026-11-30); 7 steps with 8 rows and 8 steps with 4 rows compiled and ran there.
+    # So: at least 7 steps (one compile for every batch up to 64), and 4-row blocks above that.
+    log_b = search_steps(B, minimum=7)
+    if log_b > 7 and block_t == 8:
+        block_t = 4
     klo, khi, kfrac = clip_indices(clip_k, D)
     vlo, vhi, vfrac = clip_indices(clip_v, D)
-    grid = (triton.cdiv(N, block_t), H)
+    global _WIDE_BLOCK_FAILED
+    if block_t == 8 and _WIDE_BLOCK_FAILED:
+        block_t = 4
     dummy = k_win  # stands in for absent optional pointers (never read)
-    _cache_write_kernel[grid](
-        k, v, rot_k if rot_k is not None else dummy, mean_k if mean_k is not None else dummy,
-        cu_seqlens, cache_lens, history_lens if history_lens is not None else cache_lens,
-        window_table, quant_table, *pools,
-        N, B, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        window_table.stride(0), quant_table.stride(0), klo, khi, kfrac, vlo, vhi, vfrac,
-        H=H, D=D, P=k_win.shape[2], SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size,
-        CLIP_K=clip_k < 1.0, CLIP_V=clip_v < 1.0, HAS_ROT=rot_k is not None,
-        HAS_MEAN=mean_k is not None, ROT_HEADS=1 if rot_k is None else rot_k.shape[0],
-        HAS_HIST=history_lens is not None,
-        LOG_B=search_steps(B), BLOCK_T=block_t, BY_RANK=interpreting(),
-        num_warps=4, enable_fp_fusion=False,
-    )
+
+    def launch(block_t: int) -> None:
+        _cache_write_kernel[(triton.cdiv(N, block_t), H)](
+            k, v, rot_k if rot_k is not None else dummy, mean_k if mean_k is not None else dummy,
+            cu_seqlens, cache_lens, history_lens if history_lens is not None else cache_lens,
+            window_table, quant_table, *pools,
+            N, B, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            window_table.stride(0), quant_table.stride(0), klo, khi, kfrac, vlo, vhi, vfrac,
+            H=H, D=D, P=k_win.shape[2], SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size,
+            CLIP_K=clip_k < 1.0, CLIP_V=clip_v < 1.0, HAS_ROT=rot_k is not None,
+            HAS_MEAN=mean_k is not None, ROT_HEADS=1 if rot_k is None else rot_k.shape[0],
+            HAS_HIST=history_lens is not None,
+            LOG_B=log_b, BLOCK_T=block_t, BY_RANK=interpreting(),
+            num_warps=4, enable_fp_fusion=False,
+        )
+
+    try:
+        launch(block_t)
+    except RuntimeError:  # a compiler failure of the 8-row variant (see above): 4 rows from now on
+        if block_t != 8:
+            raise
+        _WIDE_BLOCK_FAILED = True
+        _log.warning("the 8-row cache-write kernel failed to compile; using 4-row blocks", exc_info=True)
+        launch(4)

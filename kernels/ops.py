@@ -16,7 +16,8 @@ Additions to the documented signatures (trailing, with defaults, so documented c
 - ``oscar::cache_write`` and ``oscar::attention``: ``history_lens: Tensor? = None`` (last), [B]
   int32, the history length h of each sequence before the call. The ring then holds positions
   ``[S0 + h, L)``; None means the standard ``h = max(0, L - W - S0)`` (a full ring once L >= S0 + W).
-  The runtime passes it after prefix-cache hits past the sink (shared history, ring refilling).
+  The runtime passes it after prefix-cache hits past the sink (shared history, ring refilling);
+  docs/cache-format.md gives the general ring state and what each op does with it.
 
 Ops beyond docs/cache-format.md, for the full-precision paged cache (runtime BF16 mode, baseline):
 - ``oscar::cache_write_bf16(k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages) -> ()``

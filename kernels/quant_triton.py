@@ -27,15 +27,15 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def search_steps(num_seqs: int) -> int:
+def search_steps(num_seqs: int, minimum: int = 8) -> int:
     """Steps of the kernels' binary search over ``num_seqs`` sequences, a compile-time constant.
 
-    Bucketed (8, 12, 16, ...) rather than exact: each distinct value compiles the kernel anew, and
+    Bucketed (``minimum``, then 12, 16, ...) rather than exact: each distinct value compiles the kernel anew, and
     a batch that shrinks as requests finish would otherwise stall for seconds of compilation at
     every power of two. Surplus steps are harmless: the search has converged and stays put.
     """
     exact = max(1, num_seqs.bit_length())
-    return max(8, -(-exact // 4) * 4)
+    return minimum if exact <= minimum else -(-exact // 4) * 4
 
 
 def clip_indices(clip_ratio: float, head_dim: int) -> tuple[int, int, float]:

@@ -111,42 +111,48 @@ def build_case(
     keys = [random_kv(L, H, D, gen, window_dtype, device) for L in cache_lens]
     values = [random_kv(L, H, D, gen, window_dtype, device) for L in cache_lens]
     wt, qt = wt.to(device), qt.to(device)
-    quant = (bits, group_size, clip_k, clip_v)
-
-    def write_all(start: list[int], stop: list[int], window: int, floor: list[int] | None,
-                  step: int | None) -> None:
-        """Positions [start[i], stop[i]) of every stream; with history floors, pass history_lens."""
-        done = list(start)
-        step = step or max(stop + [1])
-        while any(d < L for d, L in zip(done, stop)):
-            take = [min(step, L - d) for d, L in zip(done, stop)]
-            ks = [keys[i][done[i]:done[i] + take[i]] for i in range(B)]
-            vs = [values[i][done[i]:done[i] + take[i]] for i in range(B)]
-            cu = torch.tensor([0] + take, dtype=torch.int32).cumsum(0).to(torch.int32)
-            lens = torch.tensor(done, dtype=torch.int32)
-            extra = {}
-            if floor is not None:
-                h = [max(f, d - window - sink) for f, d in zip(floor, done)]
-                extra["history_lens"] = torch.tensor(h, dtype=torch.int32, device=device)
-            write(torch.cat(ks), torch.cat(vs), cu.to(device), lens.to(device), wt, qt, *pools,
-                  sink, window, *quant, **extra)
-            done = [d + t for d, t in zip(done, take)]
-
-    start = [0] * B
-    if hits is not None:
-        start = [min(sink + f, L) for f, L in zip(floors, cache_lens)]
-        write_all([0] * B, start, 0, None, None)  # sink + shared history, no ring
-        for i in range(B):  # stale ring slots (pages a previous owner left behind)
-            ring = wt[i, sink // page_size:].long()
-            pools.k_win[ring] = 1000.0
-            pools.v_win[ring] = -1000.0
-    write_all(start, list(cache_lens), recent, None if hits is None else floors, chunk)
     history_lens = None
     if hits is not None:
         h = [max(f, L - recent - sink, 0) for f, L in zip(floors, cache_lens)]
         history_lens = torch.tensor(h, dtype=torch.int32, device=device)
-    return CacheCase(pools, wt, qt, torch.tensor(cache_lens, dtype=torch.int32, device=device),
+    case = CacheCase(pools, wt, qt, torch.tensor(cache_lens, dtype=torch.int32, device=device),
                      keys, values, sink, recent, bits, group_size, clip_k, clip_v, history_lens)
+    if hits is None:
+        _write_streams(case, write, [0] * B, chunk, recent)
+        return case
+    start = [min(sink + f, L) for f, L in zip(floors, cache_lens)]
+    _write_streams(case, write, [0] * B, None, 0, stop=start)  # sink + shared history, no ring
+    for i in range(B):  # stale ring slots (pages a previous owner left behind)
+        ring = wt[i, sink // page_size:].long()
+        pools.k_win[ring] = 1000.0
+        pools.v_win[ring] = -1000.0
+    _write_streams(case, write, start, chunk, recent, floors=floors)
+    return case
+
+
+def _write_streams(case: CacheCase, write: Callable, start: list[int], step: int | None,
+                   recent: int, stop: list[int] | None = None, floors: list[int] | None = None) -> None:
+    """Write positions [start[i], stop[i]) (default: the whole stream) of every sequence through
+    ``write`` with W = ``recent``, ``step`` tokens per call and sequence (None: one call). With
+    history ``floors``: passes history_lens = max(floor, L - W - S0)."""
+    B, sink, device = len(case.keys), case.sink, case.pools.k_win.device
+    stop = [len(x) for x in case.keys] if stop is None else stop
+    done = list(start)
+    step = step or max(stop + [1])
+    while any(d < L for d, L in zip(done, stop)):
+        take = [min(step, L - d) for d, L in zip(done, stop)]
+        ks = [case.keys[i][done[i]:done[i] + take[i]] for i in range(B)]
+        vs = [case.values[i][done[i]:done[i] + take[i]] for i in range(B)]
+        cu = torch.tensor([0] + take, dtype=torch.int32).cumsum(0).to(torch.int32)
+        lens = torch.tensor(done, dtype=torch.int32)
+        extra = {}
+        if floors is not None:
+            h = [max(f, d - recent - sink) for f, d in zip(floors, done)]
+            extra["history_lens"] = torch.tensor(h, dtype=torch.int32, device=device)
+        write(torch.cat(ks), torch.cat(vs), cu.to(device), lens.to(device), case.window_table,
+              case.quant_table, *case.pools, sink, recent, case.bits, case.group_size, case.clip_k,
+              case.clip_v, **extra)
+        done = [d + t for d, t in zip(done, take)]
 
 
 def with_standard_history_lens(write: Callable) -> Callable:

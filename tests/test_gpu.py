@@ -51,3 +51,34 @@ def test_int2_decoding_on_gpu_matches_the_cpu_reference_ops():
     # score, and the decoded tokens then drift by that much more, layer after layer.
     assert (outs[0] - outs[1]).abs().max() < 3e-2
     assert (outs[0].argmax(-1) == outs[1].argmax(-1)).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("batch,tokens", [(2, 1), (16, 1), (64, 1), (100, 1), (16, 40), (64, 9), (100, 8)])
+@pytest.mark.parametrize("with_history_lens", [False, True])
+def test_cache_write_compiles_and_matches_the_reference_for_every_batch_shape(batch, tokens, with_history_lens):
+    """Each (batch, chunk) shape picks its own kernel variant (search steps, row block); Triton 3.6
+    once failed to compile one of them, so every variant runs here, bitwise against the reference."""
+    from oscar_compile.kernels.cache_write_ref import cache_write_ref
+    from oscar_compile.kernels.pools import allocate_pools
+
+    S0, W, P, H, D = 16, 32, 16, 2, 64
+    g = torch.Generator().manual_seed(batch * 100 + tokens)
+    lens = torch.randint(0, 200, (batch,), generator=g, dtype=torch.int32)
+    per_win, per_q = (S0 + W) // P, -(-(200 + tokens) // P)
+    wt = torch.randperm(batch * per_win, generator=g).to(torch.int32).view(batch, per_win)
+    qt = torch.randperm(batch * per_q, generator=g).to(torch.int32).view(batch, per_q)
+    cu = torch.arange(batch + 1, dtype=torch.int32) * tokens
+    k = torch.randn(batch * tokens, H, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(batch * tokens, H, D, generator=g).to(torch.bfloat16)
+    pools = allocate_pools(batch * per_q, batch * per_win, H, P, D, 2, 64, torch.float16, torch.bfloat16, "cpu")
+    for t in pools:
+        t.copy_(torch.randint(0, 100, t.shape, generator=g).to(t.dtype))
+    hist = (lens - W - S0).clamp(min=0).to(torch.int32) if with_history_lens else None
+    ref = [t.clone() for t in pools]
+    cache_write_ref(k, v, cu, lens, wt, qt, *ref, S0, W, 2, 64, 0.95, 0.95, history_lens=hist)
+    gpu = [t.cuda() for t in pools]
+    on = [x.cuda() for x in (k, v, cu, lens, wt, qt)]
+    torch.ops.oscar.cache_write(*on, *gpu, S0, W, 2, 64, 0.95, 0.95,
+                                history_lens=None if hist is None else hist.cuda())
+    for a, b in zip(gpu, ref):
+        assert torch.equal(a.cpu(), b)

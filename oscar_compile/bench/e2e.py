@@ -128,13 +128,16 @@ def run_hf_continuous_batching(model, prompts, output_len: int) -> dict:
 
 
 def e2e_rows(make_model, spec_of_mode: dict, batches: list[int], prompt_len: int, output_len: int,
-             kv_memory_gb: float, max_batched_tokens: int, time_limit_s: float, keep=print) -> list[dict]:
+             kv_memory_gb: float, max_batched_tokens: int, time_limit_s: float, keep=print,
+             systems: list[str] | None = None) -> list[dict]:
     """Every system at every batch size; a system skips its remaining sizes once it has used
     ``time_limit_s`` (the row says so), so one slow system cannot eat the whole run. ``keep``
-    sees each row as soon as it is measured."""
+    sees each row as soon as it is measured; ``systems`` picks some of oscar-int2, oscar-bf16, hf-cb."""
     rows = []
-    systems = [(f"oscar-{mode}", spec) for mode, spec in spec_of_mode.items()] + [("hf-cb", None)]
-    for name, spec in systems:
+    every = [(f"oscar-{mode}", spec) for mode, spec in spec_of_mode.items()] + [("hf-cb", None)]
+    for name, spec in every:
+        if systems and name not in systems:
+            continue
         spent = 0.0
         for batch in batches:
             row = dict(system=name, batch=batch, prompt_len=prompt_len, output_len=output_len)

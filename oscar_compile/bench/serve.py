@@ -250,7 +250,7 @@ def run(args) -> dict:
         shape = args.shapes[0]
         e2e_rows(lambda: random_model(shape, max_len, device), {m: mode_spec(shape, m) for m in MODES},
                  args.e2e_batches, args.e2e_prompt, args.e2e_output, args.e2e_kv_memory,
-                 args.max_num_batched_tokens, args.e2e_time_limit, keep)
+                 args.max_num_batched_tokens, args.e2e_time_limit, keep, args.e2e_systems)
     return result
 
 
@@ -314,6 +314,8 @@ def main(argv=None) -> int:
     parser.add_argument("--e2e-kv-memory", type=float, default=90.0, help="KV budget in GiB of the runtime's e2e runs")
     parser.add_argument("--e2e-time-limit", type=float, default=240.0,
                         help="seconds one system may spend before it skips its remaining batch sizes")
+    parser.add_argument("--e2e-systems", nargs="+", choices=("oscar-int2", "oscar-bf16", "hf-cb"),
+                        help="end-to-end systems to run (default: all three)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill token budget per step (e2e)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="auto")

@@ -168,7 +168,8 @@ class OscarCache(Cache):
     """HF cache: a paged layer per rewritten layer, a ``DynamicLayer`` per layer left untouched.
 
     The rewritten graphs talk to it through two methods, ``oscar_layer_inputs`` and
-    ``oscar_layer_outputs``; the runtime's cache implements the same two over its own pages.
+    ``oscar_layer_outputs`` (the protocol of :func:`layer_inputs` / :func:`layer_outputs`); the
+    runtime's cache implements the same two over its own pages.
     """
 
     def __init__(self, geometries: list[Optional[tuple]]):
@@ -199,7 +200,7 @@ class OscarCache(Cache):
         counts = mask.sum(dim=1, dtype=torch.int32)
         state.reserve(state.cache_lens + counts)
         cu = _cu_seqlens(counts)
-        return (*_flatten(mask, q, k, v), cu, *state.op_inputs(), cu)
+        return (*_flatten(mask, q, k, v), cu, *state.op_inputs(), cu, None)  # standard rings: no history_lens
 
     def oscar_layer_outputs(self, layer_idx: int, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         mask = self._mask(q)
@@ -232,10 +233,14 @@ def layer_inputs(cache: Optional[Cache], layer_idx: int, q: torch.Tensor, k: tor
                  *geometry) -> tuple:
     """The op inputs for the new tokens. q: [B, H_q, T, D]; k, v: [B, H_kv, T, D] (rotated).
 
-    Returns (q, k, v, cu_seqlens, <cache tensors of the layer kind>, write_cu) with q/k/v as
-    [N, H, D]; the cache tensors are those of :meth:`OscarLayer.op_inputs` (quantized) or
+    Returns (q, k, v, cu_seqlens, <cache tensors of the layer kind>, write_cu, history_lens) with
+    q/k/v as [N, H, D]; the cache tensors are those of :meth:`OscarLayer.op_inputs` (quantized) or
     :meth:`FullPrecisionLayer.op_inputs` (16-bit). ``write_cu`` is ``cu_seqlens`` when there is
     a cache to write, all zeros (nothing written) when the forward runs without one.
+    ``history_lens`` ([B] int32 or None) is the INT-b ops' optional argument: None when every
+    row's ring is in the standard state (this module's caches), the history length of each
+    sequence from a runtime cache whose rows may start after a prefix-cache hit. A cache with an
+    ``oscar_layer_inputs(layer_idx, q, k, v, geometry)`` method returns this tuple itself.
     """
     if hasattr(cache, "oscar_layer_inputs"):
         return cache.oscar_layer_inputs(layer_idx, q, k, v, geometry)
@@ -244,7 +249,7 @@ def layer_inputs(cache: Optional[Cache], layer_idx: int, q: torch.Tensor, k: tor
     state = _new_layer(geometry)
     state.lazy_initialization(k, v)
     cu = _cu_seqlens(mask.sum(dim=1, dtype=torch.int32))
-    return (*_flatten(mask, q, k, v), cu, *state.op_inputs(), torch.zeros_like(cu))
+    return (*_flatten(mask, q, k, v), cu, *state.op_inputs(), torch.zeros_like(cu), None)
 
 
 def layer_outputs(cache: Optional[Cache], layer_idx: int, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -36,12 +36,13 @@ def _erase_with_getitems(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
 
 
 def _op_calls(layer: LayerSpec, scale: float) -> tuple:
-    """(number of layer_inputs items, attention op, its trailing constants, write op, its constants)."""
+    """(number of layer_inputs items the ops read, attention op, its trailing constants, write op,
+    its constants). The 16-bit ops stop before the tuple's last item, ``history_lens`` (no ring)."""
     kv = layer.kv_cache
     if not layer.quantized:
         return 9, torch.ops.oscar.attention_bf16.default, (scale,), torch.ops.oscar.cache_write_bf16.default, ()
     window, quant = (kv.sink_tokens, kv.recent_tokens), (kv.bits, kv.group_size)
-    return (16, torch.ops.oscar.attention.default, (scale, *window, *quant),
+    return (17, torch.ops.oscar.attention.default, (scale, *window, *quant),
             torch.ops.oscar.cache_write.default, (*window, *quant, layer.key.clip_ratio, layer.value.clip_ratio))
 
 
@@ -54,11 +55,17 @@ def swap_in_oscar_attention(graph: torch.fx.Graph, site: AttentionSite, layer: L
             (site.cache, layer.index, site.query, site.key, site.value, *hf_cache.cache_geometry(layer)),
         )
     parts = _getitems(graph, inputs, count)
-    (q, k, v, cu), cache_args, write_cu = parts[:4], parts[4:-1], parts[-1]
+    q, k, v, cu = parts[:4]
+    if layer.quantized:
+        *cache_args, write_cu, history_lens = parts[4:]
+        extra = {"history_lens": history_lens}
+    else:
+        *cache_args, write_cu = parts[4:]
+        extra = {}
     with graph.inserting_after(parts[-1]):
-        out = graph.call_function(attention_op, (q, k, v, cu, *cache_args, *attention_consts))
+        out = graph.call_function(attention_op, (q, k, v, cu, *cache_args, *attention_consts), extra)
     with graph.inserting_after(out):
-        write = graph.call_function(write_op, (k, v, write_cu, *cache_args, *write_consts))
+        write = graph.call_function(write_op, (k, v, write_cu, *cache_args, *write_consts), extra)
     with graph.inserting_after(write):
         full = graph.call_function(hf_cache.layer_outputs, (site.cache, layer.index, out, site.query))
     output = next(u for u in site.attention.users if u.target is operator.getitem and u.args[1] == 0)

@@ -24,12 +24,14 @@ ring holds only positions ``>= S0 + h``; the runner receives ``h`` per sequence 
 and must only demote ring tokens that are in the ring. With W = 0 (BF16 mode) a hit is the
 classic paged-attention hit and the state is always standard.
 
-A runner that only knows the standard state (``cache_write`` demotes ring positions
-``[max(S0, L - W), L)`` whatever the ring holds - the reference kernel does) would overwrite
-shared history pages with garbage after such a hit. So history hits with W > 0 are opt-in
-(``history_hits``, off by default; ``build_engine`` sets it from the runner's
-``supports_history_hits``); without them a hit also stops at the sink (R <= S0), which is always
-a standard state.
+The ``oscar::`` ops take that ``h`` as their ``history_lens`` argument (docs/cache-format.md):
+``cache_write`` then demotes only ring positions ``>= S0 + h`` and ``attention`` reads history
+rows ``[0, h)`` and only the ring slots that hold a token. Called without it, they derive the
+standard state from ``cache_lens`` - after such a hit they would demote stale ring slots into
+the shared history pages. So history hits with W > 0 are opt-in (``history_hits``, off by
+default; ``build_engine`` sets it from the runner's ``supports_history_hits``: the compressed
+runner passes ``history_lens``); without them a hit also stops at the sink (R <= S0), which is
+always a standard state.
 
 Exactness: equal hashes mean equal tokens, hence equal K/V for an exact runner. With a quantized
 cache, K/V of deeper layers depend on which earlier tokens were read back quantized, i.e. on how

@@ -54,7 +54,8 @@ class StepCache(OscarCache):
             cache_args = (self.cache_lens, self.quant_table, *pools)
         else:
             cache_args = (self.cache_lens, self.window_table, self.quant_table, *pools)
-        return (*flat, self.cu, *cache_args, self.cu)
+        history_lens = None if geometry[3] == 16 else self.history_lens  # the INT-b ops' ring state
+        return (*flat, self.cu, *cache_args, self.cu, history_lens)
 
     def oscar_layer_outputs(self, layer_idx: int, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         return out.unsqueeze(0)  # [N, H, D] -> [1, N, H, D]
@@ -69,7 +70,7 @@ class CompressedRunner:
     sequences on CUDA (captured lazily, once per padded batch size).
     """
 
-    supports_history_hits = False  # the ops derive the ring from cache_lens (see block_manager)
+    supports_history_hits = True  # the INT-b ops get Batch.history_lens (see block_manager)
 
     def __init__(self, model: torch.nn.Module, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
                  max_seq_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,

@@ -62,14 +62,14 @@ def test_triton_write_after_prefix_hits_matches_reference(tdevice):
             assert torch.equal(a.cpu(), b), name
 
 
-@pytest.mark.parametrize("sink,recent", [(16, 32), (0, 0)])
+@pytest.mark.parametrize("sink,recent", [(16, 16), (0, 0)])
 def test_triton_write_standard_history_lens_change_nothing(tdevice, sink, recent):
     from oscar_compile.kernels.cache_write_triton import cache_write_triton
 
     kw = dict(num_kv_heads=1, head_dim=64, page_size=16, sink=sink, recent=recent, group_size=64,
-              seed=14, chunk=11, device=tdevice)
-    want = build_case([3, 29, 57], write=cache_write_triton, **kw)
-    got = build_case([3, 29, 57], write=with_standard_history_lens(cache_write_triton), **kw)
+              seed=14, chunk=9, device=tdevice)
+    want = build_case([5, 45], write=cache_write_triton, **kw)
+    got = build_case([5, 45], write=with_standard_history_lens(cache_write_triton), **kw)
     for a, b, name in zip(got.pools, want.pools, got.pools._fields):
         assert torch.equal(a, b), name
 

@@ -215,18 +215,18 @@ def test_writes_after_prefix_hits_keep_shared_history(chunk):
     are never written, demotions land in rows >= h, and attention sees the dense cache."""
     S0, W, P = 16, 32, 16
     case = build_case(HIT_LENS, 2, 64, group_size=64, seed=9, chunk=chunk, extra_tokens=90, hits=HITS)
-    shared = [max(0, R - S0) for R in HITS]
-    rows = [[(int(case.quant_table[i, h // P]), h % P) for h in range(n)] for i, n in enumerate(shared)]
-    before = [[case.pools.k_codes[p, :, r].clone() for p, r in seq_rows] for seq_rows in rows]
-    for step, chunk_lens in enumerate([[1] * 7, [40, 1, 13, 33, 2, 1, 0], [1] * 7, [9, 0, 2, 1, 20, 3, 1]]):
+    shared = [(int(case.quant_table[i, h // P]), h % P) for i, R in enumerate(HITS) for h in range(max(0, R - S0))]
+    pages, rows = (torch.tensor(x) for x in zip(*shared))
+    before = [pool[pages, :, rows].clone() for pool in case.pools[2:]]  # codes, scales, zeros of K, V
+    steps = [[1] * 7, [40, 1, 13, 33, 2, 1, 0], [1] * 7, [9, 0, 2, 1, 20, 3, 1]]
+    for step, chunk_lens in enumerate(steps):
         q, k, v, cu, scale, out = run_chunk_attention(case, chunk_lens, 4, seed=20 + step, q_dtype=torch.float32)
         assert_matches_dense(case, q, k, v, cu, scale, out, RTOL)
         ops.cache_write(k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
                         S0, W, 2, 64, 0.96, 0.92, history_lens=case.history_lens)
         case.append(k, v, cu)
-    for seq_rows, seq_before in zip(rows, before):
-        for (p, r), old in zip(seq_rows, seq_before):
-            assert torch.equal(case.pools.k_codes[p, :, r], old)
+    for pool, old in zip(case.pools[2:], before):
+        assert torch.equal(pool[pages, :, rows], old)
     q, k, v, cu, scale, out = run_chunk_attention(case, [1] * 7, 4, seed=30, q_dtype=torch.float32)
     assert_matches_dense(case, q, k, v, cu, scale, out, RTOL)  # the rows demoted last read back
 
@@ -275,9 +275,12 @@ def test_ops_fake_and_compile_trace():
     cu = torch.tensor([0, 2], dtype=torch.int32)
     args = (q, k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
             0.125, 16, 16, 2, 64)
-    torch.library.opcheck(torch.ops.oscar.attention.default, args,
-                          test_utils=("test_schema", "test_faketensor"))
+    history_lens = torch.tensor([4], dtype=torch.int32)  # [16, 20) in the history (standard: none)
+    for extra in ((), (history_lens,)):
+        torch.library.opcheck(torch.ops.oscar.attention.default, (*args, *extra),
+                              test_utils=("test_schema", "test_faketensor"))
     wargs = (k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
              16, 16, 2, 64, 0.96, 0.92)
-    torch.library.opcheck(torch.ops.oscar.cache_write.default, wargs,
-                          test_utils=("test_schema", "test_faketensor"))
+    for kwargs in ({}, {"history_lens": history_lens}):
+        torch.library.opcheck(torch.ops.oscar.cache_write.default, wargs, kwargs,
+                              test_utils=("test_schema", "test_faketensor"))

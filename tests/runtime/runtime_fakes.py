@@ -6,7 +6,8 @@ its K/V depends on - so reading every cached position back through the page tabl
 identities catches any page shared wrongly, overwritten, freed too early or mislocated.
 
 ``standard_only=True`` mimics a writer that ignores ``history_lens`` and derives the ring from
-``cache_lens`` alone (the reference kernel): used to show why history hits are opt-in.
+``cache_lens`` alone (the ``oscar::`` ops called without it): used to show why history hits are
+opt-in.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ import torch
 from oscar_compile import CompressionSpec, calibrate
 from oscar_compile.runtime import LLM, SamplingParams
 from oscar_compile.runtime.loader import EngineConfig
+from oscar_compile.runtime.sequence import Sequence
+from oscar_compile.spec import specs_dir
 
 SPEC = CompressionSpec.from_dict({
     "kv_cache": {"bits": 2, "group_size": 16, "sink_tokens": 4, "recent_tokens": 8, "page_size": 4},
@@ -61,7 +63,7 @@ def test_bf16_mode_serves_the_plain_model(setup):
     assert out.token_ids == expected[0, len(prompt):].tolist()
 
 
-def test_prefix_cache_hits_equal_misses_with_the_int2_runner(setup):
+def test_prefix_cache_hits_on_the_sink_equal_misses_with_the_int2_runner(setup):
     """Sink pages are shared between requests with a common prefix; outputs do not change."""
     tokenizer, model, rot = setup
     shared = _prompts(len(tokenizer), [20], seed=7)[0]
@@ -72,9 +74,70 @@ def test_prefix_cache_hits_equal_misses_with_the_int2_runner(setup):
         config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=256,
                               enable_prefix_caching=caching)
         llm = LLM(copy.deepcopy(model), spec=SPEC, rotations=rot, tokenizer=tokenizer, config=config)
+        llm.engine.block_manager.history_hits = False  # hits stop at the sink: exact (history hits below)
         outputs[caching] = [o.token_ids for o in llm.generate(prompts, params)]
         # run the prompts again: now every one finds its prefix cached (when caching is on)
         assert [o.token_ids for o in llm.generate(prompts, params)] == outputs[caching]
         if caching:
             assert llm.engine.block_manager.num_prefix_hit_tokens >= SPEC.kv_cache.sink_tokens
     assert outputs[True] == outputs[False]
+
+
+def test_prefix_cache_hits_past_the_sink_with_the_int2_runner(setup):
+    """A hit on history pages: the shared pages stay intact and the output is close to a miss.
+
+    S0 = 4, W = 8, P = 4. The second request shares 40 prompt tokens with the first and reuses
+    them all (sink page + 9 history pages), starting from an empty ring (history_lens = 36 > the
+    standard max(0, L - W - S0) = 28). A budget of 5 < W tokens per step keeps the ring partial
+    for two steps, so the ops run with history_lens past the standard value and demote only what
+    the ring holds. Exact equality with a miss is not expected: the miss run's tokens [40, 51)
+    read positions [32, 40) from its full-precision ring, the hit's from INT2 history (the
+    block_manager docstring, "Exactness"). Greedy decoding amplifies any difference at a near-tie,
+    so the check is on the first token and its logprob (0.05 nats apart here; a runner that
+    demoted stale ring slots into the shared pages moves it by 0.2 - 0.7 and the pages change).
+    """
+    tokenizer, model, rot = setup
+    shared = _prompts(len(tokenizer), [40], seed=7)[0]
+    first, second = [shared + tail for tail in _prompts(len(tokenizer), [6, 11], seed=107)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+    outputs = {}
+    for caching in (True, False):
+        config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=5,
+                              enable_prefix_caching=caching)
+        llm = LLM(copy.deepcopy(model), spec=SPEC, rotations=rot, tokenizer=tokenizer, config=config)
+        bm, runner = llm.engine.block_manager, llm.engine.runner
+        assert bm.history_hits
+        llm.generate([first], params)
+        hit_pages = list(bm.match_prefix(Sequence(second)).quant_pages)  # cached after the first
+        before = [[pool[hit_pages].clone() for pool in pools[2:]] for pools in runner.pools]
+        outputs[caching] = llm.generate([second], params)[0]
+        if caching:
+            assert bm.num_prefix_hit_tokens == len(shared) and len(hit_pages) == 9
+            for pools, saved in zip(runner.pools, before):  # codes, scales, zeros of every layer
+                for pool, old in zip(pools[2:], saved):
+                    assert torch.equal(pool[hit_pages], old)
+        assert len(outputs[caching].token_ids) == 16 and outputs[caching].finish_reason == "length"
+        for pool in (bm.window_pool, bm.quant_pool):
+            assert pool.num_used == 0 and pool.num_free + pool.num_cached == pool.num_pages
+    hit, miss = outputs[True], outputs[False]
+    assert hit.token_ids[0] == miss.token_ids[0]
+    assert abs(hit.logprobs[0].logprob - miss.logprobs[0].logprob) < 0.1
+
+
+def test_bf16_mode_prefix_cache_hits_equal_misses(setup):
+    """W = 0 (specs/bf16.yaml): a hit reuses full-precision pages, the classic paged hit - exact."""
+    tokenizer, model, _ = setup
+    bf16 = CompressionSpec.from_yaml(specs_dir() / "bf16.yaml")
+    P = bf16.kv_cache.page_size
+    shared = _prompts(len(tokenizer), [3 * P + 5], seed=9)[0]
+    prompts = [shared + tail for tail in _prompts(len(tokenizer), [4, 9], seed=10)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for caching in (True, False):
+        config = EngineConfig(num_window_pages=4, num_quant_pages=64, max_num_batched_tokens=16,
+                              enable_prefix_caching=caching)
+        llm = LLM(copy.deepcopy(model), spec=bf16, tokenizer=tokenizer, config=config)
+        outputs[caching] = [llm.generate([p], params)[0].token_ids for p in prompts]
+        assert llm.engine.block_manager.num_prefix_hit_tokens == (3 * P if caching else 0)
+    assert outputs[True] == outputs[False]
+

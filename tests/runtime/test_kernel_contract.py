@@ -3,7 +3,8 @@
 Each token's key is a constant vector holding an identity value (a hash of its context). A
 constant group quantizes exactly (scale 1, code 0, zero = -value), so the history can be read
 back bit-exact through ``gather_cached`` - the reference attention's own reader - and compared,
-across chunked prefill, preemption and prefix hits.
+across chunked prefill, preemption and prefix hits (past the sink too: the op gets the block
+manager's history length as ``history_lens``).
 """
 
 from __future__ import annotations
@@ -28,9 +29,15 @@ P, D = 16, 8
 
 
 class KernelCache:
-    """Same interface as IdentityCache, backed by real pools and the reference op."""
+    """Same interface as IdentityCache, backed by real pools and the reference op.
 
-    def __init__(self, bm: BlockManager):
+    ``standard_only=True`` leaves ``history_lens`` out: the op then derives the ring from
+    ``cache_lens`` alone, which is wrong right after a hit past the sink.
+    """
+
+    def __init__(self, bm: BlockManager, standard_only: bool = False):
+        self.bm = bm
+        self.standard_only = standard_only
         self.layout = bm.layout
         self.ids = IdentityCache(bm)
         self.pools = allocate_pools(bm.quant_pool.num_pages, max(bm.window_pool.num_pages, 1), 1, P, D,
@@ -48,33 +55,39 @@ class KernelCache:
         quant = torch.tensor([seq.quant_pages or [0]], dtype=torch.int32)
         return window, quant
 
+    def _history_lens(self, seq: Sequence) -> torch.Tensor | None:
+        return None if self.standard_only else torch.tensor([self.bm.history_len(seq)], dtype=torch.int32)
+
     def write(self, seq: Sequence, num_new: int) -> None:
         L = seq.num_cached_tokens
         k = torch.tensor([self.value(seq, p) for p in range(L, L + num_new)]).view(-1, 1, 1).expand(-1, 1, D)
         window, quant = self._tables(seq)
         cache_write_ref(k.contiguous(), (-k).contiguous(), torch.tensor([0, num_new], dtype=torch.int32),
                         torch.tensor([L], dtype=torch.int32), window, quant, *self.pools,
-                        self.layout.sink, self.layout.recent, 2, D, 1.0, 1.0)
+                        self.layout.sink, self.layout.recent, 2, D, 1.0, 1.0, self._history_lens(seq))
 
     def check(self, seq: Sequence) -> None:
         L = seq.num_cached_tokens
         window, quant = self._tables(seq)
         pools = self.pools
+        history_lens = self._history_lens(seq)
+        h = None if history_lens is None else int(history_lens)
         for win, codes, scale, zero, sign in ((pools.k_win, pools.k_codes, pools.k_scale, pools.k_zero, 1),
                                               (pools.v_win, pools.v_codes, pools.v_scale, pools.v_zero, -1)):
             got = gather_cached(0, L, window, quant, win, codes, scale, zero,
-                                self.layout.sink, self.layout.recent, 2, D)
+                                self.layout.sink, self.layout.recent, 2, D, h)
             expected = torch.tensor([sign * self.value(seq, p) for p in range(L)])
             assert torch.equal(got[:, 0, :], expected[:, None].expand(L, D)), f"{seq} reads wrong content"
 
 
 @pytest.mark.parametrize("sink, recent", [(16, 32), (0, 16), (32, 0), (0, 0)])
 @pytest.mark.parametrize("num_quant", [10, 300])
-def test_reference_cache_write_reads_back_every_token(sink, recent, num_quant):
+@pytest.mark.parametrize("history_hits", [False, True])
+def test_reference_cache_write_reads_back_every_token(sink, recent, num_quant, history_hits):
     rng = random.Random(sink * 7 + recent + num_quant)
     layout = CacheLayout(num_layers=1, num_kv_heads=1, head_dim=D, group_size=D, page_size=P,
                          sink=sink, recent=recent)
-    bm = BlockManager(layout, 6 * max(1, (sink + recent) // P), num_quant, history_hits=False)
+    bm = BlockManager(layout, 6 * max(1, (sink + recent) // P), num_quant, history_hits=history_hits)
     scheduler = Scheduler(bm, max_num_seqs=5, max_num_batched_tokens=rng.choice([9, 50]))
     stem = [rng.randrange(40) for _ in range(90)]
     for _ in range(12):
@@ -86,12 +99,14 @@ def test_reference_cache_write_reads_back_every_token(sink, recent, num_quant):
     assert bm.quant_pool.num_used == 0 and bm.window_pool.num_used == 0
 
 
-def test_history_hits_need_a_runner_that_honours_history_lens():
-    """With history hits on, the reference op (which ignores history_lens) corrupts shared pages."""
+@pytest.mark.parametrize("standard_only", [False, True])
+def test_history_hits_need_history_lens(standard_only):
+    """After a hit past the sink the ring is empty: given history_lens the op leaves the shared
+    history alone; without it, it demotes stale ring slots into the shared pages."""
     layout = CacheLayout(num_layers=1, num_kv_heads=1, head_dim=D, group_size=D, page_size=P,
                          sink=16, recent=32)
     bm = BlockManager(layout, 6, 20, history_hits=True)
-    cache = KernelCache(bm)
+    cache = KernelCache(bm, standard_only)
     a, b = Sequence(list(range(100))), Sequence(list(range(100)) + [3] * 40)
     for seq in (a, b):
         match = bm.match_prefix(seq)
@@ -102,5 +117,9 @@ def test_history_hits_need_a_runner_that_honours_history_lens():
         seq.num_cached_tokens += num_new
         bm.commit(seq)
     assert b.num_prefix_cached_tokens == 64
-    with pytest.raises(AssertionError, match="wrong content"):
+    if standard_only:
+        with pytest.raises(AssertionError, match="wrong content"):
+            cache.check(a)
+    else:
         cache.check(a)
+        cache.check(b)
