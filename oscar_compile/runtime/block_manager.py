@@ -142,6 +142,7 @@ class BlockManager:
         seq.window_pages = list(match.window_pages) + [self.window_pool.allocate() for _ in range(num_fresh)]
         seq.quant_pages = list(match.quant_pages)
         seq.num_cached_tokens = seq.num_prefix_cached_tokens = match.num_tokens
+        seq.num_cached_prompt_tokens = min(match.num_tokens, seq.num_prompt_tokens)
         seq.num_committed_blocks = len(match.window_pages) + len(match.quant_pages)
         if self.enable_prefix_caching:
             self.num_prefix_queried_tokens += seq.num_tokens

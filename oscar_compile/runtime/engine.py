@@ -196,7 +196,7 @@ class LLMEngine:
             new_text=seq.detokenizer.take_delta(finished), new_logprobs=new_logprobs,
             finished=finished, finish_reason=seq.finish_reason.value if finished else None,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-            num_cached_prompt_tokens=min(seq.num_prefix_cached_tokens, seq.num_prompt_tokens))
+            num_cached_prompt_tokens=seq.num_cached_prompt_tokens)
 
     # ---- stats -------------------------------------------------------------------------------
     def _count_generated(self, num_tokens: int) -> None:

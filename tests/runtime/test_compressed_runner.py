@@ -113,6 +113,7 @@ def test_prefix_cache_hits_past_the_sink_with_the_int2_runner(setup):
         outputs[caching] = llm.generate([second], params)[0]
         if caching:
             assert bm.num_prefix_hit_tokens == len(shared) and len(hit_pages) == 9
+            assert outputs[caching].num_cached_prompt_tokens == len(shared)  # reported after the finish
             for pools, saved in zip(runner.pools, before):  # codes, scales, zeros of every layer
                 for pool, old in zip(pools[2:], saved):
                     assert torch.equal(pool[hit_pages], old)
