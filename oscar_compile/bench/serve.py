@@ -170,7 +170,12 @@ def step_breakdown(runner: CompressedRunner, batch: Batch, reps: int = 3) -> dic
 
 def _runner(model, layout, batch: Batch, num_window: int, num_quant: int, context: int, graphs: bool):
     return CompressedRunner(model, layout, num_window, num_quant, max_seq_len=context + 1,
-                            max_num_seqs=batch.num_seqs, max_num_batched_tokens=batch.num_tokens, cuda_graphs=graphs)
+                            max_num_seqs=batch.num_seqs, max_num_batched_tokens=batch.num_tokens, cuda_graphs=graphs,
+                            max_graph_batch=batch.num_seqs)
+
+
+def _replayed(runner: CompressedRunner, batch: Batch) -> bool:
+    return runner.graphs is not None and runner.graphs.can_run(batch)
 
 
 def decode_rows(model, layout, shape: str, mode: str, contexts: list[int], reps: int) -> list[dict]:
@@ -180,8 +185,8 @@ def decode_rows(model, layout, shape: str, mode: str, contexts: list[int], reps:
         runner = _runner(model, layout, batch, num_window, num_quant, context, graphs=True)
         t = step_time_s(runner, batch, reps)
         row = dict(shape=shape, mode=mode, context=context, batch=1, step_ms=t * 1e3, tokens_per_s=1 / t,
-                   cuda_graphs=runner.graphs is not None)
-        if runner.graphs is not None:  # the profile's op attribution needs eager launches
+                   cuda_graphs=_replayed(runner, batch))
+        if row["cuda_graphs"]:  # the profile's op attribution needs eager launches
             row["eager_step_ms"] = step_time_s(_eager(runner), batch, reps) * 1e3
         row["breakdown"] = step_breakdown(_eager(runner), batch)
         print(row, flush=True)
@@ -213,7 +218,7 @@ def capacity_rows(model, layout, shape: str, mode: str, contexts: list[int], bud
             batch, num_window, num_quant = decode_batch(layout, int(max_seqs), context)
             runner = _runner(model, layout, batch, num_window, num_quant, context, graphs=True)
             t = step_time_s(runner, batch, reps)
-            row.update(step_ms=t * 1e3, tokens_per_s=max_seqs / t, cuda_graphs=runner.graphs is not None)
+            row.update(step_ms=t * 1e3, tokens_per_s=max_seqs / t, cuda_graphs=_replayed(runner, batch))
             _release(runner)
         print(row, flush=True)
         rows.append(row)

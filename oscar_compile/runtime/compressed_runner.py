@@ -67,7 +67,7 @@ class CompressedRunner:
     ``max_seq_len`` bounds one sequence (it sizes the page-table mirrors); ``max_num_seqs`` and
     ``max_num_batched_tokens`` size the step buffers (they grow if a step needs more).
     ``cuda_graphs``: replay captured graphs for decode steps of up to ``max_graph_batch``
-    sequences on CUDA (captured lazily, once per padded batch size).
+    sequences on CUDA (captured here, once per padded batch size).
     """
 
     supports_history_hits = True  # the INT-b ops get Batch.history_lens (see block_manager)
@@ -103,6 +103,7 @@ class CompressedRunner:
             from oscar_compile.runtime.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, min(max_graph_batch, max_num_seqs))
+            self.graphs.capture_all(layout)
 
     def _layer_pools(self, layout: CacheLayout, layer: int, num_window: int, num_quant: int, dtype) -> tuple:
         fmt = layout.format_of(layer)
