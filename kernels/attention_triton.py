@@ -214,18 +214,20 @@ def plan_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, device: torch.
         block_m = max(1, 64 // g)
     rows = max(16, triton.next_power_of_2(block_m * g))
     programs = (triton.cdiv(N, block_m) + (B if block_m > 1 else 0)) * H_kv
+    # at most MAX_SPLIT_TOKENS per split: the value accumulator and its zero-point term nearly
+    # cancel (see history_block), and float32 rounding grows with the length of one running sum
+    precision_splits = triton.cdiv(max_hist, MAX_SPLIT_TOKENS) if max_hist > MAX_SPLIT_TOKENS else 0
     if max_hist == 0 or programs >= 2 * sms:
-        return block_m, rows, 0
+        # a full GPU needs no splits for speed; decode batches still take them for precision
+        # (a prefill chunk's partials would take N * H_q * (nsplit + 1) * D floats)
+        return block_m, rows, precision_splits if block_m == 1 else 0
     min_tokens = min_split_blocks * block_n  # below this a split costs more in merging than it saves
     if max_hist <= min_tokens:
         return block_m, rows, 0
     nsplit = min(triton.cdiv(4 * sms, programs), max(1, max_hist // min_tokens))
     blocks = triton.cdiv(max_hist, block_n)
     nsplit = triton.cdiv(blocks, triton.cdiv(blocks, nsplit))
-    # at most MAX_SPLIT_TOKENS per split: the value accumulator and its zero-point term nearly
-    # cancel (see history_block), and float32 rounding grows with the length of one running sum
-    nsplit = max(nsplit, triton.cdiv(max_hist, MAX_SPLIT_TOKENS))
-    return block_m, rows, nsplit
+    return block_m, rows, max(nsplit, precision_splits)
 
 
 def attention_triton(

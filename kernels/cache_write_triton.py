@@ -184,7 +184,8 @@ def cache_write_triton(
     B = cache_lens.shape[0]
     # Triton 3.6 fails to compile (RemoveLayoutConversions) the 8-row block with an 8-step search
     # (H200, 2026-11-30); 7 steps with 8 rows and 8 steps with 4 rows compiled and ran there.
-    # So: at least 7 steps (one compile for every batch up to 64), and 4-row blocks above that.
+    # So: at least 7 steps (one compile for every batch up to 127), and 4-row blocks above that
+    # (also when 8 rows were asked for).
     log_b = search_steps(B, minimum=7)
     if log_b > 7 and block_t == 8:
         block_t = 4
@@ -212,8 +213,8 @@ def cache_write_triton(
 
     try:
         launch(block_t)
-    except RuntimeError:  # a compiler failure of the 8-row variant (see above): 4 rows from now on
-        if block_t != 8:
+    except RuntimeError as e:  # a compiler failure of the 8-row variant (see above): 4 rows from now on
+        if block_t != 8 or "PassManager" not in str(e):
             raise
         _WIDE_BLOCK_FAILED = True
         _log.warning("the 8-row cache-write kernel failed to compile; using 4-row blocks", exc_info=True)

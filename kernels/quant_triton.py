@@ -30,7 +30,7 @@ def interpreting() -> bool:
 def search_steps(num_seqs: int, minimum: int = 8) -> int:
     """Steps of the kernels' binary search over ``num_seqs`` sequences, a compile-time constant.
 
-    Bucketed (``minimum``, then 12, 16, ...) rather than exact: each distinct value compiles the kernel anew, and
+    Bucketed (``minimum``, then multiples of 4 above it) rather than exact: each distinct value compiles the kernel anew, and
     a batch that shrinks as requests finish would otherwise stall for seconds of compilation at
     every power of two. Surplus steps are harmless: the search has converged and stays put.
     """

@@ -6,11 +6,14 @@ ignored) on the same random-weight model, through:
   prefill, compressed runner with CUDA graphs, sampler, detokenizer);
 - ``hf-cb``: ``model.generate_batch`` - transformers' own continuous batching (paged attention
   with its own CUDA graphs), on the plain model.
-Reported per run: wall time, output tokens/s over the whole run (prefill included), per-user
-decode tokens/s (the decode phase only: time between a request's first and last token), and for
-the runtime the host share of its decode steps (scheduling, bookkeeping, sampling, detokenizing:
-step wall time minus the runner's synced time). The tokenizer is a stub that spells token ids
-(random weights need no real vocabulary); it is not cheaper than a fast tokenizer's decode.
+Reported per run: wall time, output tokens/s over the whole run (prefill included), and per-user
+decode tokens/s, the same way for every system: per request, (tokens - 1) / (time of its last
+token - time of its first token), averaged over requests (prefill chunks of other requests that
+run meanwhile count in). For the runtime also: the median decode-only step, and the host share
+of decode-only steps (the step's wall time outside ``runner.run``: scheduling, bookkeeping,
+sampling, detokenizing; the runner's own input packing counts as runner time). The tokenizer is
+a stub that spells token ids (random weights need no real vocabulary); it is not cheaper than a
+fast tokenizer's decode.
 """
 from __future__ import annotations
 
@@ -46,10 +49,11 @@ def random_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = 0) 
 
 
 class _StepClock:
-    """Times engine steps and the runner inside them (synced), marking decode-only steps."""
+    """Times engine steps and the runner inside them (synced), and each request's token arrivals."""
 
     def __init__(self, engine):
         self.steps: list[tuple[bool, float, float]] = []  # (decode only, step s, runner s)
+        self.arrivals: dict[str, list[float]] = {}  # request id -> time of each new token
         self._runner_s, self._decode = 0.0, False
         run, step = engine.runner.run, engine.step
 
@@ -63,20 +67,30 @@ class _StepClock:
             return logits
 
         def timed_step():
+            self._runner_s, self._decode = 0.0, False  # a step that schedules nothing runs no model
             start = time.perf_counter()
-            out = step()
-            self.steps.append((self._decode, time.perf_counter() - start, self._runner_s))
-            return out
+            outs = step()
+            now = time.perf_counter()
+            self.steps.append((self._decode, now - start, self._runner_s))
+            for out in outs:
+                self.arrivals.setdefault(out.request_id, []).extend([now] * len(out.new_token_ids))
+            return outs
 
         engine.runner.run, engine.step = timed_run, timed_step
 
-    def decode_summary(self, batch: int) -> dict:
+    def summary(self) -> dict:
         decode = [(s, r) for is_decode, s, r in self.steps if is_decode]
         step_s = sum(s for s, _ in decode)
         return dict(decode_steps=len(decode),
-                    per_user_tokens_per_s=len(decode) / step_s if step_s else None,
+                    per_user_tokens_per_s=per_user_rate(list(self.arrivals.values())),
                     host_share_of_decode_step=(step_s - sum(r for _, r in decode)) / step_s if step_s else None,
                     decode_step_ms_median=statistics.median(s for s, _ in decode) * 1e3 if decode else None)
+
+
+def per_user_rate(arrivals: list[list[float]]) -> float | None:
+    """Mean over requests of (tokens - 1) / (last token time - first token time)."""
+    rates = [(len(t) - 1) / (t[-1] - t[0]) for t in arrivals if len(t) > 1 and t[-1] > t[0]]
+    return statistics.mean(rates) if rates else None
 
 
 def run_runtime(model, spec, prompts, output_len: int, kv_memory_gb: float, max_batched_tokens: int) -> dict:
@@ -100,7 +114,7 @@ def run_runtime(model, spec, prompts, output_len: int, kv_memory_gb: float, max_
     wall = time.perf_counter() - start
     generated = sum(len(o.token_ids) for o in outs)
     row = dict(batch=batch, wall_s=wall, generated_tokens=generated, tokens_per_s=generated / wall)
-    row.update(clock.decode_summary(batch))
+    row.update(clock.summary())
     del llm
     return row
 
@@ -120,10 +134,8 @@ def run_hf_continuous_batching(model, prompts, output_len: int) -> dict:
     # graph capture, run before requests are queued) is left out, as it is for the runtime
     wall = max(o.lifespan[1] for o in outs.values()) - min(o.created_time for o in outs.values())
     generated = sum(len(o.generated_tokens) for o in outs.values())
-    rates = [(len(o.timestamps) - 1) / (o.timestamps[-1] - o.timestamps[0])
-             for o in outs.values() if o.timestamps and len(o.timestamps) > 1 and o.timestamps[-1] > o.timestamps[0]]
     return dict(batch=batch, wall_s=wall, generated_tokens=generated, tokens_per_s=generated / wall,
-                per_user_tokens_per_s=statistics.mean(rates) if rates else None,
+                per_user_tokens_per_s=per_user_rate([o.timestamps or [] for o in outs.values()]),
                 errors=[o.error for o in outs.values() if o.error][:3])
 
 
@@ -166,7 +178,9 @@ def e2e_rows(make_model, spec_of_mode: dict, batches: list[int], prompt_len: int
 
 
 def _warmup_prompts(batch: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
-    return random_prompts(batch, min(256, prompt_len), vocab_size, seed=1)
+    """One prompt of the real length (the long-chunk kernel variants compile), the rest short."""
+    return random_prompts(1, prompt_len, vocab_size, seed=1) + random_prompts(batch - 1, min(256, prompt_len),
+                                                                              vocab_size, seed=2)
 
 
 def _sync() -> None:

@@ -174,7 +174,8 @@ def _runner(model, layout, batch: Batch, num_window: int, num_quant: int, contex
                             max_graph_batch=batch.num_seqs)
 
 
-def _replayed(runner: CompressedRunner, batch: Batch) -> bool:
+def _graph_covers(runner: CompressedRunner, batch: Batch) -> bool:
+    """Whether the runner replays a CUDA graph for ``batch`` (else it launches eagerly)."""
     return runner.graphs is not None and runner.graphs.can_run(batch)
 
 
@@ -185,7 +186,7 @@ def decode_rows(model, layout, shape: str, mode: str, contexts: list[int], reps:
         runner = _runner(model, layout, batch, num_window, num_quant, context, graphs=True)
         t = step_time_s(runner, batch, reps)
         row = dict(shape=shape, mode=mode, context=context, batch=1, step_ms=t * 1e3, tokens_per_s=1 / t,
-                   cuda_graphs=_replayed(runner, batch))
+                   cuda_graphs=_graph_covers(runner, batch))
         if row["cuda_graphs"]:  # the profile's op attribution needs eager launches
             row["eager_step_ms"] = step_time_s(_eager(runner), batch, reps) * 1e3
         row["breakdown"] = step_breakdown(_eager(runner), batch)
@@ -218,7 +219,7 @@ def capacity_rows(model, layout, shape: str, mode: str, contexts: list[int], bud
             batch, num_window, num_quant = decode_batch(layout, int(max_seqs), context)
             runner = _runner(model, layout, batch, num_window, num_quant, context, graphs=True)
             t = step_time_s(runner, batch, reps)
-            row.update(step_ms=t * 1e3, tokens_per_s=max_seqs / t, cuda_graphs=_replayed(runner, batch))
+            row.update(step_ms=t * 1e3, tokens_per_s=max_seqs / t, cuda_graphs=_graph_covers(runner, batch))
             _release(runner)
         print(row, flush=True)
         rows.append(row)

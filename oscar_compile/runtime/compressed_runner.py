@@ -141,12 +141,21 @@ class CompressedRunner:
 
 @contextlib.contextmanager
 def _without_hf_masks(config):
-    previous = config._attn_implementation
+    """Rename the attention implementation (the setter recurses into sub-configs) for the forward;
+    restore each config's own value after (a multimodal config's parts may differ)."""
+    configs = _all_configs(config)
+    saved = [c._attn_implementation_internal for c in configs]
     config._attn_implementation = _NO_MASK_IMPLEMENTATION
     try:
         yield
     finally:
-        config._attn_implementation = previous
+        for c, value in zip(configs, saved):
+            c._attn_implementation_internal = value
+
+
+def _all_configs(config) -> list:
+    subs = [getattr(config, key, None) for key in getattr(config, "sub_configs", {})]
+    return [config] + [c for sub in subs if sub is not None for c in _all_configs(sub)]
 
 
 def runner_factory(model: torch.nn.Module, layout: CacheLayout, config=None):
@@ -154,13 +163,13 @@ def runner_factory(model: torch.nn.Module, layout: CacheLayout, config=None):
     step buffers and CUDA graphs from the engine config (``EngineConfig``) when given."""
 
     def make(block_manager) -> CompressedRunner:
-        kwargs = {}
+        # the engine's context limit (as build_engine sets it), within what the pools can hold:
+        # it sizes the page-table mirrors, and the graphs plan their kernel splits for it
+        max_model_len = getattr(config, "max_model_len", None) or model.config.get_text_config().max_position_embeddings
+        kwargs = dict(max_seq_len=min(max_model_len, block_manager.max_seq_len()))
         if config is not None:
-            kwargs = dict(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            kwargs.update(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                           cuda_graphs=config.cuda_graphs)
-            if config.max_model_len is not None:
-                kwargs["max_seq_len"] = config.max_model_len
-        kwargs.setdefault("max_seq_len", block_manager.max_seq_len())
         return CompressedRunner(model, layout, block_manager.window_pool.num_pages, block_manager.quant_pool.num_pages,
                                 **kwargs)
 

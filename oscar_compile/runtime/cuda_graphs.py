@@ -42,23 +42,24 @@ class DecodeGraphs:
         self.pool = None  # one memory pool shared by every captured graph
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-        self.failed = False
-
     def can_run(self, batch: Batch) -> bool:
-        """A decode step (one new token per sequence) of at most ``max_batch`` sequences."""
-        return (not self.failed and 0 < batch.num_seqs <= self.max_batch and batch.num_tokens == batch.num_seqs
-                and all(len(ids) == 1 for ids in batch.token_ids))
+        """Graphs are captured and this is a decode step (one new token per sequence) they cover."""
+        return (bool(self.graphs) and 0 < batch.num_seqs <= self.max_batch
+                and batch.num_tokens == batch.num_seqs and all(len(ids) == 1 for ids in batch.token_ids))
 
+    @torch.no_grad()
     def capture_all(self, layout) -> None:
-        """Capture every size now, largest first (later, smaller captures reuse the shared pool)."""
+        """Capture every size now, largest first (later, smaller captures reuse the shared pool).
+
+        Any failure (e.g. a shape the Triton kernels do not cover, whose reference fallback syncs
+        with the host, or a kernel that does not compile) leaves no graph: the runner decodes eagerly.
+        """
         start = time.perf_counter()
         try:
             for size in reversed(self.sizes):
-                if size not in self.graphs:
-                    self.graphs[size] = self._capture(size, layout)
-        except RuntimeError:
+                self.graphs[size] = self._capture(size, layout)
+        except Exception:
             _log.warning("capturing CUDA graphs of the decode step failed; decoding eagerly", exc_info=True)
-            self.failed = True
             self.graphs.clear()
             torch.cuda.synchronize()
             return
@@ -68,21 +69,13 @@ class DecodeGraphs:
     def run(self, batch: Batch) -> torch.Tensor:
         """Logits ``[B, vocab]`` (float32). A view of the graph's output: valid until the next step."""
         size = self.sizes[bisect.bisect_left(self.sizes, batch.num_seqs)]
-        if size not in self.graphs:
-            try:
-                self.graphs[size] = self._capture(size, batch.layout)
-            except RuntimeError:
-                # e.g. a shape the Triton kernels do not cover, whose reference fallback syncs with the host
-                _log.warning("capturing a CUDA graph of the decode step failed; decoding eagerly", exc_info=True)
-                self.failed = True
-                torch.cuda.synchronize()
-                return self.runner.run(batch)
         graph, logits = self.graphs[size]
         self.inputs.load(batch, pad_to=size, graph_shapes=True)
         graph.replay()
         return logits[: batch.num_seqs]
 
     def _capture(self, size: int, layout) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up (compiles the kernels) and capture the forward of ``size`` padding sequences."""
         padding = Batch(seq_ids=[], token_ids=[], positions=[], cache_lens=[], history_lens=[], window_tables=[],
                         quant_tables=[], context_token_ids=[], layout=layout)
         inputs = self.inputs.load(padding, pad_to=size, graph_shapes=True)

@@ -34,7 +34,8 @@ class Batch:
     - ``quant_tables[i]``: quant page ids, already long enough for the history after the step;
     - ``context_token_ids[i]``: the sequence's full token list, read-only; the first
       ``cache_lens[i] + T_i`` entries are its context (runners without a cache use it).
-      Tables and token lists are the engine's own lists: read them during ``run`` only;
+      Tables and token lists are the engine's own lists: never modify them; a runner may keep a
+      reference to recognise a table it has seen (the compressed runner's mirrors do);
     - ``seq_ids[i]``: stable id of the sequence (for runner-side state keyed per sequence).
     """
 

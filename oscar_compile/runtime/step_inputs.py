@@ -10,8 +10,10 @@ device in one copy. :class:`StepInputs` packs the flattened tokens and per-seque
 the same way. Buffers have fixed capacities and tensors handed out are views of the same
 storage every step: what a captured CUDA graph reads.
 
-Host copies are rewritten on the next step; that is safe because every step ends in a sync
-(the sampler reads the logits), so the previous non-blocking copy has finished by then.
+Host copies are rewritten on the next step, so ``load`` first waits for the event recorded
+after the previous step's copies: a step that samples nothing (a prefill chunk that finishes no
+prompt) does not sync with the host, and the GPU may still be behind. Waiting there lets the CPU
+prepare step N + 1 while step N runs, no further.
 """
 from __future__ import annotations
 
@@ -82,6 +84,7 @@ class StepInputs:
         self._ints = self._ints_host.to(device)
         self.windows = TableMirror(max_seqs, window_width, device, fill=scratch_window)
         self.quants = TableMirror(max_seqs, quant_width, device, fill=scratch_quant)
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None  # the last step's copies
 
     def fits(self, batch: Batch, pad_to: int | None = None) -> bool:
         S = batch.num_seqs if pad_to is None else pad_to
@@ -93,6 +96,8 @@ class StepInputs:
         if S < B or not self.fits(batch, S):
             raise ValueError(f"a step of {B} sequences / {batch.num_tokens} tokens padded to {S} sequences does "
                              f"not fit {self.max_seqs} sequences / {self.max_tokens} tokens")
+        if self._copied is not None:
+            self._copied.synchronize()  # the host buffers below are free again
         n_real = batch.num_tokens
         N = n_real + S - B  # padding sequences bring one token each
         tok = self._tokens_host.numpy()
@@ -109,12 +114,15 @@ class StepInputs:
         for row in (0, 1):  # contiguous slices only: a strided pinned copy would not stay asynchronous
             self._tokens[row, :N].copy_(self._tokens_host[row, :N], non_blocking=True)
         self._ints.copy_(self._ints_host, non_blocking=True)
+        tables = dict(window_table=self.windows.update(batch.window_tables, S, trim=not graph_shapes),
+                      quant_table=self.quants.update(batch.quant_tables, S, trim=not graph_shapes))
+        if self._copied is not None:
+            self._copied.record()
         return dict(
             input_ids=self._tokens[0, :N].unsqueeze(0),
             position_ids=self._tokens[1, :N].unsqueeze(0),
             cu_seqlens=self._ints[0, :S + 1],
             cache_lens=self._ints[1, :S],
             history_lens=self._ints[2, :S],
-            window_table=self.windows.update(batch.window_tables, S, trim=not graph_shapes),
-            quant_table=self.quants.update(batch.quant_tables, S, trim=not graph_shapes),
+            **tables,
         )

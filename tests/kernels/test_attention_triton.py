@@ -157,3 +157,20 @@ def test_bf16_paged_matches_reference(tdevice, chunk_lens, H_q, H_kv, D):
     cu = torch.tensor([0] + chunk_lens, device=tdevice).cumsum(0).to(torch.int32)
     args = (q, k, v, cu, cache_lens, table, k_pages, v_pages, D ** -0.5)
     assert rel_err(attention_bf16_triton(*args), attention_bf16_ref(*args)) < TOL
+
+
+def test_launch_plan_splits_by_whole_blocks_and_caps_split_length(monkeypatch):
+    """The plan reads shapes only; numbers for a 132-SM GPU (H200)."""
+    import oscar_compile.kernels.attention_triton as at
+
+    monkeypatch.setattr(at, "_num_sms", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+
+    def nsplit(N, B, max_hist):
+        return at.plan_launch(N, B, 8, 4, max_hist, cuda, 128, min_split_blocks=2)[2]
+
+    assert nsplit(1, 1, 32448) == 64  # 32k, batch 1: 254 blocks, 4 per split (63 would leave 13 idle)
+    # a batch that fills the GPU needs no splits for speed, but no split may exceed MAX_SPLIT_TOKENS
+    assert nsplit(40, 40, 99680) == -(-99680 // at.MAX_SPLIT_TOKENS)
+    assert nsplit(64, 64, 4096) == 0
+    assert nsplit(8192, 1, 131072) == 0  # a prefill chunk: its partials would be too large

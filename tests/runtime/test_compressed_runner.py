@@ -142,3 +142,28 @@ def test_bf16_mode_prefix_cache_hits_equal_misses(setup):
         assert llm.engine.block_manager.num_prefix_hit_tokens == (3 * P if caching else 0)
     assert outputs[True] == outputs[False]
 
+
+
+def test_runner_sizes_its_page_tables_by_the_context_limit(setup):
+    """Not by the whole pool: the tables are mirrored on the host and copied every step."""
+    tokenizer, model, rot = setup
+    llm = LLM(copy.deepcopy(model), spec=SPEC, rotations=rot, tokenizer=tokenizer,
+              config=EngineConfig(kv_memory_gb=0.05))
+    runner = llm.engine.runner
+    limit = model.config.max_position_embeddings
+    assert runner.quant_width == -(-limit // SPEC.kv_cache.page_size) < llm.engine.block_manager.quant_pool.num_pages
+
+
+def test_mask_bypass_restores_every_config():
+    """The setter renames sub-configs too; each gets its own value back (here: a multimodal config)."""
+    from transformers import LlavaConfig
+
+    from oscar_compile.runtime.compressed_runner import _NO_MASK_IMPLEMENTATION, _without_hf_masks
+
+    config = LlavaConfig()
+    parts = (config, config.text_config, config.vision_config)
+    for part, name in zip(parts, ("sdpa", "eager", "sdpa")):
+        part._attn_implementation_internal = name
+    with _without_hf_masks(config):
+        assert all(part._attn_implementation == _NO_MASK_IMPLEMENTATION for part in parts)
+    assert [part._attn_implementation for part in parts] == ["sdpa", "eager", "sdpa"]
