@@ -86,7 +86,9 @@ class CompressedRunner:
         self.model = model
         self.layout = layout
         # transformers renamed the forward's past_key_values to cache (5.2x): look it up once, not per step
-        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        parameters = inspect.signature(model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
+        self.keeps_logit_rows = "logits_to_keep" in parameters  # a 1-D index tensor selects positions
         self.num_layers = len(report.layers)
         self.vocab_size = model.config.get_text_config().vocab_size
         param = next(model.parameters())
@@ -126,17 +128,20 @@ class CompressedRunner:
             self.inputs = self._step_inputs(max(batch.num_seqs, self.inputs.max_seqs),
                                             max(batch.num_tokens, self.inputs.max_tokens))
         inputs = self.inputs.load(batch)
-        logits = self.forward(inputs)
         last = inputs["cu_seqlens"][1:].long() - 1  # each sequence's last new token
-        return logits[last].float()
+        return self.forward(inputs, last).float()
 
-    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The model over one packed step: logits ``[N, vocab]`` of every new token."""
+    def forward(self, inputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The model over one packed step: logits ``[N, vocab]`` of every new token, or of ``rows``
+        only (the LM head of an 8k-token prefill chunk would otherwise make 8k x vocab logits)."""
         cache = StepCache(self, inputs)
+        kwargs = {self.cache_kwarg: cache}
+        if rows is not None and self.keeps_logit_rows:
+            kwargs["logits_to_keep"] = rows
         with _without_hf_masks(self.model.config):
-            out = self.model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=True,
-                             **{self.cache_kwarg: cache})
-        return out.logits[0]
+            logits = self.model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=True,
+                                **kwargs).logits[0]
+        return logits if rows is None or self.keeps_logit_rows else logits[rows]
 
 
 @contextlib.contextmanager
