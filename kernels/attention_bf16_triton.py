@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from oscar_compile.kernels.attention_blocks_triton import (
-    NEG_INIT, full_block, merge_kernel, seq_of_program, store_rows)
+    NEG_INIT, full_block, merge_kernel, seq_of_program, split_range, store_rows)
 from oscar_compile.kernels.attention_triton import LOG2E, dot_dtype, plan_launch
 from oscar_compile.kernels.quant_triton import search_steps
 
@@ -47,20 +47,8 @@ def _attn_bf16_kernel(
         a0 = tl.zeros([ROWS, WP], tl.float32)
         a1 = tl.zeros([ROWS, WP], tl.float32)
         z0 = tl.zeros([ROWS], tl.float32)
-        if SPLIT:
-            do_hist = sid < nsplit
-            do_win = sid == nsplit
-        else:
-            do_hist = sid >= 0
-            do_win = sid >= 0
+        do_hist, do_win, lo, hi = split_range(L, sid, nsplit, SPLIT, BLOCK_N)
         if do_hist:
-            if not SPLIT:
-                lo = L * 0
-                hi = L
-            else:
-                chunk = tl.cdiv(tl.cdiv(L, nsplit), BLOCK_N) * BLOCK_N
-                lo = tl.minimum(sid * chunk, L)
-                hi = tl.minimum(lo + chunk, L)
             pt_row = pt_ptr + i.to(tl.int64) * stride_pt
             for n0 in range(lo, hi, BLOCK_N):
                 pos = n0 + tl.arange(0, BLOCK_N)

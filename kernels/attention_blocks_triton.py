@@ -99,6 +99,27 @@ def seq_of_program(cub_ptr, pid, B, LOG_B: tl.constexpr):
 
 
 @triton.jit
+def split_range(n, sid, nsplit, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(do_hist, do_win, lo, hi) of program ``sid`` along the split axis, over ``n`` cached keys.
+
+    With SPLIT, programs 0 .. nsplit - 1 take equal whole-block parts of [0, n) and program nsplit
+    takes the windows and the chunk; without, the one program takes everything.
+    """
+    if SPLIT:
+        do_hist = sid < nsplit
+        do_win = sid == nsplit
+        chunk = tl.cdiv(tl.cdiv(n, nsplit), BLOCK_N) * BLOCK_N
+        lo = tl.minimum(sid * chunk, n)
+        hi = tl.minimum(lo + chunk, n)
+    else:
+        do_hist = sid >= 0
+        do_win = sid >= 0
+        lo = n * 0
+        hi = n
+    return do_hist, do_win, lo, hi
+
+
+@triton.jit
 def softmax_step(s, m, l):
     """One online-softmax step on base-2 scores s: [ROWS, BN] -> (p, alpha, m, l)."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
