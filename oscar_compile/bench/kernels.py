@@ -115,10 +115,10 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
     for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
                      ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
         try:
-            def call(k=None, v=None, be=be):
+            def sdpa_call(k=None, v=None, be=be):
                 with sdpa_kernel([be]):
                     return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
-            sdpa[name] = graph_time_us([lambda k=k, v=v: call(k, v) for k, v in kv])
+            sdpa[name] = graph_time_us([lambda k=k, v=v: sdpa_call(k, v) for k, v in kv])
         except Exception as e:  # a backend that refuses the shape is skipped, and said so
             sdpa[name] = f"unavailable: {type(e).__name__}"
     del kv
