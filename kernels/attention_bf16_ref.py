@@ -8,7 +8,8 @@ ops (``cu_seqlens``, ``cache_lens`` = tokens cached before the call).
 attention: new token t of sequence i attends causally to its L = cache_lens[i] cached tokens and to
 the chunk's keys 0..t (as passed); GQA j -> j // g; float32 softmax; result in q.dtype.
 cache_write: tokens are rounded to the pages' dtype. The write is one vectorised scatter with no
-host sync (``searchsorted`` finds each token's sequence), so it also serves as the CUDA version.
+host sync (``searchsorted`` finds each token's sequence); on CUDA a Triton kernel does it in one
+launch (attention_bf16_triton), bitwise the same.
 """
 from __future__ import annotations
 

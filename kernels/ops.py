@@ -23,6 +23,10 @@ Ops beyond docs/cache-format.md, for the full-precision paged cache (runtime BF1
 - ``oscar::cache_write_bf16(k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages) -> ()``
 - ``oscar::attention_bf16(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages, scale)
   -> [N, H_q, D]``; pages ``[N_p, H_kv, P, D]``, page_table ``[B, max_pages]`` int32.
+
+Fused per-layer ops (passes/fuse_elementwise.py swaps them in; references in elementwise_ref.py):
+``oscar::rms_norm(x, weight, eps)``, ``oscar::rope(q, k, cos, sin, rot=None, mean=None) -> (q, k)``,
+``oscar::silu_mul(gate, up)``.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from torch import Tensor
 from oscar_compile.kernels.attention_bf16_ref import attention_bf16_ref, cache_write_bf16_ref
 from oscar_compile.kernels.attention_ref import attention_ref
 from oscar_compile.kernels.cache_write_ref import cache_write_ref
+from oscar_compile.kernels.elementwise_ref import rms_norm_ref, rope_ref, silu_mul_ref
 from oscar_compile.kernels.pools import CachePools, allocate_pools  # noqa: F401  (re-export)
 from oscar_compile.kernels.rotate_ref import rotate_ref
 
@@ -155,13 +160,19 @@ def cache_write_bf16(
     k: Tensor, v: Tensor, cu_seqlens: Tensor, cache_lens: Tensor, page_table: Tensor,
     k_pages: Tensor, v_pages: Tensor,
 ) -> None:
-    """Scatter new tokens into full-precision pages (one vectorised scatter on every device)."""
+    """Scatter new tokens into full-precision pages (one Triton launch on CUDA)."""
     cache_write_bf16_ref(k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages)
 
 
 @cache_write_bf16.register_fake
 def _(*args):
     return None
+
+
+@cache_write_bf16.register_kernel("cuda")
+def _(*args):
+    impl = _triton_impl("attention_bf16_triton", "cache_write_bf16_triton")
+    return impl(*args) if impl is not None else cache_write_bf16_ref(*args)
 
 
 @torch.library.custom_op("oscar::attention_bf16", mutates_args=())
@@ -184,3 +195,60 @@ def _(*args):
     if impl is not None:
         return impl(*args)
     return attention_bf16_ref(*args)
+
+
+# ---------------------------------------------------------------- fused per-layer elementwise ops
+@torch.library.custom_op("oscar::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Llama / Qwen RMSNorm over the last dimension (elementwise_ref.rms_norm_ref)."""
+    return rms_norm_ref(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+@rms_norm.register_kernel("cuda")
+def _(x, weight, eps):
+    impl = _triton_impl("elementwise_triton", "rms_norm_triton")
+    return impl(x, weight, eps) if impl is not None else rms_norm_ref(x, weight, eps)
+
+
+@torch.library.custom_op("oscar::rope", mutates_args=())
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
+         rot: Optional[Tensor] = None, mean: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Rotate-half RoPE of q [B, H_q, T, D] and k [B, H_kv, T, D], then (with ``rot``) ``oscar::rotate``
+    of both, keys centred by ``mean``. Outputs are stored [B, T, H, D] (elementwise_ref.rope_ref)."""
+    return rope_ref(q, k, cos, sin, rot, mean)
+
+
+@rope.register_fake
+def _(q, k, cos, sin, rot=None, mean=None):
+    B, H_q, T, D = q.shape
+    return q.new_empty(B, T, H_q, D).transpose(1, 2), k.new_empty(B, T, k.shape[1], D).transpose(1, 2)
+
+
+@rope.register_kernel("cuda")
+def _(q, k, cos, sin, rot=None, mean=None):
+    impl = _triton_impl("elementwise_triton", "rope_triton")
+    if impl is not None and _triton_impl("elementwise_triton", "rope_supported")(q, k):
+        return impl(q, k, cos, sin, rot, mean)
+    return rope_ref(q, k, cos, sin, rot, mean)
+
+
+@torch.library.custom_op("oscar::silu_mul", mutates_args=())
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """The gated MLP's ``silu(gate) * up``."""
+    return silu_mul_ref(gate, up)
+
+
+@silu_mul.register_fake
+def _(gate, up):
+    return torch.empty_like(gate)
+
+
+@silu_mul.register_kernel("cuda")
+def _(gate, up):
+    impl = _triton_impl("elementwise_triton", "silu_mul_triton")
+    return impl(gate, up) if impl is not None else silu_mul_ref(gate, up)

@@ -2,7 +2,7 @@
 
     python -m oscar_compile.bench.serve [--shapes 8b 4b] [--contexts 8192 32768 131072]
         [--capacity-contexts 32768 100000] [--kv-memory GB]
-        [--e2e-batches 1 16 64] [--e2e-prompt 8192] [--e2e-output 1024] [--out bench.json]
+        [--e2e-batches 1 16 64] [--e2e-prompt 8192] [--e2e-output 1024] [--compare-unfused] [--out bench.json]
 
 A Qwen3-8B- (and 4B-) shaped model with random weights, rewritten by ``apply`` with an INT2 spec
 (``hadamard-int2``: the same ops and cost as OSCAR, no calibration data needed) or with
@@ -10,8 +10,10 @@ A Qwen3-8B- (and 4B-) shaped model with random weights, rewritten by ``apply`` w
 real ``CompressedRunner`` on a synthetic batch whose caches are pre-filled to the context
 (random page contents: speed does not depend on them):
 1. batch-1 decode tokens/s at each context, INT2 vs BF16, replayed from CUDA graphs (and eager),
-   with the step broken into GEMM, attention, cache write, rotation and other by the torch
-   profiler on eager steps (the same kernels; as the OSCAR paper's Table 8);
+   with the step broken into GEMM, attention, cache write, rotation (with RoPE, fused), the fused
+   norms / SiLU-product, and other by the torch profiler on eager steps (the same kernels; as the
+   OSCAR paper's Table 8); ``--compare-unfused`` adds the same rows for models rewritten with
+   ``apply(..., fuse=False)`` (Hugging Face's own RMSNorm, RoPE and MLP code), side by side;
 2. the most sequences of each capacity context that fit the same KV budget, INT2 vs BF16, and the
    decode throughput of that full batch;
 3. (``--e2e-batches``, first shape only) prompts of ``--e2e-prompt`` random tokens generating
@@ -70,13 +72,13 @@ def mode_spec(shape: str, mode: str):
     return spec
 
 
-def build_model(shape: str, mode: str, max_len: int, device: torch.device):
+def build_model(shape: str, mode: str, max_len: int, device: torch.device, fuse: bool = True):
     """A random-weight Qwen3 of ``shape``, rewritten for ``mode``; returns (model, layout)."""
     from oscar_compile.calibration import calibrate
 
     model = random_model(shape, max_len, device)
     spec = mode_spec(shape, mode)
-    apply(model, spec, calibrate(model, spec))
+    apply(model, spec, calibrate(model, spec), fuse=fuse)
     return model, compressed_layout(model, spec)
 
 
@@ -116,7 +118,8 @@ def step_time_s(runner: CompressedRunner, batch: Batch, reps: int) -> float:
 _OPS = {
     "attention": ("oscar::attention", "oscar::attention_bf16"),
     "cache_write": ("oscar::cache_write", "oscar::cache_write_bf16"),
-    "rotation": ("oscar::rotate",),
+    "rotation": ("oscar::rope", "oscar::rotate"),  # fused, oscar::rope is RoPE and the rotation
+    "norm_act": ("oscar::rms_norm", "oscar::silu_mul"),
 }
 _GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
 
@@ -181,12 +184,13 @@ def _graph_covers(runner: CompressedRunner, batch: Batch) -> bool:
 
 def decode_rows(model, layout, shape: str, mode: str, contexts: list[int], reps: int) -> list[dict]:
     rows = []
+    fused = bool(getattr(model, "_oscar_compile_report").fused)
     for context in contexts:
         batch, num_window, num_quant = decode_batch(layout, 1, context)
         runner = _runner(model, layout, batch, num_window, num_quant, context, graphs=True)
         t = step_time_s(runner, batch, reps)
-        row = dict(shape=shape, mode=mode, context=context, batch=1, step_ms=t * 1e3, tokens_per_s=1 / t,
-                   cuda_graphs=_graph_covers(runner, batch))
+        row = dict(shape=shape, mode=mode, fused=fused, context=context, batch=1, step_ms=t * 1e3,
+                   tokens_per_s=1 / t, cuda_graphs=_graph_covers(runner, batch))
         if row["cuda_graphs"]:  # the profile's op attribution needs eager launches
             row["eager_step_ms"] = step_time_s(_eager(runner), batch, reps) * 1e3
         row["breakdown"] = step_breakdown(_eager(runner), batch)
@@ -245,6 +249,13 @@ def run(args) -> dict:
             del model
             gc.collect()
             _empty_cache(device)
+            if args.compare_unfused:
+                model, layout = build_model(shape, mode, max_len, device, fuse=False)
+                result["decode"] += decode_rows(model, layout, shape, mode, args.contexts, args.reps)
+                _save(result, args.out)
+                del model
+                gc.collect()
+                _empty_cache(device)
     if args.e2e_batches:
         from oscar_compile.bench.e2e import e2e_rows
 
@@ -291,11 +302,13 @@ def _device_line(device: torch.device) -> str:
 
 def print_tables(result: dict) -> None:
     print(result["device"])
-    print(f"{'shape':>5} {'mode':>5} {'context':>8} {'ms/step':>9} {'tok/s':>8}  gemm attn write rot other")
+    print(f"{'shape':>5} {'mode':>5} {'fused':>5} {'context':>8} {'ms/step':>9} {'tok/s':>8}  "
+          "gemm attn write rot norm other")
     for r in result["decode"]:
         b = r["breakdown"]
-        print(f"{r['shape']:>5} {r['mode']:>5} {r['context']:>8} {r['step_ms']:>9.2f} {r['tokens_per_s']:>8.1f}  "
-              f"{b['gemm']:.2f} {b['attention']:.2f} {b['cache_write']:.2f} {b['rotation']:.2f} {b['other']:.2f}")
+        print(f"{r['shape']:>5} {r['mode']:>5} {'yes' if r['fused'] else 'no':>5} {r['context']:>8} "
+              f"{r['step_ms']:>9.2f} {r['tokens_per_s']:>8.1f}  {b['gemm']:.2f} {b['attention']:.2f} "
+              f"{b['cache_write']:.2f} {b['rotation']:.2f} {b['norm_act']:.2f} {b['other']:.2f}")
     if result["capacity"]:
         print(f"\n{'shape':>5} {'mode':>5} {'context':>8} {'max seqs':>8} {'tok/s':>9}")
     for c in result["capacity"]:
@@ -323,6 +336,8 @@ def main(argv=None) -> int:
     parser.add_argument("--e2e-systems", nargs="+", choices=("oscar-int2", "oscar-bf16", "hf-cb"),
                         help="end-to-end systems to run (default: all three)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill token budget per step (e2e)")
+    parser.add_argument("--compare-unfused", action="store_true",
+                        help="also time decode steps of models rewritten without the fused elementwise ops")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=None, help="write the results as JSON here")

@@ -1,10 +1,11 @@
 """``apply(model, spec, rotations)``: rewrite every attention layer of a model in place.
 
 Per layer: trace the attention forward (trace.py), find its pieces (sites.py), fold R_V into the
-weights (fold_values.py), rotate keys and queries after RoPE (rotate_keys.py), and swap the
-attention for the oscar ops on quantized layers (swap_attention.py). The rewritten graph becomes
-the module's forward; it stays inspectable as ``module.oscar_graph`` (a GraphModule: print its
-``.graph`` or ``.code``). A forward pre-hook on the model hands the rewritten layers an
+weights (fold_values.py), rotate keys and queries after RoPE (rotate_keys.py; with ``fuse``, one
+``oscar::rope`` node does RoPE and the rotation, fuse_elementwise.py), and swap the attention for
+the oscar ops (swap_attention.py). With ``fuse``, RMSNorms and gated MLPs get fused ops too.
+The rewritten graph becomes the module's forward; it stays inspectable as ``module.oscar_graph``
+(a GraphModule: print its ``.graph`` or ``.code``). A forward pre-hook on the model hands the rewritten layers an
 :class:`~oscar_compile.passes.hf_cache.OscarCache` whenever the model is asked to cache.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..artifact import ArtifactError, Rotations
 from ..quant import bits_per_element
 from ..spec import CompressionSpec, LayerSpec
 from .fold_values import fold_value_rotation
+from .fuse_elementwise import fuse_gated_mlps, fuse_rms_norms, fuse_rope
 from .hf_cache import OscarCache
 from .rotate_keys import insert_key_rotation
 from .sites import find_attention_site
@@ -45,6 +47,7 @@ class LayerReport:
     value_folded: bool
     attention: str  # "oscar::attention" or the model's implementation
     notes: list[str] = field(default_factory=list)
+    rope_fused: bool = False  # RoPE (and the key / query rotation) is one oscar::rope node
 
 
 @dataclass
@@ -52,6 +55,7 @@ class ApplyReport:
     fingerprint: ModelFingerprint
     layers: list[LayerReport]
     spec: CompressionSpec
+    fused: dict[str, int] = field(default_factory=dict)  # modules / layers per fused op (apply's fuse)
 
     def bits_per_element(self, context: Optional[int] = None) -> float:
         """Average stored bits per K/V element over all layers at ``context`` tokens (None: asymptotic)."""
@@ -70,7 +74,8 @@ class ApplyReport:
             + (f"  ({'; '.join(r.notes)})" if r.notes else "")
             for r in self.layers
         ]
-        return "\n".join([head, *rows])
+        fused = ", ".join(f"{op} x{n}" for op, n in self.fused.items())
+        return "\n".join([head, *rows] + ([f"fused ops: {fused}"] if fused else []))
 
 
 def _oscar_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
@@ -86,7 +91,7 @@ def _set_buffer(modules: list[nn.Module], name: str, value: torch.Tensor) -> Non
         m.register_buffer(name, value, persistent=False)
 
 
-def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelFingerprint) -> LayerReport:
+def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelFingerprint, fuse: bool) -> LayerReport:
     i = layer.index
     gm = trace_attention(attn)
     graph = gm.graph
@@ -99,12 +104,18 @@ def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelF
     mean = rot.k_mean[i] if layer.key.center else None
     if layer.key.center and mean is None:
         raise ArtifactError(f"layer {i}: key.center is on but the rotation file has no key means (recalibrate)")
-    if layer.key.rotation != "none" or mean is not None:  # an identity rotation would only cost time
+    rotate = layer.key.rotation != "none" or mean is not None  # an identity rotation would only cost time
+    if rotate:
         owners = [attn, gm]
         _set_buffer(owners, "oscar_rot_k", rot.k[i].to(device=device, dtype=torch.float32))
         if mean is not None:
             _set_buffer(owners, "oscar_k_mean", mean.to(device=device, dtype=torch.float32))
-        insert_key_rotation(graph, site, has_mean=mean is not None)
+    rope_fused = fuse and fuse_rope(graph, site, rotate, has_mean=mean is not None)
+    if not rope_fused:
+        if fuse:
+            notes.append("RoPE not fused: not the rotate-half formula")
+        if rotate:
+            insert_key_rotation(graph, site, has_mean=mean is not None)
     attention = swap_in_oscar_attention(graph, site, layer, float(attn.scaling))
     if getattr(attn, "sliding_window", None):
         notes.append(f"sliding window {attn.sliding_window} not applied: attends to the whole context")
@@ -113,7 +124,7 @@ def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelF
     attn.__dict__["oscar_graph"] = gm  # not a submodule: its parameters are the module's own
     attn.forward = types.MethodType(_oscar_forward, attn)
     return LayerReport(i, "rewritten", layer.kv_cache.bits, layer.key.rotation, layer.value.rotation,
-                       mean is not None, folded, attention, notes)
+                       mean is not None, folded, attention, notes, rope_fused)
 
 
 def _kept_layer(layer: LayerSpec, attn: nn.Module) -> LayerReport:
@@ -146,8 +157,13 @@ def _install_cache_hook(model: nn.Module, layers: list[LayerSpec], rewritten: li
     model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations) -> ApplyReport:
-    """Rewrite ``model`` (a supported HF causal LM) in place; returns what was done per layer."""
+def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: bool = True) -> ApplyReport:
+    """Rewrite ``model`` (a supported HF causal LM) in place; returns what was done per layer.
+
+    ``fuse``: also swap RMSNorm, RoPE (with the key rotation) and the MLP's SiLU-product for the
+    fused ``oscar::`` ops (fuse_elementwise.py): same values on the CPU, a fraction of the kernel
+    launches on a GPU. Off, the model keeps its own elementwise code (e.g. to measure the gain).
+    """
     if hasattr(model, _APPLIED):
         raise RuntimeError("oscar_compile.apply was already applied to this model; load a fresh copy to apply again")
     modules = attention_modules(model)  # refuses unknown architectures
@@ -163,9 +179,13 @@ def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations) -> Appl
         if layer.overridden_to_16_bits:
             reports.append(_kept_layer(layer, attn))
         else:
-            reports.append(_rewrite_layer(attn, layer, rotations, fp))
+            reports.append(_rewrite_layer(attn, layer, rotations, fp, fuse))
     _install_cache_hook(model, layers, [r.action == "rewritten" for r in reports])
-    report = ApplyReport(fp, reports, spec)
+    fused = {}
+    if fuse:
+        fused = {"rms_norm": fuse_rms_norms(model), "silu_mul": fuse_gated_mlps(model),
+                 "rope": sum(r.rope_fused for r in reports)}
+    report = ApplyReport(fp, reports, spec, fused)
     setattr(model, _APPLIED, report)
     logger.info("oscar_compile rewrote %d of %d layers", sum(r.action == "rewritten" for r in reports), len(reports))
     return report

@@ -8,12 +8,13 @@ def test_serve_benchmark_smoke(tmp_path, capsys):
     out = tmp_path / "serve.json"
     assert main(["--shapes", "tiny", "--contexts", "64", "--capacity-contexts", "96", "--kv-memory", "0.002",
                  "--device", "cpu", "--reps", "1", "--e2e-batches", "2", "--e2e-prompt", "40", "--e2e-output", "3",
-                 "--e2e-kv-memory", "0.01", "--out", str(out)]) == 0
+                 "--e2e-kv-memory", "0.01", "--compare-unfused", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    modes = {(r["mode"], r["context"]) for r in result["decode"]}
-    assert modes == {("int2", 64), ("bf16", 64)}
+    modes = sorted((r["mode"], r["fused"], r["context"]) for r in result["decode"])
+    assert modes == [("bf16", False, 64), ("bf16", True, 64), ("int2", False, 64), ("int2", True, 64)]
     for r in result["decode"]:
         assert r["step_ms"] > 0 and abs(sum(r["breakdown"].values()) - 1) < 1e-6
+        assert (r["breakdown"]["norm_act"] > 0) == r["fused"]  # the fused ops show up, and only when fused
     capacity = {c["mode"]: c["max_seqs"] for c in result["capacity"]}
     assert capacity["int2"] > capacity["bf16"] >= 1  # same budget, smaller pages
     e2e = {e["system"]: e for e in result["e2e"]}

@@ -159,6 +159,34 @@ def test_bf16_paged_matches_reference(tdevice, chunk_lens, H_q, H_kv, D):
     assert rel_err(attention_bf16_triton(*args), attention_bf16_ref(*args)) < TOL
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H_kv,D", [(2, 64), (1, 128), (3, 32)])
+def test_bf16_cache_write_is_the_reference_scatter(tdevice, dtype, H_kv, D):
+    """Ragged chunks (one empty) on top of cached tokens, crossing page boundaries: bitwise."""
+    from oscar_compile.kernels.attention_bf16_ref import cache_write_bf16_ref
+    from oscar_compile.kernels.attention_bf16_triton import cache_write_bf16_triton
+
+    gen = torch.Generator().manual_seed(11)
+    P, cached, chunks = 16, [0, 15, 40, 3], [17, 1, 0, 30]
+    need = [-(-(L + t) // P) for L, t in zip(cached, chunks)]
+    perm = torch.randperm(sum(need) + 2, generator=gen).to(torch.int32)
+    table = torch.full((4, max(need)), -1, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[at:at + n]
+        at += n
+    pages = [torch.randn(sum(need) + 2, H_kv, P, D, generator=gen).to(device=tdevice, dtype=dtype) for _ in range(2)]
+    n = sum(chunks)
+    k = torch.randn(n, H_kv, D, generator=gen).to(device=tdevice, dtype=dtype)
+    v = torch.randn(n, 2 * H_kv, D, generator=gen).to(device=tdevice, dtype=dtype)[:, ::2]  # strided heads
+    args = (k, v, torch.tensor([0] + chunks).cumsum(0).to(device=tdevice, dtype=torch.int32),
+            torch.tensor(cached, dtype=torch.int32, device=tdevice), table.to(tdevice))
+    want = [p.clone() for p in pages]
+    cache_write_bf16_ref(*args, *want)
+    cache_write_bf16_triton(*args, *pages)
+    assert all(torch.equal(a, b) for a, b in zip(pages, want))
+
+
 def test_launch_plan_splits_by_whole_blocks_and_caps_split_length(monkeypatch):
     """The plan reads shapes only; numbers for a 132-SM GPU (H200)."""
     import oscar_compile.kernels.attention_triton as at

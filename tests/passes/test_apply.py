@@ -76,16 +76,22 @@ def test_folding_identity(granularity):
             assert torch.allclose(wo[:, cols] @ bv[rows], wo0[:, cols] @ bv0[rows], atol=1e-5)
 
 
-def test_graph_is_inspectable_and_report_lists_layers():
+@pytest.mark.parametrize("fuse", [True, False])
+def test_graph_is_inspectable_and_report_lists_layers(fuse):
     model = tiny_model("qwen3")
     spec = _spec(2)
-    report = apply(model, spec, calibrate(model, spec, _calibration_batches()))
+    report = apply(model, spec, calibrate(model, spec, _calibration_batches()), fuse=fuse)
     code = model.model.layers[0].self_attn.oscar_graph.code
-    for op in ("torch.ops.oscar.rotate", "torch.ops.oscar.attention", "torch.ops.oscar.cache_write"):
+    rope_ops = ("torch.ops.oscar.rope",) if fuse else ("apply_rotary_pos_emb", "torch.ops.oscar.rotate")
+    for op in (*rope_ops, "torch.ops.oscar.attention", "torch.ops.oscar.cache_write"):
         assert op in code
+    assert ("torch.ops.oscar.rotate" in code) != fuse and ("apply_rotary_pos_emb" in code) != fuse
     assert "attention_site" not in code and "update" not in code
     text = str(report)
     assert "oscar::attention" in text and len(report.layers) == 2
+    # two layers: 4 norms each (input, post-attention, q, k) + the final norm; one MLP and one RoPE each
+    assert report.fused == ({"rms_norm": 9, "silu_mul": 2, "rope": 2} if fuse else {})
+    assert ("fused ops: rms_norm x9" in text) == fuse
     assert report.bits_per_element() == pytest.approx(2 + 32 / 32)  # fp16 scale + zero per 32-channel group
 
 

@@ -1,0 +1,150 @@
+"""Triton ``oscar::rms_norm``, ``oscar::rope`` and ``oscar::silu_mul``: one launch each.
+
+They replace chains of small PyTorch kernels whose launch costs dominate a batch-1 decode step
+(see elementwise_ref.py). Each rounds where the Hugging Face formula rounds (products to the
+input dtype before they are added), so outputs match the reference to float32 summation order:
+bitwise for RoPE and SiLU-mul without rotation, within an ulp of the output dtype elsewhere.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from oscar_compile.kernels.rotate_ref import check_rotate_args
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, stride_x, stride_o, eps,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < D)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+    h = (x * inv[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF rounds to the input dtype here
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], (w[None, :] * h).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    D = x.shape[-1]
+    if weight.shape != (D,):
+        raise ValueError(f"weight must be [{D}], got {tuple(weight.shape)}")
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    n = x2.shape[0]
+    if n == 0:
+        return out
+    block_d = triton.next_power_of_2(D)
+    rows = max(1, min(16, 2048 // block_d))
+    _rms_norm_kernel[(triton.cdiv(n, rows),)](
+        x2, weight, out, n, x2.stride(0), D, float(eps), D=D, BLOCK_D=block_d, ROWS=rows,
+        num_warps=8 if block_d >= 4096 else 4)
+    return out
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, rot_ptr, mean_ptr, qo_ptr, ko_ptr, T, rot_group,
+                 sqb, sqh, sqt, skb, skh, skt, scb, sct, ssb, sst,
+                 H_KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
+                 HAS_ROT: tl.constexpr, HAS_MEAN: tl.constexpr):
+    """One token x one KV head: rows 0..G-1 are its G query heads, row G its key head."""
+    n = tl.program_id(0)
+    j = tl.program_id(1)
+    b = n // T
+    t = n % T
+    r = tl.arange(0, ROWS)
+    is_q = r < G
+    is_k = r == G
+    dt = qo_ptr.dtype.element_ty
+    q_rows = q_ptr + b * sqb + (j * G + r) * sqh + t * sqt
+    k_rows = k_ptr + b * skb + j * skh + t * skt + r * 0
+    qo_rows = qo_ptr + ((n * H_KV + j) * G + r) * D
+    ko_rows = ko_ptr + (n * H_KV + j) * D + r * 0
+    HALF: tl.constexpr = D // 2
+    acc = tl.zeros([ROWS, D], dtype=tl.float32)
+    for k0 in tl.static_range(0, D, BK):
+        c = k0 + tl.arange(0, BK)
+        partner = (c + HALF) % D  # rotate_half: [-x2, x1]
+        sign = tl.where(c < HALF, -1.0, 1.0)
+        x = tl.where(is_q[:, None], tl.load(q_rows[:, None] + c[None, :], mask=is_q[:, None], other=0.0),
+                     tl.load(k_rows[:, None] + c[None, :], mask=is_k[:, None], other=0.0)).to(tl.float32)
+        xp = tl.where(is_q[:, None], tl.load(q_rows[:, None] + partner[None, :], mask=is_q[:, None], other=0.0),
+                      tl.load(k_rows[:, None] + partner[None, :], mask=is_k[:, None], other=0.0)).to(tl.float32)
+        cos = tl.load(cos_ptr + b * scb + t * sct + c).to(tl.float32)
+        sin = tl.load(sin_ptr + b * ssb + t * sst + c).to(tl.float32)
+        y = ((x * cos[None, :]).to(dt).to(tl.float32) + (sign[None, :] * xp * sin[None, :]).to(dt).to(tl.float32))
+        y = y.to(dt).to(tl.float32)
+        if HAS_ROT:
+            if HAS_MEAN:
+                mu = tl.load(mean_ptr + (j // rot_group) * D + c)
+                y = y - tl.where(is_k[:, None], mu[None, :], 0.0)
+            cols = tl.arange(0, D)
+            R = tl.load(rot_ptr + (j // rot_group) * D * D + c[:, None] * D + cols[None, :])
+            acc += tl.dot(y, R, input_precision="ieee")
+        else:
+            tl.store(qo_rows[:, None] + c[None, :], y.to(dt), mask=is_q[:, None])
+            tl.store(ko_rows[:, None] + c[None, :], y.to(dt), mask=is_k[:, None])
+    if HAS_ROT:
+        cols = tl.arange(0, D)
+        tl.store(qo_rows[:, None] + cols[None, :], acc.to(dt), mask=is_q[:, None])
+        tl.store(ko_rows[:, None] + cols[None, :], acc.to(dt), mask=is_k[:, None])
+
+
+def rope_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Shapes the kernel handles (others take the reference): D a multiple of 32, H_q = g * H_kv."""
+    D = q.shape[-1]
+    return D % 32 == 0 and q.shape[1] % k.shape[1] == 0 and q.shape[1] // k.shape[1] < 64
+
+
+def rope_triton(q, k, cos, sin, rot=None, mean=None):
+    """See elementwise_ref.rope_ref; outputs stored [B, T, H, D], returned as [B, H, T, D] views."""
+    B, H_q, T, D = q.shape
+    H_kv = k.shape[1]
+    G = H_q // H_kv
+    if rot is not None:
+        check_rotate_args(k, rot, mean)
+    if cos.shape != (B, T, D) or sin.shape != (B, T, D):
+        raise ValueError(f"cos/sin must be [{B}, {T}, {D}], got {tuple(cos.shape)} / {tuple(sin.shape)}")
+    q_out = torch.empty(B, T, H_q, D, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(B, T, H_kv, D, dtype=k.dtype, device=k.device)
+    if B * T:
+        rows = triton.next_power_of_2(G + 1)
+        if rot is not None:
+            rows = max(16, rows)  # the dot's smallest M
+        rot_arg = rot.float().contiguous() if rot is not None else q
+        mean_arg = mean.float().contiguous() if mean is not None else q
+        rot_group = H_kv // rot.shape[0] if rot is not None else 1
+        _rope_kernel[(B * T, H_kv)](
+            q, k, cos, sin, rot_arg, mean_arg, q_out, k_out, T, rot_group,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+            H_KV=H_kv, G=G, D=D, ROWS=rows, BK=32, HAS_ROT=rot is not None, HAS_MEAN=mean is not None,
+            num_warps=4)
+    return q_out.transpose(1, 2), k_out.transpose(1, 2)
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu rounds to the dtype before the product
+    tl.store(out_ptr + offs, (s * u).to(dt), mask=mask)
+
+
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate and up must match, got {tuple(gate.shape)} {gate.dtype} / {tuple(up.shape)} {up.dtype}")
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, num_warps=4)
+    return out

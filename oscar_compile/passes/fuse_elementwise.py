@@ -1,0 +1,179 @@
+"""Swap chains of small kernels for the fused ``oscar::`` ops: RMSNorm, RoPE (+ R_K), SiLU-mul.
+
+Why: at batch 1 a decode step is bound by kernel launches, not bytes: each layer runs four
+RMSNorms of eight kernels, a RoPE of about ten, two rotations of four, and the MLP's SiLU and
+product, ~45 launches that the fused ops do in 6 (kernels/elementwise_ref.py). With the GEMMs
+and attention fixed, these launches are what is left of the step.
+
+Nothing is swapped on faith: before a module's forward (or a traced ``apply_rotary_pos_emb``) is
+replaced, it and the op's reference run on the same probe inputs and must agree bitwise. What
+differs, e.g. a Gemma-style ``(1 + w)`` norm or an interleaved RoPE, is left as it is. On the CPU
+the references are the Hugging Face formulas op for op, so a fused model's logits do not change.
+"""
+from __future__ import annotations
+
+import types
+from typing import Callable, Optional
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.elementwise_ref import rms_norm_ref, rope_ref
+from .sites import AttentionSite
+
+_PROBE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _probe(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+# ------------------------------------------------------------------ RMSNorm modules
+def _rms_epsilon(module: nn.Module) -> Optional[float]:
+    for name in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(module, name, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+def _fused_rms_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return torch.ops.oscar.rms_norm(hidden_states, self.weight, self.oscar_eps)
+
+
+def _computes_rms_norm(module: nn.Module, eps: float) -> bool:
+    """The module's forward equals rms_norm_ref on probes (a CPU copy of its weight)."""
+    weight = module.weight.detach().to("cpu")
+    twin = types.SimpleNamespace(**{k: v for k, v in vars(module).items() if not k.startswith("_")})
+    twin.weight = weight
+    for dtype in _PROBE_DTYPES:
+        x = _probe((3, weight.shape[0]), dtype, seed=1)
+        w = weight.to(dtype) if weight.is_floating_point() else weight
+        twin.weight = w
+        try:
+            original = type(module).forward(twin, x)
+        except Exception:  # a forward that needs more than its attributes is not the formula we know
+            return False
+        if not _same(original, rms_norm_ref(x, w, eps)):
+            return False
+    return True
+
+
+def fuse_rms_norms(model: nn.Module) -> int:
+    """Give every RMSNorm that computes ``w * rms_normalise(x)`` the fused op; returns how many."""
+    fused = 0
+    checked: dict[tuple[type, float], bool] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        eps = _rms_epsilon(module)
+        if not type(module).__name__.endswith("RMSNorm") or eps is None:
+            continue
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or getattr(module, "bias", None) is not None:
+            continue
+        key = (type(module), eps)
+        if key not in checked:
+            checked[key] = _computes_rms_norm(module, eps)
+        if checked[key]:
+            module.oscar_eps = eps
+            module.forward = types.MethodType(_fused_rms_forward, module)
+            fused += 1
+    return fused
+
+
+# ------------------------------------------------------------------ gated MLPs
+def _fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(torch.ops.oscar.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def _is_silu(act: Callable) -> bool:
+    for dtype in _PROBE_DTYPES:
+        x = _probe((4, 64), dtype, seed=2)
+        try:
+            if not _same(act(x), F.silu(x)):
+                return False
+        except Exception:
+            return False
+    return True
+
+
+def fuse_gated_mlps(model: nn.Module) -> int:
+    """MLPs computing ``down(silu(gate(x)) * up(x))`` get ``oscar::silu_mul``; returns how many."""
+    fused = 0
+    standard: dict[type, bool] = {}
+    for module in model.modules():
+        parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+        if not all(isinstance(p, nn.Linear) for p in parts) or not callable(getattr(module, "act_fn", None)):
+            continue
+        if type(module) not in standard:
+            standard[type(module)] = _standard_mlp(type(module))
+        if standard[type(module)] and _is_silu(module.act_fn):
+            module.forward = types.MethodType(_fused_mlp_forward, module)
+            fused += 1
+    return fused
+
+
+class _Recorder:
+    """Stands for an MLP's submodules in a probe: records the calls its forward makes."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def part(self, name: str) -> Callable:
+        def call(x):
+            self.calls.append(name)
+            return x + len(name)  # distinct per projection, so a swapped gate / up changes the result
+        return call
+
+
+def _standard_mlp(cls: type) -> bool:
+    """The class's forward is down(act(gate(x)) * up(x)): checked with recording stand-ins."""
+    recorder = _Recorder()
+    twin = types.SimpleNamespace(**{name: recorder.part(name) for name in ("gate_proj", "up_proj", "down_proj")})
+    twin.act_fn = torch.sigmoid
+    x = _probe((2, 8), torch.float32, seed=3)
+    try:
+        out = cls.forward(twin, x)
+    except Exception:
+        return False
+    expected = (torch.sigmoid(x + len("gate_proj")) * (x + len("up_proj"))) + len("down_proj")
+    return isinstance(out, torch.Tensor) and _same(out, expected)
+
+
+# ------------------------------------------------------------------ RoPE in a traced attention graph
+def _rope_matches(rope_fn: Callable) -> bool:
+    """``rope_fn(q, k, cos, sin)`` equals rope_ref on probes (values; the layouts differ)."""
+    for dtype in _PROBE_DTYPES:
+        q, k = _probe((1, 4, 3, 32), dtype, seed=4), _probe((1, 2, 3, 32), dtype, seed=5)
+        cos, sin = _probe((1, 3, 32), dtype, seed=6), _probe((1, 3, 32), dtype, seed=7)
+        try:
+            got = rope_fn(q, k, cos, sin)
+        except Exception:
+            return False
+        want = rope_ref(q, k, cos, sin)
+        if not (isinstance(got, tuple) and len(got) == 2 and all(_same(g, w) for g, w in zip(got, want))):
+            return False
+    return True
+
+
+def fuse_rope(graph: torch.fx.Graph, site: AttentionSite, rotate: bool, has_mean: bool) -> bool:
+    """Replace ``apply_rotary_pos_emb(q, k, cos, sin)``, and with ``rotate`` the key / query rotation
+    by the module buffers ``oscar_rot_k`` (``oscar_k_mean``), by one ``oscar::rope`` node. False,
+    and the graph untouched, when the traced RoPE is not the rotate-half formula."""
+    rope = site.rope
+    if len(rope.args) != 4 or rope.kwargs or not _rope_matches(rope.target):
+        return False
+    with graph.inserting_before(rope):
+        rot = graph.get_attr("oscar_rot_k") if rotate else None
+        mean = graph.get_attr("oscar_k_mean") if has_mean else None
+        fused = graph.call_function(torch.ops.oscar.rope.default, (*rope.args, rot, mean))
+    rope.replace_all_uses_with(fused)
+    graph.erase_node(rope)
+    site.rope = fused
+    return True
