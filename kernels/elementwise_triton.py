@@ -108,8 +108,9 @@ def rope_triton(q, k, cos, sin, rot=None, mean=None):
     G = H_q // H_kv
     if rot is not None:
         check_rotate_args(k, rot, mean)
-    if cos.shape != (B, T, D) or sin.shape != (B, T, D):
-        raise ValueError(f"cos/sin must be [{B}, {T}, {D}], got {tuple(cos.shape)} / {tuple(sin.shape)}")
+    if cos.shape not in ((B, T, D), (1, T, D)) or sin.shape != cos.shape:
+        raise ValueError(f"cos/sin must be [{B} or 1, {T}, {D}], got {tuple(cos.shape)} / {tuple(sin.shape)}")
+    cos, sin = cos.expand(B, T, D), sin.expand(B, T, D)  # positions shared by the batch: stride 0
     q_out = torch.empty(B, T, H_q, D, dtype=q.dtype, device=q.device)
     k_out = torch.empty(B, T, H_kv, D, dtype=k.dtype, device=k.device)
     if B * T:

@@ -75,6 +75,8 @@ def test_rope_without_rotation_is_bitwise(tdevice, dtype, B, H_q, H_kv, T, D):
     from oscar_compile.kernels.elementwise_triton import rope_triton
 
     q, k, cos, sin = _rope_inputs(B, H_q, H_kv, T, D, dtype, tdevice)
+    if B > 1:  # positions shared by the batch: cos / sin [1, T, D], broadcast
+        cos, sin = cos[:1], sin[:1]
     got, want = rope_triton(q, k, cos, sin), rope_ref(q, k, cos, sin)
     for g, w in zip(got, want):
         assert g.stride() == w.stride()  # token-major storage, as the paged ops read it
