@@ -15,34 +15,46 @@ from oscar_compile.kernels.rotate_ref import check_rotate_args
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, stride_x, stride_o, eps,
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, inner, stride_outer, stride_inner, eps,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """Rows of ``x`` seen as [outer, inner] with two strides (a head view of a merged projection
+    is not one uniform stride: [B * T, H] rows)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < D)
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    src = (rows // inner).to(tl.int64) * stride_outer + (rows % inner) * stride_inner
+    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
     h = (x * inv[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF rounds to the input dtype here
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], (w[None, :] * h).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :],
+             (w[None, :] * h).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_two_strides(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as [outer, inner, D] with a unit last stride, copying only when no such view exists."""
+    D = x.shape[-1]
+    inner = x.shape[-2] if x.dim() > 1 else 1
+    try:
+        x3 = x.view(-1, inner, D)
+    except RuntimeError:
+        x3 = x.reshape(-1, inner, D)
+    return x3 if x3.stride(-1) == 1 else x3.contiguous()
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     D = x.shape[-1]
     if weight.shape != (D,):
         raise ValueError(f"weight must be [{D}], got {tuple(weight.shape)}")
-    x2 = x.reshape(-1, D)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    n = x2.shape[0]
-    if n == 0:
+    if x.numel() == 0:
         return out
+    x3 = _as_two_strides(x)
+    n, inner = x3.shape[0] * x3.shape[1], x3.shape[1]
     block_d = triton.next_power_of_2(D)
     rows = max(1, min(16, 2048 // block_d))
     _rms_norm_kernel[(triton.cdiv(n, rows),)](
-        x2, weight, out, n, x2.stride(0), D, float(eps), D=D, BLOCK_D=block_d, ROWS=rows,
+        x3, weight, out, n, inner, x3.stride(0), x3.stride(1), float(eps), D=D, BLOCK_D=block_d, ROWS=rows,
         num_warps=8 if block_d >= 4096 else 4)
     return out
 
@@ -130,22 +142,33 @@ def rope_triton(q, k, cos, sin, rot=None, mean=None):
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, width, stride_g, stride_u, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
     s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu rounds to the dtype before the product
-    tl.store(out_ptr + offs, (s * u).to(dt), mask=mask)
+    tl.store(out_ptr + row * width + cols, (s * u).to(dt), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[rows, width] with a unit last stride; the two halves of a merged gate/up GEMM are views."""
+    try:
+        x2 = x.view(-1, x.shape[-1])
+    except RuntimeError:
+        x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"gate and up must match, got {tuple(gate.shape)} {gate.dtype} / {tuple(up.shape)} {up.dtype}")
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    if n:
-        _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, num_warps=4)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if gate.numel():
+        g2, u2 = _rows(gate), _rows(up)
+        width = g2.shape[1]
+        _silu_mul_kernel[(g2.shape[0], triton.cdiv(width, 1024))](
+            g2, u2, out, width, g2.stride(0), u2.stride(0), BLOCK=1024, num_warps=4)
     return out

@@ -3,7 +3,8 @@
 Per layer: trace the attention forward (trace.py), find its pieces (sites.py), fold R_V into the
 weights (fold_values.py), rotate keys and queries after RoPE (rotate_keys.py; with ``fuse``, one
 ``oscar::rope`` node does RoPE and the rotation, fuse_elementwise.py), and swap the attention for
-the oscar ops (swap_attention.py). With ``fuse``, RMSNorms and gated MLPs get fused ops too.
+the oscar ops (swap_attention.py). With ``fuse``, RMSNorms and gated MLPs get fused ops too, and
+q/k/v and gate/up one GEMM each (merge_projections.py).
 The rewritten graph becomes the module's forward; it stays inspectable as ``module.oscar_graph``
 (a GraphModule: print its ``.graph`` or ``.code``). A forward pre-hook on the model hands the rewritten layers an
 :class:`~oscar_compile.passes.hf_cache.OscarCache` whenever the model is asked to cache.
@@ -25,6 +26,7 @@ from ..quant import bits_per_element
 from ..spec import CompressionSpec, LayerSpec
 from .fold_values import fold_value_rotation
 from .fuse_elementwise import fuse_gated_mlps, fuse_rms_norms, fuse_rope
+from .merge_projections import merge_qkv
 from .hf_cache import OscarCache
 from .rotate_keys import insert_key_rotation
 from .sites import find_attention_site
@@ -48,6 +50,7 @@ class LayerReport:
     attention: str  # "oscar::attention" or the model's implementation
     notes: list[str] = field(default_factory=list)
     rope_fused: bool = False  # RoPE (and the key / query rotation) is one oscar::rope node
+    qkv_merged: bool = False  # q, k, v projections are one GEMM (merge_projections)
 
 
 @dataclass
@@ -116,6 +119,7 @@ def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelF
             notes.append("RoPE not fused: not the rotate-half formula")
         if rotate:
             insert_key_rotation(graph, site, has_mean=mean is not None)
+    qkv_merged = fuse and merge_qkv([attn, gm], graph)
     attention = swap_in_oscar_attention(graph, site, layer, float(attn.scaling))
     if getattr(attn, "sliding_window", None):
         notes.append(f"sliding window {attn.sliding_window} not applied: attends to the whole context")
@@ -124,7 +128,7 @@ def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelF
     attn.__dict__["oscar_graph"] = gm  # not a submodule: its parameters are the module's own
     attn.forward = types.MethodType(_oscar_forward, attn)
     return LayerReport(i, "rewritten", layer.kv_cache.bits, layer.key.rotation, layer.value.rotation,
-                       mean is not None, folded, attention, notes, rope_fused)
+                       mean is not None, folded, attention, notes, rope_fused, qkv_merged)
 
 
 def _kept_layer(layer: LayerSpec, attn: nn.Module) -> LayerReport:
@@ -161,8 +165,10 @@ def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: b
     """Rewrite ``model`` (a supported HF causal LM) in place; returns what was done per layer.
 
     ``fuse``: also swap RMSNorm, RoPE (with the key rotation) and the MLP's SiLU-product for the
-    fused ``oscar::`` ops (fuse_elementwise.py): same values on the CPU, a fraction of the kernel
-    launches on a GPU. Off, the model keeps its own elementwise code (e.g. to measure the gain).
+    fused ``oscar::`` ops (fuse_elementwise.py), and run q/k/v and gate/up as one GEMM each
+    (merge_projections.py): same values on the CPU, a fraction of the kernel launches on a GPU.
+    Off, the model keeps its own code (e.g. to measure the gain). Move the model to its device
+    before: the merged GEMMs' weights are shared views that a later ``.to()`` would copy apart.
     """
     if hasattr(model, _APPLIED):
         raise RuntimeError("oscar_compile.apply was already applied to this model; load a fresh copy to apply again")
@@ -183,8 +189,9 @@ def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: b
     _install_cache_hook(model, layers, [r.action == "rewritten" for r in reports])
     fused = {}
     if fuse:
-        fused = {"rms_norm": fuse_rms_norms(model), "silu_mul": fuse_gated_mlps(model),
-                 "rope": sum(r.rope_fused for r in reports)}
+        silu_mul, gate_up = fuse_gated_mlps(model)
+        fused = {"rms_norm": fuse_rms_norms(model), "silu_mul": silu_mul, "rope": sum(r.rope_fused for r in reports),
+                 "qkv_gemm": sum(r.qkv_merged for r in reports), "gate_up_gemm": gate_up}
     report = ApplyReport(fp, reports, spec, fused)
     setattr(model, _APPLIED, report)
     logger.info("oscar_compile rewrote %d of %d layers", sum(r.action == "rewritten" for r in reports), len(reports))

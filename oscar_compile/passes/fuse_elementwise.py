@@ -1,5 +1,7 @@
 """Swap chains of small kernels for the fused ``oscar::`` ops: RMSNorm, RoPE (+ R_K), SiLU-mul.
 
+(The gated MLP's gate and up projections also become one GEMM here: merge_projections.py.)
+
 Why: at batch 1 a decode step is bound by kernel launches, not bytes: each layer runs four
 RMSNorms of eight kernels, a RoPE of about ten, two rotations of four, and the MLP's SiLU and
 product, ~45 launches that the fused ops do in 6 (kernels/elementwise_ref.py). With the GEMMs
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.elementwise_ref import rms_norm_ref, rope_ref
+from .merge_projections import merge_gate_up
 from .sites import AttentionSite
 
 _PROBE_DTYPES = (torch.float32, torch.bfloat16)
@@ -92,6 +95,12 @@ def _fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(torch.ops.oscar.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
+def _merged_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    gate_up = F.linear(x, self.oscar_gate_up_weight)  # merge_projections: [gate | up] in one GEMM
+    width = self.gate_proj.out_features
+    return self.down_proj(torch.ops.oscar.silu_mul(gate_up[..., :width], gate_up[..., width:]))
+
+
 def _is_silu(act: Callable) -> bool:
     for dtype in _PROBE_DTYPES:
         x = _probe((4, 64), dtype, seed=2)
@@ -103,9 +112,10 @@ def _is_silu(act: Callable) -> bool:
     return True
 
 
-def fuse_gated_mlps(model: nn.Module) -> int:
-    """MLPs computing ``down(silu(gate(x)) * up(x))`` get ``oscar::silu_mul``; returns how many."""
-    fused = 0
+def fuse_gated_mlps(model: nn.Module) -> tuple[int, int]:
+    """MLPs computing ``down(silu(gate(x)) * up(x))`` get ``oscar::silu_mul``, and where the
+    weights allow, one GEMM for gate and up (merge_projections); returns (fused, merged) counts."""
+    fused = merged = 0
     standard: dict[type, bool] = {}
     for module in model.modules():
         parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
@@ -114,9 +124,10 @@ def fuse_gated_mlps(model: nn.Module) -> int:
         if type(module) not in standard:
             standard[type(module)] = _standard_mlp(type(module))
         if standard[type(module)] and _is_silu(module.act_fn):
-            module.forward = types.MethodType(_fused_mlp_forward, module)
-            fused += 1
-    return fused
+            one_gemm = merge_gate_up(module)
+            module.forward = types.MethodType(_merged_mlp_forward if one_gemm else _fused_mlp_forward, module)
+            fused, merged = fused + 1, merged + one_gemm
+    return fused, merged
 
 
 class _Recorder:

@@ -46,12 +46,16 @@ def test_rms_norm(tdevice, dtype, shape):
     _within_ulp(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
 
 
-def test_rms_norm_reads_a_strided_input(tdevice):
+def test_rms_norm_reads_strided_inputs(tdevice):
     from oscar_compile.kernels.elementwise_triton import rms_norm_triton
 
-    x = _rand((4, 6, 64), torch.float32, tdevice, 2).transpose(0, 1)  # rows not contiguous
     w = _rand((64,), torch.float32, tdevice, 3)
+    x = _rand((4, 6, 64), torch.float32, tdevice, 2).transpose(0, 1)  # rows not contiguous
     _within_ulp(rms_norm_triton(x, w, 1e-5), rms_norm_ref(x, w, 1e-5))
+    # the key heads of a merged q/k/v projection: [B, T, H, D] rows, token stride 10 * 64
+    qkv = _rand((2, 3, 10 * 64), torch.float32, tdevice, 4)
+    k = qkv.narrow(-1, 6 * 64, 2 * 64).view(2, 3, 2, 64)
+    _within_ulp(rms_norm_triton(k, w, 1e-5), rms_norm_ref(k, w, 1e-5))
 
 
 def _rope_inputs(B, H_q, H_kv, T, D, dtype, device):
@@ -105,10 +109,15 @@ def test_rope_with_rotation(tdevice, per_head, centred, B, H_q, H_kv, T, D, dtyp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 1, 96), (3, 2, 1000)])
-def test_silu_mul(tdevice, dtype, shape):
+@pytest.mark.parametrize("merged", [False, True])
+def test_silu_mul(tdevice, dtype, shape, merged):
     from oscar_compile.kernels.elementwise_triton import silu_mul_triton
 
-    gate, up = _rand(shape, dtype, tdevice, 8) * 4, _rand(shape, dtype, tdevice, 9)
+    if merged:  # the two halves of one gate/up GEMM's output
+        both = _rand((*shape[:-1], 2 * shape[-1]), dtype, tdevice, 8)
+        gate, up = both[..., :shape[-1]], both[..., shape[-1]:]
+    else:
+        gate, up = _rand(shape, dtype, tdevice, 8) * 4, _rand(shape, dtype, tdevice, 9)
     got, want = silu_mul_triton(gate, up), silu_mul_ref(gate, up)
     if _truncating(got):
         return _loosely(got, want)

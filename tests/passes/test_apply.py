@@ -90,7 +90,7 @@ def test_graph_is_inspectable_and_report_lists_layers(fuse):
     text = str(report)
     assert "oscar::attention" in text and len(report.layers) == 2
     # two layers: 4 norms each (input, post-attention, q, k) + the final norm; one MLP and one RoPE each
-    assert report.fused == ({"rms_norm": 9, "silu_mul": 2, "rope": 2} if fuse else {})
+    assert report.fused == ({"rms_norm": 9, "silu_mul": 2, "rope": 2, "qkv_gemm": 2, "gate_up_gemm": 2} if fuse else {})
     assert ("fused ops: rms_norm x9" in text) == fuse
     assert report.bits_per_element() == pytest.approx(2 + 32 / 32)  # fp16 scale + zero per 32-channel group
 

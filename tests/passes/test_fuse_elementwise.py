@@ -33,7 +33,7 @@ def _decode_logits(model, ids, steps=6):
     return torch.cat(logits, 1)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])  # qwen2: q/k/v biases
 @pytest.mark.parametrize("bits", [16, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_model_gives_the_unfused_logits_bitwise(arch, bits, dtype):
@@ -44,9 +44,27 @@ def test_fused_model_gives_the_unfused_logits_bitwise(arch, bits, dtype):
     report = apply(fused, spec, rot)
     apply(plain, spec, rot, fuse=False)
     norms_per_layer = 4 if arch == "qwen3" else 2  # + q_norm, k_norm
-    assert report.fused == {"rms_norm": 2 * norms_per_layer + 1, "silu_mul": 2, "rope": 2}
+    assert report.fused == {"rms_norm": 2 * norms_per_layer + 1, "silu_mul": 2, "rope": 2, "qkv_gemm": 2,
+                            "gate_up_gemm": 2}
     ids = _ids((2, 56), 1)  # 50-token prompt: past sink + recent, so INT2 pages are read
     assert torch.equal(_decode_logits(fused, ids), _decode_logits(plain, ids))
+
+
+def test_merged_projections_keep_the_parameters_as_views():
+    model = tiny_model("qwen2", num_heads=8, num_kv_heads=2)
+    keys = set(model.state_dict())
+    count = sum(p.numel() for p in model.parameters())
+    spec = _spec(2)
+    apply(model, spec, calibrate(model, spec, [_ids((2, 32), 0)]))
+    assert set(model.state_dict()) == keys and sum(p.numel() for p in model.parameters()) == count
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    w, b = attn.oscar_qkv_weight, attn.oscar_qkv_bias
+    rows = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+    for linear, start in zip((attn.q_proj, attn.k_proj, attn.v_proj), (0, rows[0], rows[0] + rows[1])):
+        assert linear.weight.data_ptr() == w[start].data_ptr() and linear.bias.data_ptr() == b[start:].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == mlp.oscar_gate_up_weight[mlp.gate_proj.out_features].data_ptr()
+    code = attn.oscar_graph.code
+    assert "linear(hidden_states, oscar_qkv_weight" in code and code.count("torch.narrow") == 3 and "self.q_proj(" not in code
 
 
 class OffsetRMSNorm(nn.Module):
@@ -81,9 +99,9 @@ class GeluMLP(SwappedMLP):
 def test_other_formulas_are_left_alone():
     model = nn.Sequential(OffsetRMSNorm(16), SwappedMLP(16), GeluMLP(16, nn.GELU()))
     forwards = [vars(m).get("forward") for m in model]
-    assert fuse_rms_norms(model) == 0 and fuse_gated_mlps(model) == 0
+    assert fuse_rms_norms(model) == 0 and fuse_gated_mlps(model) == (0, 0)
     assert [vars(m).get("forward") for m in model] == forwards
-    assert fuse_gated_mlps(nn.Sequential(GeluMLP(16))) == 1  # the same class with SiLU is fused
+    assert fuse_gated_mlps(nn.Sequential(GeluMLP(16))) == (1, 1)  # the same class with SiLU is fused
 
 
 def test_a_rope_of_another_formula_keeps_its_own_code(monkeypatch):
