@@ -53,8 +53,9 @@ class _StepClock:
 
     def __init__(self, engine):
         self.steps: list[tuple[bool, float, float]] = []  # (decode only, step s, runner s)
+        self.shapes: list[tuple[int, int]] = []  # (sequences, tokens) of each step's batch
         self.arrivals: dict[str, list[float]] = {}  # request id -> time of each new token
-        self._runner_s, self._decode = 0.0, False
+        self._runner_s, self._decode, self._shape = 0.0, False, (0, 0)
         run, step = engine.runner.run, engine.step
 
         def timed_run(batch):
@@ -64,14 +65,17 @@ class _StepClock:
                 torch.cuda.synchronize()
             self._runner_s = time.perf_counter() - start
             self._decode = batch.num_tokens == batch.num_seqs
+            self._shape = (batch.num_seqs, batch.num_tokens)
             return logits
 
         def timed_step():
-            self._runner_s, self._decode = 0.0, False  # a step that schedules nothing runs no model
+            # a step that schedules nothing runs no model
+            self._runner_s, self._decode, self._shape = 0.0, False, (0, 0)
             start = time.perf_counter()
             outs = step()
             now = time.perf_counter()
             self.steps.append((self._decode, now - start, self._runner_s))
+            self.shapes.append(self._shape)
             for out in outs:
                 self.arrivals.setdefault(out.request_id, []).extend([now] * len(out.new_token_ids))
             return outs
@@ -81,10 +85,16 @@ class _StepClock:
     def summary(self) -> dict:
         decode = [(s, r) for is_decode, s, r in self.steps if is_decode]
         step_s = sum(s for s, _ in decode)
+        slowest = sorted(range(len(self.steps)), key=lambda i: -self.steps[i][1])[:8]
         return dict(decode_steps=len(decode),
                     per_user_tokens_per_s=per_user_rate(list(self.arrivals.values())),
                     host_share_of_decode_step=(step_s - sum(r for _, r in decode)) / step_s if step_s else None,
-                    decode_step_ms_median=statistics.median(s for s, _ in decode) * 1e3 if decode else None)
+                    decode_step_ms_median=statistics.median(s for s, _ in decode) * 1e3 if decode else None,
+                    decode_s=step_s, other_steps_s=sum(s for is_decode, s, _ in self.steps if not is_decode),
+                    # where a run's time went when it is slower than its median step says
+                    slowest_steps=[dict(index=i, decode=self.steps[i][0], seqs=self.shapes[i][0],
+                                        tokens=self.shapes[i][1], step_ms=self.steps[i][1] * 1e3,
+                                        runner_ms=self.steps[i][2] * 1e3) for i in slowest])
 
 
 def per_user_rate(arrivals: list[list[float]]) -> float | None:
