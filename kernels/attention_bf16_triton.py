@@ -18,7 +18,7 @@ from oscar_compile.kernels.attention_triton import LOG2E, dot_dtype, plan_launch
 from oscar_compile.kernels.quant_triton import search_steps
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "nsplit"])  # one compile for every batch (see search_steps)
 def _attn_bf16_kernel(
     q_ptr, k_ptr, v_ptr, cu_ptr, cub_ptr, lens_ptr, pt_ptr, kp_ptr, vp_ptr,
     out_ptr, po_ptr, pl_ptr, qk_scale, B, nsplit, sqn, sqh, skn, skh, svn, svh, stride_pt,
@@ -129,7 +129,7 @@ def attention_bf16_triton(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, 
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])
 def _write_bf16_kernel(k_ptr, v_ptr, cu_ptr, lens_ptr, pt_ptr, kp_ptr, vp_ptr, B, skn, skh, svn, svh, stride_pt,
                        H_KV: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_D: tl.constexpr, LOG_B: tl.constexpr):

@@ -71,7 +71,7 @@ def _write_one(x_new, x_ptr_win, codes_ptr, scale_ptr, zero_ptr, rows_win, win_m
     tl.store(x_ptr_win + rows_win[:, None] * D + d, x_new, mask=win_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "B"])  # one compile for every batch (see search_steps)
 def _cache_write_kernel(
     k_ptr, v_ptr, rot_ptr, mean_ptr, cu_ptr, lens_ptr, hist_ptr, wt_ptr, qt_ptr,
     kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,

@@ -14,7 +14,7 @@ import triton.language as tl
 from oscar_compile.kernels.rotate_ref import check_rotate_args
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "inner"])
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, inner, stride_outer, stride_inner, eps,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
     """Rows of ``x`` seen as [outer, inner] with two strides (a head view of a merged projection
@@ -59,7 +59,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, rot_ptr, mean_ptr, qo_ptr, ko_ptr, T, rot_group,
                  sqb, sqh, sqt, skb, skh, skt, scb, sct, ssb, sst,
                  H_KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
