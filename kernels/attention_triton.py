@@ -39,7 +39,9 @@ def _note_asm_failure() -> None:
                  exc_info=True)
 
 
-@triton.jit(do_not_specialize=["B", "nsplit"])  # one compile for every batch (see search_steps)
+# B and nsplit stay specialized (1 / multiple of 16 / other): without, batch-1 decode measured up to
+# 40 % slower on the H200 (2026-11-30). The runner compiles those variants at startup instead.
+@triton.jit
 def _attn_kernel(
     q_ptr, k_ptr, v_ptr, cu_ptr, cub_ptr, lens_ptr, hist_ptr, wt_ptr, qt_ptr,
     kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,

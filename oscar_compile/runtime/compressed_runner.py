@@ -10,7 +10,8 @@ On CUDA the ops run the Triton kernels, on CPU their references; decode steps re
 graphs (:mod:`oscar_compile.runtime.cuda_graphs`).
 
 Every pool has one extra *scratch* page (the last id) that no sequence owns: the padding rows of
-a graph replay write and read only there. Hugging Face's mask construction is skipped during
+a graph replay write and read only there, and so do the prefill-shaped steps that compile the
+kernels' variants when the runner starts on a GPU. Hugging Face's mask construction is skipped during
 the forward (the rewritten layers never read a mask; the ops mask causally themselves), which
 also keeps host syncs out of captured graphs.
 """
@@ -106,6 +107,8 @@ class CompressedRunner:
 
             self.graphs = DecodeGraphs(self, min(max_graph_batch, max_num_seqs))
             self.graphs.capture_all(layout)
+        if self.device.type == "cuda":
+            self._compile_prefill_kernels(layout)
 
     def _layer_pools(self, layout: CacheLayout, layer: int, num_window: int, num_quant: int, dtype) -> tuple:
         fmt = layout.format_of(layer)
@@ -115,6 +118,33 @@ class CompressedRunner:
             return pages, torch.zeros_like(pages)
         return tuple(allocate_pools(num_quant, num_window, H, P, D, fmt.bits, fmt.group_size,
                                     fmt.scale_dtype, dtype, self.device))
+
+    @torch.no_grad()
+    def _compile_prefill_kernels(self, layout: CacheLayout) -> None:
+        """Run prefill-shaped steps on the scratch pages now, so that Triton compiles the variants
+        they need here and not in the middle of a running batch (seconds each: an H200 batch of 16
+        lost 15 s so). The attention kernels specialize on one sequence / a multiple of 16 / other
+        and plan split or unsplit launches by chunk size: each pair is run once. Only scratch
+        pages are written (the graphs' padding rows use them too)."""
+        budget = self.inputs.max_tokens
+        longest = self.quant_width * layout.page_size - 1
+        for num_seqs in sorted({1, min(2, self.inputs.max_seqs), min(16, self.inputs.max_seqs)}):
+            for chunk in (8, min(2048, budget // num_seqs, longest)):
+                if chunk > 2:  # at most 2 tokens per sequence would be a decode-shaped step
+                    self.run(self._scratch_batch(layout, num_seqs, chunk))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _scratch_batch(self, layout: CacheLayout, num_seqs: int, chunk: int) -> Batch:
+        """``num_seqs`` new sequences of ``chunk`` tokens whose every page is a scratch page."""
+        window = layout.num_window_pages_per_seq
+        quant = min(self.quant_width, math.ceil(chunk / layout.page_size))
+        seqs = range(num_seqs)
+        return Batch(seq_ids=[-1 - i for i in seqs], token_ids=[[0] * chunk for _ in seqs],
+                     positions=[list(range(chunk)) for _ in seqs], cache_lens=[0] * num_seqs,
+                     history_lens=[0] * num_seqs, window_tables=[[self.scratch_window] * window for _ in seqs],
+                     quant_tables=[[self.scratch_quant] * quant for _ in seqs],
+                     context_token_ids=[[0] * chunk for _ in seqs], layout=layout)
 
     def _step_inputs(self, max_seqs: int, max_tokens: int) -> StepInputs:
         return StepInputs(max_seqs, max_tokens, self.layout.num_window_pages_per_seq, self.quant_width,

@@ -167,3 +167,25 @@ def test_mask_bypass_restores_every_config():
     with _without_hf_masks(config):
         assert all(part._attn_implementation == _NO_MASK_IMPLEMENTATION for part in parts)
     assert [part._attn_implementation for part in parts] == ["sdpa", "eager", "sdpa"]
+
+
+def test_kernel_warm_up_steps_touch_only_the_scratch_pages(setup):
+    """The prefill-shaped steps a GPU runner runs at startup (to compile kernel variants) write
+    the scratch pages only: run mid-service here, they change no other page and no output."""
+    tokenizer, model, rot = setup
+    config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=256,
+                          enable_prefix_caching=False)
+    llm = LLM(copy.deepcopy(model), spec=SPEC, rotations=rot, tokenizer=tokenizer, config=config)
+    runner = llm.engine.runner
+    prompts = _prompts(len(tokenizer), [5, 30])
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    first = [o.token_ids for o in llm.generate(prompts, params)]
+    before = [[t.clone() for t in pools] for pools in runner.pools]
+    runner._compile_prefill_kernels(runner.layout)
+    scratch_written = False
+    for now_pools, then_pools in zip(runner.pools, before):
+        for now, then in zip(now_pools, then_pools):
+            assert torch.equal(now[:-1], then[:-1])  # every page but the last (scratch) one
+            scratch_written |= not torch.equal(now[-1], then[-1])
+    assert scratch_written
+    assert [o.token_ids for o in llm.generate(prompts, params)] == first
