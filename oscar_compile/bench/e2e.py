@@ -11,7 +11,9 @@ decode tokens/s, the same way for every system: per request, (tokens - 1) / (tim
 token - time of its first token), averaged over requests (prefill chunks of other requests that
 run meanwhile count in). For the runtime also: the median decode-only step, and the host share
 of decode-only steps (the step's wall time outside ``runner.run``: scheduling, bookkeeping,
-sampling, detokenizing; the runner's own input packing counts as runner time). The tokenizer is
+sampling, detokenizing; the runner's own input packing counts as runner time), the time in
+decode-only and in other (prefill / mixed) steps, and the eight slowest steps with their shapes
+(a step far above the median is usually a kernel compile). The tokenizer is
 a stub that spells token ids (random weights need no real vocabulary); it is not cheaper than a
 fast tokenizer's decode.
 """
