@@ -136,8 +136,9 @@ class LLMEngine:
         if not rows:
             return []
         seqs = [out.seqs[i] for i in rows]
-        result = self.sampler(logits[torch.tensor(rows, device=logits.device)],
-                              [s.params for s in seqs], [s.seq_id for s in seqs])
+        if len(rows) < len(out.seqs):  # a decode step samples every row: no gather (and no copy of the index)
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        result = self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
         self._count_generated(len(seqs))
         outputs = []
         for j, seq in enumerate(seqs):

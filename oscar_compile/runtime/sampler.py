@@ -48,9 +48,9 @@ class Sampler:
                  seq_ids: list[int]) -> SampleResult:
         # logits: [B, V] any float dtype; computed in float32
         logits = logits.float()
-        greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
         token_ids = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(p.is_greedy for p in params):  # decided on the host: no copy, no sync
+            greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
             probs = filtered_probs(logits, params)
             noise = self._noise(probs, params, seq_ids)
             sampled = (probs / noise).argmax(dim=-1)
