@@ -29,11 +29,12 @@ def token_positions(cu_seqlens: torch.Tensor, cache_lens: torch.Tensor, num_toke
 def cache_write_bf16_ref(k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages) -> None:
     """Scatter k, v: [N, H_kv, D] into the pages at positions cache_lens[i] + t. Mutates the pages."""
     P = k_pages.shape[2]
-    seq, pos = token_positions(cu_seqlens, cache_lens, k.shape[0])
+    n = min(k.shape[0], int(cu_seqlens[-1]))  # tokens past cu[-1] are not written (no cache: cu = 0)
+    seq, pos = token_positions(cu_seqlens, cache_lens, n)
     page = page_table.long()[seq, pos // P]
     row = pos % P
-    k_pages[page, :, row] = k.to(k_pages.dtype)
-    v_pages[page, :, row] = v.to(v_pages.dtype)
+    k_pages[page, :, row] = k[:n].to(k_pages.dtype)
+    v_pages[page, :, row] = v[:n].to(v_pages.dtype)
 
 
 def attention_bf16_ref(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages, scale):

@@ -137,6 +137,8 @@ def _write_bf16_kernel(k_ptr, v_ptr, cu_ptr, lens_ptr, pt_ptr, kp_ptr, vp_ptr, B
                        BLOCK_D: tl.constexpr, LOG_B: tl.constexpr):
     """Token n -> row (pos % P) of page table[i, pos // P], every KV head at once."""
     n = tl.program_id(0)
+    if n >= tl.load(cu_ptr + B):  # tokens past cu[B] are not written (a cache-less forward passes cu = 0)
+        return
     i = seq_of_program(cu_ptr, n, B, LOG_B)
     pos = tl.load(lens_ptr + i) + n - tl.load(cu_ptr + i)
     page = tl.load(pt_ptr + i * stride_pt + pos // P).to(tl.int64)
@@ -144,8 +146,8 @@ def _write_bf16_kernel(k_ptr, v_ptr, cu_ptr, lens_ptr, pt_ptr, kp_ptr, vp_ptr, B
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < H_KV) & (d < D)
     dst = ((page * H_KV + h) * P + pos % P) * D + d
-    k = tl.load(k_ptr + n * skn + h * skh + d, mask=mask)
-    v = tl.load(v_ptr + n * svn + h * svh + d, mask=mask)
+    k = tl.load(k_ptr + n.to(tl.int64) * skn + h * skh + d, mask=mask)
+    v = tl.load(v_ptr + n.to(tl.int64) * svn + h * svh + d, mask=mask)
     tl.store(kp_ptr + dst, k.to(kp_ptr.dtype.element_ty), mask=mask)
     tl.store(vp_ptr + dst, v.to(vp_ptr.dtype.element_ty), mask=mask)
 

@@ -22,7 +22,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, inner, stride_outer, stride_
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < D)
-    src = (rows // inner).to(tl.int64) * stride_outer + (rows % inner) * stride_inner
+    src = (rows // inner).to(tl.int64) * stride_outer + (rows % inner).to(tl.int64) * stride_inner
     x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
     h = (x * inv[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF rounds to the input dtype here
@@ -65,7 +65,7 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, rot_ptr, mean_ptr, qo_ptr, ko_p
                  H_KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
                  HAS_ROT: tl.constexpr, HAS_MEAN: tl.constexpr):
     """One token x one KV head: rows 0..G-1 are its G query heads, row G its key head."""
-    n = tl.program_id(0)
+    n = tl.program_id(0).to(tl.int64)  # offsets of a large batch pass 2^31 (64 x 8k tokens x 32 heads x 128)
     j = tl.program_id(1)
     b = n // T
     t = n % T
@@ -107,10 +107,13 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, rot_ptr, mean_ptr, qo_ptr, ko_p
         tl.store(ko_rows[:, None] + cols[None, :], acc.to(dt), mask=is_k[:, None])
 
 
-def rope_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Shapes the kernel handles (others take the reference): D a multiple of 32, H_q = g * H_kv."""
+def rope_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Inputs the kernel handles (others take the reference): D a power of two >= 32, H_q = g * H_kv,
+    one dtype for all four (HF would promote a bf16 q times float32 cos), unit last strides."""
     D = q.shape[-1]
-    return D % 32 == 0 and q.shape[1] % k.shape[1] == 0 and q.shape[1] // k.shape[1] < 64
+    return (D >= 32 and D & (D - 1) == 0 and q.shape[1] % k.shape[1] == 0 and q.shape[1] // k.shape[1] < 64
+            and len({q.dtype, k.dtype, cos.dtype, sin.dtype}) == 1
+            and all(t.stride(-1) == 1 for t in (q, k, cos, sin)))
 
 
 def rope_triton(q, k, cos, sin, rot=None, mean=None):

@@ -226,13 +226,15 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
 @rope.register_fake
 def _(q, k, cos, sin, rot=None, mean=None):
     B, H_q, T, D = q.shape
-    return q.new_empty(B, T, H_q, D).transpose(1, 2), k.new_empty(B, T, k.shape[1], D).transpose(1, 2)
+    dtype = torch.promote_types(cos.dtype, sin.dtype)  # as the reference's products promote
+    return (q.new_empty(B, T, H_q, D, dtype=torch.promote_types(q.dtype, dtype)).transpose(1, 2),
+            k.new_empty(B, T, k.shape[1], D, dtype=torch.promote_types(k.dtype, dtype)).transpose(1, 2))
 
 
 @rope.register_kernel("cuda")
 def _(q, k, cos, sin, rot=None, mean=None):
     impl = _triton_impl("elementwise_triton", "rope_triton")
-    if impl is not None and _triton_impl("elementwise_triton", "rope_supported")(q, k):
+    if impl is not None and _triton_impl("elementwise_triton", "rope_supported")(q, k, cos, sin):
         return impl(q, k, cos, sin, rot, mean)
     return rope_ref(q, k, cos, sin, rot, mean)
 

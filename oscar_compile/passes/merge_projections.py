@@ -26,7 +26,8 @@ def concat_linears(linears: list[nn.Linear]) -> Optional[tuple[torch.Tensor, Opt
     """(weight, bias) of the stacked outputs, re-pointing each Linear to its slice; None when they
     cannot share one product (different inputs, dtypes or devices, or bias on some only)."""
     first = linears[0].weight
-    if any(l.in_features != linears[0].in_features or l.weight.dtype != first.dtype or l.weight.device != first.device
+    if any(type(l) is not nn.Linear or not l.weight.is_floating_point()  # not e.g. a quantized Linear subclass
+           or l.in_features != linears[0].in_features or l.weight.dtype != first.dtype or l.weight.device != first.device
            for l in linears):
         return None
     biased = [l.bias is not None for l in linears]
@@ -55,7 +56,7 @@ def merge_qkv(owners: list[nn.Module], graph: torch.fx.Graph) -> bool:
         return False
     inputs = {n.args[0] for n in nodes.values()}
     linears = [getattr(module, name) for name in QKV]
-    if len(inputs) != 1 or not all(isinstance(l, nn.Linear) for l in linears):
+    if len(inputs) != 1:
         return False
     merged = concat_linears(linears)
     if merged is None:

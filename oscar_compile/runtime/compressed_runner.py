@@ -129,7 +129,7 @@ class CompressedRunner:
         budget = self.inputs.max_tokens
         longest = self.quant_width * layout.page_size - 1
         for num_seqs in sorted({1, min(2, self.inputs.max_seqs), min(16, self.inputs.max_seqs)}):
-            for chunk in (8, min(2048, budget // num_seqs, longest)):
+            for chunk in sorted({min(8, longest), min(2048, budget // num_seqs, longest)}):
                 if chunk > 2:  # at most 2 tokens per sequence would be a decode-shaped step
                     self.run(self._scratch_batch(layout, num_seqs, chunk))
         if self.device.type == "cuda":

@@ -136,7 +136,10 @@ class LLMEngine:
         if not rows:
             return []
         seqs = [out.seqs[i] for i in rows]
-        if len(rows) < len(out.seqs):  # a decode step samples every row: no gather (and no copy of the index)
+        # a decode step samples every row: no gather (and no copy of the index). The logits may
+        # then be a replayed CUDA graph's output buffer: the sampler reads it out of place and
+        # syncs (tolist) before the next step can replay over it.
+        if len(rows) < len(out.seqs):
             logits = logits[torch.tensor(rows, device=logits.device)]
         result = self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
         self._count_generated(len(seqs))

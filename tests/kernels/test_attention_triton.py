@@ -185,6 +185,11 @@ def test_bf16_cache_write_is_the_reference_scatter(tdevice, dtype, H_kv, D):
     cache_write_bf16_ref(*args, *want)
     cache_write_bf16_triton(*args, *pages)
     assert all(torch.equal(a, b) for a, b in zip(pages, want))
+    # an all-zero write range (a forward without a cache) writes nothing, whatever k and v hold
+    nothing = (k, v, torch.zeros_like(args[2]), *args[3:])
+    cache_write_bf16_ref(*nothing, *want)
+    cache_write_bf16_triton(*nothing, *pages)
+    assert all(torch.equal(a, b) for a, b in zip(pages, want))
 
 
 def test_launch_plan_splits_by_whole_blocks_and_caps_split_length(monkeypatch):

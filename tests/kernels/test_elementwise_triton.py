@@ -124,3 +124,18 @@ def test_silu_mul(tdevice, dtype, shape, merged):
     # one ulp of the rounded silu, carried through the product, plus the product's own rounding
     bound = 2 * ULP[dtype] * (torch.nn.functional.silu(gate.float()).abs() * up.float().abs()).clamp_min(1e-3) + 1e-6
     assert ((got.float() - want.float()).abs() <= bound).all()
+
+
+def test_rope_leaves_what_the_kernel_cannot_take_to_the_reference():
+    pytest.importorskip("triton")
+    from oscar_compile.kernels.elementwise_triton import rope_supported
+
+    def inputs(D=128, H_q=8, dtype=torch.bfloat16, cos_dtype=torch.bfloat16):
+        q, k, cos, sin = _rope_inputs(1, H_q, 2, 3, D, dtype, "cpu")
+        return q, k, cos.to(cos_dtype), sin.to(cos_dtype)
+
+    assert rope_supported(*inputs())
+    assert not rope_supported(*inputs(D=96))  # a multiple of 32 but not a power of two
+    assert not rope_supported(*inputs(cos_dtype=torch.float32))  # HF would promote the products
+    q, k, cos, sin = inputs()
+    assert not rope_supported(q[..., ::2], k[..., ::2], cos[..., ::2], sin[..., ::2])  # strided last dim

@@ -127,3 +127,15 @@ def test_refusals():
     no_means = calibrate(tiny_model("qwen3"), _spec(2, "hadamard"))
     with pytest.raises(ArtifactError, match="no key means"):
         apply(tiny_model("qwen3"), _spec(2, "hadamard", center=True), no_means)
+
+
+def test_rewritten_16_bit_layers_run_without_a_cache():
+    """use_cache=False hands the paged 16-bit ops an all-zero write range: nothing is written."""
+    model = tiny_model("qwen3")
+    reference = copy.deepcopy(model)
+    spec = CompressionSpec.from_dict({"kv_cache": {"bits": 16}, "key": {"rotation": "none"},
+                                      "value": {"rotation": "none"}})
+    apply(model, spec, calibrate(model, spec, _calibration_batches()))
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.allclose(model(ids, use_cache=False).logits, reference(ids).logits, atol=1e-5)
