@@ -173,19 +173,19 @@ BF16_SPEC = CompressionSpec.from_dict({"kv_cache": {"bits": 16, "page_size": 4},
                                        "value": {"rotation": "none"}})
 
 
-@pytest.mark.parametrize("bf16, max_model_len, max_seqs", [(False, None, 64), (True, 6, 1)])
+@pytest.mark.parametrize("bf16, max_model_len, max_seqs", [(False, None, 64), (True, 4, 1)])
 def test_kernel_warm_up_steps_touch_only_the_scratch_pages(setup, bf16, max_model_len, max_seqs):
     """The prefill-shaped steps a GPU runner runs at startup (to compile kernel variants) write
     the scratch pages only: run mid-service here, they change no other page and no output. Also
-    with page tables two pages wide (BF16 mode, 4-token pages, 6-token context) and one sequence."""
+    with page tables one page wide (BF16 mode, 4-token pages, 4-token context) and one sequence."""
     tokenizer, model, rot = setup
     config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=256,
                           enable_prefix_caching=False, max_model_len=max_model_len, max_num_seqs=max_seqs)
     spec, rotations = (BF16_SPEC, None) if bf16 else (SPEC, rot)
     llm = LLM(copy.deepcopy(model), spec=spec, rotations=rotations, tokenizer=tokenizer, config=config)
     runner = llm.engine.runner
-    prompts = _prompts(len(tokenizer), [3, 4] if bf16 else [5, 30])
-    params = SamplingParams(max_tokens=2 if bf16 else 12, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(len(tokenizer), [2, 3] if bf16 else [5, 30])
+    params = SamplingParams(max_tokens=1 if bf16 else 12, temperature=0.0, ignore_eos=True)
     first = [o.token_ids for o in llm.generate(prompts, params)]
     before = [[t.clone() for t in pools] for pools in runner.pools]
     runner._compile_prefill_kernels(runner.layout)
