@@ -55,7 +55,6 @@ def _computes_rms_norm(module: nn.Module, eps: float) -> bool:
     """The module's forward equals rms_norm_ref on probes (a CPU copy of its weight)."""
     weight = module.weight.detach().to("cpu")
     twin = types.SimpleNamespace(**{k: v for k, v in vars(module).items() if not k.startswith("_")})
-    twin.weight = weight
     for dtype in _PROBE_DTYPES:
         x = _probe((3, weight.shape[0]), dtype, seed=1)
         w = weight.to(dtype) if weight.is_floating_point() else weight
@@ -130,30 +129,20 @@ def fuse_gated_mlps(model: nn.Module) -> tuple[int, int]:
     return fused, merged
 
 
-class _Recorder:
-    """Stands for an MLP's submodules in a probe: records the calls its forward makes."""
-
-    def __init__(self):
-        self.calls: list[str] = []
-
-    def part(self, name: str) -> Callable:
-        def call(x):
-            self.calls.append(name)
-            return x + len(name)  # distinct per projection, so a swapped gate / up changes the result
-        return call
+_SHIFTS = {"gate_proj": 1.0, "up_proj": 2.0, "down_proj": 3.0}
 
 
 def _standard_mlp(cls: type) -> bool:
-    """The class's forward is down(act(gate(x)) * up(x)): checked with recording stand-ins."""
-    recorder = _Recorder()
-    twin = types.SimpleNamespace(**{name: recorder.part(name) for name in ("gate_proj", "up_proj", "down_proj")})
+    """The class's forward is down(act(gate(x)) * up(x)): checked with stand-in projections that
+    shift their input by different amounts, so any other wiring changes the result."""
+    twin = types.SimpleNamespace(**{name: (lambda x, shift=shift: x + shift) for name, shift in _SHIFTS.items()})
     twin.act_fn = torch.sigmoid
     x = _probe((2, 8), torch.float32, seed=3)
     try:
         out = cls.forward(twin, x)
     except Exception:
         return False
-    expected = (torch.sigmoid(x + len("gate_proj")) * (x + len("up_proj"))) + len("down_proj")
+    expected = torch.sigmoid(x + _SHIFTS["gate_proj"]) * (x + _SHIFTS["up_proj"]) + _SHIFTS["down_proj"]
     return isinstance(out, torch.Tensor) and _same(out, expected)
 
 
