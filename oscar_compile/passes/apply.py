@@ -4,9 +4,9 @@ Per layer: trace the attention forward (trace.py), find its pieces (sites.py), f
 weights (fold_values.py), rotate keys and queries after RoPE (rotate_keys.py; with ``fuse``, one
 ``oscar::rope`` node does RoPE and the rotation, fuse_elementwise.py), and swap the attention for
 the oscar ops (swap_attention.py). With ``fuse``, RMSNorms and gated MLPs get fused ops too, and
-q/k/v and gate/up one GEMM each (merge_projections.py).
-The rewritten graph becomes the module's forward; it stays inspectable as ``module.oscar_graph``
-(a GraphModule: print its ``.graph`` or ``.code``). A forward pre-hook on the model hands the rewritten layers an
+q/k/v and gate/up one GEMM each (merge_projections.py). The rewritten graph becomes the module's
+forward; it stays inspectable as ``module.oscar_graph`` (a GraphModule: print its ``.graph`` or
+``.code``). A forward pre-hook on the model hands the rewritten layers an
 :class:`~oscar_compile.passes.hf_cache.OscarCache` whenever the model is asked to cache.
 """
 from __future__ import annotations

@@ -25,9 +25,10 @@ QKV = ("q_proj", "k_proj", "v_proj")
 def concat_linears(linears: list[nn.Linear]) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
     """(weight, bias) of the stacked outputs, re-pointing each Linear to its slice; None when they
     cannot share one product (different inputs, dtypes or devices, or bias on some only)."""
-    first = linears[0].weight
+    first = linears[0]
     if any(type(l) is not nn.Linear or not l.weight.is_floating_point()  # not e.g. a quantized Linear subclass
-           or l.in_features != linears[0].in_features or l.weight.dtype != first.dtype or l.weight.device != first.device
+           or (l.in_features, l.weight.dtype, l.weight.device) != (first.in_features, first.weight.dtype,
+                                                                   first.weight.device)
            for l in linears):
         return None
     biased = [l.bias is not None for l in linears]
