@@ -19,28 +19,32 @@ import triton.language as tl
 NEG_INIT = tl.constexpr(-1.0e30)
 
 
-def _dequant_asm(shift: int, mask: int) -> str:
-    """PTX for 4 packed codes -> 4 fp16 (two f16x2 registers), no int-to-float conversion.
+CODE_EXP = tl.constexpr(-24)  # a decoded code c of plane p is the fp16 number c * 2^(b*p - 24)
 
-    (byte >> shift) & mask gives one code per byte; prmt places each code byte under a 0x64 high
-    byte, i.e. the fp16 number 1024 + code (exact: the fp16 ulp at 1024 is 1); one f16x2
-    subtraction of (1024, 1024) leaves the code. About 1.5 instructions per element.
+
+def _dequant_asm(mask: int) -> str:
+    """PTX for 4 packed bytes -> the codes of one plane as 4 fp16 (two f16x2 registers).
+
+    Two byte permutes spread the bytes over the four 16-bit halves (byte i -> half i, high bytes
+    zero); one AND per register keeps the plane's bits in place. The 16-bit pattern (c << b*p) is
+    the fp16 subnormal c * 2^(b*p - 24): exact, no conversion, no offset to subtract. Output i
+    depends on input byte i only, so the result does not depend on how Triton lays out the tensor.
+    The plane factor 2^(b*p) is folded into q (keys) and into the accumulators (values); ptxas
+    shares the two permutes between the planes of one byte vector. 1 instruction per element.
     """
     return (
-        "{\n.reg .b32 t, m, h;\n"
-        "mov.b32 m, 0x64646464;\nmov.b32 h, 0x64006400;\n"
-        f"shr.b32 t, $2, {shift};\nand.b32 t, t, {mask:#010x};\n"
-        "prmt.b32 $0, t, m, 0x4140;\nprmt.b32 $1, t, m, 0x4342;\n"
-        "sub.f16x2 $0, $0, h;\nsub.f16x2 $1, $1, h;\n}"
+        "{\n.reg .b32 lo, hi, z;\nmov.b32 z, 0;\n"
+        "prmt.b32 lo, $2, z, 0x4140;\nprmt.b32 hi, $2, z, 0x4342;\n"
+        f"and.b32 $0, lo, {mask:#010x};\nand.b32 $1, hi, {mask:#010x};\n}}"
     )
 
 
-ASM2_0 = tl.constexpr(_dequant_asm(0, 0x03030303))
-ASM2_1 = tl.constexpr(_dequant_asm(2, 0x03030303))
-ASM2_2 = tl.constexpr(_dequant_asm(4, 0x03030303))
-ASM2_3 = tl.constexpr(_dequant_asm(6, 0x03030303))
-ASM4_0 = tl.constexpr(_dequant_asm(0, 0x0F0F0F0F))
-ASM4_1 = tl.constexpr(_dequant_asm(4, 0x0F0F0F0F))
+ASM2_0 = tl.constexpr(_dequant_asm(0x00030003))
+ASM2_1 = tl.constexpr(_dequant_asm(0x000C000C))
+ASM2_2 = tl.constexpr(_dequant_asm(0x00300030))
+ASM2_3 = tl.constexpr(_dequant_asm(0x00C000C0))
+ASM4_0 = tl.constexpr(_dequant_asm(0x000F000F))
+ASM4_1 = tl.constexpr(_dequant_asm(0x00F000F0))
 
 
 @triton.jit
@@ -50,7 +54,8 @@ def _asm_codes(b, asm: tl.constexpr):
 
 @triton.jit
 def decode_plane(b, PLANE: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
-    """Codes of plane PLANE from packed bytes b: [BN, WP] uint8 -> [BN, WP] float16 (exact)."""
+    """Codes of plane PLANE from packed bytes b: [BN, WP] uint8 -> [BN, WP] float16 holding
+    c * 2^(BITS * PLANE + CODE_EXP), exactly (a subnormal: the code's bits read as an fp16)."""
     if USE_ASM:
         if BITS == 2:
             if PLANE == 0:
@@ -67,8 +72,15 @@ def decode_plane(b, PLANE: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constex
             else:
                 out = _asm_codes(b, ASM4_1)
     else:
-        out = ((b >> (PLANE * BITS)) & ((1 << BITS) - 1)).to(tl.float16)
+        bits = b & (((1 << BITS) - 1) << (PLANE * BITS))
+        out = bits.to(tl.uint16).to(tl.float16, bitcast=True)
     return out
+
+
+@triton.jit
+def plane_factor(E):
+    """2^E as float32 for an integer -126 <= E <= 127, built from its bits (exact)."""
+    return tl.full([], (E + 127) << 23, tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -171,13 +183,41 @@ def _pv(acc, p, vptrs, col_ok, kdt: tl.constexpr):
 
 
 @triton.jit
+def history_rows(qt_row, n0, hi, h, H_KV: tl.constexpr, P: tl.constexpr, BN: tl.constexpr):
+    """Flat pool rows [BN] of history tokens n0 .. n0 + BN of KV head h, and which are < hi."""
+    hidx = n0 + tl.arange(0, BN)
+    tmask = hidx < hi
+    page = tl.load(qt_row + hidx // P, mask=tmask, other=0)
+    return (page.to(tl.int64) * H_KV + h) * P + hidx % P, tmask
+
+
+@triton.jit
+def group_params(ks_ptr, kz_ptr, vs_ptr, vz_ptr, rowq, tmask, NG: tl.constexpr):
+    """Key and value scales and zeros of rows ``rowq``: four [BN, NG] tiles, as stored."""
+    off = rowq[:, None] * NG + tl.arange(0, NG)[None, :]
+    msk = tmask[:, None]
+    return (tl.load(ks_ptr + off, mask=msk, other=0.0), tl.load(kz_ptr + off, mask=msk, other=0.0),
+            tl.load(vs_ptr + off, mask=msk, other=0.0), tl.load(vz_ptr + off, mask=msk, other=0.0))
+
+
+@triton.jit
+def _group(x, g: tl.constexpr, NG: tl.constexpr):
+    """Column g of x: [BN, NG] as float32 [BN] (an exact pick: one non-zero term)."""
+    if NG == 1:
+        out = tl.reshape(x, [x.shape[0]]).to(tl.float32)
+    else:
+        out = tl.sum(tl.where(tl.arange(0, NG)[None, :] == g, x.to(tl.float32), 0.0), axis=1)
+    return out
+
+
+@triton.jit
 def _key_group_fix(s, dg, PL: tl.constexpr, WP: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-                   ks_ptr, kz_ptr, rowq, tmask, qg):
+                   ks, kz, qg):
     """After the last plane of a group: s += scale * (dot - zero * sum(q over the group))."""
     if ((PL + 1) * WP) % GROUP == 0:
-        g = (PL * WP) // GROUP
-        sc = tl.load(ks_ptr + rowq * NG + g, mask=tmask, other=0.0).to(tl.float32)
-        zr = tl.load(kz_ptr + rowq * NG + g, mask=tmask, other=0.0).to(tl.float32)
+        g: tl.constexpr = (PL * WP) // GROUP
+        sc = _group(ks, g, NG)
+        zr = _group(kz, g, NG)
         s = s + sc[None, :] * (dg - zr[None, :] * qg[:, None])
         dg = dg * 0.0
     return s, dg
@@ -185,21 +225,19 @@ def _key_group_fix(s, dg, PL: tl.constexpr, WP: tl.constexpr, GROUP: tl.constexp
 
 @triton.jit
 def _key_plane(s, dg, kb, qp, qg, PL: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
-               GROUP: tl.constexpr, NG: tl.constexpr, ks_ptr, kz_ptr, rowq, tmask,
-               USE_ASM: tl.constexpr):
+               GROUP: tl.constexpr, NG: tl.constexpr, ks, kz, USE_ASM: tl.constexpr):
     dg = tl.dot(qp, tl.trans(decode_plane(kb, PL, BITS, USE_ASM)), dg)
-    return _key_group_fix(s, dg, PL, WP, GROUP, NG, ks_ptr, kz_ptr, rowq, tmask, qg)
+    return _key_group_fix(s, dg, PL, WP, GROUP, NG, ks, kz, qg)
 
 
 @triton.jit
 def _value_plane(acc, zacc, pv, zs, vb, p, PL: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
-                 GROUP: tl.constexpr, NG: tl.constexpr, vs_ptr, vz_ptr, rowq, tmask,
-                 USE_ASM: tl.constexpr):
+                 GROUP: tl.constexpr, NG: tl.constexpr, vs, vz, USE_ASM: tl.constexpr):
     """acc += (p * s_g) @ codes; zacc += sum_n p s_g z_g, with (pv, zs) recomputed at a group start."""
     if (PL * WP) % GROUP == 0:
-        g = (PL * WP) // GROUP
-        sc = tl.load(vs_ptr + rowq * NG + g, mask=tmask, other=0.0).to(tl.float32)
-        zr = tl.load(vz_ptr + rowq * NG + g, mask=tmask, other=0.0).to(tl.float32)
+        g: tl.constexpr = (PL * WP) // GROUP
+        sc = _group(vs, g, NG)
+        zr = _group(vz, g, NG)
         pv = (p * sc[None, :]).to(tl.float16)
         zs = tl.sum(pv.to(tl.float32) * zr[None, :], axis=1)
     acc = tl.dot(pv, decode_plane(vb, PL, BITS, USE_ASM), acc)
@@ -208,16 +246,19 @@ def _value_plane(acc, zacc, pv, zs, vb, p, PL: tl.constexpr, BITS: tl.constexpr,
 
 @triton.jit
 def history_block(q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, z2, z3,
-                  kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rowq, tmask, qk_scale,
+                  kc_ptr, vc_ptr, ks, kz, vs, vz, rowq, tmask, qk_scale,
                   ROWS: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
                   GROUP: tl.constexpr, NG: tl.constexpr, NPL: tl.constexpr, USE_ASM: tl.constexpr):
     """Attend to BN quantized history tokens (flat pool rows ``rowq``: [BN], masked by tmask).
 
     Keys, with k = s (c - z) per group: q . k = sum_g s_g (q_g . c_g - z_g * sum(q_g)), so the
-    dots run on raw codes (fp16, exact) and the scale/zero cost two multiply-adds per score.
-    Values: sum_n p_n s_n (c_n - z_n) = (p s) @ c - sum_n p_n s_n z_n; the second term is one
-    number per row and group (z0..z3), subtracted when the output is written.
-    q0..q3: [ROWS, WP] fp16 planes of q; g0..g3: [ROWS] float32 sums of q over each group.
+    dots run on codes and the scale/zero cost two multiply-adds per score. Values:
+    sum_n p_n s_n (c_n - z_n) = (p s) @ c - sum_n p_n s_n z_n; the second term is one number per
+    row and group (z0..z3), subtracted when the output is written.
+    Units: decoded codes of plane i are c * 2^(BITS * i + CODE_EXP) (decode_plane), so the caller
+    passes q planes divided by 2^(BITS * i), group sums g0..g3 times 2^CODE_EXP and qk_scale
+    times 2^-CODE_EXP; a_i accumulates in units of plane i's factor (the caller rescales).
+    q0..q3: [ROWS, WP] fp16; ks, kz, vs, vz: [BN, NG] scales / zeros (group_params).
     """
     c = tl.arange(0, WP)[None, :]
     kb = tl.load(kc_ptr + rowq[:, None] * WP + c, mask=tmask[:, None], other=0)  # [BN, WP] u8
@@ -225,28 +266,28 @@ def history_block(q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, 
     s = tl.zeros([ROWS, BN], tl.float32)
     dg = tl.zeros([ROWS, BN], tl.float32)
     s, dg = _key_plane(s, dg, kb, q0, pick4((0 * WP) // GROUP, g0, g1, g2, g3), 0, BITS, WP, GROUP,
-                       NG, ks_ptr, kz_ptr, rowq, tmask, USE_ASM)
+                       NG, ks, kz, USE_ASM)
     s, dg = _key_plane(s, dg, kb, q1, pick4((1 * WP) // GROUP, g0, g1, g2, g3), 1, BITS, WP, GROUP,
-                       NG, ks_ptr, kz_ptr, rowq, tmask, USE_ASM)
+                       NG, ks, kz, USE_ASM)
     if NPL == 4:
         s, dg = _key_plane(s, dg, kb, q2, pick4((2 * WP) // GROUP, g0, g1, g2, g3), 2, BITS, WP,
-                           GROUP, NG, ks_ptr, kz_ptr, rowq, tmask, USE_ASM)
+                           GROUP, NG, ks, kz, USE_ASM)
         s, dg = _key_plane(s, dg, kb, q3, pick4((3 * WP) // GROUP, g0, g1, g2, g3), 3, BITS, WP,
-                           GROUP, NG, ks_ptr, kz_ptr, rowq, tmask, USE_ASM)
+                           GROUP, NG, ks, kz, USE_ASM)
     s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
     p, alpha, m, l = softmax_step(s, m, l)
     al = alpha[:, None]
     pv = tl.zeros([ROWS, BN], tl.float16)
     zs = tl.zeros([ROWS], tl.float32)
     a0, z0, pv, zs = _value_plane(a0 * al, z0 * alpha, pv, zs, vb, p, 0, BITS, WP, GROUP, NG,
-                                  vs_ptr, vz_ptr, rowq, tmask, USE_ASM)
+                                  vs, vz, USE_ASM)
     a1, z1, pv, zs = _value_plane(a1 * al, z1 * alpha, pv, zs, vb, p, 1, BITS, WP, GROUP, NG,
-                                  vs_ptr, vz_ptr, rowq, tmask, USE_ASM)
+                                  vs, vz, USE_ASM)
     if NPL == 4:
         a2, z2, pv, zs = _value_plane(a2 * al, z2 * alpha, pv, zs, vb, p, 2, BITS, WP, GROUP, NG,
-                                      vs_ptr, vz_ptr, rowq, tmask, USE_ASM)
+                                      vs, vz, USE_ASM)
         a3, z3, pv, zs = _value_plane(a3 * al, z3 * alpha, pv, zs, vb, p, 3, BITS, WP, GROUP, NG,
-                                      vs_ptr, vz_ptr, rowq, tmask, USE_ASM)
+                                      vs, vz, USE_ASM)
     return m, l, a0, a1, a2, a3, z0, z1, z2, z3
 
 

@@ -3,8 +3,10 @@
 One kernel serves decode and extend (prefill chunks). A program owns BLOCK_M new tokens of one
 sequence and one KV head: its ROWS = BLOCK_M * g query rows (all query heads of the KV head, so
 each K/V byte is loaded once for the whole GQA group) attend to
-- the history (quantized pages), dequantized in registers: codes -> fp16 by bit tricks, scale and
-  zero folded into two multiply-adds per score and into the softmax weights (history_block);
+- the history (quantized pages), dequantized in registers: a code's bits are read as an fp16
+  subnormal (one AND per two codes, no conversion: decode_plane), scale and zero folded into two
+  multiply-adds per score and into the softmax weights (history_block); each block's page numbers
+  and scales are loaded one block ahead;
 - the sink + recent window slots and the chunk's own keys (causal), in full precision.
 Flash-decoding: with nsplit > 0 the grid's third axis splits the history into nsplit equal parts
 per sequence (plus one program for windows + chunk); each writes a normalised partial and its
@@ -23,7 +25,8 @@ import triton
 import triton.language as tl
 
 from oscar_compile.kernels.attention_blocks_triton import (
-    NEG_INIT, full_block, history_block, merge_kernel, seq_of_program, store_rows)
+    CODE_EXP, NEG_INIT, full_block, group_params, history_block, history_rows, merge_kernel,
+    plane_factor, seq_of_program, store_rows)
 from oscar_compile.kernels.quant_triton import interpreting, search_steps
 
 LOG2E = 1.4426950408889634
@@ -103,18 +106,25 @@ def _attn_kernel(
                 hi = tl.minimum(lo + chunk, n_hist)
             c = tl.arange(0, WP)[None, :]
             qm = row_ok[:, None]
-            q0 = tl.load(q_rows + c, mask=qm, other=0.0).to(tl.float16)
-            q1 = tl.load(q_rows + WP + c, mask=qm, other=0.0).to(tl.float16)
+            q0 = tl.load(q_rows + c, mask=qm, other=0.0).to(tl.float16).to(tl.float32)
+            q1 = tl.load(q_rows + WP + c, mask=qm, other=0.0).to(tl.float16).to(tl.float32)
             q2 = q0
             q3 = q1
             if NPL == 4:
-                q2 = tl.load(q_rows + 2 * WP + c, mask=qm, other=0.0).to(tl.float16)
-                q3 = tl.load(q_rows + 3 * WP + c, mask=qm, other=0.0).to(tl.float16)
-            # sums of the (fp16-rounded) query over each quantization group
-            s0 = tl.sum(q0.to(tl.float32), axis=1)
-            s1 = tl.sum(q1.to(tl.float32), axis=1)
-            s2 = tl.sum(q2.to(tl.float32), axis=1)
-            s3 = tl.sum(q3.to(tl.float32), axis=1)
+                q2 = tl.load(q_rows + 2 * WP + c, mask=qm, other=0.0).to(tl.float16).to(tl.float32)
+                q3 = tl.load(q_rows + 3 * WP + c, mask=qm, other=0.0).to(tl.float16).to(tl.float32)
+            # sums of the (fp16-rounded) query over each quantization group, in the units of the
+            # decoded codes (2^CODE_EXP, see decode_plane); qk_scale takes the inverse factor
+            s0 = tl.sum(q0, axis=1) * plane_factor(CODE_EXP)
+            s1 = tl.sum(q1, axis=1) * plane_factor(CODE_EXP)
+            s2 = tl.sum(q2, axis=1) * plane_factor(CODE_EXP)
+            s3 = tl.sum(q3, axis=1) * plane_factor(CODE_EXP)
+            # plane i of q divided by plane i's code factor 2^(BITS * i): q_i . codes_i then
+            # comes out in the same units for every plane (exact unless q_i goes subnormal)
+            q0 = q0.to(tl.float16)
+            q1 = (q1 * plane_factor(-BITS)).to(tl.float16)
+            q2 = (q2 * plane_factor(-2 * BITS)).to(tl.float16)
+            q3 = (q3 * plane_factor(-3 * BITS)).to(tl.float16)
             PPG: tl.constexpr = GROUP // WP  # planes per group: 1, 2 or 4
             if PPG == 1:
                 g0, g1, g2, g3 = s0, s1, s2, s3
@@ -124,15 +134,27 @@ def _attn_kernel(
                 g0 = s0 + s1 + s2 + s3
                 g1, g2, g3 = g0, g0, g0
             qt_row = qt_ptr + i.to(tl.int64) * stride_qt
+            # each iteration loads the next block's page numbers and scales / zeros (the code
+            # tiles Triton pipelines itself): waiting on them in the block that uses them was the
+            # kernel's main stall (ncu on the H200, 2026-11-30)
+            rowq, tmask = history_rows(qt_row, lo, hi, h, H_KV, P, BLOCK_N)
+            ks, kz, vs, vz = group_params(ks_ptr, kz_ptr, vs_ptr, vz_ptr, rowq, tmask, NG)
             for n0 in range(lo, hi, BLOCK_N):
-                hidx = n0 + tl.arange(0, BLOCK_N)
-                tmask = hidx < hi
-                page = tl.load(qt_row + hidx // P, mask=tmask, other=0)
-                rowq = (page.to(tl.int64) * H_KV + h) * P + hidx % P
+                rowq_n, tmask_n = history_rows(qt_row, n0 + BLOCK_N, hi, h, H_KV, P, BLOCK_N)
+                ks_n, kz_n, vs_n, vz_n = group_params(ks_ptr, kz_ptr, vs_ptr, vz_ptr, rowq_n,
+                                                      tmask_n, NG)
                 m, l, a0, a1, a2, a3, z0, z1, z2, z3 = history_block(
                     q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, z2, z3,
-                    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rowq, tmask, qk_scale,
-                    ROWS, BLOCK_N, BITS, WP, GROUP, NG, NPL, USE_ASM)
+                    kc_ptr, vc_ptr, ks, kz, vs, vz, rowq, tmask,
+                    qk_scale * plane_factor(-CODE_EXP), ROWS, BLOCK_N, BITS, WP, GROUP, NG, NPL,
+                    USE_ASM)
+                rowq, tmask, ks, kz, vs, vz = rowq_n, tmask_n, ks_n, kz_n, vs_n, vz_n
+            # the value accumulators hold plane i in units of its code factor (a0..a3 start at
+            # zero, so the history is all they hold here)
+            a0 = a0 * plane_factor(-CODE_EXP)
+            a1 = a1 * plane_factor(-CODE_EXP - BITS)
+            a2 = a2 * plane_factor(-CODE_EXP - 2 * BITS)
+            a3 = a3 * plane_factor(-CODE_EXP - 3 * BITS)
         if do_win:
             kdt = DOT_DT
             d = tl.arange(0, D)[None, :]
@@ -238,14 +260,16 @@ def attention_triton(
     q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, scale, sink, recent, bits, group_size,
     history_lens=None, block_n: int = 128, use_asm: bool | None = None, num_warps: int = 4,
-    num_stages: int = 2, nsplit: int | None = None, block_w: int = 32,
+    num_stages: int = 2, nsplit: int | None = None, block_w: int = 32, maxnreg: int | None = 128,
 ):
     """Check, plan and launch. q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype.
 
     ``history_lens``: [B] int32 history length per sequence, or None (standard). The grid does not
     depend on it (history splits are planned for the quant table's capacity), so it may change
     between replays of a captured CUDA graph. ``nsplit`` overrides the planned number of history
-    splits, ``block_w`` is the window block (benchmark sweeps).
+    splits, ``block_w`` is the window block (benchmark sweeps). ``maxnreg`` caps the registers per
+    thread: at 128, four 4-warp programs fit an SM; uncapped, Triton 3.6 took 139-140 and three
+    fit, 15-25 % slower at batch 8-32 (H200, 2026-11-30).
     """
     N, H_q, D = q.shape
     H_kv = k.shape[1]
@@ -307,7 +331,7 @@ def attention_triton(
         BLOCK_W=block_w, BLOCK_C=16 if block_m == 1 else 64,
         SPLIT=nsplit > 0, LOG_B=search_steps(B),
         DOT_DT=dot_dtype(k_win.dtype), HAS_HIST=history_lens is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     try:
         launch(USE_ASM=use_asm)
