@@ -10,9 +10,10 @@ Reported per run: wall time, output tokens/s over the whole run (prefill include
 decode tokens/s, the same way for every system: per request, (tokens - 1) / (time of its last
 token - time of its first token), averaged over requests (prefill chunks of other requests that
 run meanwhile count in). For the runtime also: the median decode-only step, and the host share
-of decode-only steps (the step's wall time outside ``runner.run``: scheduling, bookkeeping,
-sampling, detokenizing; the runner's own input packing counts as runner time), the time in
-decode-only and in other (prefill / mixed) steps, and the eight slowest steps with their shapes
+of decode-only steps: the share of their wall time in which the GPU ran no forward (CUDA events
+around each forward, read after the run): host work the engine did not overlap with the device
+(scheduling, bookkeeping, input packing, sampling, detokenizing); the time in decode-only and in
+other (prefill / mixed) steps, and the eight slowest steps with their shapes and forward times
 (a step far above the median is usually a kernel compile). The tokenizer is
 a stub that spells token ids (random weights need no real vocabulary); it is not cheaper than a
 fast tokenizer's decode.
@@ -51,32 +52,37 @@ def random_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = 0) 
 
 
 class _StepClock:
-    """Times engine steps and the runner inside them (synced), and each request's token arrivals."""
+    """Times engine steps on the host clock and the device work of their forward with CUDA events
+    read after the run (no sync in the loop: an overlapped engine keeps overlapping), and each
+    request's token arrivals."""
 
     def __init__(self, engine):
-        self.steps: list[tuple[bool, float, float]] = []  # (decode only, step s, runner s)
+        self.steps: list[tuple[bool, float, tuple | None]] = []  # (decode only, step s, forward events)
         self.shapes: list[tuple[int, int]] = []  # (sequences, tokens) of each step's batch
         self.arrivals: dict[str, list[float]] = {}  # request id -> time of each new token
-        self._runner_s, self._decode, self._shape = 0.0, False, (0, 0)
+        self._events, self._decode, self._shape = None, False, (0, 0)
         run, step = engine.runner.run, engine.step
 
-        def timed_run(batch):
-            start = time.perf_counter()
-            logits = run(batch)
-            if logits.is_cuda:
-                torch.cuda.synchronize()
-            self._runner_s = time.perf_counter() - start
+        def timed_run(batch, *pending):
+            events = None
+            if torch.cuda.is_available():
+                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                events[0].record()
+            logits = run(batch, *pending)
+            if events is not None:
+                events[1].record()
+            self._events = events
             self._decode = batch.num_tokens == batch.num_seqs
             self._shape = (batch.num_seqs, batch.num_tokens)
             return logits
 
         def timed_step():
             # a step that schedules nothing runs no model
-            self._runner_s, self._decode, self._shape = 0.0, False, (0, 0)
+            self._events, self._decode, self._shape = None, False, (0, 0)
             start = time.perf_counter()
             outs = step()
             now = time.perf_counter()
-            self.steps.append((self._decode, now - start, self._runner_s))
+            self.steps.append((self._decode, now - start, self._events))
             self.shapes.append(self._shape)
             for out in outs:
                 self.arrivals.setdefault(out.request_id, []).extend([now] * len(out.new_token_ids))
@@ -85,18 +91,23 @@ class _StepClock:
         engine.runner.run, engine.step = timed_run, timed_step
 
     def summary(self) -> dict:
-        decode = [(s, r) for is_decode, s, r in self.steps if is_decode]
-        step_s = sum(s for s, _ in decode)
+        _sync()
+        device_s = [ev[0].elapsed_time(ev[1]) * 1e-3 if ev is not None else None for _, _, ev in self.steps]
+        decode = [i for i, (is_decode, _, _) in enumerate(self.steps) if is_decode]
+        step_s = sum(self.steps[i][1] for i in decode)
+        busy_s = sum(device_s[i] or 0.0 for i in decode)
         slowest = sorted(range(len(self.steps)), key=lambda i: -self.steps[i][1])[:8]
         return dict(decode_steps=len(decode),
                     per_user_tokens_per_s=per_user_rate(list(self.arrivals.values())),
-                    host_share_of_decode_step=(step_s - sum(r for _, r in decode)) / step_s if step_s else None,
-                    decode_step_ms_median=statistics.median(s for s, _ in decode) * 1e3 if decode else None,
+                    # the share of decode-step wall time in which the device ran no forward
+                    host_share_of_decode_step=(step_s - busy_s) / step_s if step_s and device_s[0] is not None else None,
+                    decode_step_ms_median=statistics.median(self.steps[i][1] for i in decode) * 1e3 if decode else None,
                     decode_s=step_s, other_steps_s=sum(s for is_decode, s, _ in self.steps if not is_decode),
                     # where a run's time went when it is slower than its median step says
                     slowest_steps=[dict(index=i, decode=self.steps[i][0], seqs=self.shapes[i][0],
                                         tokens=self.shapes[i][1], step_ms=self.steps[i][1] * 1e3,
-                                        runner_ms=self.steps[i][2] * 1e3) for i in slowest])
+                                        forward_ms=device_s[i] * 1e3 if device_s[i] is not None else None)
+                                   for i in slowest])
 
 
 def per_user_rate(arrivals: list[list[float]]) -> float | None:
@@ -105,7 +116,8 @@ def per_user_rate(arrivals: list[list[float]]) -> float | None:
     return statistics.mean(rates) if rates else None
 
 
-def run_runtime(model, spec, prompts, output_len: int, kv_memory_gb: float, max_batched_tokens: int) -> dict:
+def run_runtime(model, spec, prompts, output_len: int, kv_memory_gb: float, max_batched_tokens: int,
+                overlap: bool = True) -> dict:
     """One batch through ``LLM(model, spec)``; ``model`` is rewritten in place (use a fresh one)."""
     from oscar_compile.runtime import LLM, SamplingParams
     from oscar_compile.runtime.loader import EngineConfig
@@ -113,7 +125,8 @@ def run_runtime(model, spec, prompts, output_len: int, kv_memory_gb: float, max_
     batch, prompt_len = len(prompts), len(prompts[0])
     vocab = model.config.get_text_config().vocab_size
     config = EngineConfig(kv_memory_gb=kv_memory_gb, max_num_seqs=max(batch, 1), max_num_batched_tokens=max_batched_tokens,
-                          max_model_len=prompt_len + output_len + 1, expected_seq_len=prompt_len + output_len)
+                          max_model_len=prompt_len + output_len + 1, expected_seq_len=prompt_len + output_len,
+                          overlap_steps=overlap)
     llm = LLM(model, spec=spec, tokenizer=SpelledIdTokenizer(vocab), config=config)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     # compile the kernels and capture the decode graph of this batch size, on other tokens (no prefix hits)
@@ -156,11 +169,14 @@ def e2e_rows(make_model, spec_of_mode: dict, batches: list[int], prompt_len: int
              systems: list[str] | None = None) -> list[dict]:
     """Every system at every batch size; a system skips its remaining sizes once it has used
     ``time_limit_s`` (the row says so), so one slow system cannot eat the whole run. ``keep``
-    sees each row as soon as it is measured; ``systems`` picks some of oscar-int2, oscar-bf16, hf-cb."""
+    sees each row as soon as it is measured; ``systems`` picks some of oscar-int2, oscar-bf16, hf-cb
+    and oscar-int2-sync / oscar-bf16-sync (the runtime with overlapped steps off, for comparison);
+    by default the first three."""
     rows = []
     every = [(f"oscar-{mode}", spec) for mode, spec in spec_of_mode.items()] + [("hf-cb", None)]
+    every += [(f"oscar-{mode}-sync", spec) for mode, spec in spec_of_mode.items()]  # overlap off
     for name, spec in every:
-        if systems and name not in systems:
+        if (systems and name not in systems) or (not systems and name.endswith("-sync")):
             continue
         spent = 0.0
         for batch in batches:
@@ -176,7 +192,8 @@ def e2e_rows(make_model, spec_of_mode: dict, batches: list[int], prompt_len: int
                 if spec is None:
                     row.update(run_hf_continuous_batching(model, prompts, output_len))
                 else:
-                    row.update(run_runtime(model, spec, prompts, output_len, kv_memory_gb, max_batched_tokens))
+                    row.update(run_runtime(model, spec, prompts, output_len, kv_memory_gb, max_batched_tokens,
+                                           overlap=not name.endswith("-sync")))
             except Exception as exc:  # a failing system is a result too; keep measuring the others
                 row["error"] = f"{type(exc).__name__}: {exc}"[:500]
             spent += time.perf_counter() - start

@@ -314,11 +314,12 @@ def print_tables(result: dict) -> None:
     for c in result["capacity"]:
         print(f"{c['shape']:>5} {c['mode']:>5} {c['context']:>8} {c['max_seqs']:>8} {c.get('tokens_per_s', 0):>9.1f}")
     if result["e2e"]:
-        print(f"\n{'system':>11} {'batch':>5} {'tok/s':>9} {'user tok/s':>10}  note")
+        print(f"\n{'system':>16} {'batch':>5} {'tok/s':>9} {'user tok/s':>10} {'host %':>6}  note")
     for e in result["e2e"]:
         note = e.get("error") or e.get("skipped") or ""
-        print(f"{e['system']:>11} {e['batch']:>5} {e.get('tokens_per_s') or 0:>9.1f} "
-              f"{e.get('per_user_tokens_per_s') or 0:>10.1f}  {note}")
+        host = e.get("host_share_of_decode_step")
+        print(f"{e['system']:>16} {e['batch']:>5} {e.get('tokens_per_s') or 0:>9.1f} "
+              f"{e.get('per_user_tokens_per_s') or 0:>10.1f} {100 * host if host is not None else float('nan'):>6.1f}  {note}")
 
 
 def main(argv=None) -> int:
@@ -333,8 +334,9 @@ def main(argv=None) -> int:
     parser.add_argument("--e2e-kv-memory", type=float, default=90.0, help="KV budget in GiB of the runtime's e2e runs")
     parser.add_argument("--e2e-time-limit", type=float, default=240.0,
                         help="seconds one system may spend before it skips its remaining batch sizes")
-    parser.add_argument("--e2e-systems", nargs="+", choices=("oscar-int2", "oscar-bf16", "hf-cb"),
-                        help="end-to-end systems to run (default: all three)")
+    parser.add_argument("--e2e-systems", nargs="+",
+                        choices=("oscar-int2", "oscar-bf16", "hf-cb", "oscar-int2-sync", "oscar-bf16-sync"),
+                        help="end-to-end systems to run (default: oscar-int2 oscar-bf16 hf-cb; *-sync: overlapped steps off)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill token budget per step (e2e)")
     parser.add_argument("--compare-unfused", action="store_true",
                         help="also time decode steps of models rewritten without the fused elementwise ops")

@@ -72,6 +72,7 @@ class CompressedRunner:
     """
 
     supports_history_hits = True  # the INT-b ops get Batch.history_lens (see block_manager)
+    supports_pending_tokens = True  # run(batch, pending_tokens): overlapped engine steps
 
     def __init__(self, model: torch.nn.Module, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
                  max_seq_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
@@ -129,35 +130,41 @@ class CompressedRunner:
         budget = self.inputs.max_tokens
         longest = self.quant_width * layout.page_size - 1
         for num_seqs in sorted({1, min(2, self.inputs.max_seqs), min(16, self.inputs.max_seqs)}):
-            for chunk in sorted({min(8, longest), min(2048, budget // num_seqs, longest)}):
-                if chunk > 2:  # at most 2 tokens per sequence would be a decode-shaped step
-                    self.run(self._scratch_batch(layout, num_seqs, chunk))
+            for chunk in sorted({min(8, longest), min(2048, (budget - 1) // num_seqs, longest)}):
+                if chunk <= 2:  # at most 2 tokens per sequence would be a decode-shaped step
+                    continue
+                self.run(self._scratch_batch(layout, num_seqs, chunk))
+                if num_seqs > 1:  # and an odd token count (a mixed step: decodes plus one chunk)
+                    self.run(self._scratch_batch(layout, num_seqs, chunk, extra=1))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def _scratch_batch(self, layout: CacheLayout, num_seqs: int, chunk: int) -> Batch:
-        """``num_seqs`` new sequences of ``chunk`` tokens whose every page is a scratch page."""
+    def _scratch_batch(self, layout: CacheLayout, num_seqs: int, chunk: int, extra: int = 0) -> Batch:
+        """``num_seqs`` new sequences of ``chunk`` tokens (the first ``extra`` more) whose every
+        page is a scratch page."""
         window = layout.num_window_pages_per_seq
-        quant = min(self.quant_width, math.ceil(chunk / layout.page_size))
-        seqs = range(num_seqs)
-        return Batch(seq_ids=[-1 - i for i in seqs], token_ids=[[0] * chunk for _ in seqs],
-                     positions=[list(range(chunk)) for _ in seqs], cache_lens=[0] * num_seqs,
-                     history_lens=[0] * num_seqs, window_tables=[[self.scratch_window] * window for _ in seqs],
-                     quant_tables=[[self.scratch_quant] * quant for _ in seqs],
-                     context_token_ids=[[0] * chunk for _ in seqs], layout=layout)
+        lens = [chunk + extra] + [chunk] * (num_seqs - 1)
+        quant = min(self.quant_width, math.ceil(max(lens) / layout.page_size))
+        return Batch(seq_ids=[-1 - i for i in range(num_seqs)], token_ids=[[0] * n for n in lens],
+                     positions=[list(range(n)) for n in lens], cache_lens=[0] * num_seqs,
+                     history_lens=[0] * num_seqs,
+                     window_tables=[[self.scratch_window] * window for _ in lens],
+                     quant_tables=[[self.scratch_quant] * quant for _ in lens],
+                     context_token_ids=[[0] * n for n in lens], layout=layout)
 
     def _step_inputs(self, max_seqs: int, max_tokens: int) -> StepInputs:
         return StepInputs(max_seqs, max_tokens, self.layout.num_window_pages_per_seq, self.quant_width,
                           self.device, self.scratch_window, self.scratch_quant)
 
     @torch.no_grad()
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch, pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[num_seqs, vocab]``; ``pending_tokens``: see ``Batch.pending_rows``."""
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
+            return self.graphs.run(batch, pending_tokens)
         if not self.inputs.fits(batch):
             self.inputs = self._step_inputs(max(batch.num_seqs, self.inputs.max_seqs),
                                             max(batch.num_tokens, self.inputs.max_tokens))
-        inputs = self.inputs.load(batch)
+        inputs = self.inputs.load(batch, pending_tokens=pending_tokens)
         last = inputs["cu_seqlens"][1:].long() - 1  # each sequence's last new token
         return self.forward(inputs, last).float()
 

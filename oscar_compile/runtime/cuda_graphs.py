@@ -66,11 +66,11 @@ class DecodeGraphs:
         _log.info("captured %d decode graphs (batch %s) in %.1f s", len(self.sizes),
                   ",".join(map(str, self.sizes)), time.perf_counter() - start)
 
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch, pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, vocab]`` (float32). A view of the graph's output: valid until the next step."""
         size = self.sizes[bisect.bisect_left(self.sizes, batch.num_seqs)]
         graph, logits = self.graphs[size]
-        self.inputs.load(batch, pad_to=size, graph_shapes=True)
+        self.inputs.load(batch, pad_to=size, graph_shapes=True, pending_tokens=pending_tokens)
         graph.replay()
         return logits[: batch.num_seqs]
 

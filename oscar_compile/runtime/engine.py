@@ -3,6 +3,16 @@
 ``LLMEngine`` is single-threaded on purpose: one thread owns every Sequence and page. The server
 wraps it (async_engine.py) and feeds requests in between steps; offline use goes through llm.py.
 Each ``step`` returns one ``RequestOutput`` delta per sequence that produced a token (or ended).
+
+Overlapped steps (``overlap``, on for runners with ``supports_pending_tokens``): a step launches
+its forward and sampling on the device, then reads the *previous* step's samples (long done by
+then) and does that step's host work (stop checks, detokenizing, outputs) while the device runs:
+the host never leaves the device idle between decode steps. A sequence's sampled token is pending
+until read (``Sequence.num_pending``); the next step already runs it, taking it from the device
+(``Batch.pending_rows``). Costs: outputs arrive one step later, and a sequence that stops on EOS
+or a stop string runs one discarded step (its pages are freed while that step runs: later steps
+that reuse them are queued behind it on the same stream). A sequence at its length limit is not
+scheduled while its last token is pending.
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ import torch
 from oscar_compile.runtime.block_manager import BlockManager
 from oscar_compile.runtime.detokenizer import IncrementalDetokenizer
 from oscar_compile.runtime.runner import Batch, ModelRunner
-from oscar_compile.runtime.sampler import Sampler
+from oscar_compile.runtime.sampler import DeviceSample, Sampler, to_device
 from oscar_compile.runtime.sampling_params import RequestError, SamplingParams
 from oscar_compile.runtime.scheduler import Scheduler, SchedulerOutput
 from oscar_compile.runtime.sequence import FinishReason, Sequence
@@ -48,11 +58,21 @@ class RequestOutput:
     num_cached_prompt_tokens: int
 
 
+@dataclass
+class _Launched:
+    """A step on the device whose samples the host has not read: row j of ``sample`` is ``seqs[j]``'s."""
+
+    seqs: list[Sequence]
+    sample: DeviceSample
+
+
 class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer, block_manager: BlockManager,
                  max_model_len: int, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 eos_token_ids: list[int] | tuple[int, ...] = ()):
+                 eos_token_ids: list[int] | tuple[int, ...] = (), overlap: bool = True):
         self.runner = runner
+        self.overlap = overlap and bool(getattr(runner, "supports_pending_tokens", False))
+        self._in_flight: _Launched | None = None
         self.tokenizer = tokenizer
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -122,49 +142,81 @@ class LLMEngine:
         return self._output(seq, [], [], finished=True)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        logits = self.runner.run(self._build_batch(out))
-        self.scheduler.advance(out)
-        self.num_batched_tokens_total += out.num_batched_tokens
-        rows = [i for i, seq in enumerate(out.seqs) if seq.num_cached_tokens == seq.num_tokens]
+        launched = self._launch(out) if not out.is_empty else None
+        previous, self._in_flight = self._in_flight, None
+        outputs = self._read_samples(previous) if previous is not None else []
+        if not out.is_empty:
+            self.scheduler.advance(out)  # after the read: block hashes need the real tokens
+            self.num_batched_tokens_total += out.num_batched_tokens
+        if launched is not None:
+            if self.overlap:
+                self._in_flight = launched
+            else:
+                outputs += self._read_samples(launched)
+        return outputs
+
+    def _launch(self, out: SchedulerOutput) -> _Launched | None:
+        """Run the step's forward and sample the rows that reach their sequence's end."""
+        pending_src = ({seq.seq_id: j for j, seq in enumerate(self._in_flight.seqs)}
+                       if self._in_flight is not None else {})
+        batch = self._build_batch(out, pending_src)
+        tokens = self._in_flight.sample.token_ids if batch.pending_rows else None
+        logits = self.runner.run(batch, tokens) if tokens is not None else self.runner.run(batch)
+        rows = [i for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens))
+                if seq.num_cached_tokens + n == seq.num_tokens + seq.num_pending]
         if not rows:
-            return []
+            return None
         seqs = [out.seqs[i] for i in rows]
         # a decode step samples every row: no gather (and no copy of the index). The logits may
-        # then be a replayed CUDA graph's output buffer: the sampler reads it out of place and
-        # syncs (tolist) before the next step can replay over it.
+        # then be a replayed CUDA graph's output buffer: sampling is queued before the next replay.
         if len(rows) < len(out.seqs):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        result = self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
-        self._count_generated(len(seqs))
+            logits = logits[to_device(rows, torch.int64, logits.device)]
+        sample = self.sampler.sample(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
+        for seq in seqs:
+            seq.num_pending += 1
+        return _Launched(seqs, sample)
+
+    def _read_samples(self, launched: _Launched) -> list[RequestOutput]:
+        """Append a launched step's tokens (waiting for its copies); ended sequences drop theirs."""
+        result = launched.sample.result()
         outputs = []
-        for j, seq in enumerate(seqs):
+        for j, seq in enumerate(launched.seqs):
+            seq.num_pending -= 1
+            if seq.is_finished:  # stopped or aborted while this step ran
+                continue
             logprob = None
             if result.logprobs[j] is not None:
                 logprob = TokenLogprob(result.token_ids[j], result.logprobs[j], result.top_logprobs[j] or [])
             outputs.append(self._append_token(seq, result.token_ids[j], logprob))
+        self._count_generated(len(outputs))
         return outputs
 
-    def _build_batch(self, out: SchedulerOutput) -> Batch:
+    def _build_batch(self, out: SchedulerOutput, pending_src: dict[int, int]) -> Batch:
         fields: dict[str, list] = {name: [] for name in (
             "seq_ids", "token_ids", "positions", "cache_lens", "history_lens",
-            "window_tables", "quant_tables", "context_token_ids")}
-        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+            "window_tables", "quant_tables", "context_token_ids", "pending_rows", "pending_src")}
+        for row, (seq, num_new) in enumerate(zip(out.seqs, out.num_new_tokens)):
             L = seq.num_cached_tokens
+            ids = seq.token_ids[L:L + num_new]
+            if len(ids) < num_new:  # the pending token: one, sampled by the step in flight
+                fields["pending_rows"].append(row)
+                fields["pending_src"].append(pending_src[seq.seq_id])
+                ids = [0]
             fields["seq_ids"].append(seq.seq_id)
-            fields["token_ids"].append(seq.token_ids[L:L + num_new])
+            fields["token_ids"].append(ids)
             fields["positions"].append(list(range(L, L + num_new)))
             fields["cache_lens"].append(L)
             fields["history_lens"].append(self.block_manager.history_len(seq))
             fields["window_tables"].append(seq.window_pages)
             fields["quant_tables"].append(seq.quant_pages)
             fields["context_token_ids"].append(seq.token_ids)
+        fields["pending_rows"] = tuple(fields["pending_rows"])
+        fields["pending_src"] = tuple(fields["pending_src"])
         return Batch(layout=self.block_manager.layout, **fields)
 
     def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:

@@ -40,6 +40,7 @@ class EngineConfig:
     num_window_pages: int | None = None
     num_quant_pages: int | None = None
     cuda_graphs: bool = True  # replay captured CUDA graphs for decode steps (compressed runner on a GPU)
+    overlap_steps: bool = True  # host work of step n while step n + 1 runs (engine.py; compressed runner)
 
     def __post_init__(self) -> None:
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
@@ -134,4 +135,5 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
         runner = make_runner(block_manager) if make_runner is not None else RecomputeRunner(model)
     block_manager.history_hits = bool(getattr(runner, "supports_history_hits", False))
     return LLMEngine(runner, tokenizer, block_manager, max_model_len,
-                     config.max_num_seqs, config.max_num_batched_tokens, eos_token_ids(model, tokenizer))
+                     config.max_num_seqs, config.max_num_batched_tokens, eos_token_ids(model, tokenizer),
+                     overlap=config.overlap_steps)

@@ -36,7 +36,11 @@ class Batch:
       ``cache_lens[i] + T_i`` entries are its context (runners without a cache use it).
       Tables and token lists are the engine's own lists: never modify them; a runner may keep a
       reference to recognise a table it has seen (the compressed runner's mirrors do);
-    - ``seq_ids[i]``: stable id of the sequence (for runner-side state keyed per sequence).
+    - ``seq_ids[i]``: stable id of the sequence (for runner-side state keyed per sequence);
+    - ``pending_rows`` / ``pending_src``: sequences ``pending_rows[j]`` run one token that the
+      previous step sampled and the host has not read yet: ``token_ids`` holds a placeholder and
+      the runner takes the token from row ``pending_src[j]`` of that step's sampled ids (its
+      ``run(batch, pending_tokens)``). Only runners with ``supports_pending_tokens`` get them.
     """
 
     seq_ids: list[int]
@@ -48,6 +52,8 @@ class Batch:
     quant_tables: list[list[int]]
     context_token_ids: list[Seq[int]]
     layout: CacheLayout
+    pending_rows: tuple[int, ...] = ()
+    pending_src: tuple[int, ...] = ()
 
     @property
     def num_seqs(self) -> int:

@@ -27,6 +27,45 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
+class DeviceSample:
+    """A step's samples on their way to the host: the tensors stay where the logits were, their
+    copies into pinned host memory are queued on the stream at once (so reading them later waits
+    for this step only, not for whatever was queued after it), ``result`` waits and converts."""
+
+    def __init__(self, token_ids: torch.Tensor, wanted: list[int | None],
+                 chosen: torch.Tensor | None = None, top: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.token_ids = token_ids  # [B] int64, on the logits' device (the next step may read it there)
+        self.wanted = wanted
+        tensors = [token_ids] + ([chosen] if chosen is not None else []) + (list(top) if top else [])
+        self._event = None
+        if token_ids.is_cuda:
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for h, t in zip(self._host, tensors):
+                h.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensors
+
+    def result(self) -> SampleResult:
+        if self._event is not None:
+            self._event.synchronize()
+        ids = self._host[0].tolist()
+        if all(k is None for k in self.wanted):
+            return SampleResult(ids, [None] * len(ids), [None] * len(ids))
+        chosen = self._host[1].tolist()
+        top_vals, top_ids = (self._host[2], self._host[3]) if len(self._host) > 2 else (None, None)
+        out_lp: list[float | None] = []
+        out_top: list[list[tuple[int, float]] | None] = []
+        for row, k in enumerate(self.wanted):
+            out_lp.append(None if k is None else chosen[row])
+            if not k:
+                out_top.append(None if k is None else [])
+                continue
+            out_top.append(list(zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist())))
+        return SampleResult(ids, out_lp, out_top)
+
+
 class Sampler:
     def __init__(self):
         self._generators: dict[int, torch.Generator] = {}
@@ -43,19 +82,31 @@ class Sampler:
             self._generators[seq_id] = gen
         return gen
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  seq_ids: list[int]) -> SampleResult:
+        return self.sample(logits, params, seq_ids).result()
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               seq_ids: list[int]) -> DeviceSample:
+        """Draw one token per row, without waiting for the device."""
         # logits: [B, V] any float dtype; computed in float32
         logits = logits.float()
         token_ids = logits.argmax(dim=-1)
         if not all(p.is_greedy for p in params):  # decided on the host: no copy, no sync
-            greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+            greedy = to_device([p.is_greedy for p in params], torch.bool, logits.device)
             probs = filtered_probs(logits, params)
             noise = self._noise(probs, params, seq_ids)
             sampled = (probs / noise).argmax(dim=-1)
             token_ids = torch.where(greedy, token_ids, sampled)
-        return self._with_logprobs(logits, token_ids, params)
+        wanted = [p.logprobs for p in params]
+        if all(k is None for k in wanted):
+            return DeviceSample(token_ids, wanted)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+        max_k = max(k or 0 for k in wanted)
+        top = logprobs.topk(max_k, dim=-1) if max_k else None
+        return DeviceSample(token_ids, wanted, chosen, (top.values, top.indices) if top else None)
 
     def _noise(self, probs: torch.Tensor, params: list[SamplingParams],
                seq_ids: list[int]) -> torch.Tensor:
@@ -66,26 +117,14 @@ class Sampler:
                 noise[row].exponential_(generator=gen)
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
-    @staticmethod
-    def _with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-                       params: list[SamplingParams]) -> SampleResult:
-        ids = token_ids.tolist()
-        wanted = [p.logprobs for p in params]
-        if all(k is None for k in wanted):
-            return SampleResult(ids, [None] * len(ids), [None] * len(ids))
-        logprobs = torch.log_softmax(logits, dim=-1)
-        chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
-        max_k = max(k or 0 for k in wanted)
-        top_vals, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (None, None)
-        out_lp: list[float | None] = []
-        out_top: list[list[tuple[int, float]] | None] = []
-        for row, k in enumerate(wanted):
-            out_lp.append(None if k is None else chosen[row])
-            if not k:
-                out_top.append(None if k is None else [])
-                continue
-            out_top.append(list(zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist())))
-        return SampleResult(ids, out_lp, out_top)
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without waiting for the stream (a pageable copy would
+    sync with it, and so stall an overlapped step behind the forward it just queued)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -93,17 +132,17 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     # logits: [B, V] float32
     B, V = logits.shape
     device = logits.device
-    temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
+    temps = to_device([1.0 if p.is_greedy else p.temperature for p in params], torch.float32, device)
     logits = logits / temps[:, None]
     top_ks = [p.top_k if 0 < p.top_k < V else V for p in params]
     if any(k < V for k in top_ks):
-        k_tensor = torch.tensor(top_ks, device=device)
+        k_tensor = to_device(top_ks, torch.int64, device)
         sorted_logits = logits.sort(dim=-1, descending=True).values
         kth = sorted_logits.gather(1, (k_tensor - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    top_ps = torch.tensor([p.top_p for p in params], device=device)
     probs = torch.softmax(logits, dim=-1)
-    if bool((top_ps < 1.0).any()):
+    if any(p.top_p < 1.0 for p in params):
+        top_ps = to_device([p.top_p for p in params], torch.float32, device)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # keep a token if the mass strictly before it is < top_p (the top token is always kept)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs

@@ -101,8 +101,11 @@ class Scheduler:
         return out
 
     def advance(self, out: SchedulerOutput) -> None:
-        """The runner has cached the step's tokens: move counters, publish finished blocks."""
+        """The runner has cached the step's tokens: move counters, publish finished blocks.
+        Sequences that ended meanwhile (an overlapped step read their last token) are skipped."""
         for seq, num_new in zip(out.seqs, out.num_new_tokens):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
             seq.num_cached_tokens += num_new
             self.block_manager.commit(seq)
 
@@ -122,6 +125,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.num_pending and seq.num_tokens + seq.num_pending >= self.max_num_tokens(seq):
+                index += 1  # its last token is still on the device: it ends when that arrives
+                continue
             num_new = min(seq.num_uncached_tokens, budget)
             if not self._make_room(seq, num_new, out):
                 break  # seq itself was the newest and got preempted

@@ -41,6 +41,9 @@ class Sequence:
     usage report, past the release of the pages at the finish.
     ``block_hashes[k]`` chains the ids of tokens ``[0, (k+1)P)``; the first
     ``num_committed_blocks`` blocks have final content in the cache and are registered for reuse.
+    ``num_pending`` tokens (0 or 1 between steps) were sampled on the device and not yet read by
+    the host (overlapped steps, see engine.py): they follow ``token_ids`` and the next step may
+    already run them.
     """
 
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -59,6 +62,7 @@ class Sequence:
         self.num_cached_prompt_tokens = 0
         self.block_hashes: list[bytes] = []
         self.num_committed_blocks = 0
+        self.num_pending = 0
         self.num_preemptions = 0
         # Filled by the engine as tokens are appended; plain Python values only.
         self.output_logprobs: list[Any] = []
@@ -87,7 +91,7 @@ class Sequence:
 
     @property
     def num_uncached_tokens(self) -> int:
-        return self.num_tokens - self.num_cached_tokens
+        return self.num_tokens + self.num_pending - self.num_cached_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -82,6 +82,8 @@ class StepInputs:
         self._tokens = self._tokens_host.to(device)
         self._ints_host = _pinned((3, max_seqs + 1), torch.int32, device)  # cu, cache_lens, history_lens
         self._ints = self._ints_host.to(device)
+        self._pending_host = _pinned((2, max_seqs), torch.int64, device)  # token index, source row
+        self._pending = self._pending_host.to(device)
         self.windows = TableMirror(max_seqs, window_width, device, fill=scratch_window)
         self.quants = TableMirror(max_seqs, quant_width, device, fill=scratch_quant)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None  # the last step's copies
@@ -90,7 +92,10 @@ class StepInputs:
         S = batch.num_seqs if pad_to is None else pad_to
         return S <= self.max_seqs and batch.num_tokens + S - batch.num_seqs <= self.max_tokens
 
-    def load(self, batch: Batch, pad_to: int | None = None, graph_shapes: bool = False) -> dict[str, torch.Tensor]:
+    def load(self, batch: Batch, pad_to: int | None = None, graph_shapes: bool = False,
+             pending_tokens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The step's input views; ``pending_tokens`` (the previous step's sampled ids, on the
+        device) fill the placeholder tokens of ``batch.pending_rows`` by a device-side copy."""
         B = batch.num_seqs
         S = B if pad_to is None else pad_to
         if S < B or not self.fits(batch, S):
@@ -116,6 +121,16 @@ class StepInputs:
         self._ints.copy_(self._ints_host, non_blocking=True)
         tables = dict(window_table=self.windows.update(batch.window_tables, S, trim=not graph_shapes),
                       quant_table=self.quants.update(batch.quant_tables, S, trim=not graph_shapes))
+        if batch.pending_rows:
+            if pending_tokens is None:
+                raise ValueError("the batch runs pending tokens: pass the previous step's sampled ids")
+            n = len(batch.pending_rows)
+            pend = self._pending_host.numpy()
+            pend[0, :n] = ints[0, list(batch.pending_rows)]  # a pending row's one token sits at cu[row]
+            pend[1, :n] = batch.pending_src
+            for row in (0, 1):
+                self._pending[row, :n].copy_(self._pending_host[row, :n], non_blocking=True)
+            self._tokens[0].index_copy_(0, self._pending[0, :n], pending_tokens.index_select(0, self._pending[1, :n]))
         if self._copied is not None:
             self._copied.record()
         return dict(
