@@ -27,14 +27,36 @@ def _model(vocab_size: int):
     return Qwen3ForCausalLM(config).eval().to("cuda", torch.bfloat16)
 
 
-def _generate(tokenizer, spec, prompts, cuda_graphs: bool, max_tokens=40):
+def _generate(tokenizer, spec, prompts, cuda_graphs: bool, max_tokens=40, overlap=True, params=None):
     # max_model_len 256: graphs plan the kernels for full-width page tables (256 tokens), eager
     # launches for the batch's longest; both stay below the first history split (4 blocks of 64
     # tokens), so they launch the same kernels, and float results can be compared bitwise
-    config = EngineConfig(max_num_batched_tokens=1024, max_model_len=256, cuda_graphs=cuda_graphs)
+    config = EngineConfig(max_num_batched_tokens=1024, max_model_len=256, cuda_graphs=cuda_graphs,
+                          overlap_steps=overlap)
     llm = LLM(_model(len(tokenizer)), spec=spec, tokenizer=tokenizer, config=config)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    assert llm.engine.overlap is overlap
+    params = params or SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
     return llm, [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("spec", [SPEC, BF16], ids=["int2", "bf16"])
+def test_overlapped_steps_equal_plain_steps_on_the_gpu(tokenizer, spec):
+    """Tokens taken from the device by graph replays and eager steps, seeded sampling and a stop
+    token (one discarded step) included: the same tokens as stepping one step at a time."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, len(tokenizer), (n,), generator=g).tolist() for n in (5, 17, 30, 64, 70, 9, 100, 41)]
+    prompts[1] = prompts[0]
+    _, free = _generate(tokenizer, spec, prompts, cuda_graphs=True, overlap=False)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[free[0][7]]),  # row 1 stops
+              SamplingParams(max_tokens=30, temperature=0.9, top_p=0.8, seed=11, ignore_eos=True)]
+    params = [params[i % 3] for i in range(len(prompts))]
+    llm, overlapped = _generate(tokenizer, spec, prompts, cuda_graphs=True, params=params)
+    _, plain = _generate(tokenizer, spec, prompts, cuda_graphs=True, overlap=False, params=params)
+    assert overlapped == plain and len(plain[1]) <= 8 and plain[1][-1] == free[0][7]
+    pools = (llm.engine.block_manager.window_pool, llm.engine.block_manager.quant_pool)
+    assert all(pool.num_used == 0 for pool in pools)
 
 
 @pytest.mark.parametrize("spec", [SPEC, BF16], ids=["int2", "bf16"])
