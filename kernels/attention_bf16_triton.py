@@ -61,7 +61,7 @@ def _attn_bf16_kernel(
                 key_ok = ok[None, :] & (r[:, None] >= 0)
                 m, l, a0, a1, _a2, _a3, z0, _z1, _z2, _z3 = full_block(
                     qf, m, l, a0, a1, a0, a1, z0, z0, z0, z0, kp_ptr, vp_ptr, rows, key_ok,
-                    D, qk_scale, D, WP, NPL, DOT_DT)
+                    D, D, qk_scale, D, WP, NPL, DOT_DT)
         if do_win:
             kend = tl.minimum(T, t0 + BLOCK_M)
             for j0 in range(0, kend, BLOCK_C):
@@ -69,7 +69,7 @@ def _attn_bf16_kernel(
                 key_ok = (j[None, :] <= tok[:, None]) & (j[None, :] < kend)
                 m, l, a0, a1, _a2, _a3, z0, _z1, _z2, _z3 = full_block(
                     qf, m, l, a0, a1, a0, a1, z0, z0, z0, z0, k_ptr + h * skh, v_ptr + h * svh,
-                    (start + j).to(tl.int64), key_ok, skn, qk_scale, D, WP, NPL, DOT_DT)
+                    (start + j).to(tl.int64), key_ok, skn, svn, qk_scale, D, WP, NPL, DOT_DT)
         inv_l = tl.where(l > 0.0, 1.0 / l, 0.0)
         n_glob = (start + tok).to(tl.int64)
         zero = tl.zeros([ROWS], tl.float32)

@@ -144,16 +144,17 @@ def softmax_step(s, m, l):
 
 @triton.jit
 def full_block(q, m, l, a0, a1, a2, a3, z0, z1, z2, z3, k_base, v_base, rows, key_ok,
-               stride_row, qk_scale, D: tl.constexpr, WP: tl.constexpr, NPL: tl.constexpr,
+               k_stride, v_stride, qk_scale, D: tl.constexpr, WP: tl.constexpr, NPL: tl.constexpr,
                kdt: tl.constexpr):
     """Attend to BN full-precision keys/values at row offsets ``rows`` (masked by key_ok: [ROWS, BN]).
 
     q: [ROWS, D] in kdt (the window dtype; chunk keys are cast to it);
-    k_base/v_base + rows * stride_row is a key's first channel.
+    k_base + rows * k_stride is a key's first channel, v_base + rows * v_stride its value's (the
+    chunk's K and V are views of one merged projection or separate tensors: their strides differ).
     """
     col_ok = tl.max(key_ok.to(tl.int32), axis=0) > 0  # [BN]
     d = tl.arange(0, D)
-    kt = tl.load(k_base + rows[:, None] * stride_row + d[None, :], mask=col_ok[:, None], other=0.0)
+    kt = tl.load(k_base + rows[:, None] * k_stride + d[None, :], mask=col_ok[:, None], other=0.0)
     kt = kt.to(kdt)
     if kdt == tl.float32:
         s = tl.dot(q, tl.trans(kt), input_precision="ieee")
@@ -163,7 +164,7 @@ def full_block(q, m, l, a0, a1, a2, a3, z0, z1, z2, z3, k_base, v_base, rows, ke
     p, alpha, m, l = softmax_step(s, m, l)
     pk = p.to(kdt)
     c = tl.arange(0, WP)[None, :]
-    vrow = v_base + rows[:, None] * stride_row
+    vrow = v_base + rows[:, None] * v_stride
     a0 = _pv(a0 * alpha[:, None], pk, vrow + c, col_ok, kdt)
     a1 = _pv(a1 * alpha[:, None], pk, vrow + WP + c, col_ok, kdt)
     if NPL == 4:

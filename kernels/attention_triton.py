@@ -171,7 +171,7 @@ def _attn_kernel(
                 key_ok = ok[None, :] & (r[:, None] >= 0)
                 m, l, a0, a1, a2, a3, z0, z1, z2, z3 = full_block(
                     qf, m, l, a0, a1, a2, a3, z0, z1, z2, z3, kwin_ptr, vwin_ptr, rows, key_ok,
-                    D, qk_scale, D, WP, NPL, kdt)
+                    D, D, qk_scale, D, WP, NPL, kdt)
             # the chunk's own keys, causally (new token j visible to row tok iff j <= tok)
             kend = tl.minimum(T, t0 + BLOCK_M)
             for j0 in range(0, kend, BLOCK_C):
@@ -180,7 +180,7 @@ def _attn_kernel(
                 rows = (start + j).to(tl.int64)
                 m, l, a0, a1, a2, a3, z0, z1, z2, z3 = full_block(
                     qf, m, l, a0, a1, a2, a3, z0, z1, z2, z3, k_ptr + h * skh, v_ptr + h * svh,
-                    rows, key_ok, skn, qk_scale, D, WP, NPL, kdt)
+                    rows, key_ok, skn, svn, qk_scale, D, WP, NPL, kdt)
         inv_l = tl.where(l > 0.0, 1.0 / l, 0.0)
         n_glob = (start + tok).to(tl.int64)
         if not SPLIT:

@@ -20,7 +20,19 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def run_both(case, chunk_lens, H_q, device, seed=0, **kw):
+def merged_views(q, k, v):
+    """The same values as the runtime passes them: q, k, v views of one merged projection output
+    [N, (H_q + 2 H_kv) * D], then k replaced by a fresh tensor (as RoPE returns it): three
+    different row strides."""
+    n, D = q.shape[0], q.shape[2]
+    merged = torch.cat([t.reshape(n, -1) for t in (q, k, v)], dim=1)
+    hq, hk = q.shape[1] * D, k.shape[1] * D
+    views = [merged[:, :hq], merged[:, hq:hq + hk], merged[:, hq + hk:]]
+    q, k, v = (x.unflatten(1, (-1, D)) for x in views)
+    return q, k.contiguous(), v
+
+
+def run_both(case, chunk_lens, H_q, device, seed=0, merged=False, **kw):
     from oscar_compile.kernels.attention_triton import attention_triton
 
     gen = torch.Generator().manual_seed(seed)
@@ -29,6 +41,9 @@ def run_both(case, chunk_lens, H_q, device, seed=0, **kw):
     q = random_kv(n, H_q, D, gen, device=device)
     k = random_kv(n, H_kv, D, gen, device=device)
     v = random_kv(n, H_kv, D, gen, device=device)
+    if merged:
+        q, k, v = merged_views(q, k, v)
+        assert k.stride(0) != v.stride(0)
     cu = torch.tensor([0] + chunk_lens, device=device).cumsum(0).to(torch.int32)
     args = (q, k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
             D ** -0.5, case.sink, case.recent, case.bits, case.group_size, case.history_lens)
@@ -59,6 +74,17 @@ def test_extend_matches_reference(tdevice, sink, recent, H_q, H_kv, D, bits, G, 
     case = build_case(lens, H_kv, D, 16, sink, recent, bits, G, sdt, seed=2, extra_tokens=40,
                       device=tdevice)
     got, want = run_both(case, [37, 0, 20], H_q, tdevice, seed=3)
+    assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("chunk_lens", [[37, 0, 20], [1, 1, 1]], ids=["extend", "decode"])
+def test_merged_projection_views_match_reference(tdevice, chunk_lens):
+    """q, k, v with different row strides (the runtime's merged q/k/v projection): the chunk's
+    values are read with v's stride, not k's (they once were: every extend step was wrong)."""
+    sink, recent, H_q, H_kv, D, bits, G, sdt = CASES[0]
+    case = build_case([0, 40, 100], H_kv, D, 16, sink, recent, bits, G, sdt, seed=2, extra_tokens=40,
+                      device=tdevice)
+    got, want = run_both(case, chunk_lens, H_q, tdevice, seed=3, merged=True)
     assert rel_err(got, want) < TOL
 
 
@@ -155,8 +181,9 @@ def test_bf16_paged_matches_reference(tdevice, chunk_lens, H_q, H_kv, D):
     q = random_kv(n, H_q, D, gen, device=tdevice)
     k, v = random_kv(n, H_kv, D, gen, device=tdevice), random_kv(n, H_kv, D, gen, device=tdevice)
     cu = torch.tensor([0] + chunk_lens, device=tdevice).cumsum(0).to(torch.int32)
-    args = (q, k, v, cu, cache_lens, table, k_pages, v_pages, D ** -0.5)
-    assert rel_err(attention_bf16_triton(*args), attention_bf16_ref(*args)) < TOL
+    for qkv in ((q, k, v), merged_views(q, k, v)):  # separate tensors, merged-projection views
+        args = (*qkv, cu, cache_lens, table, k_pages, v_pages, D ** -0.5)
+        assert rel_err(attention_bf16_triton(*args), attention_bf16_ref(*args)) < TOL
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
