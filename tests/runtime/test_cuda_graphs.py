@@ -42,15 +42,15 @@ def _generate(tokenizer, spec, prompts, cuda_graphs: bool, max_tokens=40, overla
 
 @pytest.mark.parametrize("spec", [SPEC, BF16], ids=["int2", "bf16"])
 def test_a_prompt_gives_the_same_tokens_in_any_batch_row(tokenizer, spec):
-    """The prompt of row 0 repeated in row 1 of a batch of 8 and run alone: the same tokens. (The
+    """The prompt of row 0 repeated in row 1 of a batch of 8, and run alone: the same tokens. (The
     Triton kernels once read the chunk's values with the keys' row stride, which differs for the
     merged q/k/v projection: only the first token of a step was right.)"""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, len(tokenizer), (n,), generator=g).tolist() for n in (5, 17, 30, 64, 70, 9, 100, 41)]
     prompts[1] = prompts[0]
     _, batched = _generate(tokenizer, spec, prompts, cuda_graphs=True, max_tokens=12)
-    _, alone = _generate(tokenizer, spec, prompts[3:4], cuda_graphs=True, max_tokens=12)
-    assert batched[1] == batched[0] and batched[3] == alone[0]
+    _, alone = _generate(tokenizer, spec, prompts[:1], cuda_graphs=True, max_tokens=12)
+    assert batched[1] == batched[0] == alone[0]
 
 
 @pytest.mark.parametrize("spec", [SPEC, BF16], ids=["int2", "bf16"])
