@@ -141,10 +141,12 @@ class CompressedRunner:
 
     def _scratch_batch(self, layout: CacheLayout, num_seqs: int, chunk: int, extra: int = 0) -> Batch:
         """``num_seqs`` new sequences of ``chunk`` tokens (the first ``extra`` more) whose every
-        page is a scratch page."""
+        page is a scratch page. The quant tables have the full width, as a running batch's do:
+        the attention kernels plan history splits from it (split and unsplit compile apart; a
+        batch of 16 once stalled 3 s on its first mixed step for want of the split variant)."""
         window = layout.num_window_pages_per_seq
         lens = [chunk + extra] + [chunk] * (num_seqs - 1)
-        quant = min(self.quant_width, math.ceil(max(lens) / layout.page_size))
+        quant = self.quant_width
         return Batch(seq_ids=[-1 - i for i in range(num_seqs)], token_ids=[[0] * n for n in lens],
                      positions=[list(range(n)) for n in lens], cache_lens=[0] * num_seqs,
                      history_lens=[0] * num_seqs,
