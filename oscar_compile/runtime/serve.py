@@ -34,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="token budget of one step (prefill chunks + decodes)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix reuse")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="launch decode steps eagerly (no CUDA graphs)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="run one step at a time (by default a step's host work overlaps the next step on the device)")
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
     return parser.parse_args(argv)
@@ -54,7 +56,8 @@ def build_app(args: argparse.Namespace):
     config = EngineConfig(kv_memory_gb=args.kv_memory, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len,
-                          enable_prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs)
+                          enable_prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
+                          overlap_steps=not args.no_overlap)
     spec, rotations = compression_for(args, model_dir)
     config, make_runner = compress(model, spec, rotations, config)
     engine = build_engine(model, tokenizer, config, make_runner=make_runner)
