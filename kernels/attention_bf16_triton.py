@@ -15,7 +15,6 @@ import triton.language as tl
 from oscar_compile.kernels.attention_blocks_triton import (
     NEG_INIT, full_block, merge_kernel, seq_of_program, split_range, store_rows)
 from oscar_compile.kernels.attention_triton import LOG2E, dot_dtype, plan_launch
-from oscar_compile.kernels.quant_triton import search_steps
 
 
 # B and nsplit stay specialized (1 / multiple of 16 / other): without, batch-1 decode measured up to
@@ -26,14 +25,14 @@ def _attn_bf16_kernel(
     out_ptr, po_ptr, pl_ptr, qk_scale, B, nsplit, sqn, sqh, skn, skh, svn, svh, stride_pt,
     H_KV: tl.constexpr, G_Q: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    SPLIT: tl.constexpr, LOG_B: tl.constexpr, DOT_DT: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_DT: tl.constexpr,
 ):
     NPL: tl.constexpr = 2
     WP: tl.constexpr = D // 2
     pid = tl.program_id(0)
     h = tl.program_id(1)
     sid = tl.program_id(2)
-    i = seq_of_program(cub_ptr, pid, B, LOG_B)
+    i = seq_of_program(cub_ptr, pid, B)
     if pid < tl.load(cub_ptr + B):
         start = tl.load(cu_ptr + i)
         T = tl.load(cu_ptr + i + 1) - start
@@ -122,7 +121,7 @@ def attention_bf16_triton(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, 
         scale * LOG2E, B, nsplit, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), page_table.stride(0),
         H_KV=H_kv, G_Q=g, D=D, P=P, BLOCK_M=block_m, ROWS=rows, BLOCK_N=block_n,
-        BLOCK_C=16 if block_m == 1 else 64, SPLIT=nsplit > 0, LOG_B=search_steps(B),
+        BLOCK_C=16 if block_m == 1 else 64, SPLIT=nsplit > 0,
         DOT_DT=dot_dtype(k_pages.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     if nsplit:
@@ -134,12 +133,12 @@ def attention_bf16_triton(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, 
 @triton.jit(do_not_specialize=["B"])
 def _write_bf16_kernel(k_ptr, v_ptr, cu_ptr, lens_ptr, pt_ptr, kp_ptr, vp_ptr, B, skn, skh, svn, svh, stride_pt,
                        H_KV: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_D: tl.constexpr, LOG_B: tl.constexpr):
+                       BLOCK_D: tl.constexpr):
     """Token n -> row (pos % P) of page table[i, pos // P], every KV head at once."""
     n = tl.program_id(0)
     if n >= tl.load(cu_ptr + B):  # tokens past cu[B] are not written (a cache-less forward passes cu = 0)
         return
-    i = seq_of_program(cu_ptr, n, B, LOG_B)
+    i = seq_of_program(cu_ptr, n, B)
     pos = tl.load(lens_ptr + i) + n - tl.load(cu_ptr + i)
     page = tl.load(pt_ptr + i * stride_pt + pos // P).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -163,5 +162,5 @@ def cache_write_bf16_triton(k, v, cu_seqlens, cache_lens, page_table, k_pages, v
     _write_bf16_kernel[(N,)](
         k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages, B, k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), page_table.stride(0), H_KV=H_kv, D=D, P=k_pages.shape[2],
-        BLOCK_H=triton.next_power_of_2(H_kv), BLOCK_D=triton.next_power_of_2(D), LOG_B=search_steps(B),
+        BLOCK_H=triton.next_power_of_2(H_kv), BLOCK_D=triton.next_power_of_2(D),
         num_warps=4)

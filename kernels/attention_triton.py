@@ -27,7 +27,7 @@ import triton.language as tl
 from oscar_compile.kernels.attention_blocks_triton import (
     CODE_EXP, NEG_INIT, full_block, group_params, history_block, history_rows, merge_kernel,
     plane_factor, seq_of_program, store_rows)
-from oscar_compile.kernels.quant_triton import interpreting, search_steps
+from oscar_compile.kernels.quant_triton import interpreting
 
 LOG2E = 1.4426950408889634
 MAX_SPLIT_TOKENS = 8192
@@ -54,7 +54,7 @@ def _attn_kernel(
     SINK: tl.constexpr, RECENT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    SPLIT: tl.constexpr, LOG_B: tl.constexpr, USE_ASM: tl.constexpr, DOT_DT: tl.constexpr,
+    SPLIT: tl.constexpr, USE_ASM: tl.constexpr, DOT_DT: tl.constexpr,
     HAS_HIST: tl.constexpr,
 ):
     NPL: tl.constexpr = 8 // BITS
@@ -63,7 +63,7 @@ def _attn_kernel(
     pid = tl.program_id(0)
     h = tl.program_id(1)
     sid = tl.program_id(2)
-    i = seq_of_program(cub_ptr, pid, B, LOG_B)
+    i = seq_of_program(cub_ptr, pid, B)
     if pid < tl.load(cub_ptr + B):
         start = tl.load(cu_ptr + i)
         T = tl.load(cu_ptr + i + 1) - start
@@ -329,7 +329,7 @@ def attention_triton(
         # path, 64 raised the registers of the whole kernel (128k batch 1: 87 -> 140 us; H200 sweep)
         # the chunk's own keys in 16-key blocks for decode (T = 1), 64 for extend
         BLOCK_W=block_w, BLOCK_C=16 if block_m == 1 else 64,
-        SPLIT=nsplit > 0, LOG_B=search_steps(B),
+        SPLIT=nsplit > 0,
         DOT_DT=dot_dtype(k_win.dtype), HAS_HIST=history_lens is not None,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )

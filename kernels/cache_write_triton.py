@@ -27,34 +27,22 @@ import logging
 import triton
 import triton.language as tl
 
+from oscar_compile.kernels.attention_blocks_triton import seq_of_rows
 from oscar_compile.kernels.cache_write_ref import check_cache_write_args
-from oscar_compile.kernels.quant_triton import clip_indices, clip_rows, interpreting, quantize_rows, search_steps
+from oscar_compile.kernels.quant_triton import clip_indices, clip_rows, interpreting, quantize_rows
 
 _log = logging.getLogger(__name__)
 _WIDE_BLOCK_FAILED = False  # set once the 8-row variant failed to compile on this machine
 
 
 @triton.jit
-def seq_of_rows(cu_ptr, n, B, LOG_B: tl.constexpr):
-    """Largest i in [0, B) with cu[i] <= n, per element of n (vectorised binary search)."""
-    lo = tl.zeros_like(n)
-    hi = tl.zeros_like(n) + B
-    for _ in tl.static_range(LOG_B):
-        mid = (lo + hi) // 2
-        c = tl.load(cu_ptr + mid)
-        go = c <= n
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid)
-    return lo
-
-
-@triton.jit
-def _write_one(x_new, x_ptr_win, codes_ptr, scale_ptr, zero_ptr, rows_win, win_mask, rows_q,
+def _write_one(x_new, old, x_ptr_win, codes_ptr, scale_ptr, zero_ptr, rows_win, win_mask, rows_q,
                quant_mask, demote, lo_idx, hi_idx, frac, CLIP: tl.constexpr, BY_RANK: tl.constexpr, BLOCK_T: tl.constexpr,
                D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
-    # x_new: [BLOCK_T, D] new tokens in the window dtype; rows_*: flat row indices into the pools
+    # x_new: [BLOCK_T, D] new tokens in the window dtype, old: the ring slots' occupants (loaded
+    # by the caller, K's and V's together: one memory latency, not two in a row);
+    # rows_*: flat row indices into the pools
     d = tl.arange(0, D)[None, :]
-    old = tl.load(x_ptr_win + rows_win[:, None] * D + d, mask=demote[:, None], other=0.0)
     src = tl.where(demote[:, None], old, x_new).to(tl.float32)
     if CLIP:
         src = clip_rows(src, lo_idx, hi_idx, frac, D, BY_RANK)
@@ -71,7 +59,7 @@ def _write_one(x_new, x_ptr_win, codes_ptr, scale_ptr, zero_ptr, rows_win, win_m
     tl.store(x_ptr_win + rows_win[:, None] * D + d, x_new, mask=win_mask[:, None])
 
 
-@triton.jit(do_not_specialize=["N", "B"])  # one compile for every batch (see search_steps)
+@triton.jit(do_not_specialize=["N", "B"])  # one compile for every batch (Triton specializes 1 and multiples of 16)
 def _cache_write_kernel(
     k_ptr, v_ptr, rot_ptr, mean_ptr, cu_ptr, lens_ptr, hist_ptr, wt_ptr, qt_ptr,
     kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
@@ -80,13 +68,13 @@ def _cache_write_kernel(
     H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, CLIP_K: tl.constexpr, CLIP_V: tl.constexpr,
     HAS_ROT: tl.constexpr, HAS_MEAN: tl.constexpr, ROT_HEADS: tl.constexpr, HAS_HIST: tl.constexpr,
-    LOG_B: tl.constexpr, BLOCK_T: tl.constexpr, BY_RANK: tl.constexpr,
+    BLOCK_T: tl.constexpr, BY_RANK: tl.constexpr,
 ):
     h = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] token rows
     valid = n < N
     n = tl.where(valid, n, 0)
-    seq = seq_of_rows(cu_ptr, n, B, LOG_B)
+    seq = seq_of_rows(cu_ptr, n, B)
     start = tl.load(cu_ptr + seq)
     T = tl.load(cu_ptr + seq + 1) - start
     L = tl.load(lens_ptr + seq)
@@ -129,9 +117,11 @@ def _cache_write_kernel(
     k_new = kin.to(kwin_ptr.dtype.element_ty)
     vin = tl.load(v_ptr + n[:, None] * stride_vn + h * stride_vh + d, mask=valid[:, None], other=0.0)
     v_new = vin.to(vwin_ptr.dtype.element_ty)
-    _write_one(k_new, kwin_ptr, kc_ptr, ks_ptr, kz_ptr, rows_win, win_mask, rows_q, quant_mask,
+    k_old = tl.load(kwin_ptr + rows_win[:, None] * D + d, mask=demote[:, None], other=0.0)
+    v_old = tl.load(vwin_ptr + rows_win[:, None] * D + d, mask=demote[:, None], other=0.0)
+    _write_one(k_new, k_old, kwin_ptr, kc_ptr, ks_ptr, kz_ptr, rows_win, win_mask, rows_q, quant_mask,
                demote, klo, khi, kfrac, CLIP_K, BY_RANK, BLOCK_T, D, BITS, GROUP)
-    _write_one(v_new, vwin_ptr, vc_ptr, vs_ptr, vz_ptr, rows_win, win_mask, rows_q, quant_mask,
+    _write_one(v_new, v_old, vwin_ptr, vc_ptr, vs_ptr, vz_ptr, rows_win, win_mask, rows_q, quant_mask,
                demote, vlo, vhi, vfrac, CLIP_V, BY_RANK, BLOCK_T, D, BITS, GROUP)
 
 
@@ -182,13 +172,6 @@ def cache_write_triton(
         # Triton 3.6 off-GPU), so 8 is the largest; the fused rotation's dot needs 16 rows.
         block_t = 16 if rot_k is not None else (8 if N >= 512 else 4)
     B = cache_lens.shape[0]
-    # Triton 3.6 fails to compile (RemoveLayoutConversions) the 8-row block with an 8-step search
-    # (H200, 2026-11-30); 7 steps with 8 rows and 8 steps with 4 rows compiled and ran there.
-    # So: at least 7 steps (one compile for every batch up to 127), and 4-row blocks above that
-    # (also when 8 rows were asked for).
-    log_b = search_steps(B, minimum=7)
-    if log_b > 7 and block_t == 8:
-        block_t = 4
     klo, khi, kfrac = clip_indices(clip_k, D)
     vlo, vhi, vfrac = clip_indices(clip_v, D)
     global _WIDE_BLOCK_FAILED
@@ -207,7 +190,7 @@ def cache_write_triton(
             CLIP_K=clip_k < 1.0, CLIP_V=clip_v < 1.0, HAS_ROT=rot_k is not None,
             HAS_MEAN=mean_k is not None, ROT_HEADS=1 if rot_k is None else rot_k.shape[0],
             HAS_HIST=history_lens is not None,
-            LOG_B=log_b, BLOCK_T=block_t, BY_RANK=interpreting(),
+            BLOCK_T=block_t, BY_RANK=interpreting(),
             num_warps=4, enable_fp_fusion=False,
         )
 

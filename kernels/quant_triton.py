@@ -27,21 +27,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def search_steps(num_seqs: int, minimum: int = 8) -> int:
-    """Steps of the kernels' binary search over ``num_seqs`` sequences, a compile-time constant.
-
-    Bucketed (``minimum``, then multiples of 4 above it) rather than exact: each distinct value
-    compiles the kernel anew, and a batch that shrinks as requests finish would otherwise stall for
-    seconds of compilation at every power of two. Surplus steps are harmless: the search has
-    converged and stays put. Triton also compiles again for an integer argument equal to 1 or a
-    multiple of 16 (an 8k-prompt batch of 16 lost 15 s to three such compiles on the H200): the
-    cache write takes its counts with ``do_not_specialize``; the attention kernels, slower without
-    that specialization, have their variants compiled when the runner starts (compressed_runner).
-    """
-    exact = max(1, num_seqs.bit_length())
-    return minimum if exact <= minimum else -(-exact // 4) * 4
-
-
 def clip_indices(clip_ratio: float, head_dim: int) -> tuple[int, int, float]:
     """(lo, hi, frac) of the rho-quantile exactly as ``quant.clip_threshold`` computes them."""
     pos = clip_ratio * (head_dim - 1)
