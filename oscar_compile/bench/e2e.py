@@ -54,7 +54,8 @@ def random_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = 0) 
 class _StepClock:
     """Times engine steps on the host clock and the device work of their forward with CUDA events
     read after the run (no sync in the loop: an overlapped engine keeps overlapping), and each
-    request's token arrivals."""
+    request's token arrivals. The engine's runner must be the compressed one (it records the
+    start event: ``CompressedRunner.forward_started``)."""
 
     def __init__(self, engine):
         self.steps: list[tuple[bool, float, tuple | None]] = []  # (decode only, step s, forward events)
@@ -67,9 +68,12 @@ class _StepClock:
             events = None
             if torch.cuda.is_available():
                 events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                events[0].record()
+                # the runner records the start once the inputs are packed: recorded here, on an idle
+                # GPU it would fire at once and count the packing as device time
+                engine.runner.forward_started = events[0]
             logits = run(batch, *pending)
             if events is not None:
+                engine.runner.forward_started = None
                 events[1].record()
             self._events = events
             self._decode = batch.num_tokens == batch.num_seqs

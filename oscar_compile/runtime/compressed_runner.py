@@ -102,6 +102,9 @@ class CompressedRunner:
         longest = max_seq_len if max_seq_len is not None else num_quant_pages * layout.page_size
         self.quant_width = min(num_quant_pages, math.ceil(longest / layout.page_size))
         self.inputs = self._step_inputs(max_num_seqs, max_num_batched_tokens)
+        # benchmarks set a CUDA event here: recorded where a step's forward is queued, after its
+        # inputs were packed (bench/e2e.py times the device work of steps with it, syncing nothing)
+        self.forward_started: torch.cuda.Event | None = None
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             from oscar_compile.runtime.cuda_graphs import DecodeGraphs
@@ -167,8 +170,13 @@ class CompressedRunner:
             self.inputs = self._step_inputs(max(batch.num_seqs, self.inputs.max_seqs),
                                             max(batch.num_tokens, self.inputs.max_tokens))
         inputs = self.inputs.load(batch, pending_tokens=pending_tokens)
+        self.mark_forward()
         last = inputs["cu_seqlens"][1:].long() - 1  # each sequence's last new token
         return self.forward(inputs, last).float()
+
+    def mark_forward(self) -> None:
+        if self.forward_started is not None:
+            self.forward_started.record()
 
     def forward(self, inputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None) -> torch.Tensor:
         """The model over one packed step: logits ``[N, vocab]`` of every new token, or of ``rows``

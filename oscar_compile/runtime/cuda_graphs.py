@@ -71,6 +71,7 @@ class DecodeGraphs:
         size = self.sizes[bisect.bisect_left(self.sizes, batch.num_seqs)]
         graph, logits = self.graphs[size]
         self.inputs.load(batch, pad_to=size, graph_shapes=True, pending_tokens=pending_tokens)
+        self.runner.mark_forward()
         graph.replay()
         return logits[: batch.num_seqs]
 

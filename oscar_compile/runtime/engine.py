@@ -161,7 +161,8 @@ class LLMEngine:
         return outputs
 
     def _launch(self, out: SchedulerOutput) -> _Launched | None:
-        """Run the step's forward and sample the rows that reach their sequence's end."""
+        """Run the step's forward; sample the rows whose new tokens reach the last known or
+        pending token of their sequence (not mid-prompt chunks)."""
         pending_src = ({seq.seq_id: j for j, seq in enumerate(self._in_flight.seqs)}
                        if self._in_flight is not None else {})
         batch = self._build_batch(out, pending_src)
