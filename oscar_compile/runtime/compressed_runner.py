@@ -149,12 +149,11 @@ class CompressedRunner:
         batch of 16 once stalled 3 s on its first mixed step for want of the split variant)."""
         window = layout.num_window_pages_per_seq
         lens = [chunk + extra] + [chunk] * (num_seqs - 1)
-        quant = self.quant_width
         return Batch(seq_ids=[-1 - i for i in range(num_seqs)], token_ids=[[0] * n for n in lens],
                      positions=[list(range(n)) for n in lens], cache_lens=[0] * num_seqs,
                      history_lens=[0] * num_seqs,
                      window_tables=[[self.scratch_window] * window for _ in lens],
-                     quant_tables=[[self.scratch_quant] * quant for _ in lens],
+                     quant_tables=[[self.scratch_quant] * self.quant_width for _ in lens],
                      context_token_ids=[[0] * n for n in lens], layout=layout)
 
     def _step_inputs(self, max_seqs: int, max_tokens: int) -> StepInputs:
