@@ -9,8 +9,8 @@ each K/V byte is loaded once for the whole GQA group) attend to
   and scales are loaded one block ahead;
 - the sink + recent window slots and the chunk's own keys (causal), in full precision.
 Flash-decoding: with nsplit > 0 the grid's third axis splits the history into nsplit equal parts
-per sequence (plus one program for windows + chunk); each writes a normalised partial and its
-log-sum-exp, and merge_kernel combines them. With nsplit = 0 (many query blocks, e.g. prefill)
+per sequence, plus nwin programs for the windows (the last of them also takes the chunk); each
+writes a normalised partial and its log-sum-exp, and merge_kernel combines them. With nsplit = 0 (many query blocks, e.g. prefill)
 one program does everything and writes the output. Grid sizes and split counts come from tensor
 shapes only: no host sync, safe under CUDA graphs. The chunk is never written to a BF16 copy of
 the prefix: history stays packed in the pools.
@@ -48,7 +48,7 @@ def _note_asm_failure() -> None:
 def _attn_kernel(
     q_ptr, k_ptr, v_ptr, cu_ptr, cub_ptr, lens_ptr, hist_ptr, wt_ptr, qt_ptr,
     kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-    out_ptr, po_ptr, pl_ptr, qk_scale, B, nsplit,
+    out_ptr, po_ptr, pl_ptr, qk_scale, B, nsplit, nwin,
     sqn, sqh, skn, skh, svn, svh, stride_wt, stride_qt,
     H_KV: tl.constexpr, G_Q: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     SINK: tl.constexpr, RECENT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
@@ -92,7 +92,7 @@ def _attn_kernel(
         # kernel ran 15-30 % slower at batch 8-32 with fp16 scales on the H200, 2026-11-30)
         if SPLIT:
             do_hist = sid < nsplit
-            do_win = sid == nsplit
+            do_win = sid >= nsplit
         else:
             do_hist = sid >= 0
             do_win = sid >= 0
@@ -163,7 +163,18 @@ def _attn_kernel(
             n_sink = tl.minimum(L, SINK)
             n_rec = tl.maximum(L - SINK - n_hist, 0)
             wt_row = wt_ptr + i.to(tl.int64) * stride_wt
-            for w0 in range(0, SINK + RECENT, BLOCK_W):
+            # window program sid - nsplit of nwin takes a run of whole BLOCK_W blocks of the slots
+            NWB: tl.constexpr = (SINK + RECENT + BLOCK_W - 1) // BLOCK_W
+            if SPLIT:
+                per = tl.cdiv(NWB, nwin)
+                wlo = tl.minimum((sid - nsplit) * per, NWB) * BLOCK_W
+                whi = tl.minimum(wlo + per * BLOCK_W, NWB * BLOCK_W)
+                kend = tl.where(sid == nsplit + nwin - 1, tl.minimum(T, t0 + BLOCK_M), 0)
+            else:
+                wlo = 0
+                whi = NWB * BLOCK_W
+                kend = tl.minimum(T, t0 + BLOCK_M)
+            for w0 in range(wlo, whi, BLOCK_W):
                 w = w0 + tl.arange(0, BLOCK_W)
                 ok = window_slot_ok(w, n_sink, n_hist, n_rec, SINK, RECENT)
                 page = tl.load(wt_row + w // P, mask=ok, other=0)
@@ -172,8 +183,8 @@ def _attn_kernel(
                 m, l, a0, a1, a2, a3, z0, z1, z2, z3 = full_block(
                     qf, m, l, a0, a1, a2, a3, z0, z1, z2, z3, kwin_ptr, vwin_ptr, rows, key_ok,
                     D, D, qk_scale, D, WP, NPL, kdt)
-            # the chunk's own keys, causally (new token j visible to row tok iff j <= tok)
-            kend = tl.minimum(T, t0 + BLOCK_M)
+            # the chunk's own keys, causally (new token j visible to row tok iff j <= tok); in the
+            # last window program
             for j0 in range(0, kend, BLOCK_C):
                 j = j0 + tl.arange(0, BLOCK_C)
                 key_ok = (j[None, :] <= tok[:, None]) & (j[None, :] < kend)
@@ -187,7 +198,7 @@ def _attn_kernel(
             base = out_ptr + (n_glob * (H_KV * G_Q) + head)[:, None] * D
             store_rows(base, row_ok, a0, a1, a2, a3, z0, z1, z2, z3, inv_l, WP, NPL)
         else:
-            prow = (n_glob * (H_KV * G_Q) + head) * (nsplit + 1) + sid
+            prow = (n_glob * (H_KV * G_Q) + head) * (nsplit + nwin) + sid
             store_rows(po_ptr + prow[:, None] * D, row_ok, a0, a1, a2, a3, z0, z1, z2, z3,
                        inv_l, WP, NPL)
             lse = tl.where(l > 0.0, m + tl.math.log2(l), float("-inf"))
@@ -256,18 +267,29 @@ def plan_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, device: torch.
     return block_m, rows, max(nsplit, precision_splits)
 
 
+def plan_window_splits(N: int, B: int, H_kv: int) -> int:
+    """Programs sharing the sink + recent windows of one (sequence, KV head) in a split launch.
+
+    At small decode batches the window program (320 full-precision slots, a chain of 10 blocks)
+    outlasts the history splits (2-3 INT2 blocks each); two programs halve that chain.
+    """
+    return 2 if N <= 2 * B and B * H_kv <= 64 else 1
+
+
 def attention_triton(
     q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, scale, sink, recent, bits, group_size,
     history_lens=None, block_n: int = 128, use_asm: bool | None = None, num_warps: int = 4,
     num_stages: int = 2, nsplit: int | None = None, block_w: int = 32, maxnreg: int | None = 128,
+    win_splits: int | None = None,
 ):
     """Check, plan and launch. q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype.
 
     ``history_lens``: [B] int32 history length per sequence, or None (standard). The grid does not
     depend on it (history splits are planned for the quant table's capacity), so it may change
     between replays of a captured CUDA graph. ``nsplit`` overrides the planned number of history
-    splits, ``block_w`` is the window block (benchmark sweeps). ``maxnreg`` caps the registers per
+    splits, ``win_splits`` the number of programs sharing the windows (with nsplit > 0),
+    ``block_w`` is the window block (benchmark sweeps). ``maxnreg`` caps the registers per
     thread: at 128, four 4-warp programs fit an SM; uncapped, Triton 3.6 took 139-140 and three
     fit, 15-25 % slower at batch 8-32 (H200, 2026-11-30).
     """
@@ -300,6 +322,9 @@ def attention_triton(
     # best at batch 1 for 8k-128k; 4 blocks (the paged BF16 kernel's choice) was 10-20 % slower
     block_m, rows, planned = plan_launch(N, B, H_kv, g, max_hist, q.device, block_n, min_split_blocks=2)
     nsplit = planned if nsplit is None else nsplit
+    nwin = 1
+    if nsplit:
+        nwin = plan_window_splits(N, B, H_kv) if win_splits is None else win_splits
     if block_m == 1:
         cub = cu_seqlens
         nblocks = N
@@ -308,19 +333,19 @@ def attention_triton(
         cub = torch.cat([cu_seqlens[:1] * 0, per_seq.cumsum(0)]).to(torch.int32)
         nblocks = triton.cdiv(N, block_m) + B
     if nsplit:
-        po = torch.empty(N * H_q * (nsplit + 1), D, dtype=torch.float32, device=q.device)
-        pl = torch.empty(N * H_q * (nsplit + 1), dtype=torch.float32, device=q.device)
+        po = torch.empty(N * H_q * (nsplit + nwin), D, dtype=torch.float32, device=q.device)
+        pl = torch.empty(N * H_q * (nsplit + nwin), dtype=torch.float32, device=q.device)
     else:
         po = pl = out
     auto_asm = use_asm is None
     if auto_asm:
         use_asm = q.is_cuda and not interpreting() and not _ASM_FAILED
     launch = functools.partial(
-        _attn_kernel[(nblocks, H_kv, nsplit + 1)],
+        _attn_kernel[(nblocks, H_kv, nsplit + nwin)],
         q, k, v, cu_seqlens, cub, cache_lens,
         history_lens if history_lens is not None else cache_lens, window_table, quant_table,
         k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-        out, po, pl, scale * LOG2E, B, nsplit,
+        out, po, pl, scale * LOG2E, B, nsplit, nwin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         window_table.stride(0), quant_table.stride(0),
         H_KV=H_kv, G_Q=g, D=D, P=P, SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size,
@@ -341,6 +366,6 @@ def attention_triton(
         _note_asm_failure()
         launch(USE_ASM=False)
     if nsplit:
-        merge_kernel[(N * H_q,)](po, pl, out, nsplit + 1, D=D,
-                                 NS_P2=triton.next_power_of_2(nsplit + 1), num_warps=4)
+        merge_kernel[(N * H_q,)](po, pl, out, nsplit + nwin, D=D,
+                                 NS_P2=triton.next_power_of_2(nsplit + nwin), num_warps=4)
     return out

@@ -1,7 +1,7 @@
 """Fused Triton ``oscar::cache_write``: (rotate) + window write + demote/quantize + pack, one launch.
 
-One program per (block of BLOCK_T new tokens, KV head); each row is one new token at position
-p = L + t of its sequence (found by binary search over cu_seqlens: no host sync, CUDA-graph safe).
+One program per (block of BLOCK_T new tokens, KV head, keys or values); each row is one new token at position
+p = L + t of its sequence (found by counting cu_seqlens entries: no host sync, CUDA-graph safe).
 Per row at most one vector is quantized, which lets a single launch reach the state of
 one-at-a-time writing (cache_write_ref) without a race:
 - p < S0: the token goes to sink slot p;
@@ -68,9 +68,15 @@ def _cache_write_kernel(
     H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, CLIP_K: tl.constexpr, CLIP_V: tl.constexpr,
     HAS_ROT: tl.constexpr, HAS_MEAN: tl.constexpr, ROT_HEADS: tl.constexpr, HAS_HIST: tl.constexpr,
-    BLOCK_T: tl.constexpr, BY_RANK: tl.constexpr,
+    BLOCK_T: tl.constexpr, BY_RANK: tl.constexpr, SPLIT_KV: tl.constexpr,
 ):
-    h = tl.program_id(1)
+    h = tl.program_id(1) % H
+    if SPLIT_KV:  # program_id(1) // H picks the keys (0) or the values (1)
+        do_k = tl.program_id(1) < H
+        do_v = tl.program_id(1) >= H
+    else:
+        do_k = h >= 0
+        do_v = h >= 0
     n = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] token rows
     valid = n < N
     n = tl.where(valid, n, 0)
@@ -105,24 +111,26 @@ def _cache_write_kernel(
     rows_q = (qpage.to(tl.int64) * H + h) * P + h_pos % P
 
     d = tl.arange(0, D)[None, :]
-    kin = tl.load(k_ptr + n[:, None] * stride_kn + h * stride_kh + d, mask=valid[:, None], other=0.0)
-    if HAS_ROT:
-        r = h // (H // ROT_HEADS)
-        x = kin.to(tl.float32)
-        if HAS_MEAN:
-            x = x - tl.load(mean_ptr + r * D + d)
-        e = tl.arange(0, D)
-        rot = tl.load(rot_ptr + r * D * D + e[:, None] * D + e[None, :])  # [D, D] f32
-        kin = tl.dot(x, rot, input_precision="ieee").to(k_ptr.dtype.element_ty)
-    k_new = kin.to(kwin_ptr.dtype.element_ty)
-    vin = tl.load(v_ptr + n[:, None] * stride_vn + h * stride_vh + d, mask=valid[:, None], other=0.0)
-    v_new = vin.to(vwin_ptr.dtype.element_ty)
-    k_old = tl.load(kwin_ptr + rows_win[:, None] * D + d, mask=demote[:, None], other=0.0)
-    v_old = tl.load(vwin_ptr + rows_win[:, None] * D + d, mask=demote[:, None], other=0.0)
-    _write_one(k_new, k_old, kwin_ptr, kc_ptr, ks_ptr, kz_ptr, rows_win, win_mask, rows_q, quant_mask,
-               demote, klo, khi, kfrac, CLIP_K, BY_RANK, BLOCK_T, D, BITS, GROUP)
-    _write_one(v_new, v_old, vwin_ptr, vc_ptr, vs_ptr, vz_ptr, rows_win, win_mask, rows_q, quant_mask,
-               demote, vlo, vhi, vfrac, CLIP_V, BY_RANK, BLOCK_T, D, BITS, GROUP)
+    if do_k:
+        kin = tl.load(k_ptr + n[:, None] * stride_kn + h * stride_kh + d, mask=valid[:, None], other=0.0)
+        if HAS_ROT:
+            r = h // (H // ROT_HEADS)
+            x = kin.to(tl.float32)
+            if HAS_MEAN:
+                x = x - tl.load(mean_ptr + r * D + d)
+            e = tl.arange(0, D)
+            rot = tl.load(rot_ptr + r * D * D + e[:, None] * D + e[None, :])  # [D, D] f32
+            kin = tl.dot(x, rot, input_precision="ieee").to(k_ptr.dtype.element_ty)
+        k_new = kin.to(kwin_ptr.dtype.element_ty)
+        k_old = tl.load(kwin_ptr + rows_win[:, None] * D + d, mask=demote[:, None], other=0.0)
+        _write_one(k_new, k_old, kwin_ptr, kc_ptr, ks_ptr, kz_ptr, rows_win, win_mask, rows_q,
+                   quant_mask, demote, klo, khi, kfrac, CLIP_K, BY_RANK, BLOCK_T, D, BITS, GROUP)
+    if do_v:
+        vin = tl.load(v_ptr + n[:, None] * stride_vn + h * stride_vh + d, mask=valid[:, None], other=0.0)
+        v_new = vin.to(vwin_ptr.dtype.element_ty)
+        v_old = tl.load(vwin_ptr + rows_win[:, None] * D + d, mask=demote[:, None], other=0.0)
+        _write_one(v_new, v_old, vwin_ptr, vc_ptr, vs_ptr, vz_ptr, rows_win, win_mask, rows_q,
+                   quant_mask, demote, vlo, vhi, vfrac, CLIP_V, BY_RANK, BLOCK_T, D, BITS, GROUP)
 
 
 def _check_pool_layout(pools) -> None:
@@ -135,9 +143,15 @@ def cache_write_triton(
     k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
     sink, recent, bits, group_size, clip_k, clip_v, rot_k=None, mean_k=None, history_lens=None,
-    block_t: int | None = None, fuse_rotation: bool = False,
+    block_t: int | None = None, fuse_rotation: bool = False, split_kv: bool = True,
+    num_warps: int = 4,
 ):
-    """Check, then launch one program per (BLOCK_T tokens, KV head). Mutates the pools.
+    """Check, then launch one program per (BLOCK_T tokens, KV head[, K or V]). Mutates the pools.
+
+    ``split_kv`` gives the keys and the values programs of their own: a decode step's write is a
+    chain of dependent steps (find the sequence, page tables, old ring value, clip threshold's
+    sort, quantize, store), and two programs run the K and V chains side by side instead of one
+    after the other. ``block_t`` and ``num_warps`` are benchmark knobs.
 
     ``history_lens``: [B] int32 history length per sequence before the write, or None (standard).
 
@@ -180,7 +194,7 @@ def cache_write_triton(
     dummy = k_win  # stands in for absent optional pointers (never read)
 
     def launch(block_t: int) -> None:
-        _cache_write_kernel[(triton.cdiv(N, block_t), H)](
+        _cache_write_kernel[(triton.cdiv(N, block_t), H * (2 if split_kv else 1))](
             k, v, rot_k if rot_k is not None else dummy, mean_k if mean_k is not None else dummy,
             cu_seqlens, cache_lens, history_lens if history_lens is not None else cache_lens,
             window_table, quant_table, *pools,
@@ -190,8 +204,8 @@ def cache_write_triton(
             CLIP_K=clip_k < 1.0, CLIP_V=clip_v < 1.0, HAS_ROT=rot_k is not None,
             HAS_MEAN=mean_k is not None, ROT_HEADS=1 if rot_k is None else rot_k.shape[0],
             HAS_HIST=history_lens is not None,
-            BLOCK_T=block_t, BY_RANK=interpreting(),
-            num_warps=4, enable_fp_fusion=False,
+            BLOCK_T=block_t, BY_RANK=interpreting(), SPLIT_KV=split_kv,
+            num_warps=num_warps, enable_fp_fusion=False,
         )
 
     try:

@@ -103,6 +103,18 @@ def test_split_history_matches_reference(tdevice):
     assert rel_err(got, want) < TOL
 
 
+@pytest.mark.parametrize("win_splits", [1, 2, 5])
+def test_window_splits_match_reference(tdevice, win_splits):
+    """The sink + recent slots (16 + 32: three 16-slot blocks) shared by 1, 2 or 5 programs (5:
+    two of them get no block); the last one also takes the chunk's own keys. Decode and a
+    two-token chunk, after a prefix hit too."""
+    case = build_case([200, 70, 20], 1, 64, 16, 16, 32, 2, 64, torch.float16, seed=12,
+                      extra_tokens=2, device=tdevice, hits=[0, 64, 0])
+    got, want = run_both(case, [1, 2, 1], 4, tdevice, seed=13, block_n=16, block_w=16, nsplit=2,
+                         win_splits=win_splits)
+    assert rel_err(got, want) < TOL
+
+
 # (hit, L), S0 = 16, W = 32: standard (h = 22); right after a hit (h = 48, empty ring); a ring
 # of 20 wrapping past the ring's end; a ring of 13; shorter than the sink
 HITS, HIT_LENS = [0, 64, 64, 48, 0], [70, 64, 84, 61, 5]

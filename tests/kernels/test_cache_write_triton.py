@@ -74,8 +74,8 @@ def test_triton_write_standard_history_lens_change_nothing(tdevice, sink, recent
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("block_t", [4, 8])
-def test_triton_write_no_clip_and_chunked_prefill(tdevice, block_t):
+@pytest.mark.parametrize("block_t,split_kv", [(4, True), (8, True), (4, False)])
+def test_triton_write_no_clip_and_chunked_prefill(tdevice, block_t, split_kv):
     from functools import partial
 
     from oscar_compile.kernels.cache_write_triton import cache_write_triton
@@ -83,7 +83,7 @@ def test_triton_write_no_clip_and_chunked_prefill(tdevice, block_t):
     kw = dict(num_kv_heads=1, head_dim=64, page_size=16, sink=16, recent=16, bits=2,
               group_size=64, clip_k=1.0, clip_v=0.5, seed=12, chunk=37)
     want = build_case([100, 70], write=cache_write_ref, **kw)
-    got = build_case([100, 70], write=partial(cache_write_triton, block_t=block_t),
+    got = build_case([100, 70], write=partial(cache_write_triton, block_t=block_t, split_kv=split_kv),
                      device=tdevice, **kw)
     for a, b in zip(got.pools, want.pools):
         assert torch.equal(a.cpu(), b)
