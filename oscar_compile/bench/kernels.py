@@ -25,7 +25,10 @@ import warnings
 
 import torch
 
+import triton
+
 from oscar_compile.kernels import ops
+from oscar_compile.kernels.cache_write_triton import cache_write_triton
 from oscar_compile.kernels.pools import allocate_pools
 
 HBM_BYTES_PER_S = 4.3e12
@@ -179,15 +182,17 @@ def rel_err(a, b) -> float:
 
 
 def bench_variants(ctx: int, B: int) -> list[dict]:
-    """INT2 decode at one shape against the number of history splits and the history block.
+    """INT2 decode at one shape against the number of history splits, window programs and the
+    window block; then the merge kernel alone at the planned split.
 
     Small batches are latency-bound: a split is a chain of dependent block iterations, so more,
-    shorter splits shorten the chain at the cost of a larger merge; the window program (sink +
-    recent slots, ``block_w`` keys at a time) is one more chain, but a larger window block raises
-    the registers of the one kernel that also runs the history. ``planned`` marks plan_launch's
-    split count. (Earlier runs, bench/results, swept
-    num_warps, pipelining depth and the bit-trick decode: 4 warps, 2 stages and the bit trick won.)"""
-    from oscar_compile.kernels.attention_triton import attention_triton, plan_launch
+    shorter splits shorten the chain at the cost of a larger merge; the windows (sink + recent
+    slots, ``block_w`` keys at a time) are another chain, which ``win_splits`` programs share.
+    ``planned`` marks the default plan. (Earlier runs, bench/results, swept the history block,
+    num_warps, pipelining depth and the bit-trick decode: 128, 4 warps, 2 stages and the bit trick
+    won.)"""
+    from oscar_compile.kernels.attention_blocks_triton import merge_kernel
+    from oscar_compile.kernels.attention_triton import attention_triton, plan_launch, plan_window_splits
 
     dev = torch.device("cuda")
     q = torch.randn(B, H_Q, D, device=dev, dtype=torch.bfloat16)
@@ -198,30 +203,63 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     layers = [int2_layer(B, ctx, torch.float16, dev) for _ in range(num_buffers(nbytes))]
     max_hist = layers[0][1][1].shape[1] * P
     out = []
-    block_n = 128  # 64 lost everywhere in the first sweep of this kind
-    planned = plan_launch(B, B, H_KV, H_Q // H_KV, max_hist, dev, block_n)[2]
-    for block_w in (16, 32, 64):
-        for nsplit in sorted({planned, 32, 64, 128}):
-            if nsplit * block_n > max(max_hist, block_n) * 2:
-                continue  # splits that would all be empty
-            kw = dict(block_n=block_n, block_w=block_w, nsplit=nsplit)
-            try:
-                t = graph_time_us([lambda p=p, tb=tb: attention_triton(
-                    q, kn, kn, cu, lens, *tb, *p, D ** -0.5, SINK, RECENT, BITS, GROUP, **kw)
-                    for p, tb in layers])
-                out.append({"context": ctx, "batch": B, **kw, "planned": nsplit == planned, "us": t,
-                            "kv_elems_per_s": B * ctx * H_KV * D * 2 / (t * 1e-6)})
-            except Exception as e:
-                out.append({"context": ctx, "batch": B, **kw, "error": repr(e)[:300]})
+    block_n = 128
+    planned = plan_launch(B, B, H_KV, H_Q // H_KV, max_hist, dev, block_n, min_split_blocks=2)[2]
+    planned_win = plan_window_splits(B, B, H_KV)
+    for block_w in (16, 32):
+        for nsplit in sorted({planned, 32, 64}):
+            for win_splits in (1, 2, 3, 5):
+                if nsplit * block_n > max(max_hist, block_n) * 2:
+                    continue  # splits that would all be empty
+                kw = dict(block_n=block_n, block_w=block_w, nsplit=nsplit, win_splits=win_splits)
+                is_plan = nsplit == planned and win_splits == planned_win and block_w == 32
+                try:
+                    t = graph_time_us([lambda p=p, tb=tb: attention_triton(
+                        q, kn, kn, cu, lens, *tb, *p, D ** -0.5, SINK, RECENT, BITS, GROUP, **kw)
+                        for p, tb in layers])
+                    out.append({"context": ctx, "batch": B, **kw, "planned": is_plan, "us": t,
+                                "kv_elems_per_s": B * ctx * H_KV * D * 2 / (t * 1e-6)})
+                except Exception as e:
+                    out.append({"context": ctx, "batch": B, **kw, "error": repr(e)[:300]})
+    ns = planned + planned_win
+    po = [torch.randn(B * H_Q * ns, D, device=dev) for _ in layers]
+    pl = [torch.randn(B * H_Q * ns, device=dev) for _ in layers]
+    res = torch.empty(B, H_Q, D, device=dev, dtype=torch.bfloat16)
+    t = graph_time_us([lambda a=a, b=b: merge_kernel[(B * H_Q,)](
+        a, b, res, ns, D=D, NS_P2=triton.next_power_of_2(ns), num_warps=4) for a, b in zip(po, pl)])
+    out.append({"context": ctx, "batch": B, "merge_only": True, "partials": ns, "us": t})
     del layers
     torch.cuda.empty_cache()
+    return out
+
+
+def bench_write_variants() -> list[dict]:
+    """Decode-step cache write against rows per program, warps and split K / V programs."""
+    dev = torch.device("cuda")
+    out = []
+    for B in (1, 8, 64):
+        ctx = 4096
+        pools, (wt, qt) = int2_layer(B, ctx + 1, torch.float16, dev)
+        k = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
+        lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
+        args = (cu, lens, wt, qt, *pools, SINK, RECENT, BITS, GROUP, 0.96, 0.92)
+        for block_t in (1, 4, 8):
+            for num_warps in (1, 2, 4):
+                for split_kv in (False, True):
+                    kw = dict(block_t=block_t, num_warps=num_warps, split_kv=split_kv)
+                    try:
+                        t = graph_time_us([lambda: cache_write_triton(k, v, *args, **kw)] * LAYERS)
+                        out.append({"batch": B, **kw, "us_per_layer": t})
+                    except Exception as e:
+                        out.append({"batch": B, **kw, "error": repr(e)[:300]})
     return out
 
 
 def bench_write(check: bool) -> dict:
     """Cache write: µs per layer per decode step vs batch (plain and fused rotation); prefill tokens/s."""
     from oscar_compile.kernels.cache_write_ref import cache_write_ref
-    from oscar_compile.kernels.cache_write_triton import cache_write_triton
 
     dev = torch.device("cuda")
     res = {"decode": [], "prefill": []}
@@ -299,8 +337,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="bench_kernels.json")
     ap.add_argument("--quick", action="store_true", help="8k and 32k at batch 1 and 8 only")
     ap.add_argument("--no-check", action="store_true")
-    ap.add_argument("--parts", nargs="+", choices=("attention", "variants", "write"),
-                    default=["attention", "variants", "write"], help="which parts to run (default: all)")
+    ap.add_argument("--parts", nargs="+", choices=("attention", "variants", "write", "write-variants"),
+                    default=["attention", "variants", "write", "write-variants"],
+                    help="which parts to run (default: all)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
@@ -321,6 +360,9 @@ def main(argv=None) -> None:
         for ctx, B in ((8192, 1), (32768, 1), (131072, 1), (8192, 8), (32768, 32)):
             result["variants"] += bench_variants(ctx, B)
         print(json.dumps(result["variants"]), flush=True)
+    if "write-variants" in args.parts:
+        result["write_variants"] = bench_write_variants()
+        print(json.dumps(result["write_variants"]), flush=True)
     with open(args.out, "w") as f:  # keep the attention numbers even if the write part fails
         json.dump(result, f, indent=1)
     result["write"] = {"decode": [], "prefill": []}
