@@ -2,7 +2,7 @@
 
 Same program layout as the INT-b kernel (attention_triton): BLOCK_M new tokens x all g query
 heads of one KV head per program, flash-decoding splits of the cached range over the grid's third
-axis, the chunk's own keys (causal) in the last split, merge_kernel to combine. It is the
+axis, the chunk's own keys (causal) in the last split, merge_partials to combine. It is the
 runtime's BF16 mode and the baseline that isolates the cost of paging from that of INT-b. The
 write is one program per new token storing all of its KV heads (a copy: bitwise the reference's).
 """
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from oscar_compile.kernels.attention_blocks_triton import (
-    NEG_INIT, full_block, merge_kernel, seq_of_program, split_range, store_rows)
+    NEG_INIT, full_block, merge_partials, seq_of_program, split_range, store_rows)
 from oscar_compile.kernels.attention_triton import LOG2E, dot_dtype, plan_launch
 
 
@@ -125,8 +125,7 @@ def attention_bf16_triton(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, 
         DOT_DT=dot_dtype(k_pages.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     if nsplit:
-        merge_kernel[(N * H_q,)](po, pl, out, nsplit + 1, D=D,
-                                 NS_P2=triton.next_power_of_2(nsplit + 1), num_warps=4)
+        merge_partials(po, pl, out, nsplit + 1)
     return out
 
 

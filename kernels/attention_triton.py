@@ -10,8 +10,8 @@ each K/V byte is loaded once for the whole GQA group) attend to
 - the sink + recent window slots and the chunk's own keys (causal), in full precision.
 Flash-decoding: with nsplit > 0 the grid's third axis splits the history into nsplit equal parts
 per sequence, plus nwin programs for the windows (the last of them also takes the chunk); each
-writes a normalised partial and its log-sum-exp, and merge_kernel combines them. With nsplit = 0 (many query blocks, e.g. prefill)
-one program does everything and writes the output. Grid sizes and split counts come from tensor
+writes a normalised partial and its log-sum-exp, and merge_partials combines them. With
+nsplit = 0 (many query blocks, e.g. prefill) one program does everything and writes the output. Grid sizes and split counts come from tensor
 shapes only: no host sync, safe under CUDA graphs. The chunk is never written to a BF16 copy of
 the prefix: history stays packed in the pools.
 """
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from oscar_compile.kernels.attention_blocks_triton import (
-    CODE_EXP, NEG_INIT, full_block, group_params, history_block, history_rows, merge_kernel,
+    CODE_EXP, NEG_INIT, full_block, group_params, history_block, history_rows, merge_partials,
     plane_factor, seq_of_program, store_rows)
 from oscar_compile.kernels.quant_triton import interpreting
 
@@ -261,19 +261,26 @@ def plan_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, device: torch.
     min_tokens = min_split_blocks * block_n  # below this a split costs more in merging than it saves
     if max_hist <= min_tokens:
         return block_m, rows, 0
-    nsplit = min(triton.cdiv(4 * sms, programs), max(1, max_hist // min_tokens))
     blocks = triton.cdiv(max_hist, block_n)
+    nsplit = min(triton.cdiv(4 * sms, programs), triton.cdiv(blocks, min_split_blocks))
     nsplit = triton.cdiv(blocks, triton.cdiv(blocks, nsplit))
     return block_m, rows, max(nsplit, precision_splits)
 
 
-def plan_window_splits(N: int, B: int, H_kv: int) -> int:
+def plan_window_splits(N: int, B: int, H_kv: int, window_blocks: int) -> int:
     """Programs sharing the sink + recent windows of one (sequence, KV head) in a split launch.
 
-    At small decode batches the window program (320 full-precision slots, a chain of 10 blocks)
-    outlasts the history splits (2-3 INT2 blocks each); two programs halve that chain.
+    At small decode batches the window program (a chain of ``window_blocks`` full-precision
+    blocks, 10 for 320 slots) outlasts the history splits (2 INT2 blocks each). H200 sweep
+    (bench.kernels variants, 2026-11-30), 8k / batch 1: one window program 22.6 µs, two 15.1,
+    five (2 blocks each) 13.1-14.0; batch 8: two or three 48.5, one 52.2; batch 32 and 128k
+    batch 1: no difference.
     """
-    return 2 if N <= 2 * B and B * H_kv <= 64 else 1
+    if N > 2 * B or window_blocks <= 2:
+        return 1  # (one program also takes the chunk's own keys when there are no windows)
+    if B * H_kv <= 16:
+        return triton.cdiv(window_blocks, 2)
+    return 3 if B * H_kv <= 64 else 1
 
 
 def attention_triton(
@@ -324,7 +331,8 @@ def attention_triton(
     nsplit = planned if nsplit is None else nsplit
     nwin = 1
     if nsplit:
-        nwin = plan_window_splits(N, B, H_kv) if win_splits is None else win_splits
+        window_blocks = triton.cdiv(sink + recent, block_w)
+        nwin = plan_window_splits(N, B, H_kv, window_blocks) if win_splits is None else win_splits
     if block_m == 1:
         cub = cu_seqlens
         nblocks = N
@@ -366,6 +374,5 @@ def attention_triton(
         _note_asm_failure()
         launch(USE_ASM=False)
     if nsplit:
-        merge_kernel[(N * H_q,)](po, pl, out, nsplit + nwin, D=D,
-                                 NS_P2=triton.next_power_of_2(nsplit + nwin), num_warps=4)
+        merge_partials(po, pl, out, nsplit + nwin)
     return out

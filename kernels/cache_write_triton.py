@@ -80,10 +80,23 @@ def _cache_write_kernel(
     n = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] token rows
     valid = n < N
     n = tl.where(valid, n, 0)
-    seq = seq_of_rows(cu_ptr, n, B)
-    start = tl.load(cu_ptr + seq)
-    T = tl.load(cu_ptr + seq + 1) - start
-    L = tl.load(lens_ptr + seq)
+    # a decode step (row n is sequence n's only token) needs no search: its cu entries and length
+    # load at once; any other batch counts cu entries first, one more round of loads in the chain
+    in_cu = n < B
+    c0 = tl.load(cu_ptr + n, mask=in_cu, other=-1)
+    c1 = tl.load(cu_ptr + n + 1, mask=in_cu, other=-1)
+    L_n = tl.load(lens_ptr + n, mask=in_cu, other=0)
+    one_each = ((c0 == n) & (c1 == n + 1)) | ~valid
+    if tl.min(one_each.to(tl.int32), axis=0) == 1:
+        seq = n
+        start = n
+        T = n * 0 + 1
+        L = L_n
+    else:
+        seq = seq_of_rows(cu_ptr, n, B)
+        start = tl.load(cu_ptr + seq)
+        T = tl.load(cu_ptr + seq + 1) - start
+        L = tl.load(lens_ptr + seq)
     p = L + (n - start)
     L_new = L + T
     to_sink = p < SINK
@@ -144,7 +157,7 @@ def cache_write_triton(
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
     sink, recent, bits, group_size, clip_k, clip_v, rot_k=None, mean_k=None, history_lens=None,
     block_t: int | None = None, fuse_rotation: bool = False, split_kv: bool = True,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ):
     """Check, then launch one program per (BLOCK_T tokens, KV head[, K or V]). Mutates the pools.
 
@@ -181,10 +194,15 @@ def cache_write_triton(
         rot_k = rot_k.contiguous().float()
         mean_k = None if mean_k is None else mean_k.contiguous().float()
     if block_t is None:
-        # small decode batches: more, smaller programs. Triton 3.6 fails to compile this kernel
-        # at BLOCK_T = 16 (RemoveLayoutConversions error; checked by compiling for sm_90 with
-        # Triton 3.6 off-GPU), so 8 is the largest; the fused rotation's dot needs 16 rows.
-        block_t = 16 if rot_k is not None else (8 if N >= 512 else 4)
+        # decode steps: one row and one warp per program, the shortest chain (H200 sweep,
+        # bench.kernels write-variants, 2026-11-30, µs per layer at batch 1 / 8 / 64: 3.1 / 3.2 /
+        # 3.7, against 4.0 / 3.6 / 4.0 with 4 rows and 4 warps, 6.2 / 5.3 / 5.4 without split_kv).
+        # Triton 3.6 fails to compile this kernel at BLOCK_T = 16 (RemoveLayoutConversions
+        # error; checked by compiling for sm_90 with Triton 3.6 off-GPU), so 8 is the largest;
+        # the fused rotation's dot needs 16 rows.
+        block_t = 16 if rot_k is not None else (8 if N >= 512 else 1)
+    if num_warps is None:
+        num_warps = 1 if block_t == 1 else 4
     B = cache_lens.shape[0]
     klo, khi, kfrac = clip_indices(clip_k, D)
     vlo, vhi, vfrac = clip_indices(clip_v, D)

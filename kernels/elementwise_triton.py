@@ -140,7 +140,7 @@ def rope_triton(q, k, cos, sin, rot=None, mean=None):
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
             H_KV=H_kv, G=G, D=D, ROWS=rows, BK=32, HAS_ROT=rot is not None, HAS_MEAN=mean is not None,
-            num_warps=4)
+            num_warps=4, enable_fp_fusion=False)  # float32: torch's separate multiply and add, no FMA
     return q_out.transpose(1, 2), k_out.transpose(1, 2)
 
 

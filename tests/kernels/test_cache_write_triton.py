@@ -49,7 +49,8 @@ def test_triton_write_after_prefix_hits_matches_reference(tdevice):
     want = build_case(lens, write=cache_write_ref, **kw)
     got = build_case(lens, write=cache_write_triton, device=tdevice, **kw)
     gen = torch.Generator().manual_seed(14)
-    for chunk_lens in ([], [1] * 5, [3, 17, 1, 9, 0]):  # the built state, then decode, then chunks
+    # the built state, then decode, then chunks (the last as many tokens as sequences, not one each)
+    for chunk_lens in ([], [1] * 5, [3, 17, 1, 9, 0], [0, 2, 1, 1, 1]):
         if chunk_lens:
             cu = torch.tensor([0] + chunk_lens).cumsum(0).to(torch.int32)
             k, v = random_kv(sum(chunk_lens), 1, 64, gen), random_kv(sum(chunk_lens), 1, 64, gen)
