@@ -25,8 +25,6 @@ import warnings
 
 import torch
 
-import triton
-
 from oscar_compile.kernels import ops
 from oscar_compile.kernels.cache_write_triton import cache_write_triton
 from oscar_compile.kernels.pools import allocate_pools
@@ -191,7 +189,7 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     ``planned`` marks the default plan. (Earlier runs, bench/results, swept the history block,
     num_warps, pipelining depth and the bit-trick decode: 128, 4 warps, 2 stages and the bit trick
     won.)"""
-    from oscar_compile.kernels.attention_blocks_triton import merge_kernel
+    from oscar_compile.kernels.attention_blocks_triton import merge_partials
     from oscar_compile.kernels.attention_triton import attention_triton, plan_launch, plan_window_splits
 
     dev = torch.device("cuda")
@@ -205,7 +203,7 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     out = []
     block_n = 128
     planned = plan_launch(B, B, H_KV, H_Q // H_KV, max_hist, dev, block_n, min_split_blocks=2)[2]
-    planned_win = plan_window_splits(B, B, H_KV)
+    planned_win = plan_window_splits(B, B, H_KV, math.ceil((SINK + RECENT) / 32))
     for block_w in (16, 32):
         for nsplit in sorted({planned, 32, 64}):
             for win_splits in (1, 2, 3, 5):
@@ -225,9 +223,11 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     po = [torch.randn(B * H_Q * ns, D, device=dev) for _ in layers]
     pl = [torch.randn(B * H_Q * ns, device=dev) for _ in layers]
     res = torch.empty(B, H_Q, D, device=dev, dtype=torch.bfloat16)
-    t = graph_time_us([lambda a=a, b=b: merge_kernel[(B * H_Q,)](
-        a, b, res, ns, D=D, NS_P2=triton.next_power_of_2(ns), num_warps=4) for a, b in zip(po, pl)])
-    out.append({"context": ctx, "batch": B, "merge_only": True, "partials": ns, "us": t})
+    for block_d in (D, 32):
+        t = graph_time_us([lambda a=a, b=b: merge_partials(a, b, res, ns, block_d=block_d)
+                           for a, b in zip(po, pl)])
+        out.append({"context": ctx, "batch": B, "merge_only": True, "partials": ns,
+                    "block_d": block_d, "us": t})
     del layers
     torch.cuda.empty_cache()
     return out
