@@ -54,7 +54,7 @@ def _attn_kernel(
     SINK: tl.constexpr, RECENT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    SPLIT: tl.constexpr, USE_ASM: tl.constexpr, DOT_DT: tl.constexpr,
+    SPLIT: tl.constexpr, WIN_SPLIT: tl.constexpr, USE_ASM: tl.constexpr, DOT_DT: tl.constexpr,
     HAS_HIST: tl.constexpr,
 ):
     NPL: tl.constexpr = 8 // BITS
@@ -164,8 +164,10 @@ def _attn_kernel(
             n_rec = tl.maximum(L - SINK - n_hist, 0)
             wt_row = wt_ptr + i.to(tl.int64) * stride_wt
             # window program sid - nsplit of nwin takes a run of whole BLOCK_W blocks of the slots
+            # (with one window program the loop keeps constant bounds: runtime ones measured 4-7 %
+            # slower at batch 8-32, H200 2026-11-30)
             NWB: tl.constexpr = (SINK + RECENT + BLOCK_W - 1) // BLOCK_W
-            if SPLIT:
+            if WIN_SPLIT:
                 per = tl.cdiv(NWB, nwin)
                 wlo = tl.minimum((sid - nsplit) * per, NWB) * BLOCK_W
                 whi = tl.minimum(wlo + per * BLOCK_W, NWB * BLOCK_W)
@@ -267,20 +269,16 @@ def plan_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, device: torch.
     return block_m, rows, max(nsplit, precision_splits)
 
 
-def plan_window_splits(N: int, B: int, H_kv: int, window_blocks: int) -> int:
-    """Programs sharing the sink + recent windows of one (sequence, KV head) in a split launch.
+def plan_window_splits(window_blocks: int, split_blocks: int) -> int:
+    """Programs sharing the sink + recent windows of one (sequence, KV head) in a split launch:
+    enough that none runs a longer chain of blocks than a history split (``split_blocks``).
 
-    At small decode batches the window program (a chain of ``window_blocks`` full-precision
-    blocks, 10 for 320 slots) outlasts the history splits (2 INT2 blocks each). H200 sweep
-    (bench.kernels variants, 2026-11-30), 8k / batch 1: one window program 22.6 µs, two 15.1,
-    five (2 blocks each) 13.1-14.0; batch 8: two or three 48.5, one 52.2; batch 32 and 128k
-    batch 1: no difference.
+    At batch 1 the window program (10 blocks for 320 slots) outlasted 2-4-block history splits.
+    H200 sweep (bench.kernels variants, 2026-11-30): 8k / batch 1, 2 blocks per split: one window
+    program 22.6 µs, two 15.1, five 12.1; 32k / batch 1, 4 blocks: one 28.4, two or three 22.5-23.0;
+    128k / batch 1 (16 blocks) and batch 32: no gain.
     """
-    if N > 2 * B or window_blocks <= 2:
-        return 1  # (one program also takes the chunk's own keys when there are no windows)
-    if B * H_kv <= 16:
-        return triton.cdiv(window_blocks, 2)
-    return 3 if B * H_kv <= 64 else 1
+    return max(1, min(window_blocks, triton.cdiv(window_blocks, max(split_blocks, 1))))
 
 
 def attention_triton(
@@ -331,8 +329,8 @@ def attention_triton(
     nsplit = planned if nsplit is None else nsplit
     nwin = 1
     if nsplit:
-        window_blocks = triton.cdiv(sink + recent, block_w)
-        nwin = plan_window_splits(N, B, H_kv, window_blocks) if win_splits is None else win_splits
+        split_blocks = triton.cdiv(triton.cdiv(max_hist, block_n), nsplit)
+        nwin = win_splits or plan_window_splits(triton.cdiv(sink + recent, block_w), split_blocks)
     if block_m == 1:
         cub = cu_seqlens
         nblocks = N
@@ -362,7 +360,7 @@ def attention_triton(
         # path, 64 raised the registers of the whole kernel (128k batch 1: 87 -> 140 us; H200 sweep)
         # the chunk's own keys in 16-key blocks for decode (T = 1), 64 for extend
         BLOCK_W=block_w, BLOCK_C=16 if block_m == 1 else 64,
-        SPLIT=nsplit > 0,
+        SPLIT=nsplit > 0, WIN_SPLIT=nwin > 1,
         DOT_DT=dot_dtype(k_win.dtype), HAS_HIST=history_lens is not None,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )

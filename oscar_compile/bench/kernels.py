@@ -203,7 +203,9 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     out = []
     block_n = 128
     planned = plan_launch(B, B, H_KV, H_Q // H_KV, max_hist, dev, block_n, min_split_blocks=2)[2]
-    planned_win = plan_window_splits(B, B, H_KV, math.ceil((SINK + RECENT) / 32))
+    planned_win = 1
+    if planned:
+        planned_win = plan_window_splits(math.ceil((SINK + RECENT) / 32), math.ceil(max_hist / block_n / planned))
     for block_w in (16, 32):
         for nsplit in sorted({planned, 32, 64}):
             for win_splits in (1, 2, 3, 5):

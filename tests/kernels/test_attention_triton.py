@@ -249,11 +249,11 @@ def test_launch_plan_splits_by_whole_blocks_and_caps_split_length(monkeypatch):
     assert nsplit(1, 1, 7872) == 31  # 8k, batch 1: 62 blocks, 2 per split
 
 
-def test_window_plan_shares_long_windows_at_small_batches():
+def test_window_plan_keeps_window_chains_within_a_history_split():
     from oscar_compile.kernels.attention_triton import plan_window_splits
 
-    assert plan_window_splits(1, 1, 8, 10) == 5  # 320 slots in 32-key blocks: 2 blocks each
-    assert plan_window_splits(8, 8, 8, 10) == 3
-    assert plan_window_splits(32, 32, 8, 10) == 1
-    assert plan_window_splits(64, 1, 8, 10) == 1  # a prefill chunk
-    assert plan_window_splits(1, 1, 8, 0) == 1  # no windows: one program still takes the chunk
+    assert plan_window_splits(10, 2) == 5  # 8k, batch 1: 320 slots in 32-key blocks, 2-block splits
+    assert plan_window_splits(10, 4) == 3
+    assert plan_window_splits(10, 16) == 1  # 128k, batch 1
+    assert plan_window_splits(3, 1) == 3  # never more programs than blocks
+    assert plan_window_splits(0, 2) == 1  # no windows: one program still takes the chunk
