@@ -1,6 +1,6 @@
 """Kernel benchmark (DESIGN.md §8.1-8.2): paged INT2 decode attention and the cache write, on GPU.
 
-    python -m oscar_compile.bench.kernels [--out bench.json] [--quick]
+    python -m oscar_compile.bench.kernels [--out bench.json] [--quick] [--parts ...]
 
 One Qwen3-8B attention layer (32 query heads, 8 KV heads, head_dim 128), sink 64, recent 256,
 page 16. Decode attention at context 8k / 32k / 128k and batch 1 / 8 / 32 (batch * context <= 4M)
@@ -10,6 +10,8 @@ is captured in a CUDA graph over enough per-layer buffers (up to 36) that the da
 is >= 3x the 60 MB L2, so no layer is served from L2; time = replay time / layers (median).
 Then the cache write: microseconds per layer per decode step against batch, prefill tokens/s, and
 correctness of every kernel against its reference at the benchmark shapes (same command).
+Parts ``variants`` and ``write-variants`` sweep the launch knobs (history splits, window programs,
+window block, merge; rows per program, warps, split K / V) that the kernels' defaults come from.
 Prints a table; writes everything to JSON.
 """
 from __future__ import annotations
