@@ -237,18 +237,23 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     return out
 
 
+def decode_write_inputs(B: int, dev, ctx: int = 4096):
+    """(k, v, args after k, v) of a decode step's cache write for B sequences of ctx tokens: the
+    ring is full, so every step also demotes (quantizes) one token per sequence."""
+    pools, (wt, qt) = int2_layer(B, ctx + 1, torch.float16, dev)
+    k = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
+    lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
+    return k, v, (cu, lens, wt, qt, *pools, SINK, RECENT, BITS, GROUP, 0.96, 0.92)
+
+
 def bench_write_variants() -> list[dict]:
     """Decode-step cache write against rows per program, warps and split K / V programs."""
     dev = torch.device("cuda")
     out = []
     for B in (1, 8, 64):
-        ctx = 4096
-        pools, (wt, qt) = int2_layer(B, ctx + 1, torch.float16, dev)
-        k = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
-        lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
-        args = (cu, lens, wt, qt, *pools, SINK, RECENT, BITS, GROUP, 0.96, 0.92)
+        k, v, args = decode_write_inputs(B, dev)
         for block_t in (1, 4, 8):
             for num_warps in (1, 2, 4):
                 for split_kv in (False, True):
@@ -270,13 +275,8 @@ def bench_write(check: bool) -> dict:
     rot = torch.linalg.qr(torch.randn(H_KV, D, D, device=dev, dtype=torch.float64))[0].float()
     mean = torch.randn(H_KV, D, device=dev)
     for B in (1, 8, 32, 64):
-        ctx = 4096  # ring full: every step also demotes (quantizes) one token per sequence
-        pools, (wt, qt) = int2_layer(B, ctx + 1, torch.float16, dev)
-        k = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
-        lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
-        args = (cu, lens, wt, qt, *pools, SINK, RECENT, BITS, GROUP, 0.96, 0.92)
+        k, v, args = decode_write_inputs(B, dev)
+        pools = args[4:12]
         t = graph_time_us([lambda: ops.cache_write(k, v, *args)] * LAYERS)
         tr = graph_time_us([lambda: ops.cache_write(k, v, *args, rot_k=rot, mean_k=mean)] * LAYERS)
         entry = {"batch": B, "us_per_layer": t, "us_per_layer_fused_rotation": tr}
