@@ -258,13 +258,13 @@ def plan_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, device: torch.
     precision_splits = triton.cdiv(max_hist, MAX_SPLIT_TOKENS) if max_hist > MAX_SPLIT_TOKENS else 0
     if max_hist == 0 or programs >= 2 * sms:
         # a full GPU needs no splits for speed; decode batches still take them for precision
-        # (a prefill chunk's partials would take N * H_q * (nsplit + 1) * D floats)
+        # (a prefill chunk's partials would take N * H_q * (nsplit + nwin) * D floats)
         return block_m, rows, precision_splits if block_m == 1 else 0
     min_tokens = min_split_blocks * block_n  # below this a split costs more in merging than it saves
     if max_hist <= min_tokens:
         return block_m, rows, 0
     blocks = triton.cdiv(max_hist, block_n)
-    nsplit = min(triton.cdiv(4 * sms, programs), triton.cdiv(blocks, min_split_blocks))
+    nsplit = min(triton.cdiv(4 * sms, programs), max(1, blocks // min_split_blocks))
     nsplit = triton.cdiv(blocks, triton.cdiv(blocks, nsplit))
     return block_m, rows, max(nsplit, precision_splits)
 
@@ -328,9 +328,11 @@ def attention_triton(
     block_m, rows, planned = plan_launch(N, B, H_kv, g, max_hist, q.device, block_n, min_split_blocks=2)
     nsplit = planned if nsplit is None else nsplit
     nwin = 1
-    if nsplit:
+    if nsplit and win_splits:
+        nwin = win_splits
+    elif nsplit and block_m == 1:  # (an extend chunk's own keys stay in one program: no gain)
         split_blocks = triton.cdiv(triton.cdiv(max_hist, block_n), nsplit)
-        nwin = win_splits or plan_window_splits(triton.cdiv(sink + recent, block_w), split_blocks)
+        nwin = plan_window_splits(triton.cdiv(sink + recent, block_w), split_blocks)
     if block_m == 1:
         cub = cu_seqlens
         nblocks = N

@@ -40,7 +40,7 @@ def _write_one(x_new, old, x_ptr_win, codes_ptr, scale_ptr, zero_ptr, rows_win, 
                quant_mask, demote, lo_idx, hi_idx, frac, CLIP: tl.constexpr, BY_RANK: tl.constexpr, BLOCK_T: tl.constexpr,
                D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
     # x_new: [BLOCK_T, D] new tokens in the window dtype, old: the ring slots' occupants (loaded
-    # by the caller, K's and V's together: one memory latency, not two in a row);
+    # by the caller);
     # rows_*: flat row indices into the pools
     d = tl.arange(0, D)[None, :]
     src = tl.where(demote[:, None], old, x_new).to(tl.float32)

@@ -115,6 +115,35 @@ def test_window_splits_match_reference(tdevice, win_splits):
     assert rel_err(got, want) < TOL
 
 
+def test_planned_window_splits_match_reference(tdevice, monkeypatch):
+    """The wrapper's own plan shares the windows (16 + 32 slots: three 16-slot blocks, against
+    2-block history splits: two window programs), decode rows after a prefix hit."""
+    import oscar_compile.kernels.attention_triton as at
+
+    planned = []
+    plan = at.plan_window_splits
+    monkeypatch.setattr(at, "plan_window_splits", lambda *a: planned.append(plan(*a)) or planned[-1])
+    monkeypatch.setattr(at, "plan_launch", lambda *a, **k: (1, 16, 3))
+    case = build_case([40, 70, 20], 1, 64, 16, 16, 32, 2, 64, torch.float16, seed=14,
+                      extra_tokens=2, device=tdevice, hits=[0, 64, 0])
+    got, want = run_both(case, [1, 1, 1], 4, tdevice, seed=15, block_n=16, block_w=16)
+    assert planned == [2] and rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("win_splits", [None, 2])
+def test_split_extend_chunks_match_reference(tdevice, monkeypatch, win_splits):
+    """Extend chunks (16-row query blocks, chunks longer than BLOCK_C) over split histories, after
+    a prefix hit; the windows in one program (planned) or two (forced)."""
+    import oscar_compile.kernels.attention_triton as at
+
+    monkeypatch.setattr(at, "plan_launch", lambda *a, **k: (4, 16, 3))
+    case = build_case([150, 90, 40], 1, 64, 16, 16, 32, 2, 64, torch.float16, seed=16,
+                      extra_tokens=80, device=tdevice, hits=[0, 80, 0])
+    got, want = run_both(case, [70, 9, 33], 4, tdevice, seed=17, block_n=16, block_w=16,
+                         win_splits=win_splits)
+    assert rel_err(got, want) < TOL
+
+
 # (hit, L), S0 = 16, W = 32: standard (h = 22); right after a hit (h = 48, empty ring); a ring
 # of 20 wrapping past the ring's end; a ring of 13; shorter than the sink
 HITS, HIT_LENS = [0, 64, 64, 48, 0], [70, 64, 84, 61, 5]
@@ -165,11 +194,21 @@ def test_standard_history_lens_change_nothing(tdevice):
 
 @pytest.mark.parametrize("chunk_lens", [[1, 1, 1], [5, 0, 30]])
 @pytest.mark.parametrize("H_q,H_kv,D", [(4, 2, 64), (8, 1, 128)])
-def test_bf16_paged_matches_reference(tdevice, chunk_lens, H_q, H_kv, D):
-    """Full-precision pages: op write + Triton attention against the reference."""
+@pytest.mark.parametrize("split", [False, True])
+def test_bf16_paged_matches_reference(tdevice, monkeypatch, chunk_lens, H_q, H_kv, D, split):
+    """Full-precision pages: op write + Triton attention against the reference; with ``split``
+    the history in three 16-token-block splits (partials + merge_partials)."""
+    from functools import partial
+
+    import oscar_compile.kernels.attention_bf16_triton as bt
     from oscar_compile.kernels import ops
     from oscar_compile.kernels.attention_bf16_ref import attention_bf16_ref
-    from oscar_compile.kernels.attention_bf16_triton import attention_bf16_triton
+
+    attention_bf16_triton = bt.attention_bf16_triton
+    if split:
+        monkeypatch.setattr(bt, "plan_launch", lambda N, B, H_kv, g, *a, **k: (
+            1 if N <= 2 * B else max(1, 16 // g), 16, 3))
+        attention_bf16_triton = partial(attention_bf16_triton, block_n=16)
 
     gen = torch.Generator().manual_seed(7)
     lens, P = [0, 21, 64], 16
@@ -247,6 +286,8 @@ def test_launch_plan_splits_by_whole_blocks_and_caps_split_length(monkeypatch):
     assert nsplit(64, 64, 4096) == 0
     assert nsplit(8192, 1, 131072) == 0  # a prefill chunk: its partials would be too large
     assert nsplit(1, 1, 7872) == 31  # 8k, batch 1: 62 blocks, 2 per split
+    # never shorter than min_split_blocks: 5 or 9 blocks of 64 in one or two splits of >= 4
+    assert [at.plan_launch(1, 1, 8, 4, h, cuda, 64)[2] for h in (320, 576)] == [1, 2]
 
 
 def test_window_plan_keeps_window_chains_within_a_history_split():
