@@ -29,8 +29,7 @@ import triton.language as tl
 
 from oscar_compile.kernels.attention_blocks_triton import seq_of_rows
 from oscar_compile.kernels.cache_write_ref import check_cache_write_args
-from oscar_compile.kernels.quant_triton import (
-    clip_indices, clip_rows, interpreting, quantize_rows, top_needed)
+from oscar_compile.kernels.quant_triton import clip_indices, clip_rows, interpreting, quantize_rows
 
 _log = logging.getLogger(__name__)
 _WIDE_BLOCK_FAILED = False  # set once the 8-row variant failed to compile on this machine
@@ -38,16 +37,15 @@ _WIDE_BLOCK_FAILED = False  # set once the 8-row variant failed to compile on th
 
 @triton.jit
 def _write_one(x_new, old, x_ptr_win, codes_ptr, scale_ptr, zero_ptr, rows_win, win_mask, rows_q,
-               quant_mask, demote, lo_idx, hi_idx, frac, CLIP: tl.constexpr, TOP: tl.constexpr,
-               BY_RANK: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-               GROUP: tl.constexpr):
+               quant_mask, demote, lo_idx, hi_idx, frac, CLIP: tl.constexpr, BY_RANK: tl.constexpr, BLOCK_T: tl.constexpr,
+               D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
     # x_new: [BLOCK_T, D] new tokens in the window dtype, old: the ring slots' occupants (loaded
     # by the caller);
     # rows_*: flat row indices into the pools
     d = tl.arange(0, D)[None, :]
     src = tl.where(demote[:, None], old, x_new).to(tl.float32)
     if CLIP:
-        src = clip_rows(src, lo_idx, hi_idx, frac, D, BY_RANK, TOP)
+        src = clip_rows(src, lo_idx, hi_idx, frac, D, BY_RANK)
     packed, scale, zero = quantize_rows(src, BLOCK_T, D, BITS, GROUP, scale_ptr.dtype.element_ty)
     NG: tl.constexpr = D // GROUP
     WP: tl.constexpr = D * BITS // 8
@@ -69,7 +67,6 @@ def _cache_write_kernel(
     klo, khi, kfrac, vlo, vhi, vfrac,
     H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, CLIP_K: tl.constexpr, CLIP_V: tl.constexpr,
-    TOP_K: tl.constexpr, TOP_V: tl.constexpr,
     HAS_ROT: tl.constexpr, HAS_MEAN: tl.constexpr, ROT_HEADS: tl.constexpr, HAS_HIST: tl.constexpr,
     BLOCK_T: tl.constexpr, BY_RANK: tl.constexpr, SPLIT_KV: tl.constexpr,
 ):
@@ -140,13 +137,13 @@ def _cache_write_kernel(
         k_new = kin.to(kwin_ptr.dtype.element_ty)
         k_old = tl.load(kwin_ptr + rows_win[:, None] * D + d, mask=demote[:, None], other=0.0)
         _write_one(k_new, k_old, kwin_ptr, kc_ptr, ks_ptr, kz_ptr, rows_win, win_mask, rows_q,
-                   quant_mask, demote, klo, khi, kfrac, CLIP_K, TOP_K, BY_RANK, BLOCK_T, D, BITS, GROUP)
+                   quant_mask, demote, klo, khi, kfrac, CLIP_K, BY_RANK, BLOCK_T, D, BITS, GROUP)
     if do_v:
         vin = tl.load(v_ptr + n[:, None] * stride_vn + h * stride_vh + d, mask=valid[:, None], other=0.0)
         v_new = vin.to(vwin_ptr.dtype.element_ty)
         v_old = tl.load(vwin_ptr + rows_win[:, None] * D + d, mask=demote[:, None], other=0.0)
         _write_one(v_new, v_old, vwin_ptr, vc_ptr, vs_ptr, vz_ptr, rows_win, win_mask, rows_q,
-                   quant_mask, demote, vlo, vhi, vfrac, CLIP_V, TOP_V, BY_RANK, BLOCK_T, D, BITS, GROUP)
+                   quant_mask, demote, vlo, vhi, vfrac, CLIP_V, BY_RANK, BLOCK_T, D, BITS, GROUP)
 
 
 def _check_pool_layout(pools) -> None:
@@ -160,16 +157,14 @@ def cache_write_triton(
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
     sink, recent, bits, group_size, clip_k, clip_v, rot_k=None, mean_k=None, history_lens=None,
     block_t: int | None = None, fuse_rotation: bool = False, split_kv: bool = True,
-    num_warps: int | None = None, clip_topk: bool = True,
+    num_warps: int | None = None,
 ):
     """Check, then launch one program per (BLOCK_T tokens, KV head[, K or V]). Mutates the pools.
 
     ``split_kv`` gives the keys and the values programs of their own: a decode step's write is a
     chain of dependent steps (find the sequence, page tables, old ring value, clip threshold's
     sort, quantize, store), and two programs run the K and V chains side by side instead of one
-    after the other. ``clip_topk`` finds the clip threshold among the few largest |x| it needs
-    (``top_needed``: 8 or 16 of 128 at rho 0.96 / 0.92) instead of sorting the whole row; the values
-    are the same. ``block_t``, ``num_warps`` and ``clip_topk=False`` are benchmark knobs.
+    after the other. ``block_t`` and ``num_warps`` are benchmark knobs.
 
     ``history_lens``: [B] int32 history length per sequence before the write, or None (standard).
 
@@ -225,7 +220,6 @@ def cache_write_triton(
             window_table.stride(0), quant_table.stride(0), klo, khi, kfrac, vlo, vhi, vfrac,
             H=H, D=D, P=k_win.shape[2], SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size,
             CLIP_K=clip_k < 1.0, CLIP_V=clip_v < 1.0, HAS_ROT=rot_k is not None,
-            TOP_K=top_needed(klo, D) if clip_topk else D, TOP_V=top_needed(vlo, D) if clip_topk else D,
             HAS_MEAN=mean_k is not None, ROT_HEADS=1 if rot_k is None else rot_k.shape[0],
             HAS_HIST=history_lens is not None,
             BLOCK_T=block_t, BY_RANK=interpreting(), SPLIT_KV=split_kv,

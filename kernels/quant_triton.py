@@ -52,29 +52,15 @@ def _order_stats_by_rank(a, lo_idx, hi_idx, D: tl.constexpr):
     return lo_v, hi_v
 
 
-def top_needed(lo_idx: int, head_dim: int) -> int:
-    """How many of the largest |x| the clip threshold needs (a power of two): ranks lo_idx and
-    lo_idx + 1 of D ascending are among the D - lo_idx largest. D (a full sort) past D / 2."""
-    need = triton.next_power_of_2(head_dim - lo_idx)
-    return need if need <= head_dim // 2 else head_dim
-
-
 @triton.jit
-def clip_rows(x, lo_idx, hi_idx, frac, D: tl.constexpr, BY_RANK: tl.constexpr, TOP: tl.constexpr):
+def clip_rows(x, lo_idx, hi_idx, frac, D: tl.constexpr, BY_RANK: tl.constexpr):
     """Clamp each row of x: [R, D] float32 to [-tau, tau], tau = the rho-quantile of |x|.
 
-    BY_RANK (interpreter): order statistics by rank counting instead of ``tl.sort``. TOP < D
-    (``top_needed``): only the TOP largest, by a bitonic top-k (``tl.topk``), the same values at
-    the same ranks with fewer compare-exchange stages than the full sort.
+    BY_RANK (interpreter): order statistics by rank counting instead of ``tl.sort``.
     """
     a = tl.abs(x)
     if BY_RANK:
         lo_v, hi_v = _order_stats_by_rank(a, lo_idx, hi_idx, D)
-    elif TOP < D:
-        top = tl.topk(a, TOP, dim=1)  # descending: rank D - 1 - j ascending sits at column j
-        col = tl.arange(0, TOP)[None, :]
-        lo_v = tl.sum(tl.where(col == D - 1 - lo_idx, top, 0.0), axis=1)
-        hi_v = tl.sum(tl.where(col == D - 1 - hi_idx, top, 0.0), axis=1)
     else:
         srt = tl.sort(a, dim=1)
         col = tl.arange(0, D)[None, :]

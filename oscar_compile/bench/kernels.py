@@ -249,21 +249,20 @@ def decode_write_inputs(B: int, dev, ctx: int = 4096):
 
 
 def bench_write_variants() -> list[dict]:
-    """Decode-step cache write against rows per program, warps, split K / V programs and the
-    clip threshold's selection (top-k or full sort)."""
+    """Decode-step cache write against rows per program, warps and split K / V programs."""
     dev = torch.device("cuda")
     out = []
-    for B in (1, 8, 32, 64):
+    for B in (1, 8, 64):
         k, v, args = decode_write_inputs(B, dev)
-        combos = [dict(block_t=t, num_warps=w, split_kv=s, clip_topk=True)
-                  for t in (1, 4, 8) for w in (1, 2, 4) for s in (False, True)]
-        combos += [dict(block_t=1, num_warps=1, split_kv=True, clip_topk=False)]  # full sort
-        for kw in combos:
-            try:
-                t = graph_time_us([lambda: cache_write_triton(k, v, *args, **kw)] * LAYERS)
-                out.append({"batch": B, **kw, "us_per_layer": t})
-            except Exception as e:
-                out.append({"batch": B, **kw, "error": repr(e)[:300]})
+        for block_t in (1, 4, 8):
+            for num_warps in (1, 2, 4):
+                for split_kv in (False, True):
+                    kw = dict(block_t=block_t, num_warps=num_warps, split_kv=split_kv)
+                    try:
+                        t = graph_time_us([lambda: cache_write_triton(k, v, *args, **kw)] * LAYERS)
+                        out.append({"batch": B, **kw, "us_per_layer": t})
+                    except Exception as e:
+                        out.append({"batch": B, **kw, "error": repr(e)[:300]})
     return out
 
 
