@@ -11,9 +11,9 @@ each K/V byte is loaded once for the whole GQA group) attend to
 Flash-decoding: with nsplit > 0 the grid's third axis splits the history into nsplit equal parts
 per sequence, plus nwin programs for the windows (the last of them also takes the chunk); each
 writes a normalised partial and its log-sum-exp, and merge_partials combines them. With
-nsplit = 0 (many query blocks, e.g. prefill) one program does everything and writes the output. Grid sizes and split counts come from tensor
-shapes only: no host sync, safe under CUDA graphs. The chunk is never written to a BF16 copy of
-the prefix: history stays packed in the pools.
+nsplit = 0 (many query blocks, e.g. prefill) one program does everything and writes the output.
+Grid sizes and split counts come from tensor shapes only: no host sync, safe under CUDA graphs.
+The chunk is never written to a BF16 copy of the prefix: history stays packed in the pools.
 """
 from __future__ import annotations
 

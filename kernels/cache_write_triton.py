@@ -1,7 +1,8 @@
 """Fused Triton ``oscar::cache_write``: (rotate) + window write + demote/quantize + pack, one launch.
 
-One program per (block of BLOCK_T new tokens, KV head, keys or values); each row is one new token at position
-p = L + t of its sequence (found by counting cu_seqlens entries: no host sync, CUDA-graph safe).
+One program per (block of BLOCK_T new tokens, KV head, keys or values); each row is one new token
+at position p = L + t of its sequence (found by counting cu_seqlens entries: no host sync,
+CUDA-graph safe).
 Per row at most one vector is quantized, which lets a single launch reach the state of
 one-at-a-time writing (cache_write_ref) without a race:
 - p < S0: the token goes to sink slot p;
@@ -68,15 +69,10 @@ def _cache_write_kernel(
     H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, CLIP_K: tl.constexpr, CLIP_V: tl.constexpr,
     HAS_ROT: tl.constexpr, HAS_MEAN: tl.constexpr, ROT_HEADS: tl.constexpr, HAS_HIST: tl.constexpr,
-    BLOCK_T: tl.constexpr, BY_RANK: tl.constexpr, SPLIT_KV: tl.constexpr,
+    BLOCK_T: tl.constexpr, BY_RANK: tl.constexpr,
 ):
     h = tl.program_id(1) % H
-    if SPLIT_KV:  # program_id(1) // H picks the keys (0) or the values (1)
-        do_k = tl.program_id(1) < H
-        do_v = tl.program_id(1) >= H
-    else:
-        do_k = h >= 0
-        do_v = h >= 0
+    do_k = tl.program_id(1) < H  # program_id(1) // H picks the keys (0) or the values (1)
     n = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] token rows
     valid = n < N
     n = tl.where(valid, n, 0)
@@ -138,7 +134,7 @@ def _cache_write_kernel(
         k_old = tl.load(kwin_ptr + rows_win[:, None] * D + d, mask=demote[:, None], other=0.0)
         _write_one(k_new, k_old, kwin_ptr, kc_ptr, ks_ptr, kz_ptr, rows_win, win_mask, rows_q,
                    quant_mask, demote, klo, khi, kfrac, CLIP_K, BY_RANK, BLOCK_T, D, BITS, GROUP)
-    if do_v:
+    else:
         vin = tl.load(v_ptr + n[:, None] * stride_vn + h * stride_vh + d, mask=valid[:, None], other=0.0)
         v_new = vin.to(vwin_ptr.dtype.element_ty)
         v_old = tl.load(vwin_ptr + rows_win[:, None] * D + d, mask=demote[:, None], other=0.0)
@@ -156,15 +152,16 @@ def cache_write_triton(
     k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
     sink, recent, bits, group_size, clip_k, clip_v, rot_k=None, mean_k=None, history_lens=None,
-    block_t: int | None = None, fuse_rotation: bool = False, split_kv: bool = True,
-    num_warps: int | None = None,
+    block_t: int | None = None, fuse_rotation: bool = False, num_warps: int | None = None,
 ):
     """Check, then launch one program per (BLOCK_T tokens, KV head[, K or V]). Mutates the pools.
 
-    ``split_kv`` gives the keys and the values programs of their own: a decode step's write is a
-    chain of dependent steps (find the sequence, page tables, old ring value, clip threshold's
-    sort, quantize, store), and two programs run the K and V chains side by side instead of one
-    after the other. ``block_t`` and ``num_warps`` are benchmark knobs.
+    The keys and the values have programs of their own: a decode step's write is a chain of
+    dependent steps (find the sequence, page tables, old ring value, clip threshold's sort,
+    quantize, store), and two programs run the K and V chains side by side instead of one after
+    the other (H200, 2026-11-30: batch 1 / 8 / 64 in 4.0 / 3.6 / 4.0 µs per layer with 4-row,
+    4-warp programs; the kernel before, in another run, 5.9 / 4.7 / 4.9). ``block_t`` and
+    ``num_warps`` are benchmark knobs.
 
     ``history_lens``: [B] int32 history length per sequence before the write, or None (standard).
 
@@ -196,7 +193,7 @@ def cache_write_triton(
     if block_t is None:
         # decode steps: one row and one warp per program, the shortest chain (H200 sweep,
         # bench.kernels write-variants, 2026-11-30, µs per layer at batch 1 / 8 / 64: 3.1 / 3.2 /
-        # 3.7, against 4.0 / 3.6 / 4.0 with 4 rows and 4 warps, 6.2 / 5.3 / 5.4 without split_kv).
+        # 3.7, against 4.0 / 3.6 / 4.0 with 4 rows and 4 warps).
         # Triton 3.6 fails to compile this kernel at BLOCK_T = 16 (RemoveLayoutConversions
         # error; checked by compiling for sm_90 with Triton 3.6 off-GPU), so 8 is the largest;
         # the fused rotation's dot needs 16 rows.
@@ -212,7 +209,7 @@ def cache_write_triton(
     dummy = k_win  # stands in for absent optional pointers (never read)
 
     def launch(block_t: int) -> None:
-        _cache_write_kernel[(triton.cdiv(N, block_t), H * (2 if split_kv else 1))](
+        _cache_write_kernel[(triton.cdiv(N, block_t), 2 * H)](
             k, v, rot_k if rot_k is not None else dummy, mean_k if mean_k is not None else dummy,
             cu_seqlens, cache_lens, history_lens if history_lens is not None else cache_lens,
             window_table, quant_table, *pools,
@@ -222,7 +219,7 @@ def cache_write_triton(
             CLIP_K=clip_k < 1.0, CLIP_V=clip_v < 1.0, HAS_ROT=rot_k is not None,
             HAS_MEAN=mean_k is not None, ROT_HEADS=1 if rot_k is None else rot_k.shape[0],
             HAS_HIST=history_lens is not None,
-            BLOCK_T=block_t, BY_RANK=interpreting(), SPLIT_KV=split_kv,
+            BLOCK_T=block_t, BY_RANK=interpreting(),
             num_warps=num_warps, enable_fp_fusion=False,
         )
 

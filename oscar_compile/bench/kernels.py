@@ -11,7 +11,7 @@ is >= 3x the 60 MB L2, so no layer is served from L2; time = replay time / layer
 Then the cache write: microseconds per layer per decode step against batch, prefill tokens/s, and
 correctness of every kernel against its reference at the benchmark shapes (same command).
 Parts ``variants`` and ``write-variants`` sweep the launch knobs (history splits, window programs,
-window block, merge; rows per program, warps, split K / V) that the kernels' defaults come from.
+window block, merge; rows per program, warps) that the kernels' defaults come from.
 Prints a table; writes everything to JSON.
 """
 from __future__ import annotations
@@ -249,20 +249,19 @@ def decode_write_inputs(B: int, dev, ctx: int = 4096):
 
 
 def bench_write_variants() -> list[dict]:
-    """Decode-step cache write against rows per program, warps and split K / V programs."""
+    """Decode-step cache write against rows per program and warps."""
     dev = torch.device("cuda")
     out = []
     for B in (1, 8, 64):
         k, v, args = decode_write_inputs(B, dev)
         for block_t in (1, 4, 8):
             for num_warps in (1, 2, 4):
-                for split_kv in (False, True):
-                    kw = dict(block_t=block_t, num_warps=num_warps, split_kv=split_kv)
-                    try:
-                        t = graph_time_us([lambda: cache_write_triton(k, v, *args, **kw)] * LAYERS)
-                        out.append({"batch": B, **kw, "us_per_layer": t})
-                    except Exception as e:
-                        out.append({"batch": B, **kw, "error": repr(e)[:300]})
+                kw = dict(block_t=block_t, num_warps=num_warps)
+                try:
+                    t = graph_time_us([lambda: cache_write_triton(k, v, *args, **kw)] * LAYERS)
+                    out.append({"batch": B, **kw, "us_per_layer": t})
+                except Exception as e:
+                    out.append({"batch": B, **kw, "error": repr(e)[:300]})
     return out
 
 

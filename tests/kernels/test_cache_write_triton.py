@@ -75,8 +75,8 @@ def test_triton_write_standard_history_lens_change_nothing(tdevice, sink, recent
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("block_t,split_kv", [(4, True), (8, True), (4, False)])
-def test_triton_write_no_clip_and_chunked_prefill(tdevice, block_t, split_kv):
+@pytest.mark.parametrize("block_t", [1, 4, 8])
+def test_triton_write_no_clip_and_chunked_prefill(tdevice, block_t):
     from functools import partial
 
     from oscar_compile.kernels.cache_write_triton import cache_write_triton
@@ -84,7 +84,7 @@ def test_triton_write_no_clip_and_chunked_prefill(tdevice, block_t, split_kv):
     kw = dict(num_kv_heads=1, head_dim=64, page_size=16, sink=16, recent=16, bits=2,
               group_size=64, clip_k=1.0, clip_v=0.5, seed=12, chunk=37)
     want = build_case([100, 70], write=cache_write_ref, **kw)
-    got = build_case([100, 70], write=partial(cache_write_triton, block_t=block_t, split_kv=split_kv),
+    got = build_case([100, 70], write=partial(cache_write_triton, block_t=block_t),
                      device=tdevice, **kw)
     for a, b in zip(got.pools, want.pools):
         assert torch.equal(a.cpu(), b)
