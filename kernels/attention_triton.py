@@ -281,6 +281,12 @@ def plan_window_splits(window_blocks: int, split_blocks: int) -> int:
     return max(1, min(window_blocks, triton.cdiv(window_blocks, max(split_blocks, 1))))
 
 
+def window_programs(window_slots: int, block_w: int, max_hist: int, block_n: int, nsplit: int) -> int:
+    """plan_window_splits for a decode launch of nsplit history splits over max_hist slots."""
+    split_blocks = triton.cdiv(triton.cdiv(max_hist, block_n), nsplit)
+    return plan_window_splits(triton.cdiv(window_slots, block_w), split_blocks)
+
+
 def attention_triton(
     q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, scale, sink, recent, bits, group_size,
@@ -331,8 +337,7 @@ def attention_triton(
     if nsplit and win_splits:
         nwin = win_splits
     elif nsplit and block_m == 1:  # (an extend chunk's own keys stay in one program: no gain)
-        split_blocks = triton.cdiv(triton.cdiv(max_hist, block_n), nsplit)
-        nwin = plan_window_splits(triton.cdiv(sink + recent, block_w), split_blocks)
+        nwin = window_programs(sink + recent, block_w, max_hist, block_n, nsplit)
     if block_m == 1:
         cub = cu_seqlens
         nblocks = N

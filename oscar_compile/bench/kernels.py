@@ -192,7 +192,7 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     num_warps, pipelining depth and the bit-trick decode: 128, 4 warps, 2 stages and the bit trick
     won.)"""
     from oscar_compile.kernels.attention_blocks_triton import merge_partials
-    from oscar_compile.kernels.attention_triton import attention_triton, plan_launch, plan_window_splits
+    from oscar_compile.kernels.attention_triton import attention_triton, plan_launch, window_programs
 
     dev = torch.device("cuda")
     q = torch.randn(B, H_Q, D, device=dev, dtype=torch.bfloat16)
@@ -205,14 +205,12 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     out = []
     block_n = 128
     planned = plan_launch(B, B, H_KV, H_Q // H_KV, max_hist, dev, block_n, min_split_blocks=2)[2]
-    planned_win = 1
-    if planned:
-        planned_win = plan_window_splits(math.ceil((SINK + RECENT) / 32), math.ceil(max_hist / block_n / planned))
+    planned_win = window_programs(SINK + RECENT, 32, max_hist, block_n, planned) if planned else 1
     for block_w in (16, 32):
         for nsplit in sorted({planned, 32, 64}):
+            if nsplit * block_n > max(max_hist, block_n) * 2:
+                continue  # splits that would all be empty
             for win_splits in (1, 2, 3, 5):
-                if nsplit * block_n > max(max_hist, block_n) * 2:
-                    continue  # splits that would all be empty
                 kw = dict(block_n=block_n, block_w=block_w, nsplit=nsplit, win_splits=win_splits)
                 is_plan = nsplit == planned and win_splits == planned_win and block_w == 32
                 try:
