@@ -30,7 +30,7 @@ import triton.language as tl
 
 from oscar_compile.kernels.attention_blocks_triton import seq_of_rows
 from oscar_compile.kernels.cache_write_ref import check_cache_write_args
-from oscar_compile.kernels.quant_triton import clip_indices, clip_rows, interpreting, quantize_rows
+from oscar_compile.kernels.quant_triton import clip_indices, clip_rows, quantize_rows, zero_low_bits
 
 _log = logging.getLogger(__name__)
 _WIDE_BLOCK_FAILED = False  # set once the 8-row variant failed to compile on this machine
@@ -38,7 +38,7 @@ _WIDE_BLOCK_FAILED = False  # set once the 8-row variant failed to compile on th
 
 @triton.jit
 def _write_one(x_new, old, x_ptr_win, codes_ptr, scale_ptr, zero_ptr, rows_win, win_mask, rows_q,
-               quant_mask, demote, lo_idx, hi_idx, frac, CLIP: tl.constexpr, BY_RANK: tl.constexpr, BLOCK_T: tl.constexpr,
+               quant_mask, demote, lo_idx, hi_idx, frac, CLIP: tl.constexpr, CLIP_LOW: tl.constexpr, BLOCK_T: tl.constexpr,
                D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
     # x_new: [BLOCK_T, D] new tokens in the window dtype, old: the ring slots' occupants (loaded
     # by the caller);
@@ -46,7 +46,7 @@ def _write_one(x_new, old, x_ptr_win, codes_ptr, scale_ptr, zero_ptr, rows_win, 
     d = tl.arange(0, D)[None, :]
     src = tl.where(demote[:, None], old, x_new).to(tl.float32)
     if CLIP:
-        src = clip_rows(src, lo_idx, hi_idx, frac, D, BY_RANK)
+        src = clip_rows(src, lo_idx, hi_idx, frac, CLIP_LOW)
     packed, scale, zero = quantize_rows(src, BLOCK_T, D, BITS, GROUP, scale_ptr.dtype.element_ty)
     NG: tl.constexpr = D // GROUP
     WP: tl.constexpr = D * BITS // 8
@@ -69,7 +69,7 @@ def _cache_write_kernel(
     H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, CLIP_K: tl.constexpr, CLIP_V: tl.constexpr,
     HAS_ROT: tl.constexpr, HAS_MEAN: tl.constexpr, ROT_HEADS: tl.constexpr, HAS_HIST: tl.constexpr,
-    BLOCK_T: tl.constexpr, BY_RANK: tl.constexpr,
+    BLOCK_T: tl.constexpr, CLIP_LOW: tl.constexpr,
 ):
     h = tl.program_id(1) % H
     do_k = tl.program_id(1) < H  # program_id(1) // H picks the keys (0) or the values (1)
@@ -133,13 +133,13 @@ def _cache_write_kernel(
         k_new = kin.to(kwin_ptr.dtype.element_ty)
         k_old = tl.load(kwin_ptr + rows_win[:, None] * D + d, mask=demote[:, None], other=0.0)
         _write_one(k_new, k_old, kwin_ptr, kc_ptr, ks_ptr, kz_ptr, rows_win, win_mask, rows_q,
-                   quant_mask, demote, klo, khi, kfrac, CLIP_K, BY_RANK, BLOCK_T, D, BITS, GROUP)
+                   quant_mask, demote, klo, khi, kfrac, CLIP_K, CLIP_LOW, BLOCK_T, D, BITS, GROUP)
     else:
         vin = tl.load(v_ptr + n[:, None] * stride_vn + h * stride_vh + d, mask=valid[:, None], other=0.0)
         v_new = vin.to(vwin_ptr.dtype.element_ty)
         v_old = tl.load(vwin_ptr + rows_win[:, None] * D + d, mask=demote[:, None], other=0.0)
         _write_one(v_new, v_old, vwin_ptr, vc_ptr, vs_ptr, vz_ptr, rows_win, win_mask, rows_q,
-                   quant_mask, demote, vlo, vhi, vfrac, CLIP_V, BY_RANK, BLOCK_T, D, BITS, GROUP)
+                   quant_mask, demote, vlo, vhi, vfrac, CLIP_V, CLIP_LOW, BLOCK_T, D, BITS, GROUP)
 
 
 def _check_pool_layout(pools) -> None:
@@ -157,7 +157,7 @@ def cache_write_triton(
     """Check, then launch one program per (BLOCK_T tokens, KV head[, K or V]). Mutates the pools.
 
     The keys and the values have programs of their own: a decode step's write is a chain of
-    dependent steps (find the sequence, page tables, old ring value, clip threshold's sort,
+    dependent steps (find the sequence, page tables, old ring value, clip threshold,
     quantize, store), and two programs run the K and V chains side by side instead of one after
     the other (H200, 2026-11-30: batch 1 / 8 / 64 in 4.0 / 3.6 / 4.0 µs per layer with 4-row,
     4-warp programs; the kernel before, in another run, 5.9 / 4.7 / 4.9). ``block_t`` and
@@ -219,7 +219,7 @@ def cache_write_triton(
             CLIP_K=clip_k < 1.0, CLIP_V=clip_v < 1.0, HAS_ROT=rot_k is not None,
             HAS_MEAN=mean_k is not None, ROT_HEADS=1 if rot_k is None else rot_k.shape[0],
             HAS_HIST=history_lens is not None,
-            BLOCK_T=block_t, BY_RANK=interpreting(),
+            BLOCK_T=block_t, CLIP_LOW=zero_low_bits(k_win.dtype),
             num_warps=num_warps, enable_fp_fusion=False,
         )
 

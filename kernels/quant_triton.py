@@ -3,9 +3,9 @@
 Exactness is the point: codes, scales and zeros written by a kernel must equal what
 ``quant.quantize`` produces. Every step therefore uses the same IEEE operation torch does, one
 rounding per torch op:
-- clip threshold: ascending ``tl.sort`` of |x| along D, order statistics at the indices
-  ``lo = int(rho * (D - 1))`` and ``hi = min(lo + 1, D - 1)`` picked by the wrapper in Python
-  (double precision, as quant.py does), then ``lo_v + frac * (hi_v - lo_v)`` with frac rounded to
+- clip threshold: the order statistics of |x| along D at the indices
+  ``lo = int(rho * (D - 1))`` and ``hi = min(lo + 1, D - 1)`` (picked by the wrapper in Python,
+  double precision, as quant.py does; selected by bisection on the bit patterns), then ``lo_v + frac * (hi_v - lo_v)`` with frac rounded to
   float32, a separate multiply and add (the kernel is compiled with ``enable_fp_fusion=False``,
   so no FMA contraction changes the rounding);
 - ``s = max((max - min) / qmax, max(|min|, |max|) * 2^-10)`` and ``z = -min / s`` with correctly rounded division (``div_rn``;
@@ -34,39 +34,43 @@ def clip_indices(clip_ratio: float, head_dim: int) -> tuple[int, int, float]:
     return lo, min(lo + 1, head_dim - 1), pos - lo
 
 
-@triton.jit
-def _order_stats_by_rank(a, lo_idx, hi_idx, D: tl.constexpr):
-    """The lo-th and hi-th smallest of each row of a: [R, D] via stable ranks (interpreter path).
+def zero_low_bits(dtype) -> int:
+    """How many low bits of a float32 are zero when it holds a value of ``dtype``: a bfloat16
+    widens into the top 16 bits, a float16 (subnormals included) into at most the top 19."""
+    import torch
 
-    rank_c = #{j: a_j < a_c} + #{j < c: a_j == a_c} is a permutation of 0..D-1, so each index is
-    picked exactly once: the same numbers a sort gives. O(D^2) work, vectorised, which numpy
-    runs far faster than the interpreter runs ``tl.sort``'s network.
-    """
-    col = tl.arange(0, D)
-    ai = a[:, :, None]  # [R, D(c), 1]
-    aj = a[:, None, :]  # [R, 1, D(j)]
-    before = (aj < ai) | ((aj == ai) & (col[None, None, :] < col[None, :, None]))
-    rank = tl.sum(before.to(tl.int32), axis=2)  # [R, D]
-    lo_v = tl.sum(tl.where(rank == lo_idx, a, 0.0), axis=1)
-    hi_v = tl.sum(tl.where(rank == hi_idx, a, 0.0), axis=1)
-    return lo_v, hi_v
+    return {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}[dtype]
 
 
 @triton.jit
-def clip_rows(x, lo_idx, hi_idx, frac, D: tl.constexpr, BY_RANK: tl.constexpr):
-    """Clamp each row of x: [R, D] float32 to [-tau, tau], tau = the rho-quantile of |x|.
+def _order_stats(a, lo_idx, hi_idx, LOW: tl.constexpr):
+    """The lo-th and hi-th (lo or lo + 1) smallest of each row of a: [R, D] float32 >= 0 whose
+    LOW lowest bits are zero (zero_low_bits).
 
-    BY_RANK (interpreter): order statistics by rank counting instead of ``tl.sort``.
+    Non-negative floats order like their bit patterns, so the lo-th smallest is the largest
+    pattern t with #{a < t} <= lo, built bit by bit from the top: 31 - LOW rounds of a compare
+    and a row count (15 for bfloat16 values), where a sort runs a 28-stage network of
+    compare-exchanges over the row (H200: the decode-step cache write's clip had been its largest
+    block of instructions). The hi-th smallest is t again if more than hi values are <= t, else the
+    smallest value above t. Exact: the same numbers a sort picks, ties and zeros included.
     """
-    a = tl.abs(x)
-    if BY_RANK:
-        lo_v, hi_v = _order_stats_by_rank(a, lo_idx, hi_idx, D)
-    else:
-        srt = tl.sort(a, dim=1)
-        col = tl.arange(0, D)[None, :]
-        # exactly one non-zero term per row: the sums are exact picks
-        lo_v = tl.sum(tl.where(col == lo_idx, srt, 0.0), axis=1)
-        hi_v = tl.sum(tl.where(col == hi_idx, srt, 0.0), axis=1)
+    bits = a.to(tl.int32, bitcast=True)
+    t = tl.zeros([a.shape[0]], tl.int32)
+    for i in tl.static_range(31 - LOW):
+        cand = t | (1 << (30 - i))
+        below = tl.sum((bits < cand[:, None]).to(tl.int32), axis=1)
+        t = tl.where(below <= lo_idx, cand, t)
+    n_le = tl.sum((bits <= t[:, None]).to(tl.int32), axis=1)
+    above = tl.min(tl.where(bits > t[:, None], bits, 0x7F800000), axis=1)  # +inf if none
+    hi_bits = tl.where(n_le > hi_idx, t, above)
+    return t.to(tl.float32, bitcast=True), hi_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def clip_rows(x, lo_idx, hi_idx, frac, LOW: tl.constexpr):
+    """Clamp each row of x: [R, D] float32 to [-tau, tau], tau = the rho-quantile of |x|; the
+    values of x carry LOW zero low bits (zero_low_bits of the dtype they came from)."""
+    lo_v, hi_v = _order_stats(tl.abs(x), lo_idx, hi_idx, LOW)
     tau = (lo_v + frac * (hi_v - lo_v))[:, None]
     return tl.minimum(tl.maximum(x, -tau), tau)
 
