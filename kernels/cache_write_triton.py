@@ -23,8 +23,6 @@ With ``rot_k`` the incoming keys are unrotated: k <- ((k - mean) @ rot).to(k.dty
 """
 from __future__ import annotations
 
-import logging
-
 import triton
 import triton.language as tl
 
@@ -32,8 +30,6 @@ from oscar_compile.kernels.attention_blocks_triton import seq_of_rows
 from oscar_compile.kernels.cache_write_ref import check_cache_write_args
 from oscar_compile.kernels.quant_triton import clip_indices, clip_rows, quantize_rows, zero_low_bits
 
-_log = logging.getLogger(__name__)
-_WIDE_BLOCK_FAILED = False  # set once the 8-row variant failed to compile on this machine
 
 
 @triton.jit
@@ -168,8 +164,8 @@ def cache_write_triton(
     With ``rot_k`` and ``fuse_rotation=False`` (default) the keys are rotated by the torch
     reference (one float32 matmul, bitwise what ``oscar::rotate`` gives on the same device)
     before the launch. ``fuse_rotation=True`` does the rotation inside the kernel (interpreter
-    tested; Triton 3.9 compiles it for sm_90); Triton 3.6 cannot compile it (BLOCK_T = 16 above),
-    so it is opt-in.
+    tested); it is opt-in because it is slower: on the H200 (Triton 3.6, 2026-11-30) 29-31 µs per
+    layer per decode step at batch 1-64, against 10-15 µs for the torch rotation plus the write.
     """
     if rot_k is not None and not fuse_rotation:
         from oscar_compile.kernels.rotate_ref import rotate_ref
@@ -193,41 +189,25 @@ def cache_write_triton(
     if block_t is None:
         # decode steps: one row and one warp per program, the shortest chain (H200 sweep,
         # bench.kernels write-variants, 2026-11-30, µs per layer at batch 1 / 8 / 64: 3.1 / 3.2 /
-        # 3.7, against 4.0 / 3.6 / 4.0 with 4 rows and 4 warps).
-        # Triton 3.6 fails to compile this kernel at BLOCK_T = 16 (RemoveLayoutConversions
-        # error; checked by compiling for sm_90 with Triton 3.6 off-GPU), so 8 is the largest;
-        # the fused rotation's dot needs 16 rows.
-        block_t = 16 if rot_k is not None else (8 if N >= 512 else 1)
+        # 3.7, against 4.0 / 3.6 / 4.0 with 4 rows and 4 warps); prefill: 16 rows (H200: 83M
+        # tokens/s against 77M with 8); the fused rotation's dot needs 16 rows.
+        block_t = 16 if rot_k is not None or N >= 512 else 1
     if num_warps is None:
         num_warps = 1 if block_t == 1 else 4
     B = cache_lens.shape[0]
     klo, khi, kfrac = clip_indices(clip_k, D)
     vlo, vhi, vfrac = clip_indices(clip_v, D)
-    global _WIDE_BLOCK_FAILED
-    if block_t == 8 and _WIDE_BLOCK_FAILED:
-        block_t = 4
     dummy = k_win  # stands in for absent optional pointers (never read)
-
-    def launch(block_t: int) -> None:
-        _cache_write_kernel[(triton.cdiv(N, block_t), 2 * H)](
-            k, v, rot_k if rot_k is not None else dummy, mean_k if mean_k is not None else dummy,
-            cu_seqlens, cache_lens, history_lens if history_lens is not None else cache_lens,
-            window_table, quant_table, *pools,
-            N, B, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            window_table.stride(0), quant_table.stride(0), klo, khi, kfrac, vlo, vhi, vfrac,
-            H=H, D=D, P=k_win.shape[2], SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size,
-            CLIP_K=clip_k < 1.0, CLIP_V=clip_v < 1.0, HAS_ROT=rot_k is not None,
-            HAS_MEAN=mean_k is not None, ROT_HEADS=1 if rot_k is None else rot_k.shape[0],
-            HAS_HIST=history_lens is not None,
-            BLOCK_T=block_t, CLIP_LOW=zero_low_bits(k_win.dtype),
-            num_warps=num_warps, enable_fp_fusion=False,
-        )
-
-    try:
-        launch(block_t)
-    except RuntimeError as e:  # a compiler failure of the 8-row variant (see above): 4 rows from now on
-        if block_t != 8 or "PassManager" not in str(e):
-            raise
-        _WIDE_BLOCK_FAILED = True
-        _log.warning("the 8-row cache-write kernel failed to compile; using 4-row blocks", exc_info=True)
-        launch(4)
+    _cache_write_kernel[(triton.cdiv(N, block_t), 2 * H)](
+        k, v, rot_k if rot_k is not None else dummy, mean_k if mean_k is not None else dummy,
+        cu_seqlens, cache_lens, history_lens if history_lens is not None else cache_lens,
+        window_table, quant_table, *pools,
+        N, B, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        window_table.stride(0), quant_table.stride(0), klo, khi, kfrac, vlo, vhi, vfrac,
+        H=H, D=D, P=k_win.shape[2], SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size,
+        CLIP_K=clip_k < 1.0, CLIP_V=clip_v < 1.0, HAS_ROT=rot_k is not None,
+        HAS_MEAN=mean_k is not None, ROT_HEADS=1 if rot_k is None else rot_k.shape[0],
+        HAS_HIST=history_lens is not None,
+        BLOCK_T=block_t, CLIP_LOW=zero_low_bits(k_win.dtype),
+        num_warps=num_warps, enable_fp_fusion=False,
+    )
