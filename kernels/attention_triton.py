@@ -27,6 +27,7 @@ import triton.language as tl
 from oscar_compile.kernels.attention_blocks_triton import (
     CODE_EXP, NEG_INIT, full_block, group_params, history_block, history_rows, merge_partials,
     plane_factor, seq_of_program, store_rows)
+from oscar_compile.kernels.device import num_sms
 from oscar_compile.kernels.quant_triton import interpreting
 
 LOG2E = 1.4426950408889634
@@ -231,11 +232,6 @@ def dot_dtype(window_dtype: torch.dtype):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[window_dtype]
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def plan_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, device: torch.device,
                 block_n: int = 64, min_split_blocks: int = 4) -> tuple[int, int, int]:
     """(BLOCK_M, ROWS, NSPLIT) from shapes only (no device values: CUDA-graph safe).
@@ -246,7 +242,7 @@ def plan_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, device: torch.
     blocks alone cannot fill the GPU. The count is then trimmed so that the planned length is a
     whole number of blocks per split (63 splits of a 254-block history leave 13 of them idle).
     """
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    sms = num_sms(device)
     if N <= 2 * B:
         block_m = 1
     else:

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from oscar_compile.kernels.device import num_sms
 from oscar_compile.kernels.rotate_ref import check_rotate_args
 
 
@@ -63,8 +64,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, rot_ptr, mean_ptr, qo_ptr, ko_ptr, T, rot_group,
                  sqb, sqh, sqt, skb, skh, skt, scb, sct, ssb, sst,
                  H_KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
-                 HAS_ROT: tl.constexpr, HAS_MEAN: tl.constexpr):
-    """One token x one KV head: rows 0..G-1 are its G query heads, row G its key head."""
+                 BN: tl.constexpr, HAS_ROT: tl.constexpr, HAS_MEAN: tl.constexpr):
+    """One token x one KV head: rows 0..G-1 are its G query heads, row G its key head. With the
+    rotation, program_id(2) picks BN of the D output columns (each program redoes the RoPE)."""
     n = tl.program_id(0).to(tl.int64)  # offsets of a large batch pass 2^31 (64 x 8k tokens x 32 heads x 128)
     j = tl.program_id(1)
     b = n // T
@@ -78,7 +80,8 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, rot_ptr, mean_ptr, qo_ptr, ko_p
     qo_rows = qo_ptr + ((n * H_KV + j) * G + r) * D
     ko_rows = ko_ptr + (n * H_KV + j) * D + r * 0
     HALF: tl.constexpr = D // 2
-    acc = tl.zeros([ROWS, D], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BN], dtype=tl.float32)
+    cols = tl.program_id(2) * BN + tl.arange(0, BN)
     for k0 in tl.static_range(0, D, BK):
         c = k0 + tl.arange(0, BK)
         partner = (c + HALF) % D  # rotate_half: [-x2, x1]
@@ -95,14 +98,12 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, rot_ptr, mean_ptr, qo_ptr, ko_p
             if HAS_MEAN:
                 mu = tl.load(mean_ptr + (j // rot_group) * D + c)
                 y = y - tl.where(is_k[:, None], mu[None, :], 0.0)
-            cols = tl.arange(0, D)
             R = tl.load(rot_ptr + (j // rot_group) * D * D + c[:, None] * D + cols[None, :])
             acc += tl.dot(y, R, input_precision="ieee")
         else:
             tl.store(qo_rows[:, None] + c[None, :], y.to(dt), mask=is_q[:, None])
             tl.store(ko_rows[:, None] + c[None, :], y.to(dt), mask=is_k[:, None])
     if HAS_ROT:
-        cols = tl.arange(0, D)
         tl.store(qo_rows[:, None] + cols[None, :], acc.to(dt), mask=is_q[:, None])
         tl.store(ko_rows[:, None] + cols[None, :], acc.to(dt), mask=is_k[:, None])
 
@@ -116,8 +117,21 @@ def rope_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
             and all(t.stride(-1) == 1 for t in (q, k, cos, sin)))
 
 
-def rope_triton(q, k, cos, sin, rot=None, mean=None):
-    """See elementwise_ref.rope_ref; outputs stored [B, T, H, D], returned as [B, H, T, D] views."""
+def rope_column_blocks(programs: int, D: int, device: torch.device) -> int:
+    """Programs per (token, KV head) for the rotation: its [16, D] x [D, D] float32 product ran
+    on 8 programs at batch 1 (Qwen3-8B), a chain of D * D / 16 FMAs per thread. Split the
+    output columns (blocks of at least 16, the dot's smallest N) until about two programs per SM
+    run."""
+    sms = num_sms(device)
+    blocks = 1
+    while blocks * 2 <= D // 16 and programs * blocks < 2 * sms:
+        blocks *= 2
+    return blocks
+
+
+def rope_triton(q, k, cos, sin, rot=None, mean=None, col_blocks: int | None = None):
+    """See elementwise_ref.rope_ref; outputs stored [B, T, H, D], returned as [B, H, T, D] views.
+    ``col_blocks`` overrides the rotation's column split (rope_column_blocks)."""
     B, H_q, T, D = q.shape
     H_kv = k.shape[1]
     G = H_q // H_kv
@@ -135,11 +149,14 @@ def rope_triton(q, k, cos, sin, rot=None, mean=None):
         rot_arg = rot.float().contiguous() if rot is not None else q
         mean_arg = mean.float().contiguous() if mean is not None else q
         rot_group = H_kv // rot.shape[0] if rot is not None else 1
-        _rope_kernel[(B * T, H_kv)](
+        ncol = 1
+        if rot is not None:
+            ncol = col_blocks or rope_column_blocks(B * T * H_kv, D, q.device)
+        _rope_kernel[(B * T, H_kv, ncol)](
             q, k, cos, sin, rot_arg, mean_arg, q_out, k_out, T, rot_group,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-            H_KV=H_kv, G=G, D=D, ROWS=rows, BK=32, HAS_ROT=rot is not None, HAS_MEAN=mean is not None,
+            H_KV=H_kv, G=G, D=D, ROWS=rows, BK=32, BN=D // ncol, HAS_ROT=rot is not None, HAS_MEAN=mean is not None,
             num_warps=4, enable_fp_fusion=False)  # float32: torch's separate multiply and add, no FMA
     return q_out.transpose(1, 2), k_out.transpose(1, 2)
 

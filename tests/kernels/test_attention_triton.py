@@ -274,7 +274,7 @@ def test_launch_plan_splits_by_whole_blocks_and_caps_split_length(monkeypatch):
     """The plan reads shapes only; numbers for a 132-SM GPU (H200)."""
     import oscar_compile.kernels.attention_triton as at
 
-    monkeypatch.setattr(at, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(at, "num_sms", lambda device: 132)
     cuda = torch.device("cuda", 0)
 
     def nsplit(N, B, max_hist):

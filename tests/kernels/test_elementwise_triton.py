@@ -92,15 +92,18 @@ def test_rope_without_rotation_is_bitwise(tdevice, dtype, B, H_q, H_kv, T, D):
 
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("centred", [False, True])
+@pytest.mark.parametrize("col_blocks", [1, None, 4], ids=["whole", "planned", "4cols"])
 @pytest.mark.parametrize("B,H_q,H_kv,T,D,dtype", [
     (1, 4, 4, 1, 64, torch.float32), (2, 8, 2, 3, 128, torch.float32), (1, 16, 2, 2, 64, torch.bfloat16)])
-def test_rope_with_rotation(tdevice, per_head, centred, B, H_q, H_kv, T, D, dtype):
+def test_rope_with_rotation(tdevice, per_head, centred, col_blocks, B, H_q, H_kv, T, D, dtype):
+    """The rotation's output columns in one program or split over several (rope_column_blocks)."""
     from oscar_compile.kernels.elementwise_triton import rope_triton
 
     q, k, cos, sin = _rope_inputs(B, H_q, H_kv, T, D, dtype, tdevice)
     rot, mean = _rotations(H_kv if per_head else 1, D, tdevice)
     mean = mean if centred else None
-    for got, want in zip(rope_triton(q, k, cos, sin, rot, mean), rope_ref(q, k, cos, sin, rot, mean)):
+    got_both = rope_triton(q, k, cos, sin, rot, mean, col_blocks=col_blocks)
+    for got, want in zip(got_both, rope_ref(q, k, cos, sin, rot, mean)):
         if dtype == torch.float32:  # float32 sums in another order: relative 1e-6, not an ulp of |x|
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
         else:
@@ -124,6 +127,16 @@ def test_silu_mul(tdevice, dtype, shape, merged):
     # one ulp of the rounded silu, carried through the product, plus the product's own rounding
     bound = 2 * ULP[dtype] * (torch.nn.functional.silu(gate.float()).abs() * up.float().abs()).clamp_min(1e-3) + 1e-6
     assert ((got.float() - want.float()).abs() <= bound).all()
+
+
+def test_rope_column_plan():
+    from oscar_compile.kernels.elementwise_triton import rope_column_blocks
+
+    cpu = torch.device("cpu")  # stands for 4 SMs
+    assert rope_column_blocks(1, 128, cpu) == 8  # down to 16 columns
+    assert rope_column_blocks(2, 128, cpu) == 4
+    assert rope_column_blocks(8, 128, cpu) == 1  # already two programs per SM
+    assert rope_column_blocks(1, 32, cpu) == 2
 
 
 def test_rope_leaves_what_the_kernel_cannot_take_to_the_reference():
