@@ -124,7 +124,7 @@ def rope_column_blocks(programs: int, D: int, device: torch.device) -> int:
     run."""
     sms = num_sms(device)
     blocks = 1
-    while blocks * 2 <= D // 16 and programs * blocks < 2 * sms:
+    while blocks * 2 <= D // 16 and programs * blocks * 2 <= 2 * sms:
         blocks *= 2
     return blocks
 

@@ -134,7 +134,7 @@ def test_rope_column_plan():
 
     cpu = torch.device("cpu")  # stands for 4 SMs
     assert rope_column_blocks(1, 128, cpu) == 8  # down to 16 columns
-    assert rope_column_blocks(2, 128, cpu) == 4
+    assert rope_column_blocks(2, 128, cpu) == 4  # 8 programs: two per SM
     assert rope_column_blocks(8, 128, cpu) == 1  # already two programs per SM
     assert rope_column_blocks(1, 32, cpu) == 2
 
