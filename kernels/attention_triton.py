@@ -233,20 +233,21 @@ def dot_dtype(window_dtype: torch.dtype):
 
 
 def plan_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, device: torch.device,
-                block_n: int = 64, min_split_blocks: int = 4) -> tuple[int, int, int]:
+                block_n: int = 64, min_split_blocks: int = 4,
+                prefill_rows: int = 64) -> tuple[int, int, int]:
     """(BLOCK_M, ROWS, NSPLIT) from shapes only (no device values: CUDA-graph safe).
 
     Decode-like batches (about one token per sequence) take BLOCK_M = 1 and split the history
     so that about four programs per SM are in flight, each split at least ``min_split_blocks``
-    history blocks long; prefill-like batches take 64-row blocks and split only when the query
-    blocks alone cannot fill the GPU. The count is then trimmed so that the planned length is a
+    history blocks long; prefill-like batches take blocks of ``prefill_rows`` query rows and
+    split only when the query blocks alone cannot fill the GPU. The count is then trimmed so that the planned length is a
     whole number of blocks per split (63 splits of a 254-block history leave 13 of them idle).
     """
     sms = num_sms(device)
     if N <= 2 * B:
         block_m = 1
     else:
-        block_m = max(1, 64 // g)
+        block_m = max(1, prefill_rows // g)
     rows = max(16, triton.next_power_of_2(block_m * g))
     programs = (triton.cdiv(N, block_m) + (B if block_m > 1 else 0)) * H_kv
     # at most MAX_SPLIT_TOKENS per split: the value accumulator and its zero-point term nearly
@@ -288,7 +289,7 @@ def attention_triton(
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, scale, sink, recent, bits, group_size,
     history_lens=None, block_n: int = 128, use_asm: bool | None = None, num_warps: int = 4,
     num_stages: int = 2, nsplit: int | None = None, block_w: int = 32, maxnreg: int | None = 128,
-    win_splits: int | None = None,
+    win_splits: int | None = None, prefill_rows: int = 64, prefill_maxnreg: int | None = None,
 ):
     """Check, plan and launch. q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype.
 
@@ -296,9 +297,12 @@ def attention_triton(
     depend on it (history splits are planned for the quant table's capacity), so it may change
     between replays of a captured CUDA graph. ``nsplit`` overrides the planned number of history
     splits, ``win_splits`` the number of programs sharing the windows (with nsplit > 0),
-    ``block_w`` is the window block (benchmark sweeps). ``maxnreg`` caps the registers per
-    thread: at 128, four 4-warp programs fit an SM; uncapped, Triton 3.6 took 139-140 and three
-    fit, 15-25 % slower at batch 8-32 (H200, 2026-11-30).
+    ``block_w`` is the window block, ``prefill_rows`` the query rows of a prefill program
+    (benchmark sweeps). ``maxnreg`` caps the registers per thread of decode launches: at 128,
+    four 4-warp programs fit an SM; uncapped, Triton 3.6 took 139-140 and three fit, 15-25 %
+    slower at batch 8-32 (H200, 2026-11-30). Prefill launches (``prefill_maxnreg``) stay
+    uncapped: a 64-row program under the 128 cap spilled about 150 registers per history block
+    (Triton 3.6, sm_90 SASS), uncapped it takes 255 and none.
     """
     N, H_q, D = q.shape
     H_kv = k.shape[1]
@@ -327,7 +331,8 @@ def attention_triton(
     max_hist = quant_table.shape[1] * P
     # splits of 2 history blocks: measured on the H200 (bench.kernels variants, 2026-11-30) the
     # best at batch 1 for 8k-128k; 4 blocks (the paged BF16 kernel's choice) was 10-20 % slower
-    block_m, rows, planned = plan_launch(N, B, H_kv, g, max_hist, q.device, block_n, min_split_blocks=2)
+    block_m, rows, planned = plan_launch(N, B, H_kv, g, max_hist, q.device, block_n, min_split_blocks=2,
+                                         prefill_rows=prefill_rows)
     nsplit = planned if nsplit is None else nsplit
     nwin = 1
     if nsplit and win_splits:
@@ -346,6 +351,7 @@ def attention_triton(
         pl = torch.empty(N * H_q * (nsplit + nwin), dtype=torch.float32, device=q.device)
     else:
         po = pl = out
+    cap = maxnreg if block_m == 1 else prefill_maxnreg
     auto_asm = use_asm is None
     if auto_asm:
         use_asm = q.is_cuda and not interpreting() and not _ASM_FAILED
@@ -365,7 +371,7 @@ def attention_triton(
         BLOCK_W=block_w, BLOCK_C=16 if block_m == 1 else 64,
         SPLIT=nsplit > 0, WIN_SPLIT=nwin > 1,
         DOT_DT=dot_dtype(k_win.dtype), HAS_HIST=history_lens is not None,
-        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": cap} if cap else {}),
     )
     try:
         launch(USE_ASM=use_asm)

@@ -10,8 +10,10 @@ is captured in a CUDA graph over enough per-layer buffers (up to 36) that the da
 is >= 3x the 60 MB L2, so no layer is served from L2; time = replay time / layers (median).
 Then the cache write: microseconds per layer per decode step against batch, prefill tokens/s, and
 correctness of every kernel against its reference at the benchmark shapes (same command).
-Parts ``variants`` and ``write-variants`` sweep the launch knobs (history splits, window programs,
-window block, merge; rows per program, warps) that the kernels' defaults come from.
+Part ``extend`` times a chunked-prefill step (2048 new tokens per sequence after a cached prefix)
+for the INT2 and paged BF16 kernels. Parts ``variants`` and ``write-variants`` sweep the launch
+knobs (history splits, window programs, window block, merge; rows per program, warps) that the
+kernels' defaults come from.
 Prints a table; writes everything to JSON.
 """
 from __future__ import annotations
@@ -235,6 +237,50 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     return out
 
 
+def bench_extend(cached: int, B: int, chunk: int = 2048) -> dict:
+    """A chunked-prefill step: B sequences each add ``chunk`` tokens after ``cached`` ones (the
+    runtime's default budget is 2048 tokens a step), µs per layer: the paged BF16 kernel against
+    the INT2 kernel, whose programs take ``prefill_rows`` query rows, ``num_warps`` warps and
+    at most ``prefill_maxnreg`` registers (``int2_us``: the defaults, 64 rows, 4 warps, no cap)."""
+    from oscar_compile.kernels.attention_triton import attention_triton
+
+    dev = torch.device("cuda")
+    scale = D ** -0.5
+    N = B * chunk
+    q = torch.randn(N, H_Q, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(N, H_KV, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = torch.arange(B + 1, device=dev, dtype=torch.int32) * chunk
+    lens = torch.full((B,), cached, device=dev, dtype=torch.int32)
+    row = {"cached": cached, "batch": B, "chunk": chunk}
+    npages = -(-cached // P)
+    pages = [(torch.randn(B * npages, H_KV, P, D, device=dev, dtype=torch.bfloat16),
+              torch.randn(B * npages, H_KV, P, D, device=dev, dtype=torch.bfloat16),
+              make_tables(B, npages, dev)) for _ in range(num_buffers(B * H_KV * cached * 2 * D * 2))]
+    row["paged_bf16_us"] = graph_time_us(
+        [lambda kp=kp, vp=vp, pt=pt: ops.attention_bf16(q, k, v, cu, lens, pt, kp, vp, scale)
+         for kp, vp, pt in pages], reps=10)
+    del pages
+    layers = [int2_layer(B, cached, torch.float16, dev)
+              for _ in range(num_buffers(int2_bytes(B, cached, torch.float16)))]
+    for rows, warps, cap in ((64, 4, None), (64, 4, 128), (64, 8, None), (128, 8, None), (32, 4, None)):
+        kw = dict(prefill_rows=rows, num_warps=warps, prefill_maxnreg=cap)
+        try:
+            t = graph_time_us([lambda p=p, tb=tb: attention_triton(
+                q, k, v, cu, lens, *tb, *p, scale, SINK, RECENT, BITS, GROUP, **kw) for p, tb in layers],
+                reps=10)
+            row[f"int2_rows{rows}_warps{warps}_cap{cap}_us"] = t
+        except Exception as e:
+            row[f"int2_rows{rows}_warps{warps}_cap{cap}_error"] = repr(e)[:300]
+    row["int2_us"] = row.get("int2_rows64_warps4_capNone_us")
+    if row["int2_us"]:
+        row["int2_tokens_per_s"] = N / (row["int2_us"] * 1e-6)
+        row["bf16_tokens_per_s"] = N / (row["paged_bf16_us"] * 1e-6)
+    del layers
+    torch.cuda.empty_cache()
+    return row
+
+
 def decode_write_inputs(B: int, dev, ctx: int = 4096):
     """(k, v, args after k, v) of a decode step's cache write for B sequences of ctx tokens: the
     ring is full, so every step also demotes (quantizes) one token per sequence."""
@@ -338,8 +384,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="bench_kernels.json")
     ap.add_argument("--quick", action="store_true", help="8k and 32k at batch 1 and 8 only")
     ap.add_argument("--no-check", action="store_true")
-    ap.add_argument("--parts", nargs="+", choices=("attention", "variants", "write", "write-variants"),
-                    default=["attention", "variants", "write", "write-variants"],
+    ap.add_argument("--parts", nargs="+",
+                    choices=("attention", "variants", "extend", "write", "write-variants"),
+                    default=["attention", "variants", "extend", "write", "write-variants"],
                     help="which parts to run (default: all)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -361,6 +408,9 @@ def main(argv=None) -> None:
         for ctx, B in ((8192, 1), (32768, 1), (131072, 1), (8192, 8), (32768, 32)):
             result["variants"] += bench_variants(ctx, B)
         print(json.dumps(result["variants"]), flush=True)
+    if "extend" in args.parts:  # chunks 2 and 4 of an 8k prompt, one deep into a 32k prompt
+        result["extend"] = [bench_extend(c, b) for c, b in ((2048, 8), (6144, 8), (30720, 1))]
+        print(json.dumps(result["extend"]), flush=True)
     if "write-variants" in args.parts:
         result["write_variants"] = bench_write_variants()
         print(json.dumps(result["write_variants"]), flush=True)
