@@ -10,9 +10,12 @@ Reported per run: wall time, output tokens/s over the whole run (prefill include
 decode tokens/s, the same way for every system: per request, (tokens - 1) / (time of its last
 token - time of its first token), averaged over requests (prefill chunks of other requests that
 run meanwhile count in). For the runtime also: the median decode-only step, and the host share
-of decode-only steps: the share of their wall time in which the GPU ran no forward (CUDA events
-around each forward, read after the run): host work the engine did not overlap with the device
-(scheduling, bookkeeping, input packing, sampling, detokenizing); the time in decode-only and in
+of decode-only steps: the share of the decode phase, on the GPU's clock (CUDA events around each
+forward, read after the run; from the first decode-only forward's start to the last one's end),
+in which the GPU ran no forward: host work the engine did not overlap with the device
+(scheduling, bookkeeping, input packing, sampling, detokenizing). (Host wall time per step does
+not work for an overlapped engine: a step returns before its forward ends, and the sums of the
+two clocks drifted apart by up to 0.5 % of the phase, a negative share.) The time in decode-only and in
 other (prefill / mixed) steps, and the eight slowest steps with their shapes and forward times
 (a step far above the median is usually a kernel compile). The tokenizer is
 a stub that spells token ids (random weights need no real vocabulary); it is not cheaper than a
@@ -99,12 +102,18 @@ class _StepClock:
         device_s = [ev[0].elapsed_time(ev[1]) * 1e-3 if ev is not None else None for _, _, ev in self.steps]
         decode = [i for i, (is_decode, _, _) in enumerate(self.steps) if is_decode]
         step_s = sum(self.steps[i][1] for i in decode)
-        busy_s = sum(device_s[i] or 0.0 for i in decode)
+        host_share = None
+        timed = [i for i in decode if self.steps[i][2] is not None]
+        if timed:  # on the GPU's clock, from the first decode forward's start to the last one's end;
+            # forwards run in stream order, so every forward of the steps in between lies inside
+            span_s = self.steps[timed[0]][2][0].elapsed_time(self.steps[timed[-1]][2][1]) * 1e-3
+            busy_s = sum(t for t in device_s[timed[0]:timed[-1] + 1] if t is not None)
+            host_share = (span_s - busy_s) / span_s if span_s > 0 else None
         slowest = sorted(range(len(self.steps)), key=lambda i: -self.steps[i][1])[:8]
         return dict(decode_steps=len(decode),
                     per_user_tokens_per_s=per_user_rate(list(self.arrivals.values())),
-                    # the share of decode-step wall time in which the device ran no forward
-                    host_share_of_decode_step=(step_s - busy_s) / step_s if step_s and device_s[0] is not None else None,
+                    # the share of the decode phase in which the device ran no forward
+                    host_share_of_decode_step=host_share,
                     decode_step_ms_median=statistics.median(self.steps[i][1] for i in decode) * 1e3 if decode else None,
                     decode_s=step_s, other_steps_s=sum(s for is_decode, s, _ in self.steps if not is_decode),
                     # where a run's time went when it is slower than its median step says

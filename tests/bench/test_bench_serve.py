@@ -23,3 +23,30 @@ def test_serve_benchmark_smoke(tmp_path, capsys):
         assert "error" not in e2e[name], e2e[name]
         assert e2e[name]["generated_tokens"] == 2 * 3 and e2e[name]["decode_steps"] >= 1
     assert "max seqs" in capsys.readouterr().out
+
+
+class _Event:
+    """A CUDA event stand-in at time t (ms) on the device clock."""
+
+    def __init__(self, t: float):
+        self.t = t
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return end.t - self.t
+
+
+def test_host_share_is_the_idle_part_of_the_decode_phase_on_the_device_clock():
+    """Forwards (start, end) in ms: a prefill, two decode steps, a mixed step, a decode step. The
+    phase runs from 300 to 414 ms; forwards cover 15 + 14 + 69 + 14 of it, the mixed step's
+    included. Host wall times per step (which an overlapped engine does not line up with its
+    forwards) play no part."""
+    from oscar_compile.bench.e2e import _StepClock
+
+    clock = object.__new__(_StepClock)
+    clock.arrivals = {}
+    forwards = [(False, 0, 300), (True, 300, 315), (True, 316, 330), (False, 331, 400), (True, 400, 414)]
+    clock.steps = [(dec, 0.001, (_Event(a), _Event(b))) for dec, a, b in forwards]
+    clock.shapes = [(1, 1)] * len(forwards)
+    summary = clock.summary()
+    assert summary["decode_steps"] == 3
+    assert abs(summary["host_share_of_decode_step"] - 2 / 114) < 1e-12
