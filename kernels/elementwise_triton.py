@@ -60,25 +60,34 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return out
 
 
-@triton.jit(do_not_specialize=["T"])
-def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, rot_ptr, mean_ptr, qo_ptr, ko_ptr, T, rot_group,
+@triton.jit(do_not_specialize=["T", "NT"])
+def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, rot_ptr, mean_ptr, qo_ptr, ko_ptr, T, NT, rot_group,
                  sqb, sqh, sqt, skb, skh, skt, scb, sct, ssb, sst,
-                 H_KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
-                 BN: tl.constexpr, HAS_ROT: tl.constexpr, HAS_MEAN: tl.constexpr):
-    """One token x one KV head: rows 0..G-1 are its G query heads, row G its key head. With the
-    rotation, program_id(2) picks BN of the D output columns (each program redoes the RoPE)."""
-    n = tl.program_id(0).to(tl.int64)  # offsets of a large batch pass 2^31 (64 x 8k tokens x 32 heads x 128)
+                 H_KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, TOKS: tl.constexpr,
+                 BK: tl.constexpr, BN: tl.constexpr, HAS_ROT: tl.constexpr, HAS_MEAN: tl.constexpr):
+    """TOKS tokens x one KV head: row r is head r % (G + 1) of token r // (G + 1), heads 0..G-1
+    its query heads, head G its key head (rows past TOKS * (G + 1) idle). With the rotation,
+    program_id(2) picks BN of the D output columns (each program redoes the RoPE)."""
+    r = tl.arange(0, ROWS)
+    hh = r % (G + 1)
+    # offsets of a large batch pass 2^31 (64 x 8k tokens x 32 heads x 128)
+    n = tl.program_id(0).to(tl.int64) * TOKS + r // (G + 1)
+    ok = (r < TOKS * (G + 1)) & (n < NT)
+    n = tl.where(ok, n, 0)
     j = tl.program_id(1)
     b = n // T
     t = n % T
-    r = tl.arange(0, ROWS)
-    is_q = r < G
-    is_k = r == G
+    is_q = ok & (hh < G)
+    is_k = ok & (hh == G)
     dt = qo_ptr.dtype.element_ty
-    q_rows = q_ptr + b * sqb + (j * G + r) * sqh + t * sqt
-    k_rows = k_ptr + b * skb + j * skh + t * skt + r * 0
-    qo_rows = qo_ptr + ((n * H_KV + j) * G + r) * D
-    ko_rows = ko_ptr + (n * H_KV + j) * D + r * 0
+    q_rows = q_ptr + b * sqb + (j * G + hh) * sqh + t * sqt
+    k_rows = k_ptr + b * skb + j * skh + t * skt
+    qo_rows = qo_ptr + ((n * H_KV + j) * G + hh) * D
+    ko_rows = ko_ptr + (n * H_KV + j) * D
+    cos_rows = cos_ptr + b * scb + t * sct
+    sin_rows = sin_ptr + b * ssb + t * sst
+    b0 = tl.program_id(0).to(tl.int64) // T
+    t0 = tl.program_id(0).to(tl.int64) % T
     HALF: tl.constexpr = D // 2
     acc = tl.zeros([ROWS, BN], dtype=tl.float32)
     cols = tl.program_id(2) * BN + tl.arange(0, BN)
@@ -90,9 +99,13 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, rot_ptr, mean_ptr, qo_ptr, ko_p
                      tl.load(k_rows[:, None] + c[None, :], mask=is_k[:, None], other=0.0)).to(tl.float32)
         xp = tl.where(is_q[:, None], tl.load(q_rows[:, None] + partner[None, :], mask=is_q[:, None], other=0.0),
                       tl.load(k_rows[:, None] + partner[None, :], mask=is_k[:, None], other=0.0)).to(tl.float32)
-        cos = tl.load(cos_ptr + b * scb + t * sct + c).to(tl.float32)
-        sin = tl.load(sin_ptr + b * ssb + t * sst + c).to(tl.float32)
-        y = ((x * cos[None, :]).to(dt).to(tl.float32) + (sign[None, :] * xp * sin[None, :]).to(dt).to(tl.float32))
+        if TOKS == 1:  # one position: a row of cos / sin, not one per row (H200 batch 1: 5.4 -> 5.0 µs)
+            cos = tl.load(cos_ptr + b0 * scb + t0 * sct + c).to(tl.float32)[None, :]
+            sin = tl.load(sin_ptr + b0 * ssb + t0 * sst + c).to(tl.float32)[None, :]
+        else:
+            cos = tl.load(cos_rows[:, None] + c[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            sin = tl.load(sin_rows[:, None] + c[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        y = ((x * cos).to(dt).to(tl.float32) + (sign[None, :] * xp * sin).to(dt).to(tl.float32))
         y = y.to(dt).to(tl.float32)
         if HAS_ROT:
             if HAS_MEAN:
@@ -118,10 +131,10 @@ def rope_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
 
 
 def rope_column_blocks(programs: int, D: int, device: torch.device) -> int:
-    """Programs per (token, KV head) for the rotation: its [16, D] x [D, D] float32 product ran
-    on 8 programs at batch 1 (Qwen3-8B), a chain of D * D / 16 FMAs per thread. Split the
-    output columns (blocks of at least 16, the dot's smallest N) until about two programs per SM
-    run."""
+    """Programs per (tokens, KV head) program for the rotation: its [16, D] x [D, D] float32
+    product ran on 8 programs at batch 1 (Qwen3-8B), a chain of D * D / 16 FMAs per thread. Split
+    the output columns (blocks of at least 16, the dot's smallest N) until about two programs per
+    SM run."""
     sms = num_sms(device)
     blocks = 1
     while blocks * 2 <= D // 16 and programs * blocks * 2 <= 2 * sms:
@@ -143,25 +156,29 @@ def rope_triton(q, k, cos, sin, rot=None, mean=None, col_blocks: int | None = No
     q_out = torch.empty(B, T, H_q, D, dtype=q.dtype, device=q.device)
     k_out = torch.empty(B, T, H_kv, D, dtype=k.dtype, device=k.device)
     if B * T:
-        rows = triton.next_power_of_2(G + 1)
+        NT = B * T
+        rows, toks, ncol = triton.next_power_of_2(G + 1), 1, 1
         if rot is not None:
-            rows = max(16, rows)  # the dot's smallest M
+            # the dot takes 16 rows at least, of which one token fills G + 1 (Qwen3-8B: 5): pack
+            # as many tokens as fit (3), a third of the multiply-adds per token (sm_90 SASS,
+            # Triton 3.6; 64 rows gained no more and spilled)
+            rows = max(16, rows)
+            toks = max(1, min(rows // (G + 1), NT))
+            ncol = col_blocks or rope_column_blocks(triton.cdiv(NT, toks) * H_kv, D, q.device)
         rot_arg = rot.float().contiguous() if rot is not None else q
         mean_arg = mean.float().contiguous() if mean is not None else q
         rot_group = H_kv // rot.shape[0] if rot is not None else 1
-        ncol = 1
-        if rot is not None:
-            ncol = col_blocks or rope_column_blocks(B * T * H_kv, D, q.device)
         # R in [bk, bn] tiles of at most 4096: all of K at once for narrow column blocks (H200,
         # batch 1: 5.0 µs, 6.1 in 32-row tiles); 32 rows for D = 128 columns (one [128, 128] tile
         # spilled: 110 µs at batch 64, 14 in 32-row tiles)
         bn = D // ncol
         bk = min(D, 4096 // bn)
-        _rope_kernel[(B * T, H_kv, ncol)](
-            q, k, cos, sin, rot_arg, mean_arg, q_out, k_out, T, rot_group,
+        _rope_kernel[(triton.cdiv(NT, toks), H_kv, ncol)](
+            q, k, cos, sin, rot_arg, mean_arg, q_out, k_out, T, NT, rot_group,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-            H_KV=H_kv, G=G, D=D, ROWS=rows, BK=bk, BN=bn, HAS_ROT=rot is not None, HAS_MEAN=mean is not None,
+            H_KV=H_kv, G=G, D=D, ROWS=rows, TOKS=toks, BK=bk, BN=bn, HAS_ROT=rot is not None,
+            HAS_MEAN=mean is not None,
             num_warps=4, enable_fp_fusion=False)  # float32: torch's separate multiply and add, no FMA
     return q_out.transpose(1, 2), k_out.transpose(1, 2)
 

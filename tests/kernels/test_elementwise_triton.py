@@ -94,9 +94,12 @@ def test_rope_without_rotation_is_bitwise(tdevice, dtype, B, H_q, H_kv, T, D):
 @pytest.mark.parametrize("centred", [False, True])
 @pytest.mark.parametrize("col_blocks", [1, None, 4], ids=["whole", "planned", "4cols"])
 @pytest.mark.parametrize("B,H_q,H_kv,T,D,dtype", [
-    (1, 4, 4, 1, 64, torch.float32), (2, 8, 2, 3, 128, torch.float32), (1, 16, 2, 2, 64, torch.bfloat16)])
+    (1, 4, 4, 1, 64, torch.float32), (2, 8, 2, 3, 128, torch.float32), (1, 16, 2, 2, 64, torch.bfloat16),
+    (2, 2, 2, 5, 32, torch.float32), (2, 8, 2, 41, 64, torch.bfloat16)])
 def test_rope_with_rotation(tdevice, per_head, centred, col_blocks, B, H_q, H_kv, T, D, dtype):
-    """The rotation's output columns in one program or split over several (rope_column_blocks)."""
+    """The rotation's output columns in one program or split over several (rope_column_blocks);
+    tokens packed into a program's 16 rows: 3 (G = 4; in an 82-token prefill the last program
+    is partial and sequences meet inside programs), 8 (G = 1)."""
     from oscar_compile.kernels.elementwise_triton import rope_triton
 
     q, k, cos, sin = _rope_inputs(B, H_q, H_kv, T, D, dtype, tdevice)
