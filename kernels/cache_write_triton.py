@@ -208,6 +208,6 @@ def cache_write_triton(
         CLIP_K=clip_k < 1.0, CLIP_V=clip_v < 1.0, HAS_ROT=rot_k is not None,
         HAS_MEAN=mean_k is not None, ROT_HEADS=1 if rot_k is None else rot_k.shape[0],
         HAS_HIST=history_lens is not None,
-        BLOCK_T=block_t, CLIP_LOW=zero_low_bits(k_win.dtype),
+        BLOCK_T=block_t, CLIP_LOW=min(zero_low_bits(k_win.dtype), zero_low_bits(v_win.dtype)),
         num_warps=num_warps, enable_fp_fusion=False,
     )

@@ -133,8 +133,7 @@ def rope_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
 def rope_column_blocks(programs: int, D: int, device: torch.device) -> int:
     """Programs per (tokens, KV head) program for the rotation: its [16, D] x [D, D] float32
     product ran on 8 programs at batch 1 (Qwen3-8B), a chain of D * D / 16 FMAs per thread. Split
-    the output columns (blocks of at least 16, the dot's smallest N) until about two programs per
-    SM run."""
+    the output columns (into blocks of no fewer than 16) until about two programs per SM run."""
     sms = num_sms(device)
     blocks = 1
     while blocks * 2 <= D // 16 and programs * blocks * 2 <= 2 * sms:
@@ -159,12 +158,14 @@ def rope_triton(q, k, cos, sin, rot=None, mean=None, col_blocks: int | None = No
         NT = B * T
         rows, toks, ncol = triton.next_power_of_2(G + 1), 1, 1
         if rot is not None:
-            # the dot takes 16 rows at least, of which one token fills G + 1 (Qwen3-8B: 5): pack
-            # as many tokens as fit (3), a third of the multiply-adds per token (sm_90 SASS,
-            # Triton 3.6; 64 rows gained no more and spilled)
+            # a 16-row dot, of which one token fills G + 1 rows (Qwen3-8B: 5): pack as many
+            # tokens as fit (3), a third of the multiply-adds per token (sm_90 SASS, Triton 3.6;
+            # 64 rows gained no more and spilled)
             rows = max(16, rows)
             toks = max(1, min(rows // (G + 1), NT))
             ncol = col_blocks or rope_column_blocks(triton.cdiv(NT, toks) * H_kv, D, q.device)
+            if D % ncol or ncol & (ncol - 1):
+                raise ValueError(f"col_blocks must be a power of two dividing {D}, got {ncol}")
         rot_arg = rot.float().contiguous() if rot is not None else q
         mean_arg = mean.float().contiguous() if mean is not None else q
         rot_group = H_kv // rot.shape[0] if rot is not None else 1
@@ -172,7 +173,7 @@ def rope_triton(q, k, cos, sin, rot=None, mean=None, col_blocks: int | None = No
         # batch 1: 5.0 µs, 6.1 in 32-row tiles); 32 rows for D = 128 columns (one [128, 128] tile
         # spilled: 110 µs at batch 64, 14 in 32-row tiles)
         bn = D // ncol
-        bk = min(D, 4096 // bn)
+        bk = max(16, min(D, 4096 // bn))
         _rope_kernel[(triton.cdiv(NT, toks), H_kv, ncol)](
             q, k, cos, sin, rot_arg, mean_arg, q_out, k_out, T, NT, rot_group,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

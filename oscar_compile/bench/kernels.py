@@ -238,8 +238,9 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
 
 
 def bench_extend(cached: int, B: int, chunk: int = 2048) -> dict:
-    """A chunked-prefill step: B sequences each add ``chunk`` tokens after ``cached`` ones (the
-    runtime's default budget is 2048 tokens a step), µs per layer: the paged BF16 kernel against
+    """A chunked-prefill step: B sequences each add ``chunk`` tokens after ``cached`` ones (B * chunk
+    tokens in the step: the runtime's default budget is 2048, the e2e benchmark runs 8192), µs per
+    layer: the paged BF16 kernel against
     the INT2 kernel, whose programs take ``prefill_rows`` query rows, ``num_warps`` warps and
     at most ``prefill_maxnreg`` registers (``int2_us``: the defaults, 64 rows, 4 warps, no cap)."""
     from oscar_compile.kernels.attention_triton import attention_triton

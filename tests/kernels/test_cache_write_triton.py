@@ -36,6 +36,20 @@ def test_triton_write_matches_reference(tdevice, sink, recent, bits, sdt, D, G, 
         assert torch.equal(a.cpu(), b), name
 
 
+@pytest.mark.parametrize("window_dtype", [torch.float16, torch.float32])
+def test_triton_write_other_window_dtypes(tdevice, window_dtype):
+    """The clip's bisection skips the zero low bits of the window dtype (13 for float16, none
+    for float32): bitwise the reference for those windows too."""
+    from oscar_compile.kernels.cache_write_triton import cache_write_triton
+
+    kw = dict(num_kv_heads=2, head_dim=64, page_size=16, sink=16, recent=32, bits=2, group_size=64,
+              window_dtype=window_dtype, seed=13, chunk=None)
+    want = build_case([3, 50, 81], write=cache_write_ref, **kw)
+    got = build_case([3, 50, 81], write=cache_write_triton, device=tdevice, **kw)
+    for a, b, name in zip(got.pools, want.pools, got.pools._fields):
+        assert torch.equal(a.cpu(), b), name
+
+
 def test_triton_write_after_prefix_hits_matches_reference(tdevice):
     """Rings refilling after prefix-cache hits past the sink (history_lens > standard), next to a
     standard sequence: same pools bitwise (stale ring slots are never demoted)."""

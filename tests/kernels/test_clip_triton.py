@@ -32,7 +32,7 @@ def _rows(D: int, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).float()
 
 
-@pytest.mark.parametrize("D,rho", [(64, 0.96), (128, 0.92), (128, 0.5), (32, 0.99), (64, 1 / 63)])
+@pytest.mark.parametrize("D,rho", [(64, 0.96), (128, 0.92), (128, 0.5), (32, 0.99), (64, 1 / 63), (64, 0.01)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_clip_rows_match_quant(tdevice, D, rho, dtype):
     x = _rows(D, dtype).to(tdevice)

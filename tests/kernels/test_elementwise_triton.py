@@ -95,11 +95,13 @@ def test_rope_without_rotation_is_bitwise(tdevice, dtype, B, H_q, H_kv, T, D):
 @pytest.mark.parametrize("col_blocks", [1, None, 4], ids=["whole", "planned", "4cols"])
 @pytest.mark.parametrize("B,H_q,H_kv,T,D,dtype", [
     (1, 4, 4, 1, 64, torch.float32), (2, 8, 2, 3, 128, torch.float32), (1, 16, 2, 2, 64, torch.bfloat16),
-    (2, 2, 2, 5, 32, torch.float32), (2, 8, 2, 41, 64, torch.bfloat16)])
+    (2, 2, 2, 5, 32, torch.float32), (2, 8, 2, 41, 64, torch.float32), (2, 8, 2, 1, 64, torch.float32),
+    (2, 16, 2, 2, 64, torch.float32)])
 def test_rope_with_rotation(tdevice, per_head, centred, col_blocks, B, H_q, H_kv, T, D, dtype):
     """The rotation's output columns in one program or split over several (rope_column_blocks);
     tokens packed into a program's 16 rows: 3 (G = 4; in an 82-token prefill the last program
-    is partial and sequences meet inside programs), 8 (G = 1)."""
+    is partial and sequences meet inside programs), 2 (a batch-2 decode step), 8 (G = 1), 1
+    (G = 8, each program its own sequence's cos / sin row)."""
     from oscar_compile.kernels.elementwise_triton import rope_triton
 
     q, k, cos, sin = _rope_inputs(B, H_q, H_kv, T, D, dtype, tdevice)
@@ -140,6 +142,15 @@ def test_rope_column_plan():
     assert rope_column_blocks(2, 128, cpu) == 4  # 8 programs: two per SM
     assert rope_column_blocks(8, 128, cpu) == 1  # already two programs per SM
     assert rope_column_blocks(1, 32, cpu) == 2
+
+
+def test_rope_column_blocks_must_tile_the_head():
+    from oscar_compile.kernels.elementwise_triton import rope_triton
+
+    q, k, cos, sin = _rope_inputs(1, 4, 2, 1, 64, torch.float32, "cpu")
+    rot, mean = _rotations(1, 64, "cpu")
+    with pytest.raises(ValueError, match="col_blocks"):
+        rope_triton(q, k, cos, sin, rot, mean, col_blocks=3)
 
 
 def test_rope_leaves_what_the_kernel_cannot_take_to_the_reference():
