@@ -240,8 +240,9 @@ def plan_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, device: torch.
     Decode-like batches (about one token per sequence) take BLOCK_M = 1 and split the history
     so that about four programs per SM are in flight, each split at least ``min_split_blocks``
     history blocks long; prefill-like batches take blocks of ``prefill_rows`` query rows and
-    split only when the query blocks alone cannot fill the GPU. The count is then trimmed so that the planned length is a
-    whole number of blocks per split (63 splits of a 254-block history leave 13 of them idle).
+    split only when the query blocks alone cannot fill the GPU. The count is then trimmed so that
+    the planned length is a whole number of blocks per split (63 splits of a 254-block history
+    leave 13 of them idle).
     """
     sms = num_sms(device)
     if N <= 2 * B:

@@ -31,11 +31,10 @@ from oscar_compile.kernels.cache_write_ref import check_cache_write_args
 from oscar_compile.kernels.quant_triton import clip_indices, clip_rows, quantize_rows, zero_low_bits
 
 
-
 @triton.jit
 def _write_one(x_new, old, x_ptr_win, codes_ptr, scale_ptr, zero_ptr, rows_win, win_mask, rows_q,
-               quant_mask, demote, lo_idx, hi_idx, frac, CLIP: tl.constexpr, CLIP_LOW: tl.constexpr, BLOCK_T: tl.constexpr,
-               D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+               quant_mask, demote, lo_idx, hi_idx, frac, CLIP: tl.constexpr, CLIP_LOW: tl.constexpr,
+               BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
     # x_new: [BLOCK_T, D] new tokens in the window dtype, old: the ring slots' occupants (loaded
     # by the caller);
     # rows_*: flat row indices into the pools

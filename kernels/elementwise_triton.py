@@ -99,7 +99,8 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, rot_ptr, mean_ptr, qo_ptr, ko_p
                      tl.load(k_rows[:, None] + c[None, :], mask=is_k[:, None], other=0.0)).to(tl.float32)
         xp = tl.where(is_q[:, None], tl.load(q_rows[:, None] + partner[None, :], mask=is_q[:, None], other=0.0),
                       tl.load(k_rows[:, None] + partner[None, :], mask=is_k[:, None], other=0.0)).to(tl.float32)
-        if TOKS == 1:  # one position: a row of cos / sin, not one per row (H200 batch 1: 5.4 -> 5.0 µs)
+        if TOKS == 1:  # one position: one row of cos / sin, as before the packing (H200, batch 1:
+            # 5.0 µs that way, 5.4 loading a row per token; this branch itself not re-timed)
             cos = tl.load(cos_ptr + b0 * scb + t0 * sct + c).to(tl.float32)[None, :]
             sin = tl.load(sin_ptr + b0 * ssb + t0 * sst + c).to(tl.float32)[None, :]
         else:
