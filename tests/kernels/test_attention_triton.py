@@ -286,6 +286,9 @@ def test_launch_plan_splits_by_whole_blocks_and_caps_split_length(monkeypatch):
     assert nsplit(64, 64, 4096) == 0
     assert nsplit(8192, 1, 131072) == 0  # a prefill chunk: its partials would be too large
     assert nsplit(1, 1, 7872) == 31  # 8k, batch 1: 62 blocks, 2 per split
+    # batch 8 / 32: 64 / 256 programs per split; 8 / 2 splits fill the 528 slots (9 / 3 spill over)
+    assert nsplit(8, 8, 32448) == 8
+    assert nsplit(32, 32, 7872) == 2
     # never shorter than min_split_blocks: 5 or 9 blocks of 64 in one or two splits of >= 4
     assert [at.plan_launch(1, 1, 8, 4, h, cuda, 64)[2] for h in (320, 576)] == [1, 2]
 
