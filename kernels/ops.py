@@ -70,21 +70,16 @@ def _rotate_tokens_ref(k: Tensor, rot: Tensor, mean: Optional[Tensor]) -> Tensor
 # ---------------------------------------------------------------- oscar::rotate
 @torch.library.custom_op("oscar::rotate", mutates_args=())
 def rotate(x: Tensor, rot: Tensor, mean: Optional[Tensor] = None) -> Tensor:
-    """(x - mean[h // g]) @ rot[h // g]; x: [B, H, T, D], rot: [H_r, D, D] f32, mean: [H_r, D] f32."""
+    """(x - mean[h // g]) @ rot[h // g]; x: [B, H, T, D], rot: [H_r, D, D] f32, mean: [H_r, D] f32.
+
+    One batched float32 matmul on every device, no Triton kernel: with ``apply(fuse=True)`` (the
+    default) the key and query rotation runs inside ``oscar::rope`` instead."""
     return rotate_ref(x, rot, mean)
 
 
 @rotate.register_fake
 def _(x, rot, mean=None):
     return torch.empty_like(x)
-
-
-@rotate.register_kernel("cuda")
-def _(x, rot, mean=None):
-    impl = _triton_impl("rotate_triton", "rotate_triton")
-    if impl is not None:
-        return impl(x, rot, mean)
-    return rotate_ref(x, rot, mean)
 
 
 # ---------------------------------------------------------------- oscar::cache_write

@@ -82,8 +82,15 @@ class CompressedRunner:
             raise ValueError("CompressedRunner needs a model rewritten by oscar_compile.apply")
         if any(r.action != "rewritten" for r in report.layers):
             raise NotImplementedError(
-                "layers overridden to 16 bits keep Hugging Face attention, which the paged runtime cannot batch; "
-                "serve them rewritten (a bits: 16 override without rotation changes) or use LLM without a spec"
+                "a per-layer bits: 16 override keeps Hugging Face attention, which the paged runtime cannot "
+                "batch; serve one format for every layer, or run such a spec through generate()"
+            )
+        if (layout.sink or layout.recent) and not layout.is_full_precision and any(
+                layout.format_of(i).bits == 16 for i in range(layout.num_layers)):
+            # a 16-bit layer reads the history page table as a table of every token, which only
+            # holds without windows (the tokens in the window pages would be missed)
+            raise NotImplementedError(
+                "16-bit layers beside INT-b layers need sink = recent = 0 in the paged runtime"
             )
         self.model = model
         self.layout = layout

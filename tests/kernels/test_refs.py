@@ -284,3 +284,17 @@ def test_ops_fake_and_compile_trace():
     for kwargs in ({}, {"history_lens": history_lens}):
         torch.library.opcheck(torch.ops.oscar.cache_write.default, wargs, kwargs,
                               test_utils=("test_schema", "test_faketensor"))
+
+
+def test_every_cuda_registration_names_an_existing_triton_wrapper():
+    """A CUDA implementation whose Triton module is missing would fall back to the reference
+    silently (as oscar::rotate's once did)."""
+    import inspect
+    import re
+
+    pytest.importorskip("triton")
+    pairs = set(re.findall(r'_triton_impl\("(\w+)", "(\w+)"\)', inspect.getsource(ops)))
+    assert len(pairs) >= 7
+    for module, name in sorted(pairs):
+        assert ops._triton_impl(module, name) is not None, f"oscar_compile.kernels.{module}.{name}"
+

@@ -63,6 +63,42 @@ def test_bf16_mode_serves_the_plain_model(setup):
     assert out.token_ids == expected[0, len(prompt):].tolist()
 
 
+def _mixed_spec(sink: int, recent: int) -> CompressionSpec:
+    """16-bit layers by default, layer 1 quantized to 2 bits."""
+    return CompressionSpec.from_dict({
+        "kv_cache": {"bits": 16, "group_size": 16, "sink_tokens": sink, "recent_tokens": recent, "page_size": 4},
+        "key": {"rotation": "hadamard"}, "value": {"rotation": "hadamard"},
+        "layers": [{"match": [1], "kv_cache": {"bits": 2}}],
+    })
+
+
+def test_mixed_16_bit_and_int2_layers_without_windows_equal_generate(setup):
+    from oscar_compile import apply
+
+    tokenizer, model, _ = setup
+    spec = _mixed_spec(0, 0)
+    rot = calibrate(model, spec, [torch.randint(0, len(tokenizer), (2, 48), generator=torch.Generator().manual_seed(0))])
+    config = EngineConfig(num_window_pages=4, num_quant_pages=64, max_num_batched_tokens=256)
+    llm = LLM(copy.deepcopy(model), spec=spec, rotations=rot, tokenizer=tokenizer, config=config)
+    prompt = _prompts(len(tokenizer), [19], seed=4)[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    ref = copy.deepcopy(model)
+    apply(ref, spec, rot)
+    expected = ref.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert out.token_ids == expected[0, len(prompt):].tolist()
+
+
+def test_mixed_16_bit_and_int2_layers_with_windows_are_refused(setup):
+    """A 16-bit layer reads the history page table as one of every token: with windows it would
+    miss the window tokens (on CPU an IndexError, on a GPU reads of other sequences' pages)."""
+    tokenizer, model, _ = setup
+    spec = _mixed_spec(4, 8)
+    rot = calibrate(model, spec, [torch.randint(0, len(tokenizer), (2, 48), generator=torch.Generator().manual_seed(0))])
+    config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=256)
+    with pytest.raises(NotImplementedError, match="sink = recent = 0"):
+        LLM(copy.deepcopy(model), spec=spec, rotations=rot, tokenizer=tokenizer, config=config)
+
+
 def test_prefix_cache_hits_on_the_sink_equal_misses_with_the_int2_runner(setup):
     """Sink pages are shared between requests with a common prefix; outputs do not change."""
     tokenizer, model, rot = setup
