@@ -133,3 +133,21 @@ def test_an_abort_while_a_step_runs_frees_everything_and_spares_the_others(compr
     assert overlapped[0]["reason"].value == "abort"
     assert overlapped[0]["ids"] == plain[0]["ids"][:len(overlapped[0]["ids"])]
     assert _without_logprobs(overlapped[1:]) == _without_logprobs(plain[1:])
+
+
+def test_bf16_mode_preemption_keeps_the_outputs_of_a_roomy_pool(compressed, tokenizer):
+    """Real pages (not a recompute-only runner): a pool too small for the batch preempts and
+    recomputes, yet every request ends with what a pool that never preempts gives."""
+    compressed = compressed["bf16"]
+    probe = _engine(compressed, tokenizer, False, num_window_pages=64, num_quant_pages=128)
+    rng = random.Random(0)
+    first = [rng.randrange(3, len(tokenizer)) for _ in range(rng.randrange(2, 30))]
+    free_run = _run(probe, [(first, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))])[0]["ids"]
+    requests = [(ids, p) for ids, p in _requests(tokenizer, free_run) if p.temperature == 0.0]
+    roomy = _engine(compressed, tokenizer, False, num_window_pages=64, num_quant_pages=128,
+                    max_num_batched_tokens=512)
+    tight = _engine(compressed, tokenizer, False, num_window_pages=1, num_quant_pages=16,
+                    max_num_batched_tokens=16)
+    want, got = _run(roomy, requests), _run(tight, requests)
+    assert roomy.scheduler.num_preemptions == 0 and tight.scheduler.num_preemptions > 0
+    assert [(r["ids"], r["reason"], r["text"]) for r in got] == [(r["ids"], r["reason"], r["text"]) for r in want]
