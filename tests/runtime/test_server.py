@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -22,23 +23,32 @@ from oscar_compile.runtime.server import create_app  # noqa: E402
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model, tokenizer):
-    engine = build_engine(tiny_model, tokenizer, EngineConfig(num_window_pages=0, num_quant_pages=256,
-                                                              max_num_batched_tokens=64))
-    async_engine = AsyncEngine(engine)
+@contextlib.contextmanager
+def running(app):
+    """Serve ``app`` on a free loopback port in a thread; yields the port."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # a free port, held until uvicorn takes the socket over
-    uv = uvicorn.Server(uvicorn.Config(create_app(async_engine, MODEL), log_level="warning"))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not uv.started:
         assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.02)
-    yield sock.getsockname()[1], async_engine
-    uv.should_exit = True
-    thread.join(10)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tokenizer):
+    engine = build_engine(tiny_model, tokenizer, EngineConfig(num_window_pages=0, num_quant_pages=256,
+                                                              max_num_batched_tokens=64))
+    async_engine = AsyncEngine(engine)
+    with running(create_app(async_engine, MODEL)) as port:
+        yield port, async_engine
 
 
 @pytest.fixture(scope="module")
@@ -258,3 +268,25 @@ def test_serve_cli_builds_the_app_and_refuses_what_it_cannot_serve(model_dir, ca
     assert serve.main(["--model", str(model_dir / "missing")]) == 2
     assert serve.main(["--model", str(model_dir), "--spec", "specs/oscar-int2.yaml"]) == 2
     assert "pass rotations=" in capsys.readouterr().err  # oscar rotations need calibration data
+
+
+def test_default_serve_answers_with_the_bundled_model_in_int2():
+    """No --model: the bundled model with its shipped OSCAR INT2 rotations, over HTTP, gives what
+    the offline API gives with the same spec and rotations (greedy; the prompt fits one chunk)."""
+    from oscar_compile.runtime import serve
+    from oscar_compile.runtime.loader import resolve_model_dir
+    from oscar_compile.spec import CompressionSpec
+
+    args = serve.parse_args(["--device", "cpu", "--kv-memory", "0.05"])
+    app, name = serve.build_app(args)
+    prompt = "def fibonacci(n):"
+    with running(app) as port:
+        status, body = post(port, "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 12,
+                                                      "temperature": 0, "ignore_eos": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == 12
+    spec, rotations = serve.compression_for(args, resolve_model_dir(None))
+    assert CompressionSpec.from_yaml(spec).kv_cache.bits == 2 and rotations is not None
+    llm = LLM(None, spec, rotations, device="cpu", config=EngineConfig(kv_memory_gb=0.05))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert body["choices"][0]["text"] == llm.generate([prompt], params)[0].text
+
