@@ -1,7 +1,7 @@
 """Serving benchmark of the runtime (DESIGN.md §8.3): decode steps, capacity, end-to-end generation; INT2 vs BF16 mode.
 
     python -m oscar_compile.bench.serve [--shapes 8b 4b] [--contexts 8192 32768 131072]
-        [--capacity-contexts 32768 100000] [--kv-memory GB]
+        [--capacity-contexts 32768 100000] [--kv-memory GiB]
         [--e2e-batches 1 16 64] [--e2e-prompt 8192] [--e2e-output 1024] [--compare-unfused] [--out bench.json]
 
 A Qwen3-8B- (and 4B-) shaped model with random weights, rewritten by ``apply`` with an INT2 spec

@@ -26,7 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--kv-memory", type=float, metavar="GB",
+    parser.add_argument("--kv-memory", type=float, metavar="GIB",
                         help="KV cache budget in GiB (default: half the free GPU memory, 1 GiB on CPU)")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
