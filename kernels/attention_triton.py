@@ -8,6 +8,8 @@ each K/V byte is loaded once for the whole GQA group) attend to
   multiply-adds per score and into the softmax weights (history_block); each block's page numbers
   and scales are loaded one block ahead;
 - the sink + recent window slots and the chunk's own keys (causal), in full precision.
+A layer kept at 16 bits beside INT-b layers (BITS = 16) has the same windows and a history of
+rows as stored: its history blocks are the full-precision blocks of the windows.
 Flash-decoding: with nsplit > 0 the grid's third axis splits the history into nsplit equal parts
 per sequence, plus nwin programs for the windows (the last of them also takes the chunk); each
 writes a normalised partial and its log-sum-exp, and merge_partials combines them. With
@@ -28,6 +30,7 @@ from oscar_compile.kernels.attention_blocks_triton import (
     CODE_EXP, NEG_INIT, full_block, group_params, history_block, history_rows, merge_partials,
     plane_factor, seq_of_program, store_rows)
 from oscar_compile.kernels.device import num_sms
+from oscar_compile.kernels.pools import FULL_PRECISION_BITS
 from oscar_compile.kernels.quant_triton import interpreting
 
 LOG2E = 1.4426950408889634
@@ -58,7 +61,9 @@ def _attn_kernel(
     SPLIT: tl.constexpr, WIN_SPLIT: tl.constexpr, USE_ASM: tl.constexpr, DOT_DT: tl.constexpr,
     HAS_HIST: tl.constexpr,
 ):
-    NPL: tl.constexpr = 8 // BITS
+    # planes of the accumulator: as the codes pack; a 16-bit history splits D in two, as the
+    # full-precision kernel does
+    NPL: tl.constexpr = 2 if BITS == 16 else 8 // BITS
     WP: tl.constexpr = D // NPL
     NG: tl.constexpr = D // GROUP
     pid = tl.program_id(0)
@@ -105,57 +110,65 @@ def _attn_kernel(
                 chunk = tl.cdiv(tl.cdiv(n_hist, nsplit), BLOCK_N) * BLOCK_N
                 lo = tl.minimum(sid * chunk, n_hist)
                 hi = tl.minimum(lo + chunk, n_hist)
-            c = tl.arange(0, WP)[None, :]
-            qm = row_ok[:, None]
-            q0 = tl.load(q_rows + c, mask=qm, other=0.0).to(tl.float16).to(tl.float32)
-            q1 = tl.load(q_rows + WP + c, mask=qm, other=0.0).to(tl.float16).to(tl.float32)
-            q2 = q0
-            q3 = q1
-            if NPL == 4:
-                q2 = tl.load(q_rows + 2 * WP + c, mask=qm, other=0.0).to(tl.float16).to(tl.float32)
-                q3 = tl.load(q_rows + 3 * WP + c, mask=qm, other=0.0).to(tl.float16).to(tl.float32)
-            # sums of the (fp16-rounded) query over each quantization group, in the units of the
-            # decoded codes (2^CODE_EXP, see decode_plane); qk_scale takes the inverse factor
-            s0 = tl.sum(q0, axis=1) * plane_factor(CODE_EXP)
-            s1 = tl.sum(q1, axis=1) * plane_factor(CODE_EXP)
-            s2 = tl.sum(q2, axis=1) * plane_factor(CODE_EXP)
-            s3 = tl.sum(q3, axis=1) * plane_factor(CODE_EXP)
-            # plane i of q divided by plane i's code factor 2^(BITS * i): q_i . codes_i then
-            # comes out in the same units for every plane (exact unless q_i goes subnormal)
-            q0 = q0.to(tl.float16)
-            q1 = (q1 * plane_factor(-BITS)).to(tl.float16)
-            q2 = (q2 * plane_factor(-2 * BITS)).to(tl.float16)
-            q3 = (q3 * plane_factor(-3 * BITS)).to(tl.float16)
-            PPG: tl.constexpr = GROUP // WP  # planes per group: 1, 2 or 4
-            if PPG == 1:
-                g0, g1, g2, g3 = s0, s1, s2, s3
-            elif PPG == 2:
-                g0, g1, g2, g3 = s0 + s1, s2 + s3, s0, s0
-            else:
-                g0 = s0 + s1 + s2 + s3
-                g1, g2, g3 = g0, g0, g0
             qt_row = qt_ptr + i.to(tl.int64) * stride_qt
-            # each iteration loads the next block's page numbers and scales / zeros (the code
-            # tiles Triton pipelines itself): waiting on them in the block that uses them was the
-            # kernel's main stall (ncu on the H200, 2026-11-30)
-            rowq, tmask = history_rows(qt_row, lo, hi, h, H_KV, P, BLOCK_N)
-            ks, kz, vs, vz = group_params(ks_ptr, kz_ptr, vs_ptr, vz_ptr, rowq, tmask, NG)
-            for n0 in range(lo, hi, BLOCK_N):
-                rowq_n, tmask_n = history_rows(qt_row, n0 + BLOCK_N, hi, h, H_KV, P, BLOCK_N)
-                ks_n, kz_n, vs_n, vz_n = group_params(ks_ptr, kz_ptr, vs_ptr, vz_ptr, rowq_n,
-                                                      tmask_n, NG)
-                m, l, a0, a1, a2, a3, z0, z1, z2, z3 = history_block(
-                    q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, z2, z3,
-                    kc_ptr, vc_ptr, ks, kz, vs, vz, rowq, tmask,
-                    qk_scale * plane_factor(-CODE_EXP), ROWS, BLOCK_N, BITS, WP, GROUP, NG, NPL,
-                    USE_ASM)
-                rowq, tmask, ks, kz, vs, vz = rowq_n, tmask_n, ks_n, kz_n, vs_n, vz_n
-            # the value accumulators hold plane i in units of its code factor (a0..a3 start at
-            # zero, so the history is all they hold here)
-            a0 = a0 * plane_factor(-CODE_EXP)
-            a1 = a1 * plane_factor(-CODE_EXP - BITS)
-            a2 = a2 * plane_factor(-CODE_EXP - 2 * BITS)
-            a3 = a3 * plane_factor(-CODE_EXP - 3 * BITS)
+            if BITS == 16:  # a layer kept at 16 bits: history rows as stored
+                qh = tl.load(q_rows + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DT)
+                for n0 in range(lo, hi, BLOCK_N):
+                    rowh, hmask = history_rows(qt_row, n0, hi, h, H_KV, P, BLOCK_N)
+                    m, l, a0, a1, a2, a3, z0, z1, z2, z3 = full_block(
+                        qh, m, l, a0, a1, a2, a3, z0, z1, z2, z3, kc_ptr, vc_ptr, rowh,
+                        hmask[None, :] & (r[:, None] >= 0), D, D, qk_scale, D, WP, NPL, DOT_DT)
+            else:
+                c = tl.arange(0, WP)[None, :]
+                qm = row_ok[:, None]
+                q0 = tl.load(q_rows + c, mask=qm, other=0.0).to(tl.float16).to(tl.float32)
+                q1 = tl.load(q_rows + WP + c, mask=qm, other=0.0).to(tl.float16).to(tl.float32)
+                q2 = q0
+                q3 = q1
+                if NPL == 4:
+                    q2 = tl.load(q_rows + 2 * WP + c, mask=qm, other=0.0).to(tl.float16).to(tl.float32)
+                    q3 = tl.load(q_rows + 3 * WP + c, mask=qm, other=0.0).to(tl.float16).to(tl.float32)
+                # sums of the (fp16-rounded) query over each quantization group, in the units of the
+                # decoded codes (2^CODE_EXP, see decode_plane); qk_scale takes the inverse factor
+                s0 = tl.sum(q0, axis=1) * plane_factor(CODE_EXP)
+                s1 = tl.sum(q1, axis=1) * plane_factor(CODE_EXP)
+                s2 = tl.sum(q2, axis=1) * plane_factor(CODE_EXP)
+                s3 = tl.sum(q3, axis=1) * plane_factor(CODE_EXP)
+                # plane i of q divided by plane i's code factor 2^(BITS * i): q_i . codes_i then
+                # comes out in the same units for every plane (exact unless q_i goes subnormal)
+                q0 = q0.to(tl.float16)
+                q1 = (q1 * plane_factor(-BITS)).to(tl.float16)
+                q2 = (q2 * plane_factor(-2 * BITS)).to(tl.float16)
+                q3 = (q3 * plane_factor(-3 * BITS)).to(tl.float16)
+                PPG: tl.constexpr = GROUP // WP  # planes per group: 1, 2 or 4
+                if PPG == 1:
+                    g0, g1, g2, g3 = s0, s1, s2, s3
+                elif PPG == 2:
+                    g0, g1, g2, g3 = s0 + s1, s2 + s3, s0, s0
+                else:
+                    g0 = s0 + s1 + s2 + s3
+                    g1, g2, g3 = g0, g0, g0
+                # each iteration loads the next block's page numbers and scales / zeros (the code
+                # tiles Triton pipelines itself): waiting on them in the block that uses them was the
+                # kernel's main stall (ncu on the H200, 2026-11-30)
+                rowq, tmask = history_rows(qt_row, lo, hi, h, H_KV, P, BLOCK_N)
+                ks, kz, vs, vz = group_params(ks_ptr, kz_ptr, vs_ptr, vz_ptr, rowq, tmask, NG)
+                for n0 in range(lo, hi, BLOCK_N):
+                    rowq_n, tmask_n = history_rows(qt_row, n0 + BLOCK_N, hi, h, H_KV, P, BLOCK_N)
+                    ks_n, kz_n, vs_n, vz_n = group_params(ks_ptr, kz_ptr, vs_ptr, vz_ptr, rowq_n,
+                                                          tmask_n, NG)
+                    m, l, a0, a1, a2, a3, z0, z1, z2, z3 = history_block(
+                        q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, z2, z3,
+                        kc_ptr, vc_ptr, ks, kz, vs, vz, rowq, tmask,
+                        qk_scale * plane_factor(-CODE_EXP), ROWS, BLOCK_N, BITS, WP, GROUP, NG, NPL,
+                        USE_ASM)
+                    rowq, tmask, ks, kz, vs, vz = rowq_n, tmask_n, ks_n, kz_n, vs_n, vz_n
+                # the value accumulators hold plane i in units of its code factor (a0..a3 start at
+                # zero, so the history is all they hold here)
+                a0 = a0 * plane_factor(-CODE_EXP)
+                a1 = a1 * plane_factor(-CODE_EXP - BITS)
+                a2 = a2 * plane_factor(-CODE_EXP - 2 * BITS)
+                a3 = a3 * plane_factor(-CODE_EXP - 3 * BITS)
         if do_win:
             kdt = DOT_DT
             d = tl.arange(0, D)[None, :]
@@ -312,8 +325,9 @@ def attention_triton(
     H_kv = k.shape[1]
     B = cache_lens.shape[0]
     P = k_win.shape[2]
-    wp = D * bits // 8
-    if H_q % H_kv or D & (D - 1) or wp < 16 or group_size % wp:
+    full = bits == FULL_PRECISION_BITS  # a layer kept at 16 bits: history rows as stored
+    wp = D // 2 if full else D * bits // 8
+    if H_q % H_kv or D & (D - 1) or wp < 16 or (not full and group_size % wp):
         # tl.dot needs power-of-two tiles of >= 16; a plane must not straddle groups
         from oscar_compile.kernels.attention_ref import attention_ref
 
@@ -333,6 +347,12 @@ def attention_triton(
         return out
     g = H_q // H_kv
     max_hist = quant_table.shape[1] * P
+    if full:
+        # 64-key blocks, as the full-precision kernel takes: a 128 x D tile of 16-bit keys would
+        # not fit the register cap; the empty scale / zero pools stand in for pointers never read
+        block_n = min(block_n, 64)
+        k_scale = k_zero = k_win
+        v_scale = v_zero = v_win
     # splits of 2 history blocks: measured on the H200 (bench.kernels variants, 2026-11-30) the
     # best at batch 1 for 8k-128k; 4 blocks (the paged BF16 kernel's choice) was 10-20 % slower
     block_m, rows, planned = plan_launch(N, B, H_kv, g, max_hist, q.device, block_n, min_split_blocks=2,

@@ -20,6 +20,8 @@ Details that are easy to get wrong:
 - a token is rounded to the window dtype *before* it is quantized, also when it goes straight to
   history: one-at-a-time writing would have stored it in the window first, so bulk == one-by-one
   bitwise only with this rounding.
+- ``bits = 16`` (a layer kept at 16 bits beside INT-b layers): a demoted token is copied into its
+  history row as it is, no clip, no scale / zero (pools.FULL_PRECISION_BITS).
 - keys and values are quantized independently: keys with ``clip_k``, values with ``clip_v``;
   the scale dtype is the pools' (``k_scale.dtype``), and codes use the scale/zero already rounded
   to it (``oscar_compile.quant.quantize`` does this).
@@ -30,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from oscar_compile import quant
-from oscar_compile.kernels.pools import check_window_config, history_lens_of, window_slot
+from oscar_compile.kernels.pools import FULL_PRECISION_BITS, check_window_config, history_lens_of, window_slot
 
 
 def check_cache_write_args(k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win,
@@ -42,10 +44,15 @@ def check_cache_write_args(k, v, cu_seqlens, cache_lens, window_table, quant_tab
         raise ValueError(f"k_win {tuple(k_win.shape)} does not match k [N, {H}, {D}]")
     P = k_win.shape[2]
     check_window_config(sink, recent, P)
-    if k_codes.shape[1:] != (H, P, D * bits // 8):
-        raise ValueError(f"k_codes {tuple(k_codes.shape)} is not [N_q, {H}, {P}, {D * bits // 8}]")
-    if D % group_size or k_scale.shape[1:] != (H, P, D // group_size):
-        raise ValueError(f"k_scale {tuple(k_scale.shape)} does not match group_size {group_size}")
+    if bits == FULL_PRECISION_BITS:
+        if k_codes.shape[1:] != (H, P, D) or k_codes.dtype != k_win.dtype:
+            raise ValueError(f"16-bit history rows {tuple(k_codes.shape)} {k_codes.dtype} are not "
+                             f"[N_q, {H}, {P}, {D}] {k_win.dtype}")
+    else:
+        if k_codes.shape[1:] != (H, P, D * bits // 8):
+            raise ValueError(f"k_codes {tuple(k_codes.shape)} is not [N_q, {H}, {P}, {D * bits // 8}]")
+        if D % group_size or k_scale.shape[1:] != (H, P, D // group_size):
+            raise ValueError(f"k_scale {tuple(k_scale.shape)} does not match group_size {group_size}")
     B = cache_lens.shape[0]
     if cu_seqlens.shape != (B + 1,):
         raise ValueError(f"cu_seqlens must be [B + 1] = [{B + 1}], got {tuple(cu_seqlens.shape)}")
@@ -70,6 +77,10 @@ def _locate_window(pos: torch.Tensor, window_row: torch.Tensor, sink: int, recen
 def _store_history(xk, xv, pages, rows, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                    bits, group_size, clip_k, clip_v) -> None:
     # xk, xv: [n, H_kv, D] already in the window dtype
+    if bits == FULL_PRECISION_BITS:  # a 16-bit layer: the rows as they are, no clip
+        k_codes[pages, :, rows] = xk
+        v_codes[pages, :, rows] = xv
+        return
     for x, clip, codes, scale, zero in ((xk, clip_k, k_codes, k_scale, k_zero),
                                         (xv, clip_v, v_codes, v_scale, v_zero)):
         packed, s, z = quant.quantize(x, bits, group_size, clip, scale.dtype)

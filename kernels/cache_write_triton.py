@@ -18,6 +18,7 @@ to q in [L + T - W, L + T) is a new ring token whose p_old is q: every leaving t
 by exactly one row, and a slot whose p_old < S0 + h holds no token (after a prefix-cache hit, its
 history row is already written and may be shared) and demotes nothing.
 Tokens are rounded to the window dtype before quantization (what one-by-one writing stores).
+A layer kept at 16 bits (BITS = 16) copies the demoted rows into its full-precision history.
 With ``rot_k`` the incoming keys are unrotated: k <- ((k - mean) @ rot).to(k.dtype) in float32
 (``input_precision='ieee'``), matching ``oscar::rotate`` up to float32 summation order.
 """
@@ -28,6 +29,7 @@ import triton.language as tl
 
 from oscar_compile.kernels.attention_blocks_triton import seq_of_rows
 from oscar_compile.kernels.cache_write_ref import check_cache_write_args
+from oscar_compile.kernels.pools import FULL_PRECISION_BITS
 from oscar_compile.kernels.quant_triton import clip_indices, clip_rows, quantize_rows, zero_low_bits
 
 
@@ -39,17 +41,21 @@ def _write_one(x_new, old, x_ptr_win, codes_ptr, scale_ptr, zero_ptr, rows_win, 
     # by the caller);
     # rows_*: flat row indices into the pools
     d = tl.arange(0, D)[None, :]
-    src = tl.where(demote[:, None], old, x_new).to(tl.float32)
-    if CLIP:
-        src = clip_rows(src, lo_idx, hi_idx, frac, CLIP_LOW)
-    packed, scale, zero = quantize_rows(src, BLOCK_T, D, BITS, GROUP, scale_ptr.dtype.element_ty)
-    NG: tl.constexpr = D // GROUP
-    WP: tl.constexpr = D * BITS // 8
-    c = tl.arange(0, WP)[None, :]
-    g = tl.arange(0, NG)[None, :]
-    tl.store(codes_ptr + rows_q[:, None] * WP + c, packed, mask=quant_mask[:, None])
-    tl.store(scale_ptr + rows_q[:, None] * NG + g, scale, mask=quant_mask[:, None])
-    tl.store(zero_ptr + rows_q[:, None] * NG + g, zero, mask=quant_mask[:, None])
+    if BITS == 16:  # a layer kept at 16 bits: the row as it is, in the window dtype
+        tl.store(codes_ptr + rows_q[:, None] * D + d, tl.where(demote[:, None], old, x_new),
+                 mask=quant_mask[:, None])
+    else:
+        src = tl.where(demote[:, None], old, x_new).to(tl.float32)
+        if CLIP:
+            src = clip_rows(src, lo_idx, hi_idx, frac, CLIP_LOW)
+        packed, scale, zero = quantize_rows(src, BLOCK_T, D, BITS, GROUP, scale_ptr.dtype.element_ty)
+        NG: tl.constexpr = D // GROUP
+        WP: tl.constexpr = D * BITS // 8
+        c = tl.arange(0, WP)[None, :]
+        g = tl.arange(0, NG)[None, :]
+        tl.store(codes_ptr + rows_q[:, None] * WP + c, packed, mask=quant_mask[:, None])
+        tl.store(scale_ptr + rows_q[:, None] * NG + g, scale, mask=quant_mask[:, None])
+        tl.store(zero_ptr + rows_q[:, None] * NG + g, zero, mask=quant_mask[:, None])
     # every thread's read of the old ring value is done before any thread overwrites the slot
     tl.debug_barrier()
     tl.store(x_ptr_win + rows_win[:, None] * D + d, x_new, mask=win_mask[:, None])
@@ -175,6 +181,8 @@ def cache_write_triton(
                            k_codes, k_scale, sink, recent, bits, group_size, history_lens)
     pools = (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     _check_pool_layout(pools)
+    if bits == FULL_PRECISION_BITS:  # no scale / zero: their (empty) pools are never read
+        pools = (k_win, v_win, k_codes, k_win, k_win, v_codes, v_win, v_win)
     N, H, D = k.shape
     if N == 0:
         return

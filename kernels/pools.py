@@ -6,7 +6,9 @@ all use the same pool shapes and the same position -> (page, row) rule, so both 
 - pools: ``k_win, v_win: [N_w, H_kv, P, D]`` (model dtype); ``k_codes, v_codes:
   [N_q, H_kv, P, D * b / 8]`` uint8; ``k_scale, k_zero, v_scale, v_zero: [N_q, H_kv, P, D / G]``
   (scale dtype). :class:`CachePools` keeps them in the order the ``oscar::`` ops take them, so
-  ``op(..., *pools, ...)`` works.
+  ``op(..., *pools, ...)`` works. ``b = 16`` (:data:`FULL_PRECISION_BITS`, a layer kept at 16
+  bits beside INT-b layers) keeps the windows and stores history rows as they are: ``k_codes,
+  v_codes: [N_q, H_kv, P, D]`` in the model dtype, scale / zero pools with no group column.
 - a position ``p`` of a sequence holding ``L`` tokens is in the sink when ``p < S0``, in the
   history when ``S0 <= p < S0 + h`` (``h = max(0, L - W - S0)``, or more right after a prefix-cache
   hit: :func:`history_lens_of`), else in the recent window (a ring of ``W`` slots after the
@@ -22,6 +24,8 @@ from typing import NamedTuple
 import torch
 
 from oscar_compile.quant import SUPPORTED_BITS, scale_dtype_of
+
+FULL_PRECISION_BITS = 16  # history rows kept as they are: no codes, no scale / zero
 
 
 class CachePools(NamedTuple):
@@ -49,18 +53,26 @@ def allocate_pools(
     window_dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
 ) -> CachePools:
-    """Zero-filled pools for one layer. Page 0 may be used like any other page (tables pad with 0)."""
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
-    if head_dim % group_size:
-        raise ValueError(f"group_size {group_size} does not divide head_dim {head_dim}")
-    if (head_dim * bits) % 8:
-        raise ValueError(f"head_dim {head_dim} * bits {bits} is not a whole number of bytes")
-    sdt = scale_dtype_of(scale_dtype)
+    """Zero-filled pools for one layer. Page 0 may be used like any other page (tables pad with 0).
+
+    ``bits = 16``: full-precision history rows in ``k_codes`` / ``v_codes`` (``window_dtype``),
+    empty scale / zero pools (``group_size`` is not used)."""
     H, P, D = num_kv_heads, page_size, head_dim
+    codes_dtype = torch.uint8
+    if bits == FULL_PRECISION_BITS:
+        codes, codes_dtype = (num_quant_pages, H, P, D), window_dtype
+        groups = (num_quant_pages, H, P, 0)
+    elif bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS} or {FULL_PRECISION_BITS}, got {bits}")
+    elif head_dim % group_size:
+        raise ValueError(f"group_size {group_size} does not divide head_dim {head_dim}")
+    elif (head_dim * bits) % 8:
+        raise ValueError(f"head_dim {head_dim} * bits {bits} is not a whole number of bytes")
+    else:
+        codes = (num_quant_pages, H, P, D * bits // 8)
+        groups = (num_quant_pages, H, P, D // group_size)
+    sdt = scale_dtype_of(scale_dtype)
     win = (num_window_pages, H, P, D)
-    codes = (num_quant_pages, H, P, D * bits // 8)
-    groups = (num_quant_pages, H, P, D // group_size)
 
     def z(shape, dtype):
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -68,10 +80,10 @@ def allocate_pools(
     return CachePools(
         k_win=z(win, window_dtype),
         v_win=z(win, window_dtype),
-        k_codes=z(codes, torch.uint8),
+        k_codes=z(codes, codes_dtype),
         k_scale=z(groups, sdt),
         k_zero=z(groups, sdt),
-        v_codes=z(codes, torch.uint8),
+        v_codes=z(codes, codes_dtype),
         v_scale=z(groups, sdt),
         v_zero=z(groups, sdt),
     )

@@ -41,7 +41,6 @@ _APPLIED = "_oscar_compile_report"
 @dataclass
 class LayerReport:
     index: int
-    action: str  # "rewritten" or "kept" (overridden to 16 bits)
     bits: int
     key_rotation: str
     value_rotation: str
@@ -70,9 +69,9 @@ class ApplyReport:
         return sum(per_layer) / len(per_layer)
 
     def __str__(self) -> str:
-        head = f"{'layer':>5} {'action':>9} {'bits':>4} {'key':>9} {'value':>9} {'centre':>6} {'fold':>5}  attention"
+        head = f"{'layer':>5} {'bits':>4} {'key':>9} {'value':>9} {'centre':>6} {'fold':>5}  attention"
         rows = [
-            f"{r.index:>5} {r.action:>9} {r.bits:>4} {r.key_rotation:>9} {r.value_rotation:>9} "
+            f"{r.index:>5} {r.bits:>4} {r.key_rotation:>9} {r.value_rotation:>9} "
             f"{'yes' if r.centered else 'no':>6} {'yes' if r.value_folded else 'no':>5}  {r.attention}"
             + (f"  ({'; '.join(r.notes)})" if r.notes else "")
             for r in self.layers
@@ -127,18 +126,36 @@ def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelF
     gm.recompile()
     attn.__dict__["oscar_graph"] = gm  # not a submodule: its parameters are the module's own
     attn.forward = types.MethodType(_oscar_forward, attn)
-    return LayerReport(i, "rewritten", layer.kv_cache.bits, layer.key.rotation, layer.value.rotation,
+    if layer.overridden_to_16_bits:
+        notes.append("overridden to 16 bits: not rotated, keys and values stored as they are")
+    return LayerReport(i, layer.kv_cache.bits, layer.key.rotation, layer.value.rotation,
                        mean is not None, folded, attention, notes, rope_fused, qkv_merged)
 
 
-def _kept_layer(layer: LayerSpec, attn: nn.Module) -> LayerReport:
-    return LayerReport(layer.index, "kept", 16, "none", "none", False, False,
-                       attn.config._attn_implementation or "eager", ["overridden to 16 bits: weights and attention untouched"])
+def resolve_layers(spec: CompressionSpec, num_layers: int) -> list[LayerSpec]:
+    """The spec per layer, as ``apply`` rewrites it.
+
+    - A layer overridden to ``bits: 16`` is not rotated (its weights stay untouched) and stores
+      its keys and values as they are, with the same windows and page tables as the INT-b layers.
+    - With no layer quantized, the windows are dropped: every token sits in a full-precision page
+      (the classic paged cache, the runtime's BF16 mode); windows would only add a second table.
+    """
+    layers = [spec.for_layer(i, num_layers) for i in range(num_layers)]
+    out = []
+    for layer in layers:
+        if layer.overridden_to_16_bits:
+            layer = layer.model_copy(update={"key": layer.key.model_copy(update={"rotation": "none", "center": False}),
+                                             "value": layer.value.model_copy(update={"rotation": "none"})})
+        if not any(l.quantized for l in layers):
+            layer = layer.model_copy(update={"kv_cache": layer.kv_cache.model_copy(
+                update={"sink_tokens": 0, "recent_tokens": 0})})
+        out.append(layer)
+    return out
 
 
-def _install_cache_hook(model: nn.Module, layers: list[LayerSpec], rewritten: list[bool]) -> None:
+def _install_cache_hook(model: nn.Module, layers: list[LayerSpec]) -> None:
     """Give the model an OscarCache whenever it is asked to cache and was given none (or an empty HF one)."""
-    geometries = [cache_geometry(l) if r else None for l, r in zip(layers, rewritten)]
+    geometries = [cache_geometry(l) for l in layers]
     # transformers renamed past_key_values to cache (5.2x); use whichever this version's forward takes
     default_key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -176,17 +193,12 @@ def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: b
     rotations.check_model(model)
     fp = ModelFingerprint.of(model)
     spec.check_layers(fp.num_layers)
-    layers = [spec.for_layer(i, fp.num_layers) for i in range(fp.num_layers)]
+    layers = resolve_layers(spec, fp.num_layers)
     for layer in layers:
         if layer.quantized and fp.head_dim % layer.kv_cache.group_size:
             raise ValueError(f"layer {layer.index}: group_size {layer.kv_cache.group_size} does not divide head_dim {fp.head_dim}")
-    reports = []
-    for layer, attn in zip(layers, modules):
-        if layer.overridden_to_16_bits:
-            reports.append(_kept_layer(layer, attn))
-        else:
-            reports.append(_rewrite_layer(attn, layer, rotations, fp, fuse))
-    _install_cache_hook(model, layers, [r.action == "rewritten" for r in reports])
+    reports = [_rewrite_layer(attn, layer, rotations, fp, fuse) for layer, attn in zip(layers, modules)]
+    _install_cache_hook(model, layers)
     fused = {}
     if fuse:
         silu_mul, gate_up = fuse_gated_mlps(model)
@@ -194,5 +206,5 @@ def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: b
                  "qkv_gemm": sum(r.qkv_merged for r in reports), "gate_up_gemm": gate_up}
     report = ApplyReport(fp, reports, spec, fused)
     setattr(model, _APPLIED, report)
-    logger.info("oscar_compile rewrote %d of %d layers", sum(r.action == "rewritten" for r in reports), len(reports))
+    logger.info("oscar_compile rewrote %d layers, %d quantized", len(reports), sum(l.quantized for l in layers))
     return report

@@ -1,8 +1,9 @@
 """The compressed KV cache behind Hugging Face ``generate()`` and ``model(..., past_key_values=cache)``.
 
-A ``transformers`` ``Cache`` whose quantized layers hold the paged pools of docs/cache-format.md
-(one window ring of S0 + W slots and growing history pages per batch row) and whose 16-bit
-layers are ordinary ``DynamicLayer``s. The rewritten attention graphs read and write it through
+A ``transformers`` ``Cache`` whose layers hold the paged pools of docs/cache-format.md: one window
+ring of S0 + W slots and growing history pages per batch row (quantized, or 16-bit rows for a
+layer kept at 16 bits beside quantized ones), or only full-precision pages for a 16-bit layer
+without windows. The rewritten attention graphs read and write it through
 ``oscar::attention`` / ``oscar::cache_write``; :func:`layer_inputs` and :func:`layer_outputs`
 are the two graph nodes that turn the padded ``[B, H, T, D]`` tensors HF uses into the flat
 token lists the ops take, and back.
@@ -74,7 +75,8 @@ class _PagedLayer(CacheLayerMixin):
 
 
 class OscarLayer(_PagedLayer):
-    """A quantized layer: window ring + history pages per batch row (docs/cache-format.md)."""
+    """A layer with windows: window ring + history pages per batch row (docs/cache-format.md);
+    the history is quantized, or kept at 16 bits (``bits = 16``)."""
 
     def __init__(self, sink: int, recent: int, page_size: int, bits: int, group_size: int, scale_dtype: str):
         super().__init__(page_size)
@@ -119,7 +121,7 @@ class OscarLayer(_PagedLayer):
 
 
 class FullPrecisionLayer(_PagedLayer):
-    """A 16-bit layer: every token in full-precision pages (the ``oscar::*_bf16`` ops)."""
+    """A 16-bit layer without windows: every token in full-precision pages (``oscar::*_bf16``)."""
 
     def __init__(self, page_size: int):
         super().__init__(page_size)
@@ -159,9 +161,16 @@ def cache_geometry(layer: LayerSpec) -> tuple:
     return kv.sink_tokens, kv.recent_tokens, kv.page_size, kv.bits, kv.group_size, kv.scale_dtype
 
 
+def uses_full_precision_pages(geometry: tuple) -> bool:
+    """Whether a layer of this :func:`cache_geometry` keeps every token in a full-precision page
+    (the ``oscar::*_bf16`` ops): a 16-bit layer without windows. A 16-bit layer with windows
+    (beside INT-b layers, which share its page tables) takes the INT-b ops with bits = 16."""
+    sink, recent, _, bits = geometry[:4]
+    return bits == 16 and sink == 0 and recent == 0
+
+
 def _new_layer(geometry: tuple) -> _PagedLayer:
-    sink, recent, page_size, bits = geometry[:4]
-    return FullPrecisionLayer(page_size) if bits == 16 else OscarLayer(*geometry)
+    return FullPrecisionLayer(geometry[2]) if uses_full_precision_pages(geometry) else OscarLayer(*geometry)
 
 
 class OscarCache(Cache):

@@ -1,10 +1,11 @@
 """Replace the cache update + attention call of a traced layer.
 
-Quantized layers: the model's attention becomes ``oscar::attention`` over the mixed INT-b /
-full-precision cache followed by ``oscar::cache_write`` of the new tokens (attention first: the
-chunk attends to its own keys in full precision, as serving engines prefill). Rewritten 16-bit
-layers get the full-precision paged pair (``oscar::attention_bf16`` / ``oscar::cache_write_bf16``),
-so the paged runtime serves every rewritten layer.
+Layers with windows: the model's attention becomes ``oscar::attention`` over the windows + history
+cache followed by ``oscar::cache_write`` of the new tokens (attention first: the chunk attends to
+its own keys in full precision, as serving engines prefill); the history is INT-b, or 16-bit rows
+for a layer kept at 16 bits beside INT-b layers (bits = 16, the same page tables). 16-bit layers
+without windows (a model with nothing quantized) get the full-precision paged pair
+(``oscar::attention_bf16`` / ``oscar::cache_write_bf16``). So the paged runtime serves every layer.
 """
 from __future__ import annotations
 
@@ -37,9 +38,10 @@ def _erase_with_getitems(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
 
 def _op_calls(layer: LayerSpec, scale: float) -> tuple:
     """(number of layer_inputs items the ops read, attention op, its trailing constants, write op,
-    its constants). The 16-bit ops stop before the tuple's last item, ``history_lens`` (no ring)."""
+    its constants). The full-precision page ops stop before the tuple's last item,
+    ``history_lens`` (no ring)."""
     kv = layer.kv_cache
-    if not layer.quantized:
+    if hf_cache.uses_full_precision_pages(hf_cache.cache_geometry(layer)):
         return 9, torch.ops.oscar.attention_bf16.default, (scale,), torch.ops.oscar.cache_write_bf16.default, ()
     window, quant = (kv.sink_tokens, kv.recent_tokens), (kv.bits, kv.group_size)
     return (17, torch.ops.oscar.attention.default, (scale, *window, *quant),
@@ -56,12 +58,12 @@ def swap_in_oscar_attention(graph: torch.fx.Graph, site: AttentionSite, layer: L
         )
     parts = _getitems(graph, inputs, count)
     q, k, v, cu = parts[:4]
-    if layer.quantized:
-        *cache_args, write_cu, history_lens = parts[4:]
-        extra = {"history_lens": history_lens}
-    else:
+    if count == 9:  # the full-precision page ops
         *cache_args, write_cu = parts[4:]
         extra = {}
+    else:
+        *cache_args, write_cu, history_lens = parts[4:]
+        extra = {"history_lens": history_lens}
     with graph.inserting_after(parts[-1]):
         out = graph.call_function(attention_op, (q, k, v, cu, *cache_args, *attention_consts), extra)
     with graph.inserting_after(out):

@@ -3,9 +3,10 @@
 Each step packs every sequence's new tokens into one row ``[1, N]`` with their positions, and
 runs the rewritten model with a :class:`StepCache`: the graphs ask it for their op inputs
 (``oscar_layer_inputs``) and it answers with the flattened tokens, the batch's ``cu_seqlens``,
-``cache_lens`` and page tables, and the layer's pools. Quantized layers use the window ring +
-history pages; in the BF16 mode (a spec with ``bits: 16``) the runtime's quant pages hold
-full-precision rows and the quant table is a plain page table (``oscar::attention_bf16``).
+``cache_lens`` and page tables, and the layer's pools. Layers use the window ring + history pages,
+the history INT-b or, for a layer kept at 16 bits beside INT-b ones, 16-bit rows (same page ids,
+a bigger pool row); in the BF16 mode (nothing quantized: no windows) the runtime's quant pages
+hold full-precision rows and the quant table is a plain page table (``oscar::attention_bf16``).
 On CUDA the ops run the Triton kernels, on CPU their references; decode steps replay CUDA
 graphs (:mod:`oscar_compile.runtime.cuda_graphs`).
 
@@ -24,7 +25,7 @@ import math
 import torch
 
 from oscar_compile.kernels.pools import allocate_pools
-from oscar_compile.passes.hf_cache import OscarCache
+from oscar_compile.passes.hf_cache import OscarCache, uses_full_precision_pages
 from oscar_compile.runtime.pages import CacheLayout
 from oscar_compile.runtime.runner import Batch
 from oscar_compile.runtime.step_inputs import StepInputs
@@ -51,12 +52,10 @@ class StepCache(OscarCache):
     def oscar_layer_inputs(self, layer_idx: int, q, k, v, geometry: tuple) -> tuple:
         flat = [x[0].transpose(0, 1) for x in (q, k, v)]  # [1, H, N, D] -> [N, H, D]
         pools = self.runner.pools[layer_idx]
-        if geometry[3] == 16:
-            cache_args = (self.cache_lens, self.quant_table, *pools)
-        else:
-            cache_args = (self.cache_lens, self.window_table, self.quant_table, *pools)
-        history_lens = None if geometry[3] == 16 else self.history_lens  # the INT-b ops' ring state
-        return (*flat, self.cu, *cache_args, self.cu, history_lens)
+        if uses_full_precision_pages(geometry):  # the quant table is a table of every token
+            return (*flat, self.cu, self.cache_lens, self.quant_table, *pools, self.cu, None)
+        return (*flat, self.cu, self.cache_lens, self.window_table, self.quant_table, *pools, self.cu,
+                self.history_lens)
 
     def oscar_layer_outputs(self, layer_idx: int, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         return out.unsqueeze(0)  # [N, H, D] -> [1, N, H, D]
@@ -80,18 +79,6 @@ class CompressedRunner:
         report = getattr(model, "_oscar_compile_report", None)
         if report is None:
             raise ValueError("CompressedRunner needs a model rewritten by oscar_compile.apply")
-        if any(r.action != "rewritten" for r in report.layers):
-            raise NotImplementedError(
-                "a per-layer bits: 16 override keeps Hugging Face attention, which the paged runtime cannot "
-                "batch; serve one format for every layer, or run such a spec through generate()"
-            )
-        if (layout.sink or layout.recent) and not layout.is_full_precision and any(
-                layout.format_of(i).bits == 16 for i in range(layout.num_layers)):
-            # a 16-bit layer reads the history page table as a table of every token, which only
-            # holds without windows (the tokens in the window pages would be missed)
-            raise NotImplementedError(
-                "16-bit layers beside INT-b layers need sink = recent = 0 in the paged runtime"
-            )
         self.model = model
         self.layout = layout
         # transformers renamed the forward's past_key_values to cache (5.2x): look it up once, not per step
@@ -124,7 +111,7 @@ class CompressedRunner:
     def _layer_pools(self, layout: CacheLayout, layer: int, num_window: int, num_quant: int, dtype) -> tuple:
         fmt = layout.format_of(layer)
         H, P, D = layout.num_kv_heads, layout.page_size, layout.head_dim
-        if fmt.bits == 16:
+        if uses_full_precision_pages(_geometry(layout, layer)):
             pages = torch.zeros(num_quant, H, P, D, dtype=dtype, device=self.device)
             return pages, torch.zeros_like(pages)
         return tuple(allocate_pools(num_quant, num_window, H, P, D, fmt.bits, fmt.group_size,
@@ -214,6 +201,11 @@ def _without_hf_masks(config):
 def _all_configs(config) -> list:
     subs = [getattr(config, key, None) for key in getattr(config, "sub_configs", {})]
     return [config] + [c for sub in subs if sub is not None for c in _all_configs(sub)]
+
+
+def _geometry(layout: CacheLayout, layer: int) -> tuple:
+    """The leading part of ``hf_cache.cache_geometry`` (sink, recent, page size, bits) of a layer."""
+    return layout.sink, layout.recent, layout.page_size, layout.format_of(layer).bits
 
 
 def runner_factory(model: torch.nn.Module, layout: CacheLayout, config=None):

@@ -76,6 +76,7 @@ CASES = [  # sink, recent, H_q, H_kv, D, bits, G, scale dtype
     (16, 0, 8, 1, 128, 2, 128, torch.float32),
     (0, 16, 4, 1, 64, 4, 32, torch.float16),
     (32, 16, 2, 1, 128, 2, 64, torch.float16),
+    (16, 32, 8, 2, 64, 16, 64, torch.float16),  # a layer kept at 16 bits beside INT-b layers
 ]
 
 
@@ -88,7 +89,7 @@ def test_decode_matches_reference(tdevice, sink, recent, H_q, H_kv, D, bits, G, 
     assert got.dtype == want.dtype and rel_err(got, want) < TOL
 
 
-@pytest.mark.parametrize("sink,recent,H_q,H_kv,D,bits,G,sdt", CASES[:3])
+@pytest.mark.parametrize("sink,recent,H_q,H_kv,D,bits,G,sdt", CASES[:3] + CASES[-1:])
 def test_extend_matches_reference(tdevice, sink, recent, H_q, H_kv, D, bits, G, sdt):
     lens = [0, 40, 100]
     case = build_case(lens, H_kv, D, 16, sink, recent, bits, G, sdt, seed=2, extra_tokens=40,

@@ -78,7 +78,7 @@ WINDOWS = [(16, 32), (0, 0), (0, 16), (16, 0), (32, 64)]
 
 
 @pytest.mark.parametrize("sink,recent", WINDOWS)
-@pytest.mark.parametrize("bits,sdt", [(2, torch.float16), (4, torch.bfloat16), (2, torch.float32)])
+@pytest.mark.parametrize("bits,sdt", [(2, torch.float16), (4, torch.bfloat16), (2, torch.float32), (16, torch.float16)])
 @pytest.mark.parametrize("chunk", [1, 7])
 def test_bulk_write_equals_token_by_token(sink, recent, bits, sdt, chunk):
     lens = [0, 5, 16, 47, 48, 49, 130]  # empty, < sink, page boundaries, > sink + recent
@@ -135,7 +135,7 @@ def assert_matches_dense(case, q, k, v, cu, scale, out, tol):
 @pytest.mark.parametrize("sink,recent", WINDOWS)
 @pytest.mark.parametrize("H_q,H_kv", [(2, 2), (8, 2), (8, 1)])
 @pytest.mark.parametrize("D,G", [(64, 32), (128, 128)])
-@pytest.mark.parametrize("bits,sdt", [(2, torch.float16), (4, torch.bfloat16), (2, torch.float32)])
+@pytest.mark.parametrize("bits,sdt", [(2, torch.float16), (4, torch.bfloat16), (2, torch.float32), (16, torch.float16)])
 def test_attention_ref_matches_dense(sink, recent, H_q, H_kv, D, G, bits, sdt):
     lens = [0, 7, 48, 100]
     chunk_lens = [3, 1, 0, 5]
@@ -147,6 +147,35 @@ def test_attention_ref_matches_dense(sink, recent, H_q, H_kv, D, G, bits, sdt):
     out32 = attention_ref(q.float(), k, v, cu, case.cache_lens, case.window_table,
                           case.quant_table, *case.pools, scale, sink, recent, bits, G)
     assert_matches_dense(case, q, k, v, cu, scale, out32, RTOL)
+
+
+def _full_precision_pages(case, room: int, page_size: int = 16):
+    """Every written token of ``case`` in full-precision pages: (page_table, k_pages, v_pages)."""
+    lens = case.cache_lens.tolist()
+    per_seq = [-(-(L + room) // page_size) for L in lens]
+    table = torch.zeros(len(lens), max(per_seq), dtype=torch.int32)
+    shape = (sum(per_seq), *case.pools.k_win.shape[1:])
+    k_pages, v_pages = torch.zeros(shape, dtype=case.pools.k_win.dtype), torch.zeros(shape, dtype=case.pools.k_win.dtype)
+    first = 0
+    for i, L in enumerate(lens):
+        table[i, :per_seq[i]] = torch.arange(first, first + per_seq[i])
+        first += per_seq[i]
+        pos = torch.arange(L)
+        k_pages[table[i, pos // page_size].long(), :, pos % page_size] = case.keys[i]
+        v_pages[table[i, pos // page_size].long(), :, pos % page_size] = case.values[i]
+    return table, k_pages, v_pages
+
+
+@pytest.mark.parametrize("sink,recent", WINDOWS)
+def test_16_bit_history_is_the_full_precision_paged_cache(sink, recent):
+    """bits = 16 (a layer kept at 16 bits beside INT-b layers): whatever the windows, the cache
+    holds the written tokens as they are, so attention is the full-precision paged op's."""
+    from oscar_compile.kernels.attention_bf16_ref import attention_bf16_ref
+
+    case = build_case([0, 7, 48, 100], 2, 64, 16, sink, recent, 16, 64, seed=5, extra_tokens=8)
+    q, k, v, cu, scale, got = run_chunk_attention(case, [3, 1, 0, 5], 8, seed=6)
+    want = attention_bf16_ref(q, k, v, cu, case.cache_lens, *_full_precision_pages(case, 8), scale)
+    assert rel_err(got, want) < 2 ** -8  # both round to bf16 once from float32
 
 
 @pytest.mark.parametrize("sink,recent", [(16, 32), (0, 0)])

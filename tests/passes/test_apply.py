@@ -48,7 +48,7 @@ def test_rotations_without_quantization_reproduce_the_logits(arch, heads, kv_hea
     spec = _spec(16, rotation, granularity, center, head_dim)
     rot = calibrate(model, spec, _calibration_batches())
     report = apply(model, spec, rot)
-    assert all(r.action == "rewritten" and r.centered == center for r in report.layers)
+    assert all(r.centered == center for r in report.layers)
     assert all(r.attention == "oscar::attention_bf16" for r in report.layers)  # paged full-precision ops
     assert (model(ids).logits - reference).abs().max() <= 1e-4
     # decoding through the cache also matches the original model's cached decoding
@@ -95,17 +95,51 @@ def test_graph_is_inspectable_and_report_lists_layers(fuse):
     assert report.bits_per_element() == pytest.approx(2 + 32 / 32)  # fp16 scale + zero per 32-channel group
 
 
-def test_layers_overridden_to_16_bits_are_untouched():
+def test_layers_overridden_to_16_bits_keep_their_weights_and_full_precision():
+    """An override to bits: 16 gets the paged ops with a 16-bit history beside the INT2 layer (same
+    windows): no rotation, weights untouched. A prompt inside the windows quantizes nothing, so the
+    logits are the original model's."""
     model = tiny_model("llama", num_layers=3)
     before = copy.deepcopy(model)
     spec = _spec(2, layers=[{"match": [0, -1], "kv_cache": {"bits": 16}}])
     report = apply(model, spec, calibrate(model, spec, _calibration_batches()))
-    assert [r.action for r in report.layers] == ["kept", "rewritten", "kept"]
+    assert [r.bits for r in report.layers] == [16, 2, 16]
+    assert [r.key_rotation for r in report.layers] == ["none", "oscar", "none"]
+    assert all(r.attention == "oscar::attention" for r in report.layers)
     for i in (0, 2):
         attn, old = model.model.layers[i].self_attn, before.model.layers[i].self_attn
-        assert "oscar_graph" not in attn.__dict__ and "forward" not in attn.__dict__
+        assert "overridden to 16 bits" in report.layers[i].notes[-1]
         assert torch.equal(attn.v_proj.weight, old.v_proj.weight) and torch.equal(attn.o_proj.weight, old.o_proj.weight)
     assert not torch.equal(model.model.layers[1].self_attn.v_proj.weight, before.model.layers[1].self_attn.v_proj.weight)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(7))  # 24 < sink + recent
+    with torch.no_grad():
+        assert (model(ids).logits - before(ids).logits).abs().max() <= 1e-4
+    # decoding past the windows: layer 0 (16 bits, nothing quantized before it) reads its history
+    # rows back as they were, so its outputs stay the original model's
+    rows = []
+    hook = model.model.layers[0].register_forward_hook(
+        lambda m, args, out: rows.append((out[0] if isinstance(out, tuple) else out)[0]))
+    prompt = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        hook.remove()
+        original = before.model.layers[0].register_forward_hook(
+            lambda m, args, out: rows.append((out[0] if isinstance(out, tuple) else out)[0]))
+        before(out[:, :-1])
+    original.remove()
+    assert torch.allclose(torch.cat(rows[:-1]), rows[-1], atol=1e-4)
+
+
+def test_nothing_quantized_drops_the_windows():
+    """Every layer at 16 bits: the classic paged cache (the runtime's BF16 mode), whatever the
+    spec's windows; one quantized layer keeps them for every layer."""
+    from oscar_compile.passes.apply import resolve_layers
+
+    plain = resolve_layers(_spec(16), 3)
+    assert all((l.kv_cache.sink_tokens, l.kv_cache.recent_tokens) == (0, 0) for l in plain)
+    mixed = resolve_layers(_spec(16, layers=[{"match": [1], "kv_cache": {"bits": 2}}]), 3)
+    assert all((l.kv_cache.sink_tokens, l.kv_cache.recent_tokens) == (16, 16) for l in mixed)
+    assert [l.key.rotation for l in mixed] == ["oscar"] * 3  # not overridden to 16 bits: rotated
 
 
 def test_refusals():

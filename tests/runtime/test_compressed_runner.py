@@ -63,40 +63,66 @@ def test_bf16_mode_serves_the_plain_model(setup):
     assert out.token_ids == expected[0, len(prompt):].tolist()
 
 
-def _mixed_spec(sink: int, recent: int) -> CompressionSpec:
-    """16-bit layers by default, layer 1 quantized to 2 bits."""
-    return CompressionSpec.from_dict({
-        "kv_cache": {"bits": 16, "group_size": 16, "sink_tokens": sink, "recent_tokens": recent, "page_size": 4},
-        "key": {"rotation": "hadamard"}, "value": {"rotation": "hadamard"},
-        "layers": [{"match": [1], "kv_cache": {"bits": 2}}],
-    })
+MIXED_SPECS = {  # 16-bit layers beside an INT2 layer
+    # 16 bits by default (rotated: exact at 16 bits), layer 1 quantized, no windows: 16-bit layers
+    # keep every token in a full-precision page, the INT2 layer every token past the sink in history
+    "no-windows": {"kv_cache": {"bits": 16, "group_size": 16, "sink_tokens": 0, "recent_tokens": 0, "page_size": 4},
+                   "key": {"rotation": "hadamard"}, "value": {"rotation": "hadamard"},
+                   "layers": [{"match": [1], "kv_cache": {"bits": 2}}]},
+    # the same with windows: the 16-bit layers share the INT2 layer's windows and page tables
+    "windows": {"kv_cache": {"bits": 16, "group_size": 16, "sink_tokens": 4, "recent_tokens": 8, "page_size": 4},
+                "key": {"rotation": "hadamard"}, "value": {"rotation": "hadamard"},
+                "layers": [{"match": [1], "kv_cache": {"bits": 2}}]},
+    # INT2 by default, the first layer overridden to 16 bits (not rotated)
+    "override": {**SPEC.model_dump(), "layers": [{"match": [0], "kv_cache": {"bits": 16}}]},
+}
 
 
-def test_mixed_16_bit_and_int2_layers_without_windows_equal_generate(setup):
+@pytest.mark.parametrize("name", list(MIXED_SPECS))
+def test_mixed_16_bit_and_int2_layers_equal_generate(setup, name):
+    """Prompts past sink + recent, each in one chunk, decoded side by side: the 16-bit layers read
+    their history rows back as they were written."""
     from oscar_compile import apply
 
     tokenizer, model, _ = setup
-    spec = _mixed_spec(0, 0)
-    rot = calibrate(model, spec, [torch.randint(0, len(tokenizer), (2, 48), generator=torch.Generator().manual_seed(0))])
-    config = EngineConfig(num_window_pages=4, num_quant_pages=64, max_num_batched_tokens=256)
-    llm = LLM(copy.deepcopy(model), spec=spec, rotations=rot, tokenizer=tokenizer, config=config)
-    prompt = _prompts(len(tokenizer), [19], seed=4)[0]
-    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
-    ref = copy.deepcopy(model)
-    apply(ref, spec, rot)
-    expected = ref.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-    assert out.token_ids == expected[0, len(prompt):].tolist()
-
-
-def test_mixed_16_bit_and_int2_layers_with_windows_are_refused(setup):
-    """A 16-bit layer reads the history page table as one of every token: with windows it would
-    miss the window tokens (on CPU an IndexError, on a GPU reads of other sequences' pages)."""
-    tokenizer, model, _ = setup
-    spec = _mixed_spec(4, 8)
+    spec = CompressionSpec.from_dict(MIXED_SPECS[name])
     rot = calibrate(model, spec, [torch.randint(0, len(tokenizer), (2, 48), generator=torch.Generator().manual_seed(0))])
     config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=256)
-    with pytest.raises(NotImplementedError, match="sink = recent = 0"):
-        LLM(copy.deepcopy(model), spec=spec, rotations=rot, tokenizer=tokenizer, config=config)
+    llm = LLM(copy.deepcopy(model), spec=spec, rotations=rot, tokenizer=tokenizer, config=config)
+    prompts = _prompts(len(tokenizer), [19, 6, 33], seed=4)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    ref = copy.deepcopy(model)
+    apply(ref, spec, rot)
+    for prompt, out in zip(prompts, outputs):
+        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert out.token_ids == expected[0, len(prompt):].tolist()
+    for pool in (llm.engine.block_manager.window_pool, llm.engine.block_manager.quant_pool):
+        assert pool.num_used == 0
+    # layer 0 keeps 16 bits and sees no quantized layer before it: its outputs, history read back
+    # included, are the original model's (runtime and generate() alone share the op, so could
+    # agree on a wrong history read)
+    prompt = _prompts(len(tokenizer), [33], seed=5)[0]  # a new prompt: no prefix-cache hit
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    served = _layer_outputs(llm.model, 0, lambda: outputs.append(llm.generate([prompt], params)[0]))
+    full = prompt + outputs[-1].token_ids[:-1]
+    original = _layer_outputs(model, 0, lambda: model(torch.tensor([full])))
+    assert torch.allclose(torch.cat(served)[:len(full)], original[0], atol=1e-4)
+
+
+def _layer_outputs(model, index: int, run) -> list[torch.Tensor]:
+    """The [N, hidden] outputs of decoder layer ``index`` in every forward that ``run`` makes."""
+    rows = []
+
+    def hook(module, args, out):
+        rows.append((out[0] if isinstance(out, tuple) else out)[0].detach().clone())
+
+    handle = model.model.layers[index].register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        handle.remove()
+    return rows
 
 
 def test_prefix_cache_hits_on_the_sink_equal_misses_with_the_int2_runner(setup):
