@@ -29,13 +29,18 @@ def test_calibration_on_gpu_matches_cpu():
         assert torch.allclose(a["v_cov"], b["v_cov"], rtol=1e-4, atol=1e-5)
 
 
-def test_int2_decoding_on_gpu_matches_the_cpu_reference_ops():
+# layer 0 kept at 16 bits beside the INT2 layer: its history rows go through the BITS = 16 paths
+MIXED = CompressionSpec.from_dict({**SPEC.model_dump(), "layers": [{"match": [0], "kv_cache": {"bits": 16}}]})
+
+
+@pytest.mark.parametrize("spec", [SPEC, MIXED], ids=["int2", "16-bit-layer-0"])
+def test_int2_decoding_on_gpu_matches_the_cpu_reference_ops(spec):
     """Teacher-forced decode logits through the cache: CUDA (Triton) ops vs CPU reference ops."""
     model = tiny_model("qwen3", head_dim=64)
-    rot = calibrate(model, SPEC, [_ids((2, 64), 1)])
+    rot = calibrate(model, spec, [_ids((2, 64), 1)])
     cpu, gpu = copy.deepcopy(model), copy.deepcopy(model).cuda()
-    apply(cpu, SPEC, rot)
-    apply(gpu, SPEC, rot)
+    apply(cpu, spec, rot)
+    apply(gpu, spec, rot)
     tokens = _ids((2, 120), 2)
     outs = []
     for m, dev in ((cpu, "cpu"), (gpu, "cuda")):
