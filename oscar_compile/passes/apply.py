@@ -46,7 +46,7 @@ class LayerReport:
     value_rotation: str
     centered: bool
     value_folded: bool
-    attention: str  # "oscar::attention" or the model's implementation
+    attention: str  # the paged op: "oscar::attention" or "oscar::attention_bf16"
     notes: list[str] = field(default_factory=list)
     rope_fused: bool = False  # RoPE (and the key / query rotation) is one oscar::rope node
     qkv_merged: bool = False  # q, k, v projections are one GEMM (merge_projections)
@@ -120,8 +120,9 @@ def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelF
             insert_key_rotation(graph, site, has_mean=mean is not None)
     qkv_merged = fuse and merge_qkv([attn, gm], graph)
     attention = swap_in_oscar_attention(graph, site, layer, float(attn.scaling))
-    if getattr(attn, "sliding_window", None):
-        notes.append(f"sliding window {attn.sliding_window} not applied: attends to the whole context")
+    window = _sliding_window(attn)
+    if window:
+        notes.append(f"sliding window {window} not applied: attends to the whole context")
     graph.lint()
     gm.recompile()
     attn.__dict__["oscar_graph"] = gm  # not a submodule: its parameters are the module's own
@@ -130,6 +131,14 @@ def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelF
         notes.append("overridden to 16 bits: not rotated, keys and values stored as they are")
     return LayerReport(i, layer.kv_cache.bits, layer.key.rotation, layer.value.rotation,
                        mean is not None, folded, attention, notes, rope_fused, qkv_merged)
+
+
+def _sliding_window(attn: nn.Module) -> Optional[int]:
+    """The window the model's own attention would apply: Qwen-style modules hold it (None on
+    full-attention layers), Mistral-style ones pass ``config.sliding_window`` at every call."""
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    return getattr(getattr(attn, "config", None), "sliding_window", None)
 
 
 def resolve_layers(spec: CompressionSpec, num_layers: int) -> list[LayerSpec]:

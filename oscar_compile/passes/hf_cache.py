@@ -174,7 +174,7 @@ def _new_layer(geometry: tuple) -> _PagedLayer:
 
 
 class OscarCache(Cache):
-    """HF cache: a paged layer per rewritten layer, a ``DynamicLayer`` per layer left untouched.
+    """HF cache: one paged layer per layer of the rewritten model.
 
     The rewritten graphs talk to it through two methods, ``oscar_layer_inputs`` and
     ``oscar_layer_outputs`` (the protocol of :func:`layer_inputs` / :func:`layer_outputs`); the
@@ -182,7 +182,8 @@ class OscarCache(Cache):
     """
 
     def __init__(self, geometries: list[Optional[tuple]]):
-        """``geometries[i]``: :func:`cache_geometry` of a rewritten layer, None for an untouched one."""
+        """``geometries[i]``: :func:`cache_geometry` of layer i; None gives a placeholder
+        ``DynamicLayer`` (a cache that keeps its pages itself, as the runtime's StepCache)."""
         layers = [DynamicLayer() if g is None else _new_layer(g) for g in geometries]
         super().__init__(layers=layers)
         self.step_mask: Optional[torch.Tensor] = None  # [B, T] bool: the real new tokens of this forward
@@ -243,8 +244,8 @@ def layer_inputs(cache: Optional[Cache], layer_idx: int, q: torch.Tensor, k: tor
     """The op inputs for the new tokens. q: [B, H_q, T, D]; k, v: [B, H_kv, T, D] (rotated).
 
     Returns (q, k, v, cu_seqlens, <cache tensors of the layer kind>, write_cu, history_lens) with
-    q/k/v as [N, H, D]; the cache tensors are those of :meth:`OscarLayer.op_inputs` (quantized) or
-    :meth:`FullPrecisionLayer.op_inputs` (16-bit). ``write_cu`` is ``cu_seqlens`` when there is
+    q/k/v as [N, H, D]; the cache tensors are those of :meth:`OscarLayer.op_inputs` (a layer with
+    windows) or :meth:`FullPrecisionLayer.op_inputs` (see :func:`uses_full_precision_pages`). ``write_cu`` is ``cu_seqlens`` when there is
     a cache to write, all zeros (nothing written) when the forward runs without one.
     ``history_lens`` ([B] int32 or None) is the INT-b ops' optional argument: None when every
     row's ring is in the standard state (this module's caches), the history length of each

@@ -131,7 +131,8 @@ class CacheLayout:
         base = cls.from_hf_config(config, dtype_bytes=dtype_bytes, bits=16, sink=0, recent=0)
         kv = spec.kv_cache
         layers = [spec.for_layer(i, base.num_layers).kv_cache for i in range(base.num_layers)]
-        if any((c.sink_tokens, c.recent_tokens) != (kv.sink_tokens, kv.recent_tokens) for c in layers):
+        quantized = any(c.bits != 16 for c in layers)  # else no windows at all (apply.resolve_layers)
+        if quantized and any((c.sink_tokens, c.recent_tokens) != (kv.sink_tokens, kv.recent_tokens) for c in layers):
             raise NotImplementedError(
                 "per-layer sink/recent windows: the paged runtime shares one page table across layers"
             )

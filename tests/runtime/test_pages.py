@@ -104,3 +104,22 @@ def test_plan_pages_caps_sequences_and_refuses_tiny_budgets():
         plan_pages(layout, 0, 4, 100)
     bf16 = plan_pages(CacheLayout.bf16(**QWEN3_8B), GIB, 8, 1024)
     assert bf16.num_window_pages == 0 and bf16.num_quant_pages == GIB // (147_456 * 16)
+
+
+def test_per_layer_windows_matter_only_beside_quantized_layers():
+    """One page table serves every layer: per-layer windows are refused when a layer is
+    quantized; with every layer at 16 bits there are no windows (apply drops them), so none."""
+    from types import SimpleNamespace
+
+    from oscar_compile import CompressionSpec
+
+    config = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    override = [{"match": [0], "kv_cache": {"sink_tokens": 0, "recent_tokens": 0}}]
+    for bits in (2, 16):
+        spec = CompressionSpec.from_dict({"kv_cache": {"bits": bits, "group_size": 32, "sink_tokens": 16,
+                                                       "recent_tokens": 16}, "layers": override})
+        if bits == 2:
+            with pytest.raises(NotImplementedError, match="per-layer sink/recent"):
+                CacheLayout.from_spec(spec, config)
+        else:
+            assert CacheLayout.from_spec(spec, config).is_full_precision
