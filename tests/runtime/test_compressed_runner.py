@@ -109,6 +109,27 @@ def test_mixed_16_bit_and_int2_layers_equal_generate(setup, name):
     assert torch.allclose(torch.cat(served)[:len(full)], original[0], atol=1e-4)
 
 
+def test_prefix_hits_past_the_sink_keep_a_16_bit_layer_exact(setup):
+    """A hit on history pages with layer 0 overridden to 16 bits: its shared history rows are
+    the tokens as written, so the hit's layer-0 outputs (partial ring, history_lens past the
+    standard, as in the INT2 hit test above) stay the original model's."""
+    tokenizer, model, _ = setup
+    spec = CompressionSpec.from_dict(MIXED_SPECS["override"])
+    rot = calibrate(model, spec, [torch.randint(0, len(tokenizer), (2, 48), generator=torch.Generator().manual_seed(0))])
+    shared = _prompts(len(tokenizer), [40], seed=7)[0]
+    first, second = [shared + tail for tail in _prompts(len(tokenizer), [6, 11], seed=107)]
+    config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=5)
+    llm = LLM(copy.deepcopy(model), spec=spec, rotations=rot, tokenizer=tokenizer, config=config)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm.generate([first], params)
+    outputs = []
+    served = _layer_outputs(llm.model, 0, lambda: outputs.append(llm.generate([second], params)[0]))
+    assert llm.engine.block_manager.num_prefix_hit_tokens == len(shared)
+    full = second + outputs[0].token_ids[:-1]
+    original = _layer_outputs(model, 0, lambda: model(torch.tensor([full])))[0]
+    assert torch.allclose(torch.cat(served)[:len(full) - len(shared)], original[len(shared):], atol=1e-4)
+
+
 def _layer_outputs(model, index: int, run) -> list[torch.Tensor]:
     """The [N, hidden] outputs of decoder layer ``index`` in every forward that ``run`` makes."""
     rows = []
