@@ -4,7 +4,8 @@ For sequence i with L = cache_lens[i] cached tokens and T new tokens (rows cu[i]
 new token t (position L + t) attends to keys 0..L+t:
 - cached positions p < L, read from the pools: p < S0 from window slot p (sink); S0 <= p < S0 + h
   dequantized from history row p - S0 (``oscar_compile.quant.dequantize``: s * (code - z) with
-  s, z read from the scale dtype as float32; with bits = 16 the row as stored); S0 + h <= p from ring slot S0 + (p - S0) % W.
+  s, z read from the scale dtype as float32; with bits = 16 the row as stored); S0 + h <= p from
+  ring slot S0 + (p - S0) % W.
   h = ``history_lens[i]`` when given (larger than standard right after a prefix-cache hit: the
   ring then holds fewer than W tokens), else the standard max(0, L - W - S0);
 - the chunk's own keys 0..t in full precision, exactly as passed (not rounded to the window dtype).

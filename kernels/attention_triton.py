@@ -112,7 +112,8 @@ def _attn_kernel(
                 hi = tl.minimum(lo + chunk, n_hist)
             qt_row = qt_ptr + i.to(tl.int64) * stride_qt
             if BITS == 16:  # a layer kept at 16 bits: history rows as stored
-                qh = tl.load(q_rows + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DT)
+                qh = tl.load(q_rows + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0)
+                qh = qh.to(DOT_DT)
                 for n0 in range(lo, hi, BLOCK_N):
                     rowh, hmask = history_rows(qt_row, n0, hi, h, H_KV, P, BLOCK_N)
                     m, l, a0, a1, a2, a3, z0, z1, z2, z3 = full_block(
@@ -349,7 +350,8 @@ def attention_triton(
     max_hist = quant_table.shape[1] * P
     if full:
         # 64-key blocks, as the full-precision kernel takes: a 128 x D tile of 16-bit keys would
-        # not fit the register cap; the empty scale / zero pools stand in for pointers never read
+        # not fit the register cap. The window pools stand in for the empty scale / zero pools
+        # (never read)
         block_n = min(block_n, 64)
         k_scale = k_zero = k_win
         v_scale = v_zero = v_win
