@@ -1,8 +1,8 @@
 """Fused Triton ``oscar::cache_write``: (rotate) + window write + demote/quantize + pack, one launch.
 
-One program per (block of BLOCK_T new tokens, BLOCK_H KV heads, keys or values); each row is one
-KV head of one new token at position p = L + t of its sequence (found by counting cu_seqlens
-entries: no host sync, CUDA-graph safe).
+One program per (block of BLOCK_T new tokens, KV head, keys or values); each row is one new token
+at position p = L + t of its sequence (found by counting cu_seqlens entries: no host sync,
+CUDA-graph safe).
 Per row at most one vector is quantized, which lets a single launch reach the state of
 one-at-a-time writing (cache_write_ref) without a race:
 - p < S0: the token goes to sink slot p;
@@ -36,8 +36,8 @@ from oscar_compile.kernels.quant_triton import clip_indices, clip_rows, quantize
 @triton.jit
 def _write_one(x_new, old, x_ptr_win, codes_ptr, scale_ptr, zero_ptr, rows_win, win_mask, rows_q,
                quant_mask, demote, lo_idx, hi_idx, frac, CLIP: tl.constexpr, CLIP_LOW: tl.constexpr,
-               ROWS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
-    # x_new: [ROWS, D] new tokens in the window dtype, old: the ring slots' occupants (loaded
+               BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+    # x_new: [BLOCK_T, D] new tokens in the window dtype, old: the ring slots' occupants (loaded
     # by the caller);
     # rows_*: flat row indices into the pools
     d = tl.arange(0, D)[None, :]
@@ -48,7 +48,7 @@ def _write_one(x_new, old, x_ptr_win, codes_ptr, scale_ptr, zero_ptr, rows_win, 
         src = tl.where(demote[:, None], old, x_new).to(tl.float32)
         if CLIP:
             src = clip_rows(src, lo_idx, hi_idx, frac, CLIP_LOW)
-        packed, scale, zero = quantize_rows(src, ROWS, D, BITS, GROUP, scale_ptr.dtype.element_ty)
+        packed, scale, zero = quantize_rows(src, BLOCK_T, D, BITS, GROUP, scale_ptr.dtype.element_ty)
         NG: tl.constexpr = D // GROUP
         WP: tl.constexpr = D * BITS // 8
         c = tl.arange(0, WP)[None, :]
@@ -70,18 +70,11 @@ def _cache_write_kernel(
     H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, CLIP_K: tl.constexpr, CLIP_V: tl.constexpr,
     HAS_ROT: tl.constexpr, HAS_MEAN: tl.constexpr, ROT_HEADS: tl.constexpr, HAS_HIST: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, CLIP_LOW: tl.constexpr,
+    BLOCK_T: tl.constexpr, CLIP_LOW: tl.constexpr,
 ):
-    HB: tl.constexpr = H // BLOCK_H  # programs per token block, keys or values
-    ROWS: tl.constexpr = BLOCK_T * BLOCK_H
-    do_k = tl.program_id(1) < HB  # program_id(1) // HB picks the keys (0) or the values (1)
-    if BLOCK_H == 1:
-        h = tl.program_id(1) % H
-        n = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] token rows
-    else:  # rows are (token, KV head) pairs, BLOCK_H heads of each of BLOCK_T tokens
-        r = tl.arange(0, ROWS)
-        h = (tl.program_id(1) % HB) * BLOCK_H + r % BLOCK_H
-        n = tl.program_id(0) * BLOCK_T + r // BLOCK_H
+    h = tl.program_id(1) % H
+    do_k = tl.program_id(1) < H  # program_id(1) // H picks the keys (0) or the values (1)
+    n = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] token rows
     valid = n < N
     n = tl.where(valid, n, 0)
     # a decode step (row n is sequence n's only token) needs no search: its cu entries and length
@@ -128,11 +121,9 @@ def _cache_write_kernel(
     rows_q = (qpage.to(tl.int64) * H + h) * P + h_pos % P
 
     d = tl.arange(0, D)[None, :]
-    if BLOCK_H > 1:
-        h = h[:, None]  # per row
     if do_k:
         kin = tl.load(k_ptr + n[:, None] * stride_kn + h * stride_kh + d, mask=valid[:, None], other=0.0)
-        if HAS_ROT:  # (BLOCK_H = 1: one head, one rotation)
+        if HAS_ROT:
             r = h // (H // ROT_HEADS)
             x = kin.to(tl.float32)
             if HAS_MEAN:
@@ -143,13 +134,13 @@ def _cache_write_kernel(
         k_new = kin.to(kwin_ptr.dtype.element_ty)
         k_old = tl.load(kwin_ptr + rows_win[:, None] * D + d, mask=demote[:, None], other=0.0)
         _write_one(k_new, k_old, kwin_ptr, kc_ptr, ks_ptr, kz_ptr, rows_win, win_mask, rows_q,
-                   quant_mask, demote, klo, khi, kfrac, CLIP_K, CLIP_LOW, ROWS, D, BITS, GROUP)
+                   quant_mask, demote, klo, khi, kfrac, CLIP_K, CLIP_LOW, BLOCK_T, D, BITS, GROUP)
     else:
         vin = tl.load(v_ptr + n[:, None] * stride_vn + h * stride_vh + d, mask=valid[:, None], other=0.0)
         v_new = vin.to(vwin_ptr.dtype.element_ty)
         v_old = tl.load(vwin_ptr + rows_win[:, None] * D + d, mask=demote[:, None], other=0.0)
         _write_one(v_new, v_old, vwin_ptr, vc_ptr, vs_ptr, vz_ptr, rows_win, win_mask, rows_q,
-                   quant_mask, demote, vlo, vhi, vfrac, CLIP_V, CLIP_LOW, ROWS, D, BITS, GROUP)
+                   quant_mask, demote, vlo, vhi, vfrac, CLIP_V, CLIP_LOW, BLOCK_T, D, BITS, GROUP)
 
 
 def _check_pool_layout(pools) -> None:
@@ -163,7 +154,6 @@ def cache_write_triton(
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
     sink, recent, bits, group_size, clip_k, clip_v, rot_k=None, mean_k=None, history_lens=None,
     block_t: int | None = None, fuse_rotation: bool = False, num_warps: int | None = None,
-    block_h: int = 1,
 ):
     """Check, then launch one program per (BLOCK_T tokens, KV head[, K or V]). Mutates the pools.
 
@@ -171,9 +161,8 @@ def cache_write_triton(
     dependent steps (find the sequence, page tables, old ring value, clip threshold,
     quantize, store), and two programs run the K and V chains side by side instead of one after
     the other (H200, 2026-11-30: batch 1 / 8 / 64 in 4.0 / 3.6 / 4.0 µs per layer with 4-row,
-    4-warp programs; the kernel before, in another run, 5.9 / 4.7 / 4.9). ``block_t``,
-    ``block_h`` (KV heads per program, a power of two dividing H_kv; one warp each by default)
-    and ``num_warps`` are benchmark knobs.
+    4-warp programs; the kernel before, in another run, 5.9 / 4.7 / 4.9). ``block_t`` and
+    ``num_warps`` are benchmark knobs.
 
     ``history_lens``: [B] int32 history length per sequence before the write, or None (standard).
 
@@ -210,16 +199,13 @@ def cache_write_triton(
         # 3.7, against 4.0 / 3.6 / 4.0 with 4 rows and 4 warps); prefill: 16 rows (H200: 83M
         # tokens/s against 77M with 8); the fused rotation's dot needs 16 rows.
         block_t = 16 if rot_k is not None or N >= 512 else 1
-    if H % block_h or block_h & (block_h - 1) or (block_h > 1 and rot_k is not None):
-        raise ValueError(f"block_h {block_h} must be a power of two dividing {H} KV heads "
-                         "(and 1 with a fused rotation)")
     if num_warps is None:
-        num_warps = min(block_h, 8) if block_t == 1 else 4
+        num_warps = 1 if block_t == 1 else 4
     B = cache_lens.shape[0]
     klo, khi, kfrac = clip_indices(clip_k, D)
     vlo, vhi, vfrac = clip_indices(clip_v, D)
     dummy = k_win  # stands in for absent optional pointers (never read)
-    _cache_write_kernel[(triton.cdiv(N, block_t), 2 * H // block_h)](
+    _cache_write_kernel[(triton.cdiv(N, block_t), 2 * H)](
         k, v, rot_k if rot_k is not None else dummy, mean_k if mean_k is not None else dummy,
         cu_seqlens, cache_lens, history_lens if history_lens is not None else cache_lens,
         window_table, quant_table, *pools,
@@ -229,6 +215,6 @@ def cache_write_triton(
         CLIP_K=clip_k < 1.0, CLIP_V=clip_v < 1.0, HAS_ROT=rot_k is not None,
         HAS_MEAN=mean_k is not None, ROT_HEADS=1 if rot_k is None else rot_k.shape[0],
         HAS_HIST=history_lens is not None,
-        BLOCK_T=block_t, BLOCK_H=block_h, CLIP_LOW=min(zero_low_bits(k_win.dtype), zero_low_bits(v_win.dtype)),
+        BLOCK_T=block_t, CLIP_LOW=min(zero_low_bits(k_win.dtype), zero_low_bits(v_win.dtype)),
         num_warps=num_warps, enable_fp_fusion=False,
     )

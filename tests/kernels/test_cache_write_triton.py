@@ -106,24 +106,6 @@ def test_triton_write_no_clip_and_chunked_prefill(tdevice, block_t):
         assert torch.equal(a.cpu(), b)
 
 
-@pytest.mark.parametrize("block_t,block_h", [(1, 2), (1, 4), (4, 2)])
-@pytest.mark.parametrize("chunk", [None, 1])
-def test_triton_write_several_heads_per_program(tdevice, block_t, block_h, chunk):
-    """Rows of (token, KV head) pairs: every head's window slot, demotion and history row."""
-    from functools import partial
-
-    from oscar_compile.kernels.cache_write_triton import cache_write_triton
-
-    kw = dict(num_kv_heads=4, head_dim=64, page_size=16, sink=16, recent=16, bits=2,
-              group_size=32, seed=13, chunk=chunk)
-    lens = [0, 3, 40, 70]
-    want = build_case(lens, write=cache_write_ref, **kw)
-    got = build_case(lens, write=partial(cache_write_triton, block_t=block_t, block_h=block_h),
-                     device=tdevice, **kw)
-    for a, b, name in zip(got.pools, want.pools, got.pools._fields):
-        assert torch.equal(a.cpu(), b), name
-
-
 @pytest.mark.parametrize("rot_heads", [1, 2], ids=["per_layer", "per_head"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_triton_write_with_rotation(tdevice, fused, rot_heads):
