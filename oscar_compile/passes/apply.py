@@ -150,12 +150,13 @@ def resolve_layers(spec: CompressionSpec, num_layers: int) -> list[LayerSpec]:
       (the classic paged cache, the runtime's BF16 mode); windows would only add a second table.
     """
     layers = [spec.for_layer(i, num_layers) for i in range(num_layers)]
+    windowless = not any(layer.quantized for layer in layers)
     out = []
     for layer in layers:
         if layer.overridden_to_16_bits:
             layer = layer.model_copy(update={"key": layer.key.model_copy(update={"rotation": "none", "center": False}),
                                              "value": layer.value.model_copy(update={"rotation": "none"})})
-        if not any(l.quantized for l in layers):
+        if windowless:
             layer = layer.model_copy(update={"kv_cache": layer.kv_cache.model_copy(
                 update={"sink_tokens": 0, "recent_tokens": 0})})
         out.append(layer)
