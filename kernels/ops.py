@@ -3,7 +3,8 @@
 Signatures follow docs/cache-format.md. Each op is a ``torch.library.custom_op`` with a fake
 (meta) implementation so ``torch.compile(fullgraph=True)`` traces through it. The default
 implementation (CPU and any device without a kernel) is the ``*_ref`` module; on CUDA the Triton
-wrapper runs when Triton is importable, else the reference.
+wrapper runs when Triton is importable, else the reference. ``oscar::attention`` on sm_90 runs
+the Gluon kernel for decode-like INT2 batches (``attention_dispatch``: ``OSCAR_ATTENTION_KERNEL``).
 
 Importing this module is cheap: Triton modules are imported inside the CUDA implementations, on
 first call, never here (no CUDA initialisation, no compilation at import).
@@ -143,7 +144,8 @@ def _(q, *args):
 
 @attention.register_kernel("cuda")
 def _(*args):  # positional, as the dispatcher passes them (history_lens only when given)
-    impl = _triton_impl("attention_triton", "attention_triton")
+    # the Gluon Hopper kernel or the Triton one: kernels/attention_dispatch.py chooses
+    impl = _triton_impl("attention_dispatch", "attention_cuda")
     if impl is not None:
         return impl(*args)
     return attention_ref(*args)

@@ -5,7 +5,8 @@
 One Qwen3-8B attention layer (32 query heads, 8 KV heads, head_dim 128), sink 64, recent 256,
 page 16. Decode attention at context 8k / 32k / 128k and batch 1 / 8 / 32 (batch * context <= 4M)
 for: torch SDPA on a contiguous BF16 cache (fastest of cuDNN / flash / efficient, GQA), the paged
-BF16 Triton kernel, and the paged INT2 Triton kernel with fp16 and fp32 scale/zero. Each variant
+BF16 Triton kernel, the paged INT2 Triton kernel and (on sm_90) the Gluon Hopper kernel, each with
+fp16 and fp32 scale/zero. Each variant
 is captured in a CUDA graph over enough per-layer buffers (up to 36) that the data of one replay
 is >= 3x the 60 MB L2, so no layer is served from L2; time = replay time / layers (median).
 Then the cache write: microseconds per layer per decode step against batch, prefill tokens/s, and
@@ -13,7 +14,7 @@ correctness of every kernel against its reference at the benchmark shapes (same 
 Part ``extend`` times a chunked-prefill step (2048 new tokens per sequence after a cached prefix)
 for the INT2 and paged BF16 kernels. Parts ``variants`` and ``write-variants`` sweep the launch
 knobs (history splits, window programs, window block, merge; rows per program, warps) that the
-kernels' defaults come from.
+kernels' defaults come from; ``gluon-variants`` the Gluon kernel's history splits and window programs.
 Prints a table; writes everything to JSON.
 """
 from __future__ import annotations
@@ -145,12 +146,19 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
         want = attention_bf16_ref(q[:1], kn[:1], vn[:1], cu[:2], lens[:1], pt[:1], kp, vp, scale)
         row["paged_bf16_rel_err"] = rel_err(got, want)
     del pages
-    for sdt, tag in ((torch.float16, "int2_fp16"), (torch.float32, "int2_fp32")):
+    from oscar_compile.kernels.attention_triton import attention_triton
+
+    kernels = [(attention_triton, torch.float16, "int2_fp16"), (attention_triton, torch.float32, "int2_fp32")]
+    if gluon_runs():
+        from oscar_compile.kernels.attention_gluon import attention_gluon
+
+        kernels += [(attention_gluon, torch.float16, "gluon_fp16"), (attention_gluon, torch.float32, "gluon_fp32")]
+    for kernel, sdt, tag in kernels:
         nbytes = int2_bytes(B, ctx, sdt)
         layers = [int2_layer(B, ctx, sdt, dev) for _ in range(num_buffers(nbytes))]
 
-        def call(pools, tables):
-            return ops.attention(q, kn, vn, cu, lens, *tables, *pools, scale, SINK, RECENT, BITS, GROUP)
+        def call(pools, tables, kernel=kernel):
+            return kernel(q, kn, vn, cu, lens, *tables, *pools, scale, SINK, RECENT, BITS, GROUP)
 
         t = graph_time_us([lambda p=p, tb=tb: call(p, tb) for p, tb in layers])
         row[f"{tag}_us"] = t
@@ -177,6 +185,44 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
     row["sdpa_pct_hbm"] = 100 * bf16_bytes / (row["sdpa_us"] * 1e-6) / HBM_BYTES_PER_S
     torch.cuda.empty_cache()
     return row
+
+
+def gluon_runs() -> bool:
+    """The Gluon Hopper kernel can run here (sm_90 and a Triton with Gluon)."""
+    from oscar_compile.kernels.attention_dispatch import gluon_device_problem
+
+    return gluon_device_problem(torch.cuda.current_device()) is None
+
+
+def bench_gluon_variants(ctx: int, B: int) -> list[dict]:
+    """The Gluon kernel at one shape against its number of history splits and window programs
+    (``planned`` marks the default plan)."""
+    from oscar_compile.kernels.attention_gluon import attention_gluon, plan_gluon_launch
+
+    dev = torch.device("cuda")
+    q = torch.randn(B, H_Q, D, device=dev, dtype=torch.bfloat16)
+    kn = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
+    cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
+    lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
+    nbytes = int2_bytes(B, ctx, torch.float16)
+    layers = [int2_layer(B, ctx, torch.float16, dev) for _ in range(num_buffers(nbytes))]
+    max_hist = layers[0][1][1].shape[1] * P
+    planned = plan_gluon_launch(B, B, H_KV, H_Q // H_KV, max_hist, SINK, RECENT, dev)
+    out = []
+    for nsplit in sorted({planned[0], max(1, planned[0] // 2), 2 * planned[0]}):
+        for nwin in sorted({planned[1], 1, 2, 6}):
+            kw = dict(nsplit=nsplit, win_splits=nwin)
+            try:
+                t = graph_time_us([lambda p=p, tb=tb: attention_gluon(
+                    q, kn, kn, cu, lens, *tb, *p, D ** -0.5, SINK, RECENT, BITS, GROUP, **kw)
+                    for p, tb in layers])
+                out.append({"context": ctx, "batch": B, **kw, "planned": (nsplit, nwin) == planned,
+                            "us": t, "pct_hbm": 100 * nbytes / (t * 1e-6) / HBM_BYTES_PER_S})
+            except Exception as e:
+                out.append({"context": ctx, "batch": B, **kw, "error": repr(e)[:300]})
+    del layers
+    torch.cuda.empty_cache()
+    return out
 
 
 def rel_err(a, b) -> float:
@@ -366,15 +412,19 @@ def device_line() -> str:
 def print_table(rows: list[dict], write: dict) -> None:
     if write.get("error"):
         print("write part failed:", write["error"])
-    hdr = (f"{'ctx':>6} {'B':>3} {'sdpa_us':>9} {'pagedbf16':>9} {'int2_us':>8} {'GB/s':>6} {'%HBM':>5} "
-           f"{'Tel/s':>6} {'x_sdpa':>6} {'x_paged':>7} {'fp32s_us':>8} {'x_sdpa32':>8} {'err':>8}")
+    hdr = (f"{'ctx':>6} {'B':>3} {'sdpa_us':>8} {'bf16pg':>7} | {'triton':>7} {'%HBM':>5} {'x_sdpa':>6} "
+           f"{'err':>7} | {'gluon':>7} {'%HBM':>5} {'x_sdpa':>6} {'err':>7} {'x_trit':>6} | "
+           f"{'gl_fp32s':>8} {'x_sdpa':>6}")
     print(hdr)
+    nan = float("nan")
     for r in rows:
-        print(f"{r['context']:>6} {r['batch']:>3} {r['sdpa_us']:>9.1f} {r['paged_bf16_us']:>9.1f} "
-              f"{r['int2_fp16_us']:>8.1f} {r['int2_fp16_gbps']:>6.0f} {r['int2_fp16_pct_hbm']:>5.1f} "
-              f"{r['int2_fp16_kv_elems_per_s'] / 1e12:>6.2f} {r['int2_fp16_speedup_vs_sdpa']:>6.2f} "
-              f"{r['int2_fp16_speedup_vs_paged_bf16']:>7.2f} {r['int2_fp32_us']:>8.1f} "
-              f"{r['int2_fp32_speedup_vs_sdpa']:>8.2f} {r.get('int2_fp16_rel_err', float('nan')):>8.1e}")
+        print(f"{r['context']:>6} {r['batch']:>3} {r['sdpa_us']:>8.1f} {r['paged_bf16_us']:>7.1f} | "
+              f"{r['int2_fp16_us']:>7.1f} {r['int2_fp16_pct_hbm']:>5.1f} {r['int2_fp16_speedup_vs_sdpa']:>6.2f} "
+              f"{r.get('int2_fp16_rel_err', nan):>7.1e} | {r.get('gluon_fp16_us', nan):>7.1f} "
+              f"{r.get('gluon_fp16_pct_hbm', nan):>5.1f} {r.get('gluon_fp16_speedup_vs_sdpa', nan):>6.2f} "
+              f"{r.get('gluon_fp16_rel_err', nan):>7.1e} "
+              f"{r['int2_fp16_us'] / r.get('gluon_fp16_us', nan):>6.2f} | "
+              f"{r.get('gluon_fp32_us', nan):>8.1f} {r.get('gluon_fp32_speedup_vs_sdpa', nan):>6.2f}")
     print("write, decode step (µs per layer):", [(w["batch"], round(w["us_per_layer"], 2),
           round(w["us_per_layer_with_rotation"], 2), w.get("bitwise_equal")) for w in write["decode"]])
     print("write, prefill (tokens/s):", [(w["tokens"], f"{w['tokens_per_s']:.3g}", w.get("bitwise_equal"))
@@ -387,8 +437,8 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="8k and 32k at batch 1 and 8 only")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--parts", nargs="+",
-                    choices=("attention", "variants", "extend", "write", "write-variants"),
-                    default=["attention", "variants", "extend", "write", "write-variants"],
+                    choices=("attention", "variants", "gluon-variants", "extend", "write", "write-variants"),
+                    default=["attention", "variants", "gluon-variants", "extend", "write", "write-variants"],
                     help="which parts to run (default: all)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -410,6 +460,12 @@ def main(argv=None) -> None:
         for ctx, B in ((8192, 1), (32768, 1), (131072, 1), (8192, 8), (32768, 32)):
             result["variants"] += bench_variants(ctx, B)
         print(json.dumps(result["variants"]), flush=True)
+    if "gluon-variants" in args.parts and gluon_runs():
+        result["gluon_variants"] = []
+        for ctx, B in ((8192, 1), (32768, 1), (131072, 1), (32768, 8), (32768, 32), (131072, 32)):
+            if B * ctx <= 4 * 1024 * 1024:
+                result["gluon_variants"] += bench_gluon_variants(ctx, B)
+        print(json.dumps(result["gluon_variants"]), flush=True)
     if "extend" in args.parts:  # chunks 2 and 4 of an 8k prompt, one deep into a 32k prompt
         result["extend"] = [bench_extend(c, b) for c, b in ((2048, 8), (6144, 8), (30720, 1))]
         print(json.dumps(result["extend"]), flush=True)

@@ -1,0 +1,90 @@
+"""Which kernel runs ``oscar::attention`` on CUDA: the Gluon Hopper kernel or the portable Triton one.
+
+- ``OSCAR_ATTENTION_KERNEL=auto`` (default): Gluon on sm_90 (H100 / H200) for every call it
+  takes (decode-like INT2 batches, see ``attention_gluon.gluon_unsupported_reason``), Triton
+  for the rest (prefill chunks, INT4, 16-bit layers, other GPUs).
+- ``gluon``: the same, but a device or Triton that cannot run Gluon at all is an error, not a
+  silent fallback (a benchmark that asked for Gluon must not time Triton).
+- ``triton``: the Triton kernel everywhere.
+
+The choice reads shapes, dtypes and the device only (never tensor values): CUDA-graph safe. Each
+new (kernel, reason) is logged once, and ``kernels_in_use()`` reports what ran, for ``/metrics``.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+ENV = "OSCAR_ATTENTION_KERNEL"
+CHOICES = ("auto", "gluon", "triton")
+_log = logging.getLogger(__name__)
+_used: dict[str, str] = {}  # kernel -> the reason it was last chosen
+
+
+def forced_kernel() -> str:
+    """The ``OSCAR_ATTENTION_KERNEL`` setting, checked."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(CHOICES)}")
+    return value
+
+
+@functools.lru_cache(maxsize=8)
+def gluon_device_problem(device_index: int) -> str | None:
+    """Why this CUDA device cannot run the Gluon kernel (None: it can)."""
+    from oscar_compile.kernels.gluon_compat import GLUON_IMPORT_ERROR
+
+    if GLUON_IMPORT_ERROR is not None:
+        return f"Triton has no usable Gluon ({GLUON_IMPORT_ERROR})"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "the Triton interpreter runs no Gluon kernel"
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if (major, minor) != (9, 0):
+        return f"compute capability {major}.{minor} (the Gluon kernel is for sm_90)"
+    return None
+
+
+def choose_attention_kernel(q: torch.Tensor, k: torch.Tensor, k_win: torch.Tensor,
+                            k_codes: torch.Tensor, k_scale: torch.Tensor, bits: int,
+                            group_size: int, num_seqs: int) -> tuple[str, str]:
+    """("gluon" | "triton", why) for one CUDA call of ``oscar::attention``."""
+    forced = forced_kernel()
+    if forced == "triton":
+        return "triton", f"{ENV}=triton"
+    problem = gluon_device_problem(q.device.index or 0)
+    if problem is not None:
+        if forced == "gluon":
+            raise RuntimeError(f"{ENV}=gluon, but {problem}")
+        return "triton", problem
+    from oscar_compile.kernels.attention_gluon import gluon_unsupported_reason
+
+    why = gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits, group_size, q.shape[0], num_seqs)
+    if why is not None:
+        return "triton", why
+    return "gluon", "sm_90"
+
+
+def attention_cuda(*args):
+    """``oscar::attention`` on CUDA (positional arguments as the op receives them)."""
+    q, k, k_win, k_codes, k_scale = args[0], args[1], args[7], args[9], args[10]
+    bits, group_size, cache_lens = args[18], args[19], args[4]
+    kernel, why = choose_attention_kernel(q, k, k_win, k_codes, k_scale, bits, group_size,
+                                          cache_lens.shape[0])
+    if _used.get(kernel) != why:
+        _log.info("oscar::attention: %s kernel (%s)", kernel, why)
+        _used[kernel] = why
+    if kernel == "gluon":
+        from oscar_compile.kernels.attention_gluon import attention_gluon
+
+        return attention_gluon(*args)
+    from oscar_compile.kernels.attention_triton import attention_triton
+
+    return attention_triton(*args)
+
+
+def kernels_in_use() -> dict[str, str]:
+    """The attention kernels that ran in this process, with the reason each was chosen."""
+    return dict(_used)

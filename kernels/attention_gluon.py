@@ -1,0 +1,580 @@
+"""Gluon ``oscar::attention`` for Hopper (sm_90): paged INT2 decode with wgmma, A from registers.
+
+Why Gluon: plain Triton chooses register layouts itself, so the decoded codes went through
+shared memory and 4 query heads were padded to a 16-row tile (kernels/attention_triton.py,
+stalled at about 2x cuDNN BF16). Here the layouts are explicit:
+
+- **Keys on the M side, query heads on N** (N = 8 for GQA 1 / 4 / 8). One warpgroup (4 warps)
+  takes 64 history tokens per step: S^T[64, N] = C[64, D] . q'^T[D, N], with C the key codes
+  decoded straight into the wgmma A fragment (``convert_layout(..., assert_trivial=True)``: no
+  shared memory). Thread (warp w, lane 4 g + t) loads bytes ``[t WP/4, (t + 1) WP/4)`` of the
+  planar key rows of tokens ``16 w + g`` and ``16 w + g + 8``: one 8-byte load each (D = 128).
+- **The cache format is the planar one** (docs/cache-format.md): the contraction index of the
+  key dot is a permutation of the channels, kappa = 16 (mu + n_mu p) + 8 i0 + 2 t + e for the
+  code of channel WP p + 4 n_mu t + 4 mu + 2 i0 + e (plane p, byte t WP/4 + 4 mu + 2 i0 + e),
+  so the query is loaded in that order, once per program (``_kappa_channel``).
+- **Codes decode as fp16 subnormals** (as attention_blocks_triton._dequant_asm): two byte permutes
+  and one AND per 2 codes give c * 2^(b p - 24) exactly; 2^(-b p) is folded into q, 2^24 into
+  the scores. Per-token scale and zero (one group per token) leave the inner loop:
+  q . k = s (q' . c) - s z sum(q).
+- **Values on the M side too**: O^T[D, N] += V^T[D, 64] . P'^T[64, N] with P' = P s_v in
+  shared memory (fp16) and the zero term sum_t P'_t z_t kept per thread and reduced once at the
+  end. Thread (warp w, lane 4 g + t) takes one byte column of the planar value rows of 16 tokens
+  (tokens 16 v + 8 b + 2 t + e): its four channels (planes) are the fragment's rows
+  ``channel = j + WP (a + 2 r)`` (D = 128; ``_value_channel``), so output rows are permuted
+  channels, written back in channel order.
+- **Online softmax across the warpgroup**: the running max is reduced over the 64 keys each step
+  (shuffles + one shared-memory exchange); the sums l and the zero terms stay per thread and are
+  reduced once.
+- **Flash-decoding**: the grid's third axis takes ``nsplit`` equal history parts (whole 64-token
+  tiles) plus ``nwin`` programs for the BF16 sink + recent windows (the last one also takes the
+  token's own chunk, causally); each writes a normalised partial and its log2-sum-exp and
+  ``merge_partials`` (Triton) combines them. Grid and plan come from tensor shapes only: CUDA
+  graph safe.
+
+Scope (``gluon_supported``): sm_90, decode-like batches (at most 2 tokens per sequence, as the
+Triton kernel's one-token programs), INT2, D in {64, 128}, one scale group per token
+(G = D), pages of a multiple of 16 tokens, 16-bit windows, at most 32 query heads per KV head.
+Every other case runs the Triton kernel (kernels/attention_dispatch.py chooses).
+"""
+from __future__ import annotations
+
+import triton
+
+from oscar_compile.kernels.attention_blocks_triton import merge_partials
+from oscar_compile.kernels.attention_triton import LOG2E, plan_launch, plan_window_splits
+from oscar_compile.kernels.gluon_compat import (
+    fence_async_shared,
+    gl,
+    gluon,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+TILE_TOKENS = 64  # tokens per warpgroup step: the wgmma M of the key dot, the K of the value dot
+TILE = gl.constexpr(TILE_TOKENS)
+NEG_INIT = gl.constexpr(-1.0e30)  # finite: a fully masked step gives alpha = 1, p = 0, never NaN
+# Decode of one 32-bit word of codes into the 16 fp16 values of its 4 planes, as subnormals
+# c * 2^(2 p - 24) (attention_blocks_triton._dequant_asm, four planes at once): two byte permutes
+# put bytes (0, 1) and (2, 3) into the low byte of each 16-bit half, one AND per plane and half
+# pair keeps a plane's bits. Outputs 4 p .. 4 p + 3 are plane p of bytes 0, 1, 2, 3.
+_MASKS = "".join(f"and.b32 t, lo, {0x00030003 << (2 * p):#010x}; mov.b32 {{${4 * p}, ${4 * p + 1}}}, t; "
+                 f"and.b32 t, hi, {0x00030003 << (2 * p):#010x}; mov.b32 {{${4 * p + 2}, ${4 * p + 3}}}, t; "
+                 for p in range(4))
+KEY_WORD = gl.constexpr("{ .reg .b32 lo, hi, t, z; mov.b32 z, 0; prmt.b32 lo, $16, z, 0x4140; "
+                        "prmt.b32 hi, $16, z, 0x4342; " + _MASKS + "}")
+# The same from four separate bytes (the value codes of 4 tokens, one byte each, bytes (0, 1) then
+# (2, 3) of the word), shifted right by $20 bits first (the plane pair of a warp at D = 64).
+VALUE_BYTES = gl.constexpr("{ .reg .b32 lo, hi, t; prmt.b32 lo, $16, $17, 0x5410; "
+                           "prmt.b32 hi, $18, $19, 0x5410; shr.b32 lo, lo, $20; shr.b32 hi, hi, $20; "
+                           + _MASKS + "}")
+
+
+# ------------------------------------------------------------------ layouts (compile-time)
+@gluon.constexpr_function
+def _mma_layout(NH):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
+
+
+@gluon.constexpr_function
+def _key_words_layout(NW):
+    """[64 tokens, NW words]: warp w, lane 4 g + t hold tokens 16 w + g (+ 8), words of thread t."""
+    per = NW // 4
+    reg = [[0, 1 << i] for i in range(per.bit_length() - 1)] + [[8, 0]]
+    lane = [[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=[[16, 0], [32, 0]],
+                                      block_bases=[], shape=[TILE_TOKENS, NW])
+
+
+@gluon.constexpr_function
+def _value_bytes_layout(WP, X):
+    """[X, 4 (v), 4 (t), WP bytes, 2 (b), 2 (e)]: lane 4 g + t of warp w holds the bytes of
+    tokens 16 v + 8 b + 2 t + e in byte column g + 8 w (D = 128, X = 1), or in column
+    g + 8 (w & 1) for plane pair x = w >> 1 (D = 64, X = 2: two warps read each byte)."""
+    reg = [[0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 1, 0], [0, 1, 0, 0, 0, 0], [0, 2, 0, 0, 0, 0]]
+    lane = [[0, 0, 1, 0, 0, 0], [0, 0, 2, 0, 0, 0], [0, 0, 0, 1, 0, 0], [0, 0, 0, 2, 0, 0],
+            [0, 0, 0, 4, 0, 0]]
+    warp = [[0, 0, 0, 8, 0, 0], [0, 0, 0, 16, 0, 0] if X == 1 else [1, 0, 0, 0, 0, 0]]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
+                                      shape=[X, 4, 4, WP, 2, 2])
+
+
+@gluon.constexpr_function
+def _rows_layout(D):
+    """[64, D] 16-bit rows, 16 bytes per thread along D (window tiles, the query)."""
+    tpr = min(32, D // 8)
+    return gl.BlockedLayout([1, 8], [32 // tpr, tpr], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _vec_layout():
+    return gl.BlockedLayout([1], [32], [4], [0])
+
+
+# ------------------------------------------------------------------ small helpers
+@gluon.jit
+def _decode_key_words(words):
+    """int32 words -> 16 fp16 tensors (KEY_WORD's outputs), each in the words' layout."""
+    return gl.inline_asm_elementwise(KEY_WORD, "=h," * 16 + "r", [words], dtype=(gl.float16,) * 16,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _decode_value_bytes(x00, x10, x01, x11, shift):
+    """Four byte tensors (token offsets e + 8 b: x_eb) -> 16 fp16 tensors (VALUE_BYTES)."""
+    return gl.inline_asm_elementwise(VALUE_BYTES, "=h," * 16 + "r,r,r,r,r", [x00, x10, x01, x11, shift],
+                                     dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _pow2(e):
+    """2^e as float32 for integer tensors -126 <= e <= 127, from its bits (exact)."""
+    return ((e + 127) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _kappa_channel(kappa, WP: gl.constexpr):
+    """Channel whose code sits at contraction index kappa of the key dot (see module doc)."""
+    NMU: gl.constexpr = WP // 16
+    e = kappa & 1
+    t = (kappa >> 1) & 3
+    i0 = (kappa >> 3) & 1
+    s = kappa >> 4
+    return WP * (s // NMU) + 4 * NMU * t + 4 * (s % NMU) + 2 * i0 + e
+
+
+@gluon.jit
+def _value_channel(m, WP: gl.constexpr, X: gl.constexpr):
+    """(channel, bit offset of its decoded code) of row m of the value dot's output
+    (m = g + 8 a + 16 w + 64 r): the row holds the code times 2^(offset - 24)."""
+    g = m & 7
+    a = (m >> 3) & 1
+    w = (m >> 4) & 3
+    r = m >> 6
+    if X == 1:
+        return g + 8 * w + WP * (a + 2 * r), 2 * (a + 2 * r)
+    # D = 64: plane a + 2 x of byte column g + 8 (w & 1), shifted down by 4 x bits first
+    return g + 8 * (w & 1) + WP * (a + 2 * (w >> 1)), 2 * a
+
+
+@gluon.jit
+def _seq_of_token(cu_ptr, n, B):
+    """Sequence of flat token n: #{j in [1, B]: cu[j] <= n} (cu non-decreasing, cu[0] = 0)."""
+    vec: gl.constexpr = _vec_layout()
+    count = n * 0
+    for c0 in range(1, B + 1, 128):
+        j = c0 + gl.arange(0, 128, layout=vec)
+        bound = gl.load(cu_ptr + j, mask=j <= B, other=2147483647)
+        count += gl.sum((bound <= n).to(gl.int32), axis=0)
+    return count
+
+
+@gluon.jit
+def _slot_ok(w, n_sink, n_hist, n_rec, SINK: gl.constexpr, RECENT: gl.constexpr):
+    """Window slots that hold a cached token (attention_triton.window_slot_ok, same rule)."""
+    ok = w < n_sink
+    if RECENT > 0:
+        j = (w - SINK + RECENT - n_hist % RECENT) % RECENT
+        ok = ok | ((w >= SINK) & (w < SINK + RECENT) & (j < n_rec))
+    return ok
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_part):
+    """Online softmax over the 64 keys (rows) of s: [64, N] (base 2) -> (p, alpha, m, l)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - gl.expand_dims(m_new, 0))
+    l_part = l_part * gl.expand_dims(alpha, 0) + p
+    return p, alpha, m_new, l_part
+
+
+# ------------------------------------------------------------------ the INT2 history
+@gluon.jit
+def _history_loads(n0, hi, qt_row, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                   H_KV: gl.constexpr, P: gl.constexpr, WP: gl.constexpr, X: gl.constexpr,
+                   NH: gl.constexpr):
+    """Codes, scales and zeros of history tokens [n0, n0 + 64) (masked at hi), as the step
+    consumes them: key words [64, WP / 4] int32, value bytes [X, 4, 4, WP, 2, 2], per-token key /
+    value scale and zero [64] float32 in the score layout."""
+    NW: gl.constexpr = WP // 4
+    kwl: gl.constexpr = _key_words_layout(NW)
+    vbl: gl.constexpr = _value_bytes_layout(WP, X)
+    mma: gl.constexpr = _mma_layout(NH)
+    # Positions past hi are clamped to hi - 1, not masked: every address stays inside the pools,
+    # and the step masks those tokens' scores (their codes are finite, their weights 0).
+    last = hi - 1
+    # keys: the planar rows as int32 words
+    kk = gl.minimum(n0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, kwl)), last)
+    kpage = gl.load(qt_row + kk // P)
+    krow = (kpage.to(gl.int64) * H_KV + kvh) * P + kk % P
+    kcol = gl.arange(0, NW, layout=gl.SliceLayout(0, kwl))
+    kw = gl.load(kc_ptr + gl.expand_dims(krow * NW, 1) + gl.expand_dims(kcol, 0))
+    # values: one page lookup per 16-token block v (pages hold a multiple of 16 tokens)
+    s5: gl.constexpr = gl.SliceLayout(5, vbl)
+    s4: gl.constexpr = gl.SliceLayout(4, s5)  # [X, 4 (v), 4 (t), WP]
+    blk = gl.minimum(n0 + 16 * gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, s4)))),
+                     last - last % 16)
+    vpage = gl.load(qt_row + blk // P)
+    vbase = (vpage.to(gl.int64) * H_KV + kvh) * P + blk % P  # [4] pool row of block v's first token
+    # the token's offset in its block, 8 b + 2 t + e, and the byte column, broadcast to 6 dims
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, s4))))
+    col = gl.arange(0, WP, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, s4))))
+    x = gl.arange(0, X, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s4))))
+    bb = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s5)))))
+    ee = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, vbl))))))
+    v5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(vbase, 0), 2), 3), 4)  # [1, 4, 1, 1, 1]
+    t5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(t, 0), 1), 3), 4)  # [1, 1, 4, 1, 1]
+    c5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(col, 0), 1), 2), 4)  # [1, 1, 1, WP, 1]
+    x5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(x, 1), 2), 3), 4) * 0  # [X, 1, 1, 1, 1]
+    b5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(bb, 0), 1), 2), 3)  # [1, 1, 1, 1, 2]
+    e6 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(ee, 0), 1), 2), 3), 4)
+    # (a block past hi re-reads the last block: its tokens are masked like the others)
+    vptr = vc_ptr + gl.expand_dims((v5 + 2 * t5 + 8 * b5 + x5) * WP + c5, 5) + e6 * WP
+    vb = gl.load(vptr)
+    # per-token scale / zero in the score layout (one group per token)
+    sk = n0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, mma))
+    sok = sk < hi
+    sk = gl.minimum(sk, last)
+    spage = gl.load(qt_row + sk // P)
+    srow = (spage.to(gl.int64) * H_KV + kvh) * P + sk % P
+    ks = gl.load(ks_ptr + srow).to(gl.float32)
+    kz = gl.load(kz_ptr + srow).to(gl.float32)
+    vs = gl.load(vs_ptr + srow).to(gl.float32)
+    vz = gl.load(vz_ptr + srow).to(gl.float32)
+    return kw, vb, ks, kz, vs, vz, sok
+
+
+@gluon.jit
+def _key_operand(kw, D: gl.constexpr, WP: gl.constexpr, NH: gl.constexpr):
+    """Key words [64, WP / 4] -> the wgmma A operand [64, D] in contraction order (no data moves)."""
+    mma: gl.constexpr = _mma_layout(NH)
+    NMU: gl.constexpr = WP // 16
+    o = _decode_key_words(kw)
+    # plane p, byte pair i0 (bytes 2 i0, 2 i0 + 1: e = 0, 1)
+    p0 = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))  # [64, NW, e, i0]
+    p1 = gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7]))
+    p2 = gl.join(gl.join(o[8], o[9]), gl.join(o[10], o[11]))
+    p3 = gl.join(gl.join(o[12], o[13]), gl.join(o[14], o[15]))
+    c = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [64, NW, e, i0, p0, p1]
+    c = gl.reshape(c, [TILE, 4, NMU, 2, 2, 2, 2])  # [key, t, mu, e, i0, p0, p1]
+    c = gl.permute(c, (0, 6, 5, 2, 4, 1, 3))  # [key, p1, p0, mu, i0, t, e]
+    c = gl.reshape(c, [TILE, D])
+    return gl.convert_layout(c, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+                             assert_trivial=True)
+
+
+@gluon.jit
+def _value_operand(vb, D: gl.constexpr, X: gl.constexpr, NH: gl.constexpr):
+    """Value bytes [X, 4, 4, WP, 2 (b), 2 (e)] -> the wgmma A operand [D rows m, 64 tokens]."""
+    mma: gl.constexpr = _mma_layout(NH)
+    vi = vb.to(gl.int32)
+    x_e0, x_e1 = gl.split(vi)  # [X, 4, 4, WP, b]
+    x00, x01 = gl.split(x_e0)
+    x10, x11 = gl.split(x_e1)
+    # plane pair x = warp >> 1 at D = 64: its two planes shifted down to planes 0 and 1
+    xs = gl.arange(0, X, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, x00.type.layout))))
+    shift = gl.expand_dims(gl.expand_dims(gl.expand_dims(xs, 1), 2), 3) * 4 + x00 * 0
+    o = _decode_value_bytes(x00, x10, x01, x11, shift)
+    # plane p, token half b (tokens +8 b), pair e
+    q0 = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))  # [X, v, t, WP, e, b]
+    q1 = gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7]))
+    if X == 1:
+        q2 = gl.join(gl.join(o[8], o[9]), gl.join(o[10], o[11]))
+        q3 = gl.join(gl.join(o[12], o[13]), gl.join(o[14], o[15]))
+        c = gl.join(gl.join(q0, q1), gl.join(q2, q3))  # [1, v, t, WP, e, b, a, r]
+        c = gl.reshape(c, [4, 4, 4, 8, 2, 2, 2, 2])  # [v, t, w, g, e, b, a, r]
+        c = gl.permute(c, (7, 2, 6, 3, 0, 5, 1, 4))  # [r, w, a, g, v, b, t, e]
+    else:
+        c = gl.join(q0, q1)  # [x, v, t, WP, e, b, a]
+        c = gl.reshape(c, [2, 4, 4, 2, 8, 2, 2, 2])  # [x, v, t, w0, g, e, b, a]
+        c = gl.permute(c, (0, 3, 7, 4, 1, 6, 2, 5))  # [x, w0, a, g, v, b, t, e]
+    c = gl.reshape(c, [D, TILE])
+    return gl.convert_layout(c, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+                             assert_trivial=True)
+
+
+@gluon.jit
+def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                  q_smem, p_smem, qk_scale, H_KV: gl.constexpr, G_Q: gl.constexpr, NH: gl.constexpr,
+                  D: gl.constexpr, P: gl.constexpr, WP: gl.constexpr, X: gl.constexpr):
+    """History tokens [lo, hi): (o^T [D, N] in value-row order, m, l, zero term) of one split."""
+    mma: gl.constexpr = _mma_layout(NH)
+    ql: gl.constexpr = _rows_layout(D)
+    # the query in contraction order, each plane divided by its code factor 2^(2 p), fp16
+    qh = gl.arange(0, NH, layout=gl.SliceLayout(1, ql))
+    kap = gl.arange(0, D, layout=gl.SliceLayout(0, ql))
+    qv = gl.load(q_row + gl.expand_dims(qh * sqh, 1) + gl.expand_dims(_kappa_channel(kap, WP), 0),
+                 mask=gl.expand_dims(qh < G_Q, 1), other=0.0).to(gl.float16).to(gl.float32)
+    qsum = gl.convert_layout(gl.sum(qv, axis=1), gl.SliceLayout(0, mma))
+    q_smem.store((qv * gl.expand_dims(_pow2(-2 * (kap // WP)), 0)).to(gl.float16))
+    fence_async_shared()
+    qk = qk_scale * 16777216.0  # the decoded codes carry 2^-24
+    m_i = gl.full([NH], NEG_INIT, gl.float32, layout=gl.SliceLayout(0, mma))
+    l_part = gl.zeros([TILE, NH], gl.float32, layout=mma)
+    z_part = gl.zeros([TILE, NH], gl.float32, layout=mma)
+    o = gl.zeros([D, NH], gl.float32, layout=mma)
+    kb, vb, ks, kz, vs, vz, ok = _history_loads(lo, hi, qt_row, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr,
+                                                vs_ptr, vz_ptr, H_KV, P, WP, X, NH)
+    for n0 in range(lo, hi, TILE):
+        # the next tile's loads go out before this tile's math (register double buffer)
+        kb_n, vb_n, ks_n, kz_n, vs_n, vz_n, ok_n = _history_loads(
+            n0 + TILE, hi, qt_row, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, H_KV, P, WP, X, NH)
+        acc = warpgroup_mma(_key_operand(kb, D, WP, NH), q_smem.permute((1, 0)),
+                            gl.zeros([TILE, NH], gl.float32, layout=mma), is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        s = gl.expand_dims(ks, 1) * (acc - gl.expand_dims(kz, 1) * gl.expand_dims(qsum, 0) * 5.9604644775390625e-08)
+        s = gl.where(gl.expand_dims(ok, 1), s * qk, float("-inf"))
+        p, alpha, m_i, l_part = _softmax_step(s, m_i, l_part)
+        pv = (p * gl.expand_dims(vs, 1)).to(gl.float16)
+        z_part = z_part * gl.expand_dims(alpha, 0) + pv.to(gl.float32) * gl.expand_dims(vz, 1)
+        p_smem.store(pv)
+        fence_async_shared()
+        o = warpgroup_mma(_value_operand(vb, D, X, NH), p_smem, o * gl.expand_dims(alpha, 0),
+                          is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        kb, vb, ks, kz, vs, vz, ok = kb_n, vb_n, ks_n, kz_n, vs_n, vz_n, ok_n
+    return o, m_i, gl.sum(l_part, axis=0), gl.sum(z_part, axis=0)
+
+
+# ------------------------------------------------------------------ the 16-bit windows and the chunk
+@gluon.jit
+def _full_tile(k_rows, v_rows, ok, q_smem, k_smem, v_smem, p_smem, o, m_i, l_part, qk_scale,
+               D: gl.constexpr, NH: gl.constexpr):
+    """Attend to 64 full-precision tokens (row pointers k_rows, v_rows: [64], masked by ok)."""
+    mma: gl.constexpr = _mma_layout(NH)
+    rl: gl.constexpr = _rows_layout(D)
+    d = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, rl)), 0)
+    okr = gl.expand_dims(gl.convert_layout(ok, gl.SliceLayout(1, rl)), 1)
+    kt = gl.load(gl.expand_dims(gl.convert_layout(k_rows, gl.SliceLayout(1, rl)), 1) + d, mask=okr, other=0.0)
+    vt = gl.load(gl.expand_dims(gl.convert_layout(v_rows, gl.SliceLayout(1, rl)), 1) + d, mask=okr, other=0.0)
+    k_smem.store(kt.to(k_smem.dtype))
+    v_smem.store(vt.to(v_smem.dtype))
+    fence_async_shared()
+    acc = warpgroup_mma(k_smem, q_smem.permute((1, 0)), gl.zeros([TILE, NH], gl.float32, layout=mma),
+                        is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    s = gl.where(gl.expand_dims(gl.convert_layout(ok, gl.SliceLayout(1, mma)), 1), acc * qk_scale,
+                 float("-inf"))
+    p, alpha, m_i, l_part = _softmax_step(s, m_i, l_part)
+    p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()
+    o = warpgroup_mma(v_smem.permute((1, 0)), p_smem, o * gl.expand_dims(alpha, 0), is_async=True)
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+    return o, m_i, l_part
+
+
+@gluon.jit
+def _window_part(q_row, sqh, wt_row, kvh, widx, nwin, L, n_hist, t, kw_ptr, vw_ptr, kn_ptr, vn_ptr,
+                 skn, svn, q_smem, k_smem, v_smem, p_smem, qk_scale, H_KV: gl.constexpr,
+                 G_Q: gl.constexpr, NH: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
+                 SINK: gl.constexpr, RECENT: gl.constexpr):
+    """Window program widx of nwin: its share of the sink + recent slots; the last one also the
+    chunk's own keys 0..t (causal). -> (o^T [D, N] in channel order, m, l)."""
+    mma: gl.constexpr = _mma_layout(NH)
+    ql: gl.constexpr = _rows_layout(D)
+    vec: gl.constexpr = gl.SliceLayout(1, mma)
+    qh = gl.arange(0, NH, layout=gl.SliceLayout(1, ql))
+    qd = gl.arange(0, D, layout=gl.SliceLayout(0, ql))
+    qv = gl.load(q_row + gl.expand_dims(qh * sqh, 1) + gl.expand_dims(qd, 0),
+                 mask=gl.expand_dims(qh < G_Q, 1), other=0.0)
+    q_smem.store(qv.to(q_smem.dtype))
+    fence_async_shared()
+    m_i = gl.full([NH], NEG_INIT, gl.float32, layout=gl.SliceLayout(0, mma))
+    l_part = gl.zeros([TILE, NH], gl.float32, layout=mma)
+    o = gl.zeros([D, NH], gl.float32, layout=mma)
+    n_sink = gl.minimum(L, SINK)
+    n_rec = gl.maximum(L - SINK - n_hist, 0)
+    NWB: gl.constexpr = (SINK + RECENT + TILE - 1) // TILE
+    per = (NWB + nwin - 1) // nwin
+    wlo = gl.minimum(widx * per, NWB) * TILE
+    whi = gl.minimum(wlo + per * TILE, NWB * TILE)
+    r = gl.arange(0, TILE, layout=vec)
+    for w0 in range(wlo, whi, TILE):
+        w = w0 + r
+        ok = _slot_ok(w, n_sink, n_hist, n_rec, SINK, RECENT)
+        page = gl.load(wt_row + w // P, mask=ok, other=0)
+        row = ((page.to(gl.int64) * H_KV + kvh) * P + w % P) * D
+        o, m_i, l_part = _full_tile(kw_ptr + row, vw_ptr + row, ok, q_smem, k_smem, v_smem, p_smem,
+                                    o, m_i, l_part, qk_scale, D, NH)
+    kend = gl.where(widx == nwin - 1, t + 1, 0)
+    for j0 in range(0, kend, TILE):
+        j = j0 + r
+        ok = j < kend
+        o, m_i, l_part = _full_tile(kn_ptr + j.to(gl.int64) * skn, vn_ptr + j.to(gl.int64) * svn, ok,
+                                    q_smem, k_smem, v_smem, p_smem, o, m_i, l_part, qk_scale, D, NH)
+    return o, m_i, gl.sum(l_part, axis=0)
+
+
+# ------------------------------------------------------------------ the kernel
+@gluon.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, cu_ptr, lens_ptr, hist_ptr, wt_ptr, qt_ptr,
+    kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+    po_ptr, pl_ptr, qk_scale, B, nsplit, nwin,
+    sqn, sqh, skn, skh, svn, svh, stride_wt, stride_qt,
+    H_KV: gl.constexpr, G_Q: gl.constexpr, NH: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
+    SINK: gl.constexpr, RECENT: gl.constexpr, HAS_HIST: gl.constexpr,
+):
+    """One program: query token n, KV head kvh, split sid (< nsplit: history; else windows)."""
+    WP: gl.constexpr = D // 4  # INT2: bytes per planar row
+    X: gl.constexpr = 128 // D  # value plane pairs per byte column (2 at D = 64)
+    mma: gl.constexpr = _mma_layout(NH)
+    n = gl.program_id(0)
+    kvh = gl.program_id(1)
+    sid = gl.program_id(2)
+    i = _seq_of_token(cu_ptr, n, B)
+    start = gl.load(cu_ptr + i)
+    t = n - start
+    L = gl.load(lens_ptr + i)
+    if HAS_HIST:
+        n_hist = gl.load(hist_ptr + i)
+    else:
+        n_hist = gl.maximum(L - SINK - RECENT, 0)
+    q_row = q_ptr + n.to(gl.int64) * sqn + kvh * G_Q * sqh
+    ns = nsplit + nwin
+    head = gl.arange(0, NH, layout=gl.SliceLayout(0, mma))
+    prow = (n.to(gl.int64) * (H_KV * G_Q) + kvh * G_Q + head) * ns + sid  # [N] partial rows
+    hok = head < G_Q
+    m_rows = gl.arange(0, D, layout=gl.SliceLayout(1, mma))
+    q_smem_h = gl.allocate_shared_memory(gl.float16, [NH, D], gl.NVMMASharedLayout.get_default_for([NH, D], gl.float16))
+    p_smem_h = gl.allocate_shared_memory(gl.float16, [TILE, NH], gl.NVMMASharedLayout.get_default_for([TILE, NH], gl.float16))
+    wdt: gl.constexpr = kwin_ptr.dtype.element_ty
+    q_smem_w = gl.allocate_shared_memory(wdt, [NH, D], gl.NVMMASharedLayout.get_default_for([NH, D], wdt))
+    k_smem = gl.allocate_shared_memory(wdt, [TILE, D], gl.NVMMASharedLayout.get_default_for([TILE, D], wdt))
+    v_smem = gl.allocate_shared_memory(wdt, [TILE, D], gl.NVMMASharedLayout.get_default_for([TILE, D], wdt))
+    p_smem_w = gl.allocate_shared_memory(wdt, [TILE, NH], gl.NVMMASharedLayout.get_default_for([TILE, NH], wdt))
+    if sid < nsplit:
+        chunk = ((n_hist + nsplit - 1) // nsplit + TILE - 1) // TILE * TILE
+        lo = gl.minimum(sid * chunk, n_hist)
+        hi = gl.minimum(lo + chunk, n_hist)
+        o, m_i, l, zs = _history_part(q_row, sqh, qt_ptr + i.to(gl.int64) * stride_qt, kvh, lo, hi,
+                                      kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, q_smem_h, p_smem_h,
+                                      qk_scale, H_KV, G_Q, NH, D, P, WP, X)
+        chan, offset = _value_channel(m_rows, WP, X)
+        o = o * gl.expand_dims(_pow2(24 - offset), 1) - gl.expand_dims(zs, 0)
+    else:
+        o, m_i, l = _window_part(q_row, sqh, wt_ptr + i.to(gl.int64) * stride_wt, kvh, sid - nsplit, nwin,
+                                 L, n_hist, t, kwin_ptr, vwin_ptr, k_ptr + (start.to(gl.int64) * skn + kvh * skh),
+                                 v_ptr + (start.to(gl.int64) * svn + kvh * svh), skn, svn, q_smem_w, k_smem,
+                                 v_smem, p_smem_w, qk_scale, H_KV, G_Q, NH, D, P, SINK, RECENT)
+        chan = m_rows
+    inv_l = gl.where(l > 0.0, 1.0 / l, 0.0)
+    o = o * gl.expand_dims(inv_l, 0)
+    gl.store(po_ptr + gl.expand_dims(prow * D, 0) + gl.expand_dims(chan, 1), o,
+             mask=gl.expand_dims(hok, 0) & gl.expand_dims(m_rows >= 0, 1))
+    lse = gl.where(l > 0.0, m_i + gl.log2(l), float("-inf"))
+    gl.store(pl_ptr + prow, lse, mask=hok)
+
+
+# ------------------------------------------------------------------ host side
+def gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits: int, group_size: int, N: int,
+                             B: int) -> str | None:
+    """Why the Gluon kernel does not take this call (None: it does). Shapes and dtypes only."""
+    import torch
+
+    H_q, D = q.shape[1], q.shape[2]
+    H_kv, P = k.shape[1], k_win.shape[2]
+    if bits != 2:
+        return f"bits {bits} (the Gluon kernel is INT2)"
+    if D not in (64, 128):
+        return f"head_dim {D} (64 or 128)"
+    if group_size != D:
+        return f"group_size {group_size} below head_dim {D} (one scale group per token)"
+    if P % 16:
+        return f"page_size {P} is not a multiple of 16"
+    if H_q % H_kv or H_q // H_kv > 32:
+        return f"{H_q} query heads over {H_kv} KV heads"
+    if k_win.dtype not in (torch.bfloat16, torch.float16) or q.dtype not in (torch.bfloat16, torch.float16):
+        return f"window dtype {k_win.dtype} / query dtype {q.dtype} (16-bit only)"
+    if N > 2 * B:
+        return "a prefill-like batch (more than 2 tokens per sequence)"
+    return None
+
+
+def plan_gluon_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, sink: int, recent: int,
+                      device) -> tuple[int, int]:
+    """(nsplit, nwin) from shapes only: the Triton kernel's split plan over 64-token tiles (at
+    least one history split: every output goes through the merge), and as many window programs
+    as keep the window chain within a history split's."""
+    nsplit = max(1, plan_launch(N, B, H_kv, g, max_hist, device, TILE_TOKENS, min_split_blocks=2)[2])
+    split_tiles = triton.cdiv(triton.cdiv(max_hist, TILE_TOKENS), nsplit)
+    nwin = plan_window_splits(triton.cdiv(sink + recent, TILE_TOKENS) + 1, split_tiles)
+    return nsplit, nwin
+
+
+def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
+                    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, scale, sink, recent, bits,
+                    group_size, history_lens=None, nsplit: int | None = None,
+                    win_splits: int | None = None):
+    """Check, plan and launch; the contract of ``oscar::attention`` (docs/cache-format.md).
+
+    q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype. ``nsplit`` / ``win_splits``
+    override the plan (benchmark sweeps, tests)."""
+    import torch
+
+    N, H_q, D = q.shape
+    H_kv = k.shape[1]
+    B = cache_lens.shape[0]
+    P = k_win.shape[2]
+    why = gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits, group_size, N, B)
+    if why is not None:
+        raise ValueError(f"the Gluon decode kernel does not take this call: {why}")
+    if history_lens is not None and history_lens.shape != (B,):
+        raise ValueError(f"history_lens must be [B] = [{B}], got {tuple(history_lens.shape)}")
+    for t in (q, k, v):
+        if t.stride(-1) != 1:
+            raise ValueError("q, k, v need a contiguous last dim")
+    for t in (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero):
+        if not t.is_contiguous():
+            raise ValueError("the cache pools must be contiguous")
+    out = torch.empty(N, H_q, D, dtype=q.dtype, device=q.device)
+    if N == 0:
+        return out
+    g = H_q // H_kv
+    planned = plan_gluon_launch(N, B, H_kv, g, quant_table.shape[1] * P, sink, recent, q.device)
+    nsplit = planned[0] if nsplit is None else nsplit
+    nwin = planned[1] if win_splits is None else win_splits
+    ns = nsplit + nwin
+    po = torch.empty(N * H_q * ns, D, dtype=torch.float32, device=q.device)
+    pl = torch.empty(N * H_q * ns, dtype=torch.float32, device=q.device)
+    _decode_kernel[(N, H_kv, ns)](
+        q, k, v, cu_seqlens, cache_lens, history_lens if history_lens is not None else cache_lens,
+        window_table, quant_table, k_win, v_win, k_codes.view(torch.int32), k_scale, k_zero, v_codes,
+        v_scale, v_zero, po, pl, scale * LOG2E, B, nsplit, nwin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        window_table.stride(0), quant_table.stride(0),
+        H_KV=H_kv, G_Q=g, NH=max(8, triton.next_power_of_2(g)), D=D, P=P, SINK=sink, RECENT=recent,
+        HAS_HIST=history_lens is not None, num_warps=4,
+    )
+    merge_partials(po, pl, out, ns)
+    return out
+
+
+def compile_offline(head_dim: int = 128, num_q_per_kv: int = 4, num_kv_heads: int = 8,
+                    page_size: int = 16, sink: int = 64, recent: int = 256,
+                    window_dtype: str = "bf16", scale_dtype: str = "fp16", has_hist: bool = False):
+    """Compile the kernel for sm_90 without a GPU (CI, and the benchmark's instruction counts).
+
+    Returns Triton's compiled kernel: ``.asm`` holds "ttgir", "ptx", "cubin" (and "sass" where
+    Triton finds its disassembler), ``.metadata.shared`` the shared memory in bytes."""
+    from triton.backends.compiler import GPUTarget
+
+    from oscar_compile.kernels.gluon_compat import gluon_ast_source
+
+    ptrs = {"q_ptr": window_dtype, "k_ptr": window_dtype, "v_ptr": window_dtype, "cu_ptr": "i32",
+            "lens_ptr": "i32", "hist_ptr": "i32", "wt_ptr": "i32", "qt_ptr": "i32",
+            "kwin_ptr": window_dtype, "vwin_ptr": window_dtype, "kc_ptr": "i32", "ks_ptr": scale_dtype,
+            "kz_ptr": scale_dtype, "vc_ptr": "u8", "vs_ptr": scale_dtype, "vz_ptr": scale_dtype,
+            "po_ptr": "fp32", "pl_ptr": "fp32"}
+    sig = {name: f"*{t}" for name, t in ptrs.items()}
+    sig.update({"qk_scale": "fp32", **{n: "i32" for n in (
+        "B", "nsplit", "nwin", "sqn", "sqh", "skn", "skh", "svn", "svh", "stride_wt", "stride_qt")}})
+    g = num_q_per_kv
+    consts = {"H_KV": num_kv_heads, "G_Q": g, "NH": max(8, triton.next_power_of_2(g)), "D": head_dim,
+              "P": page_size, "SINK": sink, "RECENT": recent, "HAS_HIST": has_hist}
+    sig.update({k: "constexpr" for k in consts})
+    # as the JIT specializes: pointers and the strides (multiples of 16 in practice) divisible by 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(len(ptrs)), *range(len(ptrs) + 4, len(ptrs) + 12))}
+    src = gluon_ast_source()(_decode_kernel, sig, consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

@@ -1,0 +1,39 @@
+"""The one place that knows how Gluon's API differs between Triton releases.
+
+Gluon (``triton.experimental.gluon``) is experimental and renames things between minor
+releases. The Hopper decode kernel must run on the device's Triton 3.6 and compile on the
+newest release the registry serves, so every version-dependent name is resolved here, once:
+
+- ``thread_barrier`` (3.6) became ``barrier`` (3.7+);
+- ``GluonASTSource`` moved from ``gluon._runtime`` to the ``gluon`` package (offline compiles).
+
+Importing this module never raises: ``GLUON_IMPORT_ERROR`` says why Gluon is unusable (no
+Triton, or a Triton without Gluon's Hopper ops), and the dispatch then keeps the Triton kernel.
+"""
+from __future__ import annotations
+
+GLUON_IMPORT_ERROR: str | None = None
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+except Exception as exc:  # noqa: BLE001 - any failure means "no Gluon here"
+    GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+    gluon = gl = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
+
+if gl is not None:
+    thread_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
+
+
+def gluon_ast_source():
+    """``GluonASTSource`` (for compiling a Gluon kernel offline, without a GPU)."""
+    try:
+        from triton.experimental.gluon import GluonASTSource
+    except ImportError:
+        from triton.experimental.gluon._runtime import GluonASTSource
+    return GluonASTSource

@@ -1,0 +1,102 @@
+"""What CI can check of the Gluon Hopper kernel without a GPU: an offline sm_90 compile (layouts
+that are the wgmma fragments, no spills), and the dispatch between it and the Triton kernel.
+The numerical tests run on the GPU (test_attention_gluon.py, marker gpu)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from oscar_compile.kernels import attention_dispatch as ad
+from oscar_compile.kernels.gluon_compat import GLUON_IMPORT_ERROR
+
+needs_gluon = pytest.mark.skipif(GLUON_IMPORT_ERROR is not None, reason=f"no Gluon: {GLUON_IMPORT_ERROR}")
+
+
+CONFIGS = [(128, 4, False), (64, 8, True), (128, 1, False)]  # head_dim, GQA ratio, history_lens
+_COMPILE = """
+import json, sys
+from oscar_compile.kernels.attention_gluon import compile_offline
+out = []
+for head_dim, g, has_hist in json.loads(sys.argv[1]):
+    ck = compile_offline(head_dim=head_dim, num_q_per_kv=g, has_hist=has_hist)
+    ptx = ck.asm["ptx"]
+    out.append({"wgmma": ptx.count("wgmma.mma_async"), "local": ("ld.local" in ptx) or ("st.local" in ptx),
+                "shared": ck.metadata.shared})
+print(json.dumps(out))
+"""
+
+
+@needs_gluon
+def test_kernel_compiles_for_sm90_with_register_fragments():
+    """The decoded codes are converted to the wgmma A operand with ``assert_trivial=True``: the
+    compile fails if a layout is not the fragment (a shared-memory round trip would be needed).
+    In a child process: under TRITON_INTERPRET=1 (CI) the kernels are interpreter functions."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(CONFIGS)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for (head_dim, _, _), got in zip(CONFIGS, json.loads(res.stdout.strip().splitlines()[-1])):
+        # per history tile the key dot (D / 16 k-steps) and the value dot (D / 16 more)
+        assert got["wgmma"] >= 2 * head_dim // 16
+        assert not got["local"] and got["shared"] <= 227 * 1024
+
+
+def _call_shapes(N=4, B=4, H_q=32, H_kv=8, D=128, P=16, wdt=torch.bfloat16):
+    q = torch.empty(N, H_q, D, dtype=wdt)
+    k = torch.empty(N, H_kv, D, dtype=wdt)
+    k_win = torch.empty(2, H_kv, P, D, dtype=wdt)
+    k_codes = torch.empty(2, H_kv, P, D // 4, dtype=torch.uint8)
+    k_scale = torch.empty(2, H_kv, P, 1, dtype=torch.float16)
+    return q, k, k_win, k_codes, k_scale
+
+
+def test_dispatch_picks_gluon_only_for_what_it_takes(monkeypatch):
+    """Shapes and dtypes only (CUDA-graph safe): decode-like INT2 batches with one scale group
+    per token and 16-token pages go to Gluon on a capable device, everything else to Triton."""
+    monkeypatch.setattr(ad, "gluon_device_problem", lambda index: None)
+    monkeypatch.delenv(ad.ENV, raising=False)
+    q, k, k_win, k_codes, k_scale = _call_shapes()
+    assert ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, 2, 128, 4) == ("gluon", "sm_90")
+    refused = {
+        "bits 4": (q, k, k_win, k_codes, k_scale, 4, 128, 4),
+        "group_size 64": (q, k, k_win, k_codes, k_scale, 2, 64, 4),
+        "prefill-like": (*_call_shapes(N=40), 2, 128, 4),
+        "page_size 8": (*_call_shapes(P=8), 2, 128, 4),
+        "head_dim 96": (*_call_shapes(D=96), 2, 96, 4),
+        "window dtype": (*_call_shapes(wdt=torch.float32), 2, 128, 4),
+        "query heads": (*_call_shapes(H_q=64, H_kv=1), 2, 128, 4),
+    }
+    for name, call in refused.items():
+        kernel, why = ad.choose_attention_kernel(*call)
+        assert kernel == "triton" and why, name
+    monkeypatch.setenv(ad.ENV, "triton")
+    assert ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, 2, 128, 4)[0] == "triton"
+
+
+def test_forcing_gluon_where_it_cannot_run_is_an_error(monkeypatch):
+    monkeypatch.setattr(ad, "gluon_device_problem", lambda index: "compute capability 8.0")
+    q, k, k_win, k_codes, k_scale = _call_shapes()
+    monkeypatch.setenv(ad.ENV, "auto")
+    assert ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, 2, 128, 4)[0] == "triton"
+    monkeypatch.setenv(ad.ENV, "gluon")
+    with pytest.raises(RuntimeError, match="compute capability 8.0"):
+        ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, 2, 128, 4)
+    monkeypatch.setenv(ad.ENV, "fastest")
+    with pytest.raises(ValueError, match="auto, gluon, triton"):
+        ad.forced_kernel()
+
+
+def test_the_interpreter_never_gets_the_gluon_kernel(monkeypatch):
+    """Under TRITON_INTERPRET=1 (CI) the device check refuses Gluon before any capability query."""
+    ad.gluon_device_problem.cache_clear()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    try:
+        problem = ad.gluon_device_problem(0)
+    finally:
+        ad.gluon_device_problem.cache_clear()
+    assert problem is not None
