@@ -297,7 +297,8 @@ def _value_operand(vb, D: gl.constexpr, X: gl.constexpr, NH: gl.constexpr):
 @gluon.jit
 def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                   q_smem, p_smem, qk_scale, H_KV: gl.constexpr, G_Q: gl.constexpr, NH: gl.constexpr,
-                  D: gl.constexpr, P: gl.constexpr, WP: gl.constexpr, X: gl.constexpr):
+                  D: gl.constexpr, P: gl.constexpr, WP: gl.constexpr, X: gl.constexpr,
+                  PREFETCH: gl.constexpr):
     """History tokens [lo, hi): (o^T [D, N] in value-row order, m, l, zero term) of one split."""
     mma: gl.constexpr = _mma_layout(NH)
     ql: gl.constexpr = _rows_layout(D)
@@ -317,9 +318,12 @@ def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_pt
     kb, vb, ks, kz, vs, vz, ok = _history_loads(lo, hi, qt_row, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr,
                                                 vs_ptr, vz_ptr, H_KV, P, WP, X, NH)
     for n0 in range(lo, hi, TILE):
-        # the next tile's loads go out before this tile's math (register double buffer)
-        kb_n, vb_n, ks_n, kz_n, vs_n, vz_n, ok_n = _history_loads(
-            n0 + TILE, hi, qt_row, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, H_KV, P, WP, X, NH)
+        if PREFETCH:  # the next tile's loads go out before this tile's math (register double buffer)
+            kb_n, vb_n, ks_n, kz_n, vs_n, vz_n, ok_n = _history_loads(
+                n0 + TILE, hi, qt_row, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, H_KV, P, WP, X, NH)
+        else:
+            kb, vb, ks, kz, vs, vz, ok = _history_loads(
+                n0, hi, qt_row, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, H_KV, P, WP, X, NH)
         acc = warpgroup_mma(_key_operand(kb, D, WP, NH), q_smem.permute((1, 0)),
                             gl.zeros([TILE, NH], gl.float32, layout=mma), is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -333,7 +337,8 @@ def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_pt
         o = warpgroup_mma(_value_operand(vb, D, X, NH), p_smem, o * gl.expand_dims(alpha, 0),
                           is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-        kb, vb, ks, kz, vs, vz, ok = kb_n, vb_n, ks_n, kz_n, vs_n, vz_n, ok_n
+        if PREFETCH:
+            kb, vb, ks, kz, vs, vz, ok = kb_n, vb_n, ks_n, kz_n, vs_n, vz_n, ok_n
     return o, m_i, gl.sum(l_part, axis=0), gl.sum(z_part, axis=0)
 
 
@@ -414,7 +419,7 @@ def _decode_kernel(
     po_ptr, pl_ptr, qk_scale, B, nsplit, nwin,
     sqn, sqh, skn, skh, svn, svh, stride_wt, stride_qt,
     H_KV: gl.constexpr, G_Q: gl.constexpr, NH: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
-    SINK: gl.constexpr, RECENT: gl.constexpr, HAS_HIST: gl.constexpr,
+    SINK: gl.constexpr, RECENT: gl.constexpr, HAS_HIST: gl.constexpr, PREFETCH: gl.constexpr,
 ):
     """One program: query token n, KV head kvh, split sid (< nsplit: history; else windows)."""
     WP: gl.constexpr = D // 4  # INT2: bytes per planar row
@@ -450,7 +455,7 @@ def _decode_kernel(
         hi = gl.minimum(lo + chunk, n_hist)
         o, m_i, l, zs = _history_part(q_row, sqh, qt_ptr + i.to(gl.int64) * stride_qt, kvh, lo, hi,
                                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, q_smem_h, p_smem_h,
-                                      qk_scale, H_KV, G_Q, NH, D, P, WP, X)
+                                      qk_scale, H_KV, G_Q, NH, D, P, WP, X, PREFETCH)
         chan, offset = _value_channel(m_rows, WP, X)
         o = o * gl.expand_dims(_pow2(24 - offset), 1) - gl.expand_dims(zs, 0)
     else:
@@ -506,11 +511,12 @@ def plan_gluon_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, sink: in
 def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
                     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, scale, sink, recent, bits,
                     group_size, history_lens=None, nsplit: int | None = None,
-                    win_splits: int | None = None):
+                    win_splits: int | None = None, prefetch: bool = True, maxnreg: int | None = None):
     """Check, plan and launch; the contract of ``oscar::attention`` (docs/cache-format.md).
 
     q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype. ``nsplit`` / ``win_splits``
-    override the plan (benchmark sweeps, tests)."""
+    override the plan, ``prefetch`` loads each history tile one step ahead (registers),
+    ``maxnreg`` caps the registers per thread (benchmark sweeps, tests)."""
     import torch
 
     N, H_q, D = q.shape
@@ -545,7 +551,8 @@ def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         window_table.stride(0), quant_table.stride(0),
         H_KV=H_kv, G_Q=g, NH=max(8, triton.next_power_of_2(g)), D=D, P=P, SINK=sink, RECENT=recent,
-        HAS_HIST=history_lens is not None, num_warps=4,
+        HAS_HIST=history_lens is not None, PREFETCH=prefetch, num_warps=4,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     merge_partials(po, pl, out, ns)
     return out
@@ -553,7 +560,8 @@ def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, 
 
 def compile_offline(head_dim: int = 128, num_q_per_kv: int = 4, num_kv_heads: int = 8,
                     page_size: int = 16, sink: int = 64, recent: int = 256,
-                    window_dtype: str = "bf16", scale_dtype: str = "fp16", has_hist: bool = False):
+                    window_dtype: str = "bf16", scale_dtype: str = "fp16", has_hist: bool = False,
+                    prefetch: bool = True):
     """Compile the kernel for sm_90 without a GPU (CI, and the benchmark's instruction counts).
 
     Returns Triton's compiled kernel: ``.asm`` holds "ttgir", "ptx", "cubin" (and "sass" where
@@ -572,7 +580,7 @@ def compile_offline(head_dim: int = 128, num_q_per_kv: int = 4, num_kv_heads: in
         "B", "nsplit", "nwin", "sqn", "sqh", "skn", "skh", "svn", "svh", "stride_wt", "stride_qt")}})
     g = num_q_per_kv
     consts = {"H_KV": num_kv_heads, "G_Q": g, "NH": max(8, triton.next_power_of_2(g)), "D": head_dim,
-              "P": page_size, "SINK": sink, "RECENT": recent, "HAS_HIST": has_hist}
+              "P": page_size, "SINK": sink, "RECENT": recent, "HAS_HIST": has_hist, "PREFETCH": prefetch}
     sig.update({k: "constexpr" for k in consts})
     # as the JIT specializes: pointers and the strides (multiples of 16 in practice) divisible by 16
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(len(ptrs)), *range(len(ptrs) + 4, len(ptrs) + 12))}

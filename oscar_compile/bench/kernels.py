@@ -209,17 +209,21 @@ def bench_gluon_variants(ctx: int, B: int) -> list[dict]:
     max_hist = layers[0][1][1].shape[1] * P
     planned = plan_gluon_launch(B, B, H_KV, H_Q // H_KV, max_hist, SINK, RECENT, dev)
     out = []
-    for nsplit in sorted({planned[0], max(1, planned[0] // 2), 2 * planned[0]}):
-        for nwin in sorted({planned[1], 1, 2, 6}):
-            kw = dict(nsplit=nsplit, win_splits=nwin)
-            try:
-                t = graph_time_us([lambda p=p, tb=tb: attention_gluon(
-                    q, kn, kn, cu, lens, *tb, *p, D ** -0.5, SINK, RECENT, BITS, GROUP, **kw)
-                    for p, tb in layers])
-                out.append({"context": ctx, "batch": B, **kw, "planned": (nsplit, nwin) == planned,
-                            "us": t, "pct_hbm": 100 * nbytes / (t * 1e-6) / HBM_BYTES_PER_S})
-            except Exception as e:
-                out.append({"context": ctx, "batch": B, **kw, "error": repr(e)[:300]})
+    sweep = [dict(nsplit=n, win_splits=planned[1]) for n in sorted({planned[0], max(1, planned[0] // 2),
+                                                                     max(1, 3 * planned[0] // 4), 2 * planned[0]})]
+    sweep += [dict(nsplit=planned[0], win_splits=w) for w in sorted({1, 2, 6} - {planned[1]})]
+    sweep += [dict(prefetch=False), dict(maxnreg=128), dict(prefetch=False, maxnreg=96)]
+    for kw in sweep:
+        try:
+            t = graph_time_us([lambda p=p, tb=tb: attention_gluon(
+                q, kn, kn, cu, lens, *tb, *p, D ** -0.5, SINK, RECENT, BITS, GROUP, **kw)
+                for p, tb in layers])
+            plan = (kw.get("nsplit", planned[0]), kw.get("win_splits", planned[1]))
+            out.append({"context": ctx, "batch": B, **kw, "planned": plan == planned and len(kw) == 2,
+                        "plan": plan, "us": t, "pct_hbm": 100 * nbytes / (t * 1e-6) / HBM_BYTES_PER_S})
+        except Exception as e:
+            out.append({"context": ctx, "batch": B, **kw, "error": repr(e)[:300]})
+        print(json.dumps(out[-1]), flush=True)
     del layers
     torch.cuda.empty_cache()
     return out
@@ -397,6 +401,23 @@ def bench_write(check: bool) -> dict:
     return res
 
 
+def profile_launches(ctx: int, B: int, kernel: str) -> None:
+    """Plain launches of one decode kernel (for Nsight Compute: ``ncu --kernel-name regex:...``)."""
+    from oscar_compile.kernels.attention_gluon import attention_gluon
+    from oscar_compile.kernels.attention_triton import attention_triton
+
+    fn = {"gluon": attention_gluon, "triton": attention_triton}[kernel]
+    dev = torch.device("cuda")
+    q = torch.randn(B, H_Q, D, device=dev, dtype=torch.bfloat16)
+    kn = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
+    cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
+    lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
+    pools, tables = int2_layer(B, ctx, torch.float16, dev)
+    for _ in range(5):
+        fn(q, kn, kn, cu, lens, *tables, *pools, D ** -0.5, SINK, RECENT, BITS, GROUP)
+    torch.cuda.synchronize()
+
+
 def device_line() -> str:
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
@@ -440,7 +461,11 @@ def main(argv=None) -> None:
                     choices=("attention", "variants", "gluon-variants", "extend", "write", "write-variants"),
                     default=["attention", "variants", "gluon-variants", "extend", "write", "write-variants"],
                     help="which parts to run (default: all)")
+    ap.add_argument("--profile", nargs=3, metavar=("CONTEXT", "BATCH", "KERNEL"),
+                    help="only launch KERNEL (gluon or triton) 5 times at one shape, no graphs: for ncu")
     args = ap.parse_args(argv)
+    if args.profile:
+        return profile_launches(int(args.profile[0]), int(args.profile[1]), args.profile[2])
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
     warnings.filterwarnings("ignore", message=".*(kernel not used|num_heads|runtime disabled).*")
@@ -462,9 +487,8 @@ def main(argv=None) -> None:
         print(json.dumps(result["variants"]), flush=True)
     if "gluon-variants" in args.parts and gluon_runs():
         result["gluon_variants"] = []
-        for ctx, B in ((8192, 1), (32768, 1), (131072, 1), (32768, 8), (32768, 32), (131072, 32)):
-            if B * ctx <= 4 * 1024 * 1024:
-                result["gluon_variants"] += bench_gluon_variants(ctx, B)
+        for ctx, B in ((8192, 8), (32768, 1), (32768, 8), (131072, 32)):
+            result["gluon_variants"] += bench_gluon_variants(ctx, B)
         print(json.dumps(result["gluon_variants"]), flush=True)
     if "extend" in args.parts:  # chunks 2 and 4 of an 8k prompt, one deep into a 32k prompt
         result["extend"] = [bench_extend(c, b) for c, b in ((2048, 8), (6144, 8), (30720, 1))]
