@@ -48,6 +48,7 @@ from oscar_compile.kernels.gluon_compat import (
     gl,
     gluon,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -314,7 +315,7 @@ def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_pt
     m_i = gl.full([NH], NEG_INIT, gl.float32, layout=gl.SliceLayout(0, mma))
     l_part = gl.zeros([TILE, NH], gl.float32, layout=mma)
     z_part = gl.zeros([TILE, NH], gl.float32, layout=mma)
-    o = gl.zeros([D, NH], gl.float32, layout=mma)
+    o = warpgroup_mma_init(gl.zeros([D, NH], gl.float32, layout=mma))  # loop-carried as a running dot
     kb, vb, ks, kz, vs, vz, ok = _history_loads(lo, hi, qt_row, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr,
                                                 vs_ptr, vz_ptr, H_KV, P, WP, X, NH)
     for n0 in range(lo, hi, TILE):
@@ -324,9 +325,12 @@ def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_pt
         else:
             kb, vb, ks, kz, vs, vz, ok = _history_loads(
                 n0, hi, qt_row, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, H_KV, P, WP, X, NH)
+        # the key dot runs while the value codes decode; waiting for it also retires the last
+        # tile's value dot (wgmma groups complete in order), so o and p_smem are free again
         acc = warpgroup_mma(_key_operand(kb, D, WP, NH), q_smem.permute((1, 0)),
                             gl.zeros([TILE, NH], gl.float32, layout=mma), is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        a_v = _value_operand(vb, D, X, NH)
+        acc, o = warpgroup_mma_wait(num_outstanding=0, deps=(acc, o))
         s = gl.expand_dims(ks, 1) * (acc - gl.expand_dims(kz, 1) * gl.expand_dims(qsum, 0) * 5.9604644775390625e-08)
         s = gl.where(gl.expand_dims(ok, 1), s * qk, float("-inf"))
         p, alpha, m_i, l_part = _softmax_step(s, m_i, l_part)
@@ -334,44 +338,46 @@ def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_pt
         z_part = z_part * gl.expand_dims(alpha, 0) + pv.to(gl.float32) * gl.expand_dims(vz, 1)
         p_smem.store(pv)
         fence_async_shared()
-        o = warpgroup_mma(_value_operand(vb, D, X, NH), p_smem, o * gl.expand_dims(alpha, 0),
-                          is_async=True)
-        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        # left running: the next tile's loads and key decode overlap it
+        o = warpgroup_mma(a_v, p_smem, o * gl.expand_dims(alpha, 0), is_async=True)
         if PREFETCH:
             kb, vb, ks, kz, vs, vz, ok = kb_n, vb_n, ks_n, kz_n, vs_n, vz_n, ok_n
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
     return o, m_i, gl.sum(l_part, axis=0), gl.sum(z_part, axis=0)
 
 
 # ------------------------------------------------------------------ the 16-bit windows and the chunk
 @gluon.jit
-def _full_tile(k_rows, v_rows, ok, q_smem, k_smem, v_smem, p_smem, o, m_i, l_part, qk_scale,
+def _full_tile(k_rows, v_rows, ok, q_smem, kv_smem, p_smem, o, m_i, l_part, qk_scale,
                D: gl.constexpr, NH: gl.constexpr):
-    """Attend to 64 full-precision tokens (row pointers k_rows, v_rows: [64], masked by ok)."""
+    """Attend to 64 full-precision tokens (row pointers k_rows, v_rows: [64], masked by ok). The
+    keys, then the values, pass through one shared-memory tile (a second one would cost the
+    history programs occupancy: shared memory is allocated for the whole kernel)."""
     mma: gl.constexpr = _mma_layout(NH)
     rl: gl.constexpr = _rows_layout(D)
     d = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, rl)), 0)
     okr = gl.expand_dims(gl.convert_layout(ok, gl.SliceLayout(1, rl)), 1)
     kt = gl.load(gl.expand_dims(gl.convert_layout(k_rows, gl.SliceLayout(1, rl)), 1) + d, mask=okr, other=0.0)
     vt = gl.load(gl.expand_dims(gl.convert_layout(v_rows, gl.SliceLayout(1, rl)), 1) + d, mask=okr, other=0.0)
-    k_smem.store(kt.to(k_smem.dtype))
-    v_smem.store(vt.to(v_smem.dtype))
+    kv_smem.store(kt.to(kv_smem.dtype))
     fence_async_shared()
-    acc = warpgroup_mma(k_smem, q_smem.permute((1, 0)), gl.zeros([TILE, NH], gl.float32, layout=mma),
+    acc = warpgroup_mma(kv_smem, q_smem.permute((1, 0)), gl.zeros([TILE, NH], gl.float32, layout=mma),
                         is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     s = gl.where(gl.expand_dims(gl.convert_layout(ok, gl.SliceLayout(1, mma)), 1), acc * qk_scale,
                  float("-inf"))
     p, alpha, m_i, l_part = _softmax_step(s, m_i, l_part)
     p_smem.store(p.to(p_smem.dtype))
+    kv_smem.store(vt.to(kv_smem.dtype))
     fence_async_shared()
-    o = warpgroup_mma(v_smem.permute((1, 0)), p_smem, o * gl.expand_dims(alpha, 0), is_async=True)
+    o = warpgroup_mma(kv_smem.permute((1, 0)), p_smem, o * gl.expand_dims(alpha, 0), is_async=True)
     o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
     return o, m_i, l_part
 
 
 @gluon.jit
 def _window_part(q_row, sqh, wt_row, kvh, widx, nwin, L, n_hist, t, kw_ptr, vw_ptr, kn_ptr, vn_ptr,
-                 skn, svn, q_smem, k_smem, v_smem, p_smem, qk_scale, H_KV: gl.constexpr,
+                 skn, svn, q_smem, kv_smem, p_smem, qk_scale, H_KV: gl.constexpr,
                  G_Q: gl.constexpr, NH: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
                  SINK: gl.constexpr, RECENT: gl.constexpr):
     """Window program widx of nwin: its share of the sink + recent slots; the last one also the
@@ -400,14 +406,14 @@ def _window_part(q_row, sqh, wt_row, kvh, widx, nwin, L, n_hist, t, kw_ptr, vw_p
         ok = _slot_ok(w, n_sink, n_hist, n_rec, SINK, RECENT)
         page = gl.load(wt_row + w // P, mask=ok, other=0)
         row = ((page.to(gl.int64) * H_KV + kvh) * P + w % P) * D
-        o, m_i, l_part = _full_tile(kw_ptr + row, vw_ptr + row, ok, q_smem, k_smem, v_smem, p_smem,
+        o, m_i, l_part = _full_tile(kw_ptr + row, vw_ptr + row, ok, q_smem, kv_smem, p_smem,
                                     o, m_i, l_part, qk_scale, D, NH)
     kend = gl.where(widx == nwin - 1, t + 1, 0)
     for j0 in range(0, kend, TILE):
         j = j0 + r
         ok = j < kend
         o, m_i, l_part = _full_tile(kn_ptr + j.to(gl.int64) * skn, vn_ptr + j.to(gl.int64) * svn, ok,
-                                    q_smem, k_smem, v_smem, p_smem, o, m_i, l_part, qk_scale, D, NH)
+                                    q_smem, kv_smem, p_smem, o, m_i, l_part, qk_scale, D, NH)
     return o, m_i, gl.sum(l_part, axis=0)
 
 
@@ -446,8 +452,7 @@ def _decode_kernel(
     p_smem_h = gl.allocate_shared_memory(gl.float16, [TILE, NH], gl.NVMMASharedLayout.get_default_for([TILE, NH], gl.float16))
     wdt: gl.constexpr = kwin_ptr.dtype.element_ty
     q_smem_w = gl.allocate_shared_memory(wdt, [NH, D], gl.NVMMASharedLayout.get_default_for([NH, D], wdt))
-    k_smem = gl.allocate_shared_memory(wdt, [TILE, D], gl.NVMMASharedLayout.get_default_for([TILE, D], wdt))
-    v_smem = gl.allocate_shared_memory(wdt, [TILE, D], gl.NVMMASharedLayout.get_default_for([TILE, D], wdt))
+    kv_smem = gl.allocate_shared_memory(wdt, [TILE, D], gl.NVMMASharedLayout.get_default_for([TILE, D], wdt))
     p_smem_w = gl.allocate_shared_memory(wdt, [TILE, NH], gl.NVMMASharedLayout.get_default_for([TILE, NH], wdt))
     if sid < nsplit:
         chunk = ((n_hist + nsplit - 1) // nsplit + TILE - 1) // TILE * TILE
@@ -461,8 +466,8 @@ def _decode_kernel(
     else:
         o, m_i, l = _window_part(q_row, sqh, wt_ptr + i.to(gl.int64) * stride_wt, kvh, sid - nsplit, nwin,
                                  L, n_hist, t, kwin_ptr, vwin_ptr, k_ptr + (start.to(gl.int64) * skn + kvh * skh),
-                                 v_ptr + (start.to(gl.int64) * svn + kvh * svh), skn, svn, q_smem_w, k_smem,
-                                 v_smem, p_smem_w, qk_scale, H_KV, G_Q, NH, D, P, SINK, RECENT)
+                                 v_ptr + (start.to(gl.int64) * svn + kvh * svh), skn, svn, q_smem_w, kv_smem,
+                                 p_smem_w, qk_scale, H_KV, G_Q, NH, D, P, SINK, RECENT)
         chan = m_rows
     inv_l = gl.where(l > 0.0, 1.0 / l, 0.0)
     o = o * gl.expand_dims(inv_l, 0)

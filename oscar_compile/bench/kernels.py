@@ -212,7 +212,8 @@ def bench_gluon_variants(ctx: int, B: int) -> list[dict]:
     sweep = [dict(nsplit=n, win_splits=planned[1]) for n in sorted({planned[0], max(1, planned[0] // 2),
                                                                      max(1, 3 * planned[0] // 4), 2 * planned[0]})]
     sweep += [dict(nsplit=planned[0], win_splits=w) for w in sorted({1, 2, 6} - {planned[1]})]
-    sweep += [dict(prefetch=False), dict(maxnreg=128), dict(prefetch=False, maxnreg=96)]
+    sweep += [dict(prefetch=False), dict(maxnreg=128), dict(maxnreg=96), dict(prefetch=False, maxnreg=96),
+              dict(prefetch=False, maxnreg=80)]
     for kw in sweep:
         try:
             t = graph_time_us([lambda p=p, tb=tb: attention_gluon(
