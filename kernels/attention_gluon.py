@@ -42,7 +42,8 @@ from __future__ import annotations
 import triton
 
 from oscar_compile.kernels.attention_blocks_triton import merge_partials
-from oscar_compile.kernels.attention_triton import LOG2E, plan_launch, plan_window_splits
+from oscar_compile.kernels.attention_triton import LOG2E, MAX_SPLIT_TOKENS, plan_window_splits
+from oscar_compile.kernels.device import num_sms
 from oscar_compile.kernels.gluon_compat import (
     fence_async_shared,
     gl,
@@ -502,13 +503,47 @@ def gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits: int, group_siz
     return None
 
 
+# Registers per thread the decode launch is capped at, and what it buys: with no register
+# prefetch the kernel needs 104 registers uncapped and compiles without spills down to 64 (ptxas,
+# Triton 3.6 and 3.9); the cap sets how many 4-warp programs share an SM. H200 sweep in
+# bench/results/2026-12-01-h200-gluon (run 4).
+MAXNREG = 72
+SMEM_PER_SM = 227 * 1024  # sm_90: shared memory a multiprocessor gives its blocks
+SMEM_RESERVED_PER_BLOCK = 1024
+
+
+def programs_per_sm(maxnreg: int, head_dim: int, num_heads_n: int, window_bytes: int = 2) -> int:
+    """4-warp programs resident per SM under a register cap: the smaller of the register file
+    (64K) and shared-memory limits. Shared memory: the query twice (history fp16, windows in
+    their dtype), the two P tiles and the window tile (the kernel's static allocations)."""
+    smem = (2 * num_heads_n * head_dim * 2 + 2 * 64 * num_heads_n * 2 + 64 * head_dim * window_bytes
+            + SMEM_RESERVED_PER_BLOCK + 256)
+    return max(1, min(65536 // (maxnreg * 128), SMEM_PER_SM // smem, 32))
+
+
 def plan_gluon_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, sink: int, recent: int,
-                      device) -> tuple[int, int]:
-    """(nsplit, nwin) from shapes only: the Triton kernel's split plan over 64-token tiles (at
-    least one history split: every output goes through the merge), and as many window programs
-    as keep the window chain within a history split's."""
-    nsplit = max(1, plan_launch(N, B, H_kv, g, max_hist, device, TILE_TOKENS, min_split_blocks=2)[2])
-    split_tiles = triton.cdiv(triton.cdiv(max_hist, TILE_TOKENS), nsplit)
+                      device, maxnreg: int = MAXNREG, head_dim: int = 128) -> tuple[int, int]:
+    """(nsplit, nwin) from shapes only (CUDA-graph safe).
+
+    The history programs of one split, N * H_kv, are sized to whole waves of the resident
+    programs (``programs_per_sm``): a wave that spills over by a few programs runs them alone
+    and costs as much as a full one (H200: 32k / batch 1, 64 splits on 396 slots took 28 µs,
+    48 splits 24 µs). At least 2 tiles per split, whole tiles per split, and splits of at most
+    MAX_SPLIT_TOKENS for precision, as in the Triton plan; nwin programs share the windows so
+    that their chain of tiles is no longer than a history split's."""
+    slots = programs_per_sm(maxnreg, head_dim, max(8, triton.next_power_of_2(g))) * num_sms(device)
+    per_split = N * H_kv
+    tiles = triton.cdiv(max_hist, TILE_TOKENS)
+    fit = max(1, slots // per_split - 1)  # one slot per (token, head) left for the windows
+    if tiles == 0:
+        nsplit = 1
+    else:
+        nsplit = min(fit, max(1, tiles // 2))
+        precision = triton.cdiv(max_hist, MAX_SPLIT_TOKENS)
+        if precision > nsplit:  # several waves anyway: whole ones
+            nsplit = triton.cdiv(precision, fit) * fit
+        nsplit = triton.cdiv(tiles, triton.cdiv(tiles, nsplit))
+    split_tiles = triton.cdiv(tiles, nsplit) if tiles else 0
     nwin = plan_window_splits(triton.cdiv(sink + recent, TILE_TOKENS) + 1, split_tiles)
     return nsplit, nwin
 
@@ -516,7 +551,7 @@ def plan_gluon_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, sink: in
 def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
                     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, scale, sink, recent, bits,
                     group_size, history_lens=None, nsplit: int | None = None,
-                    win_splits: int | None = None, prefetch: bool = True, maxnreg: int | None = None):
+                    win_splits: int | None = None, prefetch: bool = False, maxnreg: int = MAXNREG):
     """Check, plan and launch; the contract of ``oscar::attention`` (docs/cache-format.md).
 
     q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype. ``nsplit`` / ``win_splits``
@@ -543,7 +578,8 @@ def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, 
     if N == 0:
         return out
     g = H_q // H_kv
-    planned = plan_gluon_launch(N, B, H_kv, g, quant_table.shape[1] * P, sink, recent, q.device)
+    planned = plan_gluon_launch(N, B, H_kv, g, quant_table.shape[1] * P, sink, recent, q.device,
+                                maxnreg, D)
     nsplit = planned[0] if nsplit is None else nsplit
     nwin = planned[1] if win_splits is None else win_splits
     ns = nsplit + nwin
@@ -557,7 +593,7 @@ def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, 
         window_table.stride(0), quant_table.stride(0),
         H_KV=H_kv, G_Q=g, NH=max(8, triton.next_power_of_2(g)), D=D, P=P, SINK=sink, RECENT=recent,
         HAS_HIST=history_lens is not None, PREFETCH=prefetch, num_warps=4,
-        **({"maxnreg": maxnreg} if maxnreg else {}),
+        maxnreg=maxnreg,
     )
     merge_partials(po, pl, out, ns)
     return out
@@ -566,7 +602,7 @@ def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, 
 def compile_offline(head_dim: int = 128, num_q_per_kv: int = 4, num_kv_heads: int = 8,
                     page_size: int = 16, sink: int = 64, recent: int = 256,
                     window_dtype: str = "bf16", scale_dtype: str = "fp16", has_hist: bool = False,
-                    prefetch: bool = True):
+                    prefetch: bool = False, maxnreg: int = MAXNREG):
     """Compile the kernel for sm_90 without a GPU (CI, and the benchmark's instruction counts).
 
     Returns Triton's compiled kernel: ``.asm`` holds "ttgir", "ptx", "cubin" (and "sass" where
@@ -590,4 +626,4 @@ def compile_offline(head_dim: int = 128, num_q_per_kv: int = 4, num_kv_heads: in
     # as the JIT specializes: pointers and the strides (multiples of 16 in practice) divisible by 16
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(len(ptrs)), *range(len(ptrs) + 4, len(ptrs) + 12))}
     src = gluon_ast_source()(_decode_kernel, sig, consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})

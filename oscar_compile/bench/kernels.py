@@ -197,7 +197,7 @@ def gluon_runs() -> bool:
 def bench_gluon_variants(ctx: int, B: int) -> list[dict]:
     """The Gluon kernel at one shape against its number of history splits and window programs
     (``planned`` marks the default plan)."""
-    from oscar_compile.kernels.attention_gluon import attention_gluon, plan_gluon_launch
+    from oscar_compile.kernels.attention_gluon import MAXNREG, attention_gluon, plan_gluon_launch
 
     dev = torch.device("cuda")
     q = torch.randn(B, H_Q, D, device=dev, dtype=torch.bfloat16)
@@ -207,21 +207,23 @@ def bench_gluon_variants(ctx: int, B: int) -> list[dict]:
     nbytes = int2_bytes(B, ctx, torch.float16)
     layers = [int2_layer(B, ctx, torch.float16, dev) for _ in range(num_buffers(nbytes))]
     max_hist = layers[0][1][1].shape[1] * P
-    planned = plan_gluon_launch(B, B, H_KV, H_Q // H_KV, max_hist, SINK, RECENT, dev)
     out = []
-    sweep = [dict(nsplit=n, win_splits=planned[1]) for n in sorted({planned[0], max(1, planned[0] // 2),
-                                                                     max(1, 3 * planned[0] // 4), 2 * planned[0]})]
-    sweep += [dict(nsplit=planned[0], win_splits=w) for w in sorted({1, 2, 6} - {planned[1]})]
-    sweep += [dict(prefetch=False), dict(maxnreg=128), dict(maxnreg=96), dict(prefetch=False, maxnreg=96),
-              dict(prefetch=False, maxnreg=80)]
+    sweep = []
+    for cap in (64, 72, 80, 96):  # each with its own plan (the occupancy it buys)
+        plan = plan_gluon_launch(B, B, H_KV, H_Q // H_KV, max_hist, SINK, RECENT, dev, cap, D)
+        sweep += [dict(maxnreg=cap, nsplit=plan[0], win_splits=plan[1])]
+    plan = plan_gluon_launch(B, B, H_KV, H_Q // H_KV, max_hist, SINK, RECENT, dev)
+    sweep += [dict(nsplit=n, win_splits=plan[1]) for n in sorted({max(1, plan[0] // 2), 2 * plan[0]})]
+    sweep += [dict(prefetch=True, maxnreg=96), dict(prefetch=True, maxnreg=80), dict(win_splits=2)]
+    planned = plan
     for kw in sweep:
         try:
             t = graph_time_us([lambda p=p, tb=tb: attention_gluon(
                 q, kn, kn, cu, lens, *tb, *p, D ** -0.5, SINK, RECENT, BITS, GROUP, **kw)
                 for p, tb in layers])
-            plan = (kw.get("nsplit", planned[0]), kw.get("win_splits", planned[1]))
-            out.append({"context": ctx, "batch": B, **kw, "planned": plan == planned and len(kw) == 2,
-                        "plan": plan, "us": t, "pct_hbm": 100 * nbytes / (t * 1e-6) / HBM_BYTES_PER_S})
+            out.append({"context": ctx, "batch": B, **kw, "planned": kw == {"maxnreg": MAXNREG, "nsplit": planned[0],
+                                                                            "win_splits": planned[1]},
+                        "us": t, "pct_hbm": 100 * nbytes / (t * 1e-6) / HBM_BYTES_PER_S})
         except Exception as e:
             out.append({"context": ctx, "batch": B, **kw, "error": repr(e)[:300]})
         print(json.dumps(out[-1]), flush=True)
@@ -488,7 +490,7 @@ def main(argv=None) -> None:
         print(json.dumps(result["variants"]), flush=True)
     if "gluon-variants" in args.parts and gluon_runs():
         result["gluon_variants"] = []
-        for ctx, B in ((8192, 8), (32768, 1), (32768, 8), (131072, 32)):
+        for ctx, B in ((8192, 1), (8192, 8), (32768, 1), (32768, 8), (131072, 1), (131072, 32)):
             result["gluon_variants"] += bench_gluon_variants(ctx, B)
         print(json.dumps(result["gluon_variants"]), flush=True)
     if "extend" in args.parts:  # chunks 2 and 4 of an 8k prompt, one deep into a 32k prompt
