@@ -49,7 +49,6 @@ from oscar_compile.kernels.gluon_compat import (
     gl,
     gluon,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -316,7 +315,7 @@ def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_pt
     m_i = gl.full([NH], NEG_INIT, gl.float32, layout=gl.SliceLayout(0, mma))
     l_part = gl.zeros([TILE, NH], gl.float32, layout=mma)
     z_part = gl.zeros([TILE, NH], gl.float32, layout=mma)
-    o = warpgroup_mma_init(gl.zeros([D, NH], gl.float32, layout=mma))  # loop-carried as a running dot
+    o = gl.zeros([D, NH], gl.float32, layout=mma)
     kb, vb, ks, kz, vs, vz, ok = _history_loads(lo, hi, qt_row, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr,
                                                 vs_ptr, vz_ptr, H_KV, P, WP, X, NH)
     for n0 in range(lo, hi, TILE):
@@ -326,12 +325,11 @@ def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_pt
         else:
             kb, vb, ks, kz, vs, vz, ok = _history_loads(
                 n0, hi, qt_row, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, H_KV, P, WP, X, NH)
-        # the key dot runs while the value codes decode; waiting for it also retires the last
-        # tile's value dot (wgmma groups complete in order), so o and p_smem are free again
+        # the key dot runs while the value codes decode
         acc = warpgroup_mma(_key_operand(kb, D, WP, NH), q_smem.permute((1, 0)),
                             gl.zeros([TILE, NH], gl.float32, layout=mma), is_async=True)
         a_v = _value_operand(vb, D, X, NH)
-        acc, o = warpgroup_mma_wait(num_outstanding=0, deps=(acc, o))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         s = gl.expand_dims(ks, 1) * (acc - gl.expand_dims(kz, 1) * gl.expand_dims(qsum, 0) * 5.9604644775390625e-08)
         s = gl.where(gl.expand_dims(ok, 1), s * qk, float("-inf"))
         p, alpha, m_i, l_part = _softmax_step(s, m_i, l_part)
@@ -339,11 +337,12 @@ def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_pt
         z_part = z_part * gl.expand_dims(alpha, 0) + pv.to(gl.float32) * gl.expand_dims(vz, 1)
         p_smem.store(pv)
         fence_async_shared()
-        # left running: the next tile's loads and key decode overlap it
+        # (left running into the next tile, the accumulator of an empty split would reach the
+        # wait defined by plain moves, and ptxas then serializes every wgmma of the kernel)
         o = warpgroup_mma(a_v, p_smem, o * gl.expand_dims(alpha, 0), is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
         if PREFETCH:
             kb, vb, ks, kz, vs, vz, ok = kb_n, vb_n, ks_n, kz_n, vs_n, vz_n, ok_n
-    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
     return o, m_i, gl.sum(l_part, axis=0), gl.sum(z_part, axis=0)
 
 
@@ -503,11 +502,10 @@ def gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits: int, group_siz
     return None
 
 
-# Registers per thread the decode launch is capped at, and what it buys: with no register
-# prefetch the kernel needs 104 registers uncapped and compiles without spills down to 64 (ptxas,
-# Triton 3.6 and 3.9); the cap sets how many 4-warp programs share an SM. H200 sweep in
-# bench/results/2026-12-01-h200-gluon (run 4).
-MAXNREG = 72
+# Registers per thread the decode launch is capped at: the cap sets how many 4-warp programs
+# share an SM (4 at 128). Triton 3.6's ptxas fits the kernel in 128 without spills (23 spilled
+# loads at 96, 70 at 80); H200 sweep in bench/results/2026-12-01-h200-gluon.
+MAXNREG = 128
 SMEM_PER_SM = 227 * 1024  # sm_90: shared memory a multiprocessor gives its blocks
 SMEM_RESERVED_PER_BLOCK = 1024
 

@@ -20,12 +20,11 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         warpgroup_mma,
-        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
 except Exception as exc:  # noqa: BLE001 - any failure means "no Gluon here"
     GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
-    gluon = gl = fence_async_shared = warpgroup_mma = warpgroup_mma_init = warpgroup_mma_wait = None
+    gluon = gl = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
 
 if gl is not None:
     thread_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")

@@ -209,12 +209,12 @@ def bench_gluon_variants(ctx: int, B: int) -> list[dict]:
     max_hist = layers[0][1][1].shape[1] * P
     out = []
     sweep = []
-    for cap in (64, 72, 80, 96):  # each with its own plan (the occupancy it buys)
+    for cap in (96, 104, 128):  # each with its own plan (the occupancy it buys)
         plan = plan_gluon_launch(B, B, H_KV, H_Q // H_KV, max_hist, SINK, RECENT, dev, cap, D)
         sweep += [dict(maxnreg=cap, nsplit=plan[0], win_splits=plan[1])]
     plan = plan_gluon_launch(B, B, H_KV, H_Q // H_KV, max_hist, SINK, RECENT, dev)
     sweep += [dict(nsplit=n, win_splits=plan[1]) for n in sorted({max(1, plan[0] // 2), 2 * plan[0]})]
-    sweep += [dict(prefetch=True, maxnreg=96), dict(prefetch=True, maxnreg=80), dict(win_splits=2)]
+    sweep += [dict(prefetch=True), dict(win_splits=2)]
     planned = plan
     for kw in sweep:
         try:
