@@ -70,7 +70,8 @@ def create_app(async_engine: AsyncEngine, model_name: str, config: ServerConfig 
             server.close()
             _log_final_stats(async_engine.stats, admission)
 
-    app = FastAPI(title="oscar_compile", lifespan=lifespan)
+    # no redirect of "/v1/completions/" to "/v1/completions": a client gets a 404 it can read
+    app = FastAPI(title="oscar_compile", lifespan=lifespan, redirect_slashes=False)
     app.state.admission = admission
     _add_error_handlers(app)
     app.get("/health")(server.health)
