@@ -22,8 +22,12 @@ logger = logging.getLogger("oscar_compile.runtime.serve")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m oscar_compile.runtime.serve",
-                                     description="OpenAI-compatible server for oscar_compile models")
+    return build_parser().parse_args(argv)
+
+
+def build_parser(prog: str = "python -m oscar_compile.runtime.serve") -> argparse.ArgumentParser:
+    """The serve flags; ``oscar_compile.bench.serve_random`` adds its own to them."""
+    parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for oscar_compile models")
     parser.add_argument("--model", help="Hugging Face model directory (default: the bundled tiny model)")
     parser.add_argument("--spec", help="compression spec YAML (default: oscar-int2 for the bundled model, else bf16)")
     parser.add_argument("--rotations", help="rotation artifact (default: <model>/rotations/<spec name>.safetensors)")
@@ -44,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
     _add_server_args(parser)
-    return parser.parse_args(argv)
+    return parser
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -97,7 +101,7 @@ def build_app(args: argparse.Namespace):
     """Load the model and return (FastAPI app, served model name)."""
     server = server_config(args)  # refuse bad flags before loading anything
     from oscar_compile.runtime.async_engine import AsyncEngine
-    from oscar_compile.runtime.loader import (EngineConfig, build_engine, load_model,
+    from oscar_compile.runtime.loader import (build_engine, load_model,
                                               resolve_device, resolve_model_dir)
     from oscar_compile.runtime.server import create_app
 
@@ -106,17 +110,22 @@ def build_app(args: argparse.Namespace):
     model_dir = resolve_model_dir(args.model)
     device = resolve_device(args.device)
     model, tokenizer = load_model(model_dir, device)
-    config = EngineConfig(kv_memory_gb=args.kv_memory, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=args.max_model_len,
-                          enable_prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
-                          overlap_steps=not args.no_overlap)
+    config = engine_config(args)
     spec, rotations = compression_for(args, model_dir)
     config, make_runner = compress(model, spec, rotations, config)
     engine = build_engine(model, tokenizer, config, make_runner=make_runner)
     name = args.served_model_name or model_dir.name
     logger.info("serving %s from %s on %s with %s (rotations: %s)", name, model_dir, device, spec, rotations)
     return create_app(AsyncEngine(engine), name, server), name
+
+
+def engine_config(args: argparse.Namespace):
+    from oscar_compile.runtime.loader import EngineConfig
+
+    return EngineConfig(kv_memory_gb=args.kv_memory, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                        enable_prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
+                        overlap_steps=not args.no_overlap)
 
 
 def compression_for(args: argparse.Namespace, model_dir):
@@ -141,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, NotImplementedError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    run_server(app, args)
+    return 0
+
+
+def run_server(app, args: argparse.Namespace) -> None:
+    """Serve ``app`` until SIGTERM / SIGINT has drained it."""
     warning = exposure_warning(args.host, args.api_key)
     if warning:
         logger.warning(warning)
@@ -151,7 +166,6 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     DrainingServer(config, app.state.admission, args.shutdown_timeout).run()
-    return 0
 
 
 if __name__ == "__main__":
