@@ -142,12 +142,11 @@ async def _read_events(reply: _Reply, record: RequestRecord, hang_up_after: int 
                 continue
             data = event[len(b"data: "):]
             if data == b"[DONE]":
-                if record.outcome != "error":
-                    record.outcome = "completed"
+                record.outcome = "error" if record.error else "completed"
                 return
             payload = json.loads(data)
-            if "error" in payload:
-                record.outcome, record.error = "error", f"stream_{payload['error'].get('type')}"
+            if "error" in payload:  # the server failed the request after the headers went out
+                record.error = f"stream_{payload['error'].get('type')}"
                 continue
             if payload.get("usage"):
                 record.num_output_tokens = payload["usage"]["completion_tokens"]

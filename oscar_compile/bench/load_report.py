@@ -43,6 +43,7 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
         "streamed": sum(r.stream for r in records),
         "wall_s": wall_s,
         "output_tokens": output_tokens,
+        "requested_output_tokens": sum(r.max_tokens for r in completed),  # equal: ignore_eos runs to max_tokens
         "output_tokens_per_s": output_tokens / wall_s if wall_s > 0 else None,
         "requests_per_s": len(completed) / wall_s if wall_s > 0 else None,
         "ttft_ms": {"p50": _ms(percentile(ttfts, 50)), "p99": _ms(percentile(ttfts, 99))},
