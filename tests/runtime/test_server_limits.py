@@ -152,3 +152,22 @@ def test_a_request_past_its_deadline_is_aborted_and_its_pages_freed(deadline_ser
     assert stats["num_requests_aborted"] == aborted + 2
     status, body = post(port, "/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 2})
     assert status == 200  # a short request finishes well within the deadline
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400(tiny_model, tokenizer):
+    """Templates raise on what they do not take (here: a system message); that is the client's
+    request, not a server error."""
+    import copy
+
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                            "supported') }}{% endif %}" + tokenizer.chat_template)
+    engine = build_engine(tiny_model, strict, EngineConfig(num_window_pages=0, num_quant_pages=64))
+    with running(create_app(AsyncEngine(engine), MODEL)) as port:
+        status, body = post(port, "/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "system", "content": "s"}, {"role": "user", "content": "u"}]})
+        assert status == 400 and body["error"]["param"] == "messages"
+        assert "System role not supported" in body["error"]["message"]
+        status, _ = post(port, "/v1/chat/completions", {"model": MODEL, "max_tokens": 2,
+                                                        "messages": [{"role": "user", "content": "u"}]})
+        assert status == 200
