@@ -156,12 +156,33 @@ def test_disconnect_storms_free_every_page_and_spare_the_clients_that_stay(tiny_
         assert status == 200
 
 
-def test_a_page_budget_that_forces_preemption_loses_nothing_with_32_running(tiny_model, tokenizer):
+def _paged_bf16(tokenizer, **engine_kwargs):
+    """An engine over a fresh copy of the tiny model in the runtime's BF16 mode (the compressed
+    runner over 16-bit pages; on a CPU its reference ops)."""
+    from conftest import build_model
+
+    from oscar_compile.runtime.llm import compress
+    from oscar_compile.spec import shipped_spec
+
+    model = build_model(len(tokenizer))  # the same seed: the same weights as tiny_model
+    config, make_runner = compress(model, shipped_spec("bf16"), None,
+                                   EngineConfig(num_window_pages=0, max_num_batched_tokens=64, **engine_kwargs))
+    return build_engine(model, tokenizer, config, make_runner=make_runner)
+
+
+@pytest.mark.parametrize("runner", ["recompute", "paged-bf16"])
+def test_a_page_budget_that_forces_preemption_loses_nothing_with_32_running(tiny_model, tokenizer, runner):
     """32 requests of ~60 tokens need ~128 pages of 16 tokens; 24 pages force preemption again and
-    again. Each still completes with exactly the tokens it gives alone."""
-    serving, async_engine, admission = _serve(tiny_model, tokenizer, num_quant_pages=24, max_num_seqs=32)
+    again. Each still completes with exactly the tokens it gives alone: the recompute runner
+    recomputes exactly, and the BF16 mode's output does not depend on chunking."""
     prompts = [_prompt(i) for i in range(32)]
     expected = _offline(tiny_model, tokenizer, prompts, 48)
+    if runner == "recompute":
+        serving, async_engine, admission = _serve(tiny_model, tokenizer, num_quant_pages=24, max_num_seqs=32)
+    else:
+        async_engine = AsyncEngine(_paged_bf16(tokenizer, num_quant_pages=24, max_num_seqs=32))
+        app = create_app(async_engine, MODEL)
+        serving, admission = running(app), app.state.admission
     with serving as port:
         before = async_engine.stats["num_preemptions"]
 
