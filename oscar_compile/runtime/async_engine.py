@@ -4,6 +4,10 @@ One thread owns the ``LLMEngine`` (and so every Sequence and page): handlers nev
 They post commands (add, abort) to a thread-safe inbox that the engine thread drains between
 steps, and receive outputs on their own ``asyncio.Queue`` through ``call_soon_threadsafe``. A
 model error fails the requests in flight (their pages are freed), not the server.
+
+``num_waiting`` counts requests not yet holding pages (in the inbox or the scheduler's queue,
+preempted ones included) without reading the engine from another thread: adds posted but not yet
+reflected in a stats snapshot are counted on the side, under a lock shared with the snapshot.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ class AsyncEngine:
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Any]] = {}
         self._thread: threading.Thread | None = None
         self.stats: dict[str, float] = engine.stats()  # snapshot, refreshed by the engine thread
+        self._lock = threading.Lock()  # guards stats together with _num_unseen_adds
+        self._num_unseen_adds = 0  # adds posted that no snapshot counts yet
+        self._num_drained_adds = 0  # engine thread: adds drained since the last snapshot
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -61,7 +68,21 @@ class AsyncEngine:
             raise EngineDeadError("the engine thread is not running")
         self.engine.validate_request(prompt_token_ids, params)
         loop = asyncio.get_running_loop()
+        with self._lock:
+            self._num_unseen_adds += 1
         self._inbox.put(("add", prompt_token_ids, params, request_id, (loop, sink, tag)))
+        self._wakeup.set()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission: posted adds plus the scheduler's waiting queue."""
+        with self._lock:
+            return self._num_unseen_adds + int(self.stats["num_waiting"])
+
+    def fail_all(self, err: BaseException) -> None:
+        """Abort every request (pages freed) and hand each handler ``err``; used when a
+        graceful shutdown runs out of time."""
+        self._inbox.put(("fail_all", err))
         self._wakeup.set()
 
     def abort(self, request_id: str) -> None:
@@ -91,7 +112,7 @@ class AsyncEngine:
         while not self._stop.is_set():
             self._drain_inbox()
             if not self.engine.has_unfinished():
-                self.stats = self.engine.stats()
+                self._publish_stats()
                 self._wakeup.wait(_IDLE_WAIT_S)
                 self._wakeup.clear()
                 continue
@@ -101,11 +122,19 @@ class AsyncEngine:
                 logger.exception("engine step failed; failing the running requests")
                 self._fail_all(err)
                 continue
-            self.stats = self.engine.stats()  # before delivery: a client reads it after its output
+            self._publish_stats()  # before delivery: a client reads it after its output
             for out in outputs:
                 self._deliver(out.request_id, out, out.finished)
         self._fail_all(EngineDeadError("the server is shutting down"))
+        self._publish_stats()
         logger.info("engine thread stopped")
+
+    def _publish_stats(self) -> None:
+        stats = self.engine.stats()
+        with self._lock:
+            self.stats = stats
+            self._num_unseen_adds -= self._num_drained_adds
+            self._num_drained_adds = 0
 
     def _drain_inbox(self) -> None:
         while True:
@@ -118,7 +147,11 @@ class AsyncEngine:
                 if out is not None:
                     self._deliver(out.request_id, out, True)
                 continue
+            if command[0] == "fail_all":
+                self._fail_all(command[1])
+                continue
             _, prompt_token_ids, params, request_id, sink = command
+            self._num_drained_adds += 1
             self._sinks[request_id] = sink
             try:
                 self.engine.add_request(prompt_token_ids, params, request_id)

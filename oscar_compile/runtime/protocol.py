@@ -6,6 +6,15 @@ Fields OpenAI defines but this server does not implement are accepted only at th
 value (``n: 1``, penalties 0, no ``logit_bias``...) and refused otherwise, naming the field.
 A few vLLM-style extensions are accepted: ``top_k``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``.
+
+Bounds follow OpenAI's API reference where it states one (at most 4 stop sequences, penalties in
+[-2, 2], ``metadata`` of 16 pairs, content required on every message without tool calls, a
+``tool_call_id`` on tool messages) and vLLM's protocol models otherwise (up to 20 logprobs). Where
+neither states a bound, one is set here so a single request cannot make the server do unbounded
+work per token: stop strings of at most ``MAX_STOP_CHARS`` characters, ``MAX_STOP_TOKEN_IDS``
+stop token ids, ``MAX_PROMPTS`` prompts in one completions request. ``check`` runs the checks
+pydantic's field types cannot express; ``max_tokens`` against the context is the server's check
+(it needs the prompt's length).
 """
 
 from __future__ import annotations
@@ -17,6 +26,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from oscar_compile.runtime.sampling_params import MAX_LOGPROBS, RequestError, SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy completions API default
+MAX_STOP_SEQUENCES = 4  # OpenAI: "up to 4 sequences"
+MAX_STOP_CHARS = 1024  # a stream holds back this many characters minus one
+MAX_STOP_TOKEN_IDS = 256
+MAX_PROMPTS = 128
+MAX_PENALTY = 2.0
+_METADATA_PAIRS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
 
 
 class _Strict(BaseModel):
@@ -44,23 +59,52 @@ class _Common(_Strict):
     user: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
-    service_tier: Optional[str] = None
+    service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority"]] = None
     # extensions
     top_k: Optional[int] = None
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
 
-    def check_unsupported(self) -> None:
+    def check(self) -> None:
+        """Refuse what the field types allow but OpenAI / vLLM refuse, or this server lacks."""
         if self.n != 1:
-            raise RequestError("n", "only n = 1 is supported")
+            raise RequestError("n", f"only n = 1 is supported, got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise RequestError(name, f"{name} must be in [-2, 2], got {value}")
+            if value != 0.0:
                 raise RequestError(name, f"{name} is not supported (must be 0)")
+        self._check_stops()
+        self._check_metadata()
         if self.logit_bias:
             raise RequestError("logit_bias", "logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options", "stream_options is only allowed with stream: true")
+
+    def _check_stops(self) -> None:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise RequestError("stop", f"stop takes at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}")
+        for text in stops:
+            if not text:
+                raise RequestError("stop", "stop sequences must not be empty")
+            if len(text) > MAX_STOP_CHARS:
+                raise RequestError("stop", f"stop sequences are at most {MAX_STOP_CHARS} characters, "
+                                   f"got one of {len(text)}")
+        if len(self.stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
+            raise RequestError("stop_token_ids", f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, "
+                               f"got {len(self.stop_token_ids)}")
+
+    def _check_metadata(self) -> None:
+        metadata = self.metadata or {}
+        if len(metadata) > _METADATA_PAIRS:
+            raise RequestError("metadata", f"metadata holds at most {_METADATA_PAIRS} pairs, got {len(metadata)}")
+        for key, value in metadata.items():
+            if len(key) > _METADATA_KEY_CHARS or len(value) > _METADATA_VALUE_CHARS:
+                raise RequestError("metadata", f"metadata keys are at most {_METADATA_KEY_CHARS} characters "
+                                   f"and values at most {_METADATA_VALUE_CHARS}")
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
         return SamplingParams(
@@ -84,8 +128,8 @@ class CompletionRequest(_Common):
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
+    def check(self) -> None:
+        super().check()
         if self.echo:
             raise RequestError("echo", "echo is not supported")
         if self.best_of not in (None, 1):
@@ -102,6 +146,8 @@ class CompletionRequest(_Common):
             raise RequestError("prompt", "prompt must not be empty")
         if isinstance(prompt[0], int):
             return [prompt]
+        if len(prompt) > MAX_PROMPTS:
+            raise RequestError("prompt", f"one request takes at most {MAX_PROMPTS} prompts, got {len(prompt)}")
         return list(prompt)
 
 
@@ -114,6 +160,21 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
+    tool_call_id: Optional[str] = None
+
+    def check(self, index: int) -> None:
+        """OpenAI: content is required unless the message makes tool calls (which this server
+        refuses), a content array holds at least one part, and only a tool message, which
+        must have one, answers a ``tool_call_id``."""
+        where = f"messages.{index}"
+        if self.content is None:
+            raise RequestError(f"{where}.content", f"{where}: a {self.role} message needs content")
+        if isinstance(self.content, list) and not self.content:
+            raise RequestError(f"{where}.content", f"{where}: content must hold at least one part")
+        if self.role == "tool" and not self.tool_call_id:
+            raise RequestError(f"{where}.tool_call_id", f"{where}: a tool message needs tool_call_id")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise RequestError(f"{where}.tool_call_id", f"{where}: only tool messages take tool_call_id")
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -135,8 +196,10 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict[str, Any]] = None
 
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
+    def check(self) -> None:
+        super().check()
+        for index, message in enumerate(self.messages):
+            message.check(index)
         if self.tools:
             raise RequestError("tools", "tool calling is not supported")
         if self.tool_choice not in (None, "none"):
@@ -146,8 +209,11 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs", "top_logprobs needs logprobs: true")
 
-    def requested_max_tokens(self) -> Optional[int]:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    def requested_max_tokens(self) -> tuple[str, Optional[int]]:
+        """(the field that set it, its value): ``max_completion_tokens`` wins, as in OpenAI's API."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
 
     def num_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -5,20 +5,29 @@ compressed with ``specs/oscar-int2.yaml`` and the rotations shipped beside it. W
 the default spec is ``specs/bf16.yaml`` (the same paged runtime, no compression) unless
 ``--spec`` says otherwise; ``--rotations`` defaults to ``<model>/rotations/<spec name>.safetensors``
 when that file exists.
+
+The server binds 127.0.0.1 unless told otherwise; binding another address without an API key
+(``--api-key`` or ``OSCAR_API_KEY``) logs a warning. SIGTERM / SIGINT drain it (shutdown.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 import sys
 
 logger = logging.getLogger("oscar_compile.runtime.serve")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m oscar_compile.runtime.serve",
-                                     description="OpenAI-compatible server for oscar_compile models")
+    return build_parser().parse_args(argv)
+
+
+def build_parser(prog: str = "python -m oscar_compile.runtime.serve") -> argparse.ArgumentParser:
+    """The serve flags; ``oscar_compile.bench.serve_random`` adds its own to them."""
+    parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for oscar_compile models")
     parser.add_argument("--model", help="Hugging Face model directory (default: the bundled tiny model)")
     parser.add_argument("--spec", help="compression spec YAML (default: oscar-int2 for the bundled model, else bf16)")
     parser.add_argument("--rotations", help="rotation artifact (default: <model>/rotations/<spec name>.safetensors)")
@@ -38,13 +47,61 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run one step at a time (by default a step's host work overlaps the next step on the device)")
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
-    return parser.parse_args(argv)
+    _add_server_args(parser)
+    return parser
+
+
+def _add_server_args(parser: argparse.ArgumentParser) -> None:
+    from oscar_compile.runtime import server_config as defaults
+
+    group = parser.add_argument_group("access and limits")
+    group.add_argument("--api-key", default=os.environ.get("OSCAR_API_KEY") or None,
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $OSCAR_API_KEY; unset: open)")
+    group.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the key too")
+    group.add_argument("--max-body-bytes", type=int, default=defaults.DEFAULT_MAX_BODY_BYTES,
+                       help="larger request bodies get 413 (default: %(default)s)")
+    group.add_argument("--max-waiting-requests", type=int, default=defaults.DEFAULT_MAX_WAITING_REQUESTS,
+                       help="with this many requests queued, new ones get 503 + Retry-After (default: %(default)s)")
+    group.add_argument("--request-timeout", type=float, metavar="S",
+                       help="abort a request (408, pages freed) still running after S seconds (default: none)")
+    group.add_argument("--shutdown-timeout", type=float, metavar="S", default=defaults.DEFAULT_SHUTDOWN_TIMEOUT_S,
+                       help="on SIGTERM/SIGINT, time for in-flight requests to finish (default: %(default)s)")
+    group.add_argument("--default-max-tokens", type=int, default=defaults.DEFAULT_CHAT_MAX_TOKENS,
+                       help="max_tokens of a chat request that sets none, capped by the context "
+                            "(default: %(default)s; completions keep OpenAI's 16)")
+
+
+def server_config(args: argparse.Namespace):
+    """The ServerConfig the flags describe (ValueError for a bad value)."""
+    from oscar_compile.runtime.server_config import ServerConfig
+
+    if args.api_key == "":
+        raise ValueError("--api-key must not be empty")
+    return ServerConfig(api_key=args.api_key, metrics_require_key=args.metrics_require_key,
+                        max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
+                        request_timeout_s=args.request_timeout, shutdown_timeout_s=args.shutdown_timeout,
+                        default_chat_max_tokens=args.default_max_tokens)
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning to log when ``host`` is reachable from other machines and no key is set."""
+    if api_key is not None:
+        return None
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        loopback = False
+    if loopback:
+        return None
+    return (f"binding {host} without an API key: anyone who can reach this address can use the "
+            f"server; pass --api-key or set OSCAR_API_KEY")
 
 
 def build_app(args: argparse.Namespace):
     """Load the model and return (FastAPI app, served model name)."""
+    server = server_config(args)  # refuse bad flags before loading anything
     from oscar_compile.runtime.async_engine import AsyncEngine
-    from oscar_compile.runtime.loader import (EngineConfig, build_engine, load_model,
+    from oscar_compile.runtime.loader import (build_engine, load_model,
                                               resolve_device, resolve_model_dir)
     from oscar_compile.runtime.server import create_app
 
@@ -53,17 +110,22 @@ def build_app(args: argparse.Namespace):
     model_dir = resolve_model_dir(args.model)
     device = resolve_device(args.device)
     model, tokenizer = load_model(model_dir, device)
-    config = EngineConfig(kv_memory_gb=args.kv_memory, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=args.max_model_len,
-                          enable_prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
-                          overlap_steps=not args.no_overlap)
+    config = engine_config(args)
     spec, rotations = compression_for(args, model_dir)
     config, make_runner = compress(model, spec, rotations, config)
     engine = build_engine(model, tokenizer, config, make_runner=make_runner)
     name = args.served_model_name or model_dir.name
     logger.info("serving %s from %s on %s with %s (rotations: %s)", name, model_dir, device, spec, rotations)
-    return create_app(AsyncEngine(engine), name), name
+    return create_app(AsyncEngine(engine), name, server), name
+
+
+def engine_config(args: argparse.Namespace):
+    from oscar_compile.runtime.loader import EngineConfig
+
+    return EngineConfig(kv_memory_gb=args.kv_memory, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                        enable_prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
+                        overlap_steps=not args.no_overlap)
 
 
 def compression_for(args: argparse.Namespace, model_dir):
@@ -88,10 +150,22 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, NotImplementedError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    run_server(app, args)
+    return 0
+
+
+def run_server(app, args: argparse.Namespace) -> None:
+    """Serve ``app`` until SIGTERM / SIGINT has drained it."""
+    warning = exposure_warning(args.host, args.api_key)
+    if warning:
+        logger.warning(warning)
     import uvicorn
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    from oscar_compile.runtime.shutdown import DrainingServer
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    DrainingServer(config, app.state.admission, args.shutdown_timeout).run()
 
 
 if __name__ == "__main__":

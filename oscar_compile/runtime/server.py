@@ -9,6 +9,11 @@ pydantic v2 (already a dependency) validates the bodies. ``http.server`` would n
 connection, hand-rolled chunked encoding and offers no reliable disconnect signal.
 
 Every error answers with the OpenAI body ``{"error": {"message", "type", "param", "code"}}``.
+What may come in is decided in layers, cheapest first: the API key and the body size in ASGI
+middleware (gate.py), then whether the server admits requests at all (admission.py: draining, a
+full queue), then the body's fields (protocol.py), then what needs the tokenized prompt (its
+length against the context, ``max_tokens``). Tokenizing and the chat template run on one worker
+thread, so a long prompt does not stall the event loop that serves every other client.
 """
 
 from __future__ import annotations
@@ -18,19 +23,23 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from oscar_compile.runtime.admission import Admission, Refused
 from oscar_compile.runtime.async_engine import AsyncEngine, EngineDeadError
+from oscar_compile.runtime.gate import ApiKeyGate, BodyLimit
 from oscar_compile.runtime.metrics import render_metrics
 from oscar_compile.runtime.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest,
                                             CompletionRequest)
 from oscar_compile.runtime.responses import Choice, Formatter, error_body, sse
 from oscar_compile.runtime.sampling_params import RequestError, SamplingParams
+from oscar_compile.runtime.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.5
@@ -44,8 +53,12 @@ class ApiError(Exception):
         self.status, self.type, self.param, self.code = status, type_, param, code
 
 
-def create_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
-    """The ASGI app; its lifespan starts and stops the engine thread."""
+def create_app(async_engine: AsyncEngine, model_name: str, config: ServerConfig | None = None) -> FastAPI:
+    """The ASGI app; its lifespan starts and stops the engine thread. ``app.state.admission``
+    is what a graceful shutdown drains (shutdown.py)."""
+    config = config or ServerConfig()
+    admission = Admission(async_engine, config.max_waiting_requests)
+    server = _Server(async_engine, model_name, config, admission)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -54,16 +67,29 @@ def create_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
             yield
         finally:
             async_engine.shutdown()
+            server.close()
+            _log_final_stats(async_engine.stats, admission)
 
-    app = FastAPI(title="oscar_compile", lifespan=lifespan)
-    server = _Server(async_engine, model_name)
+    # no redirect of "/v1/completions/" to "/v1/completions": a client gets a 404 it can read
+    app = FastAPI(title="oscar_compile", lifespan=lifespan, redirect_slashes=False)
+    app.state.admission = admission
     _add_error_handlers(app)
     app.get("/health")(server.health)
     app.get("/v1/models")(server.models)
     app.get("/metrics")(server.metrics)
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat_completions)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    if config.api_key is not None:  # added last: outermost, so a 401 never reads the body
+        app.add_middleware(ApiKeyGate, api_key=config.api_key, metrics_require_key=config.metrics_require_key)
     return app
+
+
+def _log_final_stats(stats: dict[str, float], admission: Admission) -> None:
+    logger.info("stopped: %d requests admitted, %d refused, %d finished (%d aborted); "
+                "KV pages in use: %d window, %d quant", admission.num_admitted, admission.num_refused,
+                stats["num_requests_finished"], stats["num_requests_aborted"],
+                stats["window_pages_used"], stats["quant_pages_used"])
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -73,6 +99,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request, err: ApiError):
         return reply(err.status, str(err), err.type, err.param, err.code)
+
+    @app.exception_handler(Refused)
+    async def _refused(_request, err: Refused):
+        return JSONResponse(error_body(str(err), err.type, None, err.code), status_code=err.status,
+                            headers=err.headers)
 
     @app.exception_handler(RequestError)
     async def _request_error(_request, err: RequestError):
@@ -107,17 +138,55 @@ async def _parse(request: Request, model_cls: type[BaseModel]):
         raise RequestError(param, where + what, code=first["type"]) from None
 
 
+def _error_kind(err: Exception) -> tuple[str, str | None]:
+    """(type, code) of the OpenAI error body for ``err``, as its exception handler would answer."""
+    if isinstance(err, ApiError):
+        return err.type, err.code
+    if isinstance(err, RequestError):
+        return "invalid_request_error", err.code
+    if isinstance(err, EngineDeadError):
+        return "service_unavailable", None
+    return "internal_error", None
+
+
+class _ReleasingStream(StreamingResponse):
+    """A stream that releases its admission when it ends, however it ends (a client that
+    leaves included), and closes its generator at once so its requests are aborted now."""
+
+    def __init__(self, content, release: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                self._release()
+
+
 class _Server:
-    def __init__(self, async_engine: AsyncEngine, model_name: str):
+    def __init__(self, async_engine: AsyncEngine, model_name: str, config: ServerConfig,
+                 admission: Admission):
         self.async_engine = async_engine
         self.engine = async_engine.engine
         self.tokenizer = async_engine.engine.tokenizer
         self.model_name = model_name
+        self.config = config
+        self.admission = admission
         self.created = int(time.time())
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="oscar-tokenize")
+
+    def close(self) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     async def health(self):
         if not self.async_engine.is_alive:
             raise EngineDeadError("the engine thread is not running")
+        if self.admission.draining:
+            raise ApiError(503, "the server is shutting down", "service_unavailable", code="shutting_down")
         return {"status": "ok"}
 
     async def models(self):
@@ -134,56 +203,121 @@ class _Server:
             raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
+    def _deadline(self) -> float | None:
+        timeout = self.config.request_timeout_s
+        return None if timeout is None else time.monotonic() + timeout
+
+    async def _in_tokenizer_thread(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
+
     async def completions(self, request: Request):
+        self.admission.check_open()
+        deadline = self._deadline()
         req = await _parse(request, CompletionRequest)
         self._check_model(req.model)
-        req.check_unsupported()
-        prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts()]
-        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-        params = req.sampling_params(max_tokens, req.logprobs)
+        req.check()
+        texts = req.prompts()
+        prompts = await self._in_tokenizer_thread(
+            lambda: [self.tokenizer.encode(p) if isinstance(p, str) else p for p in texts])
+        self._check_prompts(prompts, "prompt")
+        max_tokens = self._max_tokens("max_tokens", req.max_tokens, prompts, DEFAULT_COMPLETION_MAX_TOKENS)
+        params = self._sampling_params(req.sampling_params, max_tokens, req.logprobs)
         fmt = Formatter("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
                         self.tokenizer, req.logprobs is not None)
-        return await self._respond(request, fmt, prompts, params, req.stream, req.stream_options)
+        return await self._respond(request, fmt, prompts, params, req.stream, req.stream_options, deadline)
 
     async def chat_completions(self, request: Request):
+        self.admission.check_open()
+        deadline = self._deadline()
         req = await _parse(request, ChatCompletionRequest)
         self._check_model(req.model)
-        req.check_unsupported()
+        req.check()
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise RequestError("messages", "this model's tokenizer has no chat template")
-        ids = self.tokenizer.apply_chat_template(
-            [m.as_template_dict() for m in req.messages], add_generation_prompt=True,
-            tokenize=True, return_dict=False)
-        max_tokens = req.requested_max_tokens()
-        if max_tokens is None:  # like OpenAI: up to the end of the context
-            max_tokens = max(self.engine.max_new_tokens(len(ids)), 1)
-        params = req.sampling_params(max_tokens, req.num_logprobs())
+        ids = await self._in_tokenizer_thread(lambda: self._apply_chat_template(req))
+        self._check_prompts([ids], "messages")
+        field, requested = req.requested_max_tokens()
+        max_tokens = self._max_tokens(field, requested, [ids], self.config.default_chat_max_tokens)
+        params = self._sampling_params(req.sampling_params, max_tokens, req.num_logprobs())
         fmt = Formatter("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
                         self.tokenizer, req.logprobs)
-        return await self._respond(request, fmt, [list(ids)], params, req.stream, req.stream_options)
+        return await self._respond(request, fmt, [ids], params, req.stream, req.stream_options, deadline)
+
+    def _apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
+        from jinja2.exceptions import TemplateError
+
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                [m.as_template_dict() for m in req.messages], add_generation_prompt=True,
+                tokenize=True, return_dict=False)
+        except TemplateError as err:  # templates raise on what they refuse, e.g. a misplaced system message
+            raise RequestError("messages", f"the model's chat template refused the messages: {err}") from None
+        return list(ids)
+
+    def _check_prompts(self, prompts: list[list[int]], param: str) -> None:
+        """Token ids in the vocabulary, and room for at least one token after each prompt."""
+        for ids in prompts:
+            try:
+                self.engine.validate_request(ids, SamplingParams(max_tokens=1))
+            except RequestError as err:
+                raise RequestError(param, str(err), err.code) from None
+
+    def _max_tokens(self, field: str, requested: int | None, prompts: list[list[int]], default: int) -> int:
+        """``requested`` if every prompt leaves room for it, else a 400 naming ``field`` (as
+        OpenAI and vLLM refuse it, rather than cutting the output short); without one,
+        ``default`` capped by that room."""
+        longest = max(len(ids) for ids in prompts)
+        room = self.engine.max_new_tokens(longest)
+        if requested is None:
+            return max(min(default, room), 1)
+        if requested < 1:
+            raise RequestError(field, f"{field} must be >= 1, got {requested}")
+        if requested > room:
+            context = self.engine.max_model_len
+            if longest + room >= context:
+                what = f"This model's maximum context length is {context} tokens"
+            else:
+                what = f"The KV cache holds at most {longest + room} tokens for one request"
+            raise RequestError(field, f"{what}. However, you requested {longest + requested} tokens "
+                               f"({longest} in the prompt, {requested} in the completion). "
+                               f"Please reduce the prompt or {field}.", code="context_length_exceeded")
+        return requested
+
+    def _sampling_params(self, make: Callable[[int, Any], SamplingParams], max_tokens: int,
+                         logprobs) -> SamplingParams:
+        params = make(max_tokens, logprobs)
+        vocab = self.engine.runner.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise RequestError("stop_token_ids", f"stop_token_ids must be token ids in [0, {vocab})")
+        return params
 
     async def _respond(self, request: Request, fmt: Formatter, prompts: list[list[int]],
-                       params: SamplingParams, stream: bool, stream_options):
+                       params: SamplingParams, stream: bool, stream_options, deadline: float | None):
         for ids in prompts:  # refuse before queueing anything
             self.engine.validate_request(ids, params)
-        outputs = self._generate(prompts, params, fmt.request_id)
+        release = self.admission.enter()
+        outputs = self._generate(prompts, params, fmt.request_id, deadline)
         if stream:
             include_usage = bool(stream_options and stream_options.include_usage)
-            return StreamingResponse(self._stream(fmt, outputs, len(prompts), include_usage),
-                                     media_type="text/event-stream", headers=_SSE_HEADERS)
-        task = asyncio.ensure_future(self._collect(outputs, len(prompts)))
-        while not task.done():
-            await asyncio.wait([task], timeout=_DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()  # closes the generator, which aborts the requests
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                return JSONResponse(error_body("client disconnected"), status_code=499)
-        return JSONResponse(fmt.full(task.result()))
+            return _ReleasingStream(self._stream(fmt, outputs, len(prompts), include_usage), release,
+                                    media_type="text/event-stream", headers=_SSE_HEADERS)
+        try:
+            task = asyncio.ensure_future(self._collect(outputs, len(prompts)))
+            while not task.done():
+                await asyncio.wait([task], timeout=_DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()  # closes the generator, which aborts the requests
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    return JSONResponse(error_body("client disconnected"), status_code=499)
+            return JSONResponse(fmt.full(task.result()))
+        finally:
+            release()
 
-    async def _generate(self, prompts: list[list[int]], params: SamplingParams,
-                        request_id: str) -> AsyncIterator[tuple[int, Any]]:
-        """(choice index, RequestOutput) for every prompt; leaving early aborts the unfinished."""
+    async def _generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                        deadline: float | None) -> AsyncIterator[tuple[int, Any]]:
+        """(choice index, RequestOutput) for every prompt; leaving early (the client gone, the
+        deadline passed) aborts the unfinished, which frees their pages."""
         sink: asyncio.Queue = asyncio.Queue()
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         pending: set[int] = set()
@@ -192,7 +326,7 @@ class _Server:
                 self.async_engine.submit(prompt, params, ids[i], sink, tag=i)
                 pending.add(i)
             while pending:
-                index, item = await sink.get()
+                index, item = await self._next(sink, deadline)
                 if isinstance(item, BaseException):
                     raise item
                 if item.finished:
@@ -201,6 +335,16 @@ class _Server:
         finally:
             for index in pending:
                 self.async_engine.abort(ids[index])
+
+    async def _next(self, sink: asyncio.Queue, deadline: float | None):
+        if deadline is None:
+            return await sink.get()
+        try:
+            return await asyncio.wait_for(sink.get(), max(deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request ran past this server's request timeout of "
+                           f"{self.config.request_timeout_s:g} s and was aborted", "timeout_error",
+                           code="request_timeout") from None
 
     @staticmethod
     async def _collect(outputs: AsyncIterator[tuple[int, Any]], num_choices: int) -> list[Choice]:
@@ -226,7 +370,8 @@ class _Server:
                 yield sse(fmt.usage_chunk(choices))
         except Exception as err:  # headers are sent: the error can only travel in the stream
             logger.warning("stream %s failed: %s", fmt.request_id, err)
-            yield sse(error_body(str(err), "internal_error"))
+            type_, code = _error_kind(err)
+            yield sse(error_body(str(err), type_, None, code))
         finally:
             await outputs.aclose()
         yield sse("[DONE]")

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import socket
-import threading
-import time
 
 import pytest
 
@@ -19,27 +16,9 @@ from oscar_compile.runtime.llm import LLM  # noqa: E402
 from oscar_compile.runtime.loader import EngineConfig, build_engine  # noqa: E402
 from oscar_compile.runtime.sampling_params import SamplingParams  # noqa: E402
 from oscar_compile.runtime.server import create_app  # noqa: E402
+from server_http import get, post, running, wait_idle  # noqa: E402
 
 MODEL = "tiny"
-
-
-@contextlib.contextmanager
-def running(app):
-    """Serve ``app`` on a free loopback port in a thread; yields the port."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # a free port, held until uvicorn takes the socket over
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        uv.should_exit = True
-        thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -54,35 +33,6 @@ def server(tiny_model, tokenizer):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{server[0]}/v1", max_retries=0)
-
-
-def post(port: int, path: str, body: bytes | dict) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
-    response = conn.getresponse()
-    payload = json.loads(response.read())
-    conn.close()
-    return response.status, payload
-
-
-def get(port: int, path: str) -> tuple[int, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    conn.request("GET", path)
-    response = conn.getresponse()
-    text = response.read().decode()
-    conn.close()
-    return response.status, text
-
-
-def wait_idle(async_engine: AsyncEngine, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = async_engine.stats
-        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["quant_pages_used"] == 0:
-            return stats
-        time.sleep(0.05)
-    raise AssertionError(f"engine still busy: {async_engine.stats}")
 
 
 def test_completion_matches_offline_generation(client, tiny_model, tokenizer):
@@ -157,6 +107,35 @@ def test_many_concurrent_clients(client):
      "messages.0.role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function"}]}, 400, "tools"),
+    # refused as OpenAI / vLLM refuse them (protocol.py says where each bound comes from)
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 600}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": "s" * 1025}, 400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": list(range(257))}, 400,
+     "stop_token_ids"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "service_tier": "fastest"}, 400, "service_tier"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "metadata": {str(i): "v" for i in range(17)}}, 400,
+     "metadata"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["x"] * 129, "max_tokens": 1}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages.0.content"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": []}]}, 400,
+     "messages.0.content"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"},
+                                                           {"role": "tool", "content": "42"}]}, 400,
+     "messages.1.tool_call_id"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]},
+     400, "messages.0.tool_call_id"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x " * 600}]}, 400,
+     "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
 ])
 def test_bad_requests_get_an_openai_error_and_the_server_keeps_serving(server, path, body, status, param):
     port, _ = server

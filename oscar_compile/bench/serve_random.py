@@ -1,0 +1,72 @@
+"""Serve a random-weight Qwen3 of a benchmark shape: ``python -m oscar_compile.bench.serve_random``.
+
+    python -m oscar_compile.bench.serve_random --shape 8b [--mode int2|bf16] [serve options]
+
+For load tests at a real model's size without its weights: the shapes of
+``oscar_compile.bench.serve`` (``8b``: Qwen3-8B's layers, heads and vocabulary), rewritten by
+``apply`` with ``hadamard-int2`` (``int2``: the cost of OSCAR, no calibration data needed) or
+``bf16`` (the runtime's BF16 mode). The tokenizer is ``SpelledIdTokenizer`` (token n is the text
+" tn"): send token-id prompts; there is no chat template. Every other flag is the serve CLI's.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+logger = logging.getLogger("oscar_compile.bench.serve_random")
+_DEFAULT_MAX_MODEL_LEN = 4096
+
+
+def parse_args(argv: list[str] | None = None):
+    from oscar_compile.bench.serve import MODES, SHAPES
+    from oscar_compile.runtime import serve
+
+    parser = serve.build_parser(prog="python -m oscar_compile.bench.serve_random")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    parser.add_argument("--mode", choices=sorted(MODES), default="int2")
+    args = parser.parse_args(argv)
+    for name in ("model", "spec", "rotations"):
+        if getattr(args, name) is not None:
+            parser.error(f"--{name} does not apply: the model is random and its spec comes from --mode")
+    return args
+
+
+def build_app(args):
+    """(app, served model name) for a random model of ``args.shape`` in ``args.mode``."""
+    from oscar_compile.bench.e2e import SpelledIdTokenizer
+    from oscar_compile.bench.serve import mode_spec, random_model
+    from oscar_compile.runtime import serve
+    from oscar_compile.runtime.async_engine import AsyncEngine
+    from oscar_compile.runtime.llm import compress
+    from oscar_compile.runtime.loader import build_engine, resolve_device
+    from oscar_compile.runtime.server import create_app
+
+    server = serve.server_config(args)
+    max_len = args.max_model_len or _DEFAULT_MAX_MODEL_LEN
+    model = random_model(args.shape, max_len, resolve_device(args.device))
+    spec = mode_spec(args.shape, args.mode)
+    config, make_runner = compress(model, spec, None, serve.engine_config(args))  # neither needs data
+    vocab = model.config.get_text_config().vocab_size
+    engine = build_engine(model, SpelledIdTokenizer(vocab), config, make_runner=make_runner)
+    name = args.served_model_name or f"random-{args.shape}-{args.mode}"
+    logger.info("serving %s (random weights, %s) on %s", name, spec, next(model.parameters()).device)
+    return create_app(AsyncEngine(engine), name, server), name
+
+
+def main(argv: list[str] | None = None) -> int:
+    from oscar_compile.runtime import serve
+
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app, _ = build_app(args)
+    except (ValueError, NotImplementedError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    serve.run_server(app, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

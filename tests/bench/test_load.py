@@ -1,0 +1,89 @@
+"""The load generator end to end on the CPU: it launches a random tiny server, loads it with
+streams, whole responses and hang-ups, stops it with SIGTERM, and accounts for every request."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+pytest.importorskip("uvicorn")
+
+from oscar_compile.bench import load  # noqa: E402
+from oscar_compile.bench.load_client import RequestRecord  # noqa: E402
+from oscar_compile.bench.load_report import percentile, summarize  # noqa: E402
+from oscar_compile.bench.load_server import final_stats, server_command  # noqa: E402
+
+
+def test_a_launched_load_run_accounts_for_every_request(tmp_path, capsys):
+    out = tmp_path / "load.json"
+    assert load.main(["--launch", "random:tiny", "--server-args", "--device cpu --max-model-len 256 --kv-memory 0.01",
+                      "--concurrency", "1", "8", "--num-requests", "16", "--prompt-len", "8:40", "--output-len", "4:16",
+                      "--stream-share", "0.6", "--disconnect-share", "0.5", "--max-token-id", "500",
+                      "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [level["concurrency"] for level in result["levels"]] == [1, 8]
+    for level in result["levels"]:
+        s = level["summary"]
+        assert s["requests"] == 16 == s["completed"] + s["disconnected"] + s["errors"]
+        assert s["errors"] == 0 and s["errors_by_kind"] == {}
+        assert s["output_tokens"] == s["requested_output_tokens"] > 0  # ignore_eos: exactly max_tokens each
+        assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] and 0 < s["itl_ms"]["p50"] <= s["itl_ms"]["p99"]
+        assert level["pages_in_use"] == {"window": 0, "quant": 0} and level["still_running"] == 0
+    assert sum(level["summary"]["disconnected"] for level in result["levels"]) > 0
+    exit_ = result["server_exit"]
+    assert exit_["exit_code"] == 0 and exit_["pages_in_use_at_exit"] == {"window": 0, "quant": 0}
+    assert exit_["admitted"] == 8 + 32 and exit_["finished"] == exit_["admitted"]  # warm-up + two levels
+    assert "TTFT p50/p99 ms" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.1:8000", "http://example.com", "https://127.0.0.1:8000"])
+def test_only_loopback_servers_are_loaded(url):
+    with pytest.raises(ValueError, match="only targets"):
+        load.loopback_target(url, None)
+    assert load.main(["--url", url, "--num-requests", "1"]) == 2
+
+
+def test_loopback_urls_and_launch_commands():
+    assert load.loopback_target("http://127.0.0.1:9000", "k") == load.Target("127.0.0.1", 9000, "k")
+    assert load.loopback_target("http://localhost:9000", None).host == "localhost"
+    assert load.loopback_target("http://[::1]:9000", None).host == "::1"
+    assert server_command("random:8b", 5, ["--kv-memory", "40"])[2:] == [
+        "oscar_compile.bench.serve_random", "--shape", "8b", "--host", "127.0.0.1", "--port", "5", "--kv-memory", "40"]
+    assert server_command("bundled", 5, [])[2] == "oscar_compile.runtime.serve"
+    with pytest.raises(ValueError, match="--launch takes"):
+        server_command("/no/such/dir", 5, [])
+
+
+def test_workload_draws_within_its_ranges_and_refuses_bad_ones():
+    workload = load.Workload(prompt_len=(3, 5), output_len=(2, 2), stream_share=1.0, disconnect_share=1.0,
+                             max_token_id=7)
+    rng = random.Random(0)
+    for _ in range(50):
+        body, record, hang_up = workload.draw(rng, "m")
+        assert 3 <= len(body["prompt"]) <= 5 and all(1 <= t < 7 for t in body["prompt"])
+        assert body["max_tokens"] == 2 and body["stream"] and hang_up == 1 and record.stream
+    with pytest.raises(ValueError, match="prompt_len"):
+        load.Workload(prompt_len=(5, 3))
+    with pytest.raises(ValueError, match="stream_share"):
+        load.Workload(stream_share=1.5)
+
+
+def test_summary_figures():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([5.0], 99) == 5.0 and percentile([], 50) is None
+    done = RequestRecord(True, 4, 3, outcome="completed", start=0.0, end=1.0, event_times=[0.2, 0.5, 0.9],
+                         num_output_tokens=3)
+    failed = RequestRecord(False, 4, 3, outcome="error", error="http_503", start=0.0, end=0.1)
+    s = summarize([done, failed], wall_s=2.0)
+    assert (s["completed"], s["errors"], s["errors_by_kind"]) == (1, 1, {"http_503": 1})
+    assert s["output_tokens_per_s"] == 1.5 and s["ttft_ms"]["p50"] == pytest.approx(200.0)
+    assert s["itl_ms"]["p50"] == pytest.approx(350.0)
+
+
+def test_final_log_line_is_parsed():
+    line = ("x INFO oscar_compile.runtime.server: stopped: 9 requests admitted, 2 refused, 9 finished (3 aborted); "
+            "KV pages in use: 0 window, 1 quant")
+    assert final_stats(line) == {"admitted": 9, "refused": 2, "finished": 9, "aborted": 3,
+                                 "pages_in_use_at_exit": {"window": 0, "quant": 1}}
+    assert final_stats("nothing") is None
