@@ -152,8 +152,9 @@ class CompressedRunner:
                 window += pools[:2]
                 quant += pools[2:]
         swapper = HostSwap(num_bytes, window, quant, self.device)
+        has_windows = layout.num_window_pages_per_seq > 0  # else no window page is ever swapped
         if swapper.quant_page_bytes != layout.quant_page_bytes or (
-                window and swapper.window_page_bytes != layout.window_page_bytes):
+                has_windows and swapper.window_page_bytes != layout.window_page_bytes):
             raise ValueError(f"pool pages of {swapper.window_page_bytes} / {swapper.quant_page_bytes} bytes do "
                              f"not match the layout's {layout.window_page_bytes} / {layout.quant_page_bytes}")
         return swapper

@@ -163,6 +163,7 @@ class Scheduler:
         if self.block_manager.can_swap_out(seq):
             out.swap_out.append(self.block_manager.swap_out(seq))
             seq.status = SequenceStatus.SWAPPED
+            seq.num_swaps += 1
             self.num_swap_preemptions += 1
         else:
             self.block_manager.deallocate(seq)

@@ -71,6 +71,7 @@ class Sequence:
         self.swap: tuple[int, int, int] | None = None
         self.num_pending = 0
         self.num_preemptions = 0
+        self.num_swaps = 0  # of num_preemptions: swapped out (the others recomputed)
         # Filled by the engine as tokens are appended; plain Python values only.
         self.output_logprobs: list[Any] = []
         self.output_text = ""
