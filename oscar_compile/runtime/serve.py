@@ -32,6 +32,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="token budget of one step (prefill chunks + decodes)")
+    parser.add_argument("--prefill-staging-memory", type=float, metavar="GIB",
+                        help="full-precision staging of prompts prefilled in chunks, on top of --kv-memory "
+                             "(default: the history of one prompt of the context length; 0: off, later "
+                             "chunks read earlier ones quantized)")
+    parser.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
+                        help="host memory preempted sequences swap to (default 4; 0: recompute them)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix reuse")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="launch decode steps eagerly (no CUDA graphs)")
     parser.add_argument("--no-overlap", action="store_true",
@@ -57,7 +63,8 @@ def build_app(args: argparse.Namespace):
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len,
                           enable_prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
-                          overlap_steps=not args.no_overlap)
+                          overlap_steps=not args.no_overlap, prefill_staging_memory_gb=args.prefill_staging_memory,
+                          swap_space_gb=args.swap_space)
     spec, rotations = compression_for(args, model_dir)
     config, make_runner = compress(model, spec, rotations, config)
     engine = build_engine(model, tokenizer, config, make_runner=make_runner)

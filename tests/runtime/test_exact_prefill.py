@@ -14,6 +14,7 @@ import torch
 from oscar_compile import CompressionSpec, apply, calibrate
 from oscar_compile.runtime import LLM, SamplingParams
 from oscar_compile.runtime.loader import EngineConfig
+from oscar_compile.runtime.metrics import render_metrics
 from oscar_compile.runtime.sequence import FinishReason
 
 SPEC = CompressionSpec.from_dict({
@@ -120,6 +121,10 @@ def test_tight_page_budget_swaps_several_times_and_stays_exact(setup):
     stats = llm.engine.stats()
     assert stats["num_swap_preemptions"] >= 3 and stats["num_swap_ins"] == stats["num_swap_preemptions"]
     assert sum(s.num_swaps > 0 for s in seqs) >= 2
+    text = render_metrics(stats)  # /metrics counts both kinds of preemption and the staging pages
+    assert f"\noscar_swap_preemptions_total {stats['num_swap_preemptions']}\n" in text
+    assert f"\noscar_recompute_preemptions_total {stats['num_recompute_preemptions']}\n" in text
+    assert '\noscar_kv_pages_used{kind="staging"} 0\n' in text and "\noscar_staging_pages_peak " in text
     for prompt, got in zip(prompts, tokens):
         assert got == expected(prompt)
     _assert_all_free(llm)
