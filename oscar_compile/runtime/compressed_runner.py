@@ -181,22 +181,30 @@ class CompressedRunner:
                 self.run(self._scratch_batch(layout, num_seqs, chunk))
                 if num_seqs > 1:  # and an odd token count (a mixed step: decodes plus one chunk)
                     self.run(self._scratch_batch(layout, num_seqs, chunk, extra=1))
+                if self.op_constants:  # staged rows (16-bit history ops, the bulk W = 0 write)
+                    self.run(self._scratch_batch(layout, num_seqs, chunk, staged=True))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def _scratch_batch(self, layout: CacheLayout, num_seqs: int, chunk: int, extra: int = 0) -> Batch:
+    def _scratch_batch(self, layout: CacheLayout, num_seqs: int, chunk: int, extra: int = 0,
+                       staged: bool = False) -> Batch:
         """``num_seqs`` new sequences of ``chunk`` tokens (the first ``extra`` more) whose every
         page is a scratch page. The quant tables have the full width, as a running batch's do:
         the attention kernels plan history splits from it (split and unsplit compile apart; a
         batch of 16 once stalled 3 s on its first mixed step for want of the split variant)."""
         window = layout.num_window_pages_per_seq
         lens = [chunk + extra] + [chunk] * (num_seqs - 1)
+        staging = {}
+        if staged:  # every row ends its staging: the bulk write runs too (into the scratch pages)
+            width = max(1, layout.num_quant_pages_for(layout.num_history_tokens(chunk + extra)))
+            staging = dict(staging_tables=tuple([self.scratch_staging] * width for _ in lens),
+                           staging_ends=tuple(range(num_seqs)))
         return Batch(seq_ids=[-1 - i for i in range(num_seqs)], token_ids=[[0] * n for n in lens],
                      positions=[list(range(n)) for n in lens], cache_lens=[0] * num_seqs,
                      history_lens=[0] * num_seqs,
                      window_tables=[[self.scratch_window] * window for _ in lens],
                      quant_tables=[[self.scratch_quant] * self.quant_width for _ in lens],
-                     context_token_ids=[[0] * n for n in lens], layout=layout)
+                     context_token_ids=[[0] * n for n in lens], layout=layout, **staging)
 
     def _step_inputs(self, max_seqs: int, max_tokens: int) -> StepInputs:
         return StepInputs(max_seqs, max_tokens, self.layout.num_window_pages_per_seq, self.quant_width,

@@ -117,11 +117,14 @@ class StagedStep:
         widest = max(len(batch.staging_tables[i]) for i in staged)
         self.staging_s = _table([batch.staging_tables[i] for i in staged], widest, scratch_staging, device)
         # rows whose last known token is in this chunk: bulk-quantize their staged history
-        ends = list(batch.staging_ends)
+        def final_history(i):
+            return layout.num_history_tokens(batch.cache_lens[i] + len(batch.token_ids[i]))
+
+        ends = [i for i in batch.staging_ends if final_history(i) > 0]
         self.num_end_rows = len(ends)
         if ends:
             P, S0 = layout.page_size, layout.sink
-            hist = [layout.num_history_tokens(batch.cache_lens[i] + len(batch.token_ids[i])) for i in ends]
+            hist = [final_history(i) for i in ends]
             pages = [batch.staging_tables[i][:layout.num_quant_pages_for(h)] for i, h in zip(ends, hist)]
             if any(len(p) * P < h for p, h in zip(pages, hist)):
                 raise RuntimeError("a staged sequence's staging table is shorter than its history")
