@@ -49,6 +49,9 @@ class EngineConfig:
     prefill_staging_memory_gb: float | None = None
     num_staging_pages: int | None = None
     swap_space_gb: float = 4.0  # host memory preempted sequences swap to (pinned on CUDA); 0 = recompute
+    # "history": prefix-cache hits reuse sink and INT-b history pages (the continuation reads the
+    # shared prefix quantized); "sink": hits stop at the sink, so a hit computes what a miss does
+    prefix_hits: str = "history"
 
     def __post_init__(self) -> None:
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
@@ -62,6 +65,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.prefix_hits not in ("history", "sink"):
+            raise ValueError(f"prefix_hits must be 'history' or 'sink', got {self.prefix_hits!r}")
         if (self.num_window_pages is None) != (self.num_quant_pages is None):
             raise ValueError("give both num_window_pages and num_quant_pages, or neither")
 
@@ -158,7 +163,7 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
                                  num_staging_pages=num_staging, swap_space=swap if swap.num_bytes else None)
     if runner is None:
         runner = make_runner(block_manager) if make_runner is not None else RecomputeRunner(model)
-    block_manager.history_hits = bool(getattr(runner, "supports_history_hits", False))
+    block_manager.history_hits = config.prefix_hits == "history" and bool(getattr(runner, "supports_history_hits", False))
     if not getattr(runner, "supports_staging", False):  # e.g. the exact RecomputeRunner: nothing to stage
         block_manager.staging_pool = PagePool("staging", 0)
     if not getattr(runner, "supports_swapping", False):

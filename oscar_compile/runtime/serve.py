@@ -39,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
                         help="host memory preempted sequences swap to (default 4; 0: recompute them)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix reuse")
+    parser.add_argument("--prefix-hits", choices=("history", "sink"), default="history",
+                        help="what a prefix-cache hit reuses: sink and INT-b history pages (the continuation reads "
+                             "the shared prefix quantized), or the sink only (a hit computes what a miss does)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="launch decode steps eagerly (no CUDA graphs)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="run one step at a time (by default a step's host work overlaps the next step on the device)")
@@ -64,7 +67,7 @@ def build_app(args: argparse.Namespace):
                           max_model_len=args.max_model_len,
                           enable_prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
                           overlap_steps=not args.no_overlap, prefill_staging_memory_gb=args.prefill_staging_memory,
-                          swap_space_gb=args.swap_space)
+                          swap_space_gb=args.swap_space, prefix_hits=args.prefix_hits)
     spec, rotations = compression_for(args, model_dir)
     config, make_runner = compress(model, spec, rotations, config)
     engine = build_engine(model, tokenizer, config, make_runner=make_runner)

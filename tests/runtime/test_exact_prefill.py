@@ -164,3 +164,17 @@ def test_a_prompt_too_long_to_stage_is_refused(setup):
         llm.generate([prompt], PARAMS)
     assert llm.generate([prompt[:32]], PARAMS)[0].token_ids == setup[3](prompt[:32])
     _assert_all_free(llm)
+
+
+def test_prefix_hits_at_the_sink_only_equal_generate(setup):
+    """``prefix_hits="sink"``: a prompt sharing 40 tokens with an earlier one reuses the sink page
+    only and prefills the rest staged: the output of a miss, i.e. of generate()."""
+    *_, expected = setup
+    shared = _prompts(400, [40], seed=7)[0]
+    first, second = [shared + tail for tail in _prompts(400, [6, 21], seed=8)]
+    llm = _llm(setup, prefix_hits="sink")
+    assert llm.generate([first], PARAMS)[0].token_ids == expected(first)
+    assert llm.generate([second], PARAMS)[0].token_ids == expected(second)
+    bm = llm.engine.block_manager
+    assert bm.num_prefix_hit_tokens == SPEC.kv_cache.sink_tokens and bm.num_staged_prefills == 2
+    _assert_all_free(llm)
