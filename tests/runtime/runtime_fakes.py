@@ -121,7 +121,8 @@ def run_scheduler(scheduler: Scheduler, cache: IdentityCache, vocab: int = 50,
         stats["steps"] += 1
         assert stats["steps"] < max_steps, "no progress"
         out = scheduler.schedule()
-        cache.swap(out.swap_out, out.swap_in)
+        if out.swap_out or out.swap_in:  # (only with swap space; the identity cache follows the copies)
+            cache.swap(out.swap_out, out.swap_in)
         assert out.num_batched_tokens <= scheduler.max_num_batched_tokens
         assert len(scheduler.running) <= scheduler.max_num_seqs
         arrivals = [s.seq_id for s in scheduler.running]
