@@ -19,7 +19,13 @@ real ``CompressedRunner`` on a synthetic batch whose caches are pre-filled to th
 3. (``--e2e-batches``, first shape only) prompts of ``--e2e-prompt`` random tokens generating
    ``--e2e-output`` tokens through the whole runtime, INT2 and BF16 mode, against transformers'
    continuous batching (``generate_batch``) on the same model (see ``oscar_compile.bench.e2e``).
-Prints tables and writes JSON. ``--shapes tiny --device cpu`` is the CPU smoke run CI uses.
+4. (``--parts ttft swap``, first shape only, INT2) time to first token of ``--ttft-contexts``
+   prompts with deferred demotion (prompt-exact chunked prefill) against the old chunked prefill,
+   with the peak staging memory; the time to swap a ``--swap-context``-token sequence out to host
+   memory and back against recomputing it (see ``oscar_compile.bench.prefill_swap``).
+``--parts`` picks the sections (default: decode capacity e2e, the e2e rows only with
+``--e2e-batches``). Prints tables and writes JSON. ``--shapes tiny --device cpu`` is the CPU
+smoke run CI uses.
 """
 from __future__ import annotations
 
@@ -236,12 +242,16 @@ def run(args) -> dict:
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     max_len = max(args.contexts + args.capacity_contexts + [args.e2e_prompt + args.e2e_output]) + 1
     result = dict(device=_device_line(device), command=args.command, decode=[], capacity=[], e2e=[])
-    for shape in args.shapes:
+    if "ttft" in args.parts or "swap" in args.parts:
+        result.update(ttft=[], swap=[])
+        _prefill_swap_parts(args, device, result)
+    for shape in (args.shapes if "decode" in args.parts or "capacity" in args.parts else []):
         for mode in MODES:
             model, layout = build_model(shape, mode, max_len, device)
-            result["decode"] += decode_rows(model, layout, shape, mode, args.contexts, args.reps)
-            _save(result, args.out)
-            if args.capacity_contexts:
+            if "decode" in args.parts:
+                result["decode"] += decode_rows(model, layout, shape, mode, args.contexts, args.reps)
+                _save(result, args.out)
+            if args.capacity_contexts and "capacity" in args.parts:
                 budget = int(args.kv_memory * GIB) if args.kv_memory else _free_memory_bytes(device)
                 result["capacity"] += capacity_rows(model, layout, shape, mode, args.capacity_contexts, budget,
                                                     args.reps)
@@ -249,14 +259,14 @@ def run(args) -> dict:
             del model
             gc.collect()
             _empty_cache(device)
-            if args.compare_unfused:
+            if args.compare_unfused and "decode" in args.parts:
                 model, layout = build_model(shape, mode, max_len, device, fuse=False)
                 result["decode"] += decode_rows(model, layout, shape, mode, args.contexts, args.reps)
                 _save(result, args.out)
                 del model
                 gc.collect()
                 _empty_cache(device)
-    if args.e2e_batches:
+    if args.e2e_batches and "e2e" in args.parts:
         from oscar_compile.bench.e2e import e2e_rows
 
         def keep(row: dict) -> None:
@@ -269,6 +279,27 @@ def run(args) -> dict:
                  args.e2e_batches, args.e2e_prompt, args.e2e_output, args.e2e_kv_memory,
                  args.max_num_batched_tokens, args.e2e_time_limit, keep, args.e2e_systems)
     return result
+
+
+def _prefill_swap_parts(args, device: torch.device, result: dict) -> None:
+    from oscar_compile.bench import prefill_swap
+
+    shape = args.shapes[0]
+    parts = [p for p in ("ttft", "swap") if p in args.parts]
+    max_len = max(([max(args.ttft_contexts)] if "ttft" in parts else []) + ([args.swap_context] if "swap" in parts else [])) + 1
+    model, layout = build_model(shape, "int2", max_len, device)
+    vocab = model.config.vocab_size
+    if "ttft" in parts:
+        result["ttft"] += prefill_swap.ttft_rows(model, layout, shape, args.ttft_contexts,
+                                                 args.max_num_batched_tokens, vocab)
+        _save(result, args.out)
+    if "swap" in parts:
+        result["swap"] += prefill_swap.swap_rows(model, layout, shape, args.swap_context,
+                                                 args.max_num_batched_tokens, vocab, args.reps)
+        _save(result, args.out)
+    del model
+    gc.collect()
+    _empty_cache(device)
 
 
 def _save(result: dict, path: str | None) -> None:
@@ -313,6 +344,10 @@ def print_tables(result: dict) -> None:
         print(f"\n{'shape':>5} {'mode':>5} {'context':>8} {'max seqs':>8} {'tok/s':>9}")
     for c in result["capacity"]:
         print(f"{c['shape']:>5} {c['mode']:>5} {c['context']:>8} {c['max_seqs']:>8} {c.get('tokens_per_s', 0):>9.1f}")
+    if result.get("ttft") or result.get("swap"):
+        from oscar_compile.bench.prefill_swap import print_tables as print_prefill_swap
+
+        print_prefill_swap(result)
     if result["e2e"]:
         print(f"\n{'system':>16} {'batch':>5} {'tok/s':>9} {'user tok/s':>10} {'host %':>6}  note")
     for e in result["e2e"]:
@@ -340,6 +375,11 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill token budget per step (e2e)")
     parser.add_argument("--compare-unfused", action="store_true",
                         help="also time decode steps of models rewritten without the fused elementwise ops")
+    parser.add_argument("--parts", nargs="+", default=["decode", "capacity", "e2e"],
+                        choices=("decode", "capacity", "e2e", "ttft", "swap"), help="sections to run")
+    parser.add_argument("--ttft-contexts", nargs="+", type=int, default=[32768, 131072],
+                        help="prompt lengths of the TTFT rows (--parts ttft)")
+    parser.add_argument("--swap-context", type=int, default=100000, help="sequence length of the swap row (--parts swap)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=None, help="write the results as JSON here")

@@ -34,8 +34,27 @@ runner passes ``history_lens``); without them a hit also stops at the sink (R <=
 always a standard state.
 
 Exactness: equal hashes mean equal tokens, hence equal K/V for an exact runner. With a quantized
-cache, K/V of deeper layers depend on which earlier tokens were read back quantized, i.e. on how
-the prefix was chunked; a hit reuses one such chunking, as chunked prefill itself does.
+cache, a hit past the sink reads the shared history quantized where a miss would attend to those
+tokens in full precision (README, "Prefix-cache hits").
+
+Deferred demotion (prompt-exact chunked prefill). ``generate()`` attends over the whole prompt in
+full precision and quantizes afterwards; a prompt prefilled in chunks must do the same, or later
+chunks would read earlier ones back quantized. A sequence admitted with a prompt (more exactly:
+all its known tokens) that does not fit its first chunk is *staged*: it takes, at admission, the
+``ceil(h / P)`` full-precision **staging pages** its history ``h`` will need once every known token
+is cached, and the runner keeps its history rows there (16-bit rows) while it prefills. Its quant
+pages are taken as usual, as the history grows, so the page accounting does not change. At the
+step whose chunk reaches the last known token the runner quantizes the staged rows into the quant
+pages (the same bulk write ``generate()`` does) and ``end_staging`` frees the staging pages.
+Staging pages are reserved whole at admission, so a staged prefill never waits for staging
+memory midway (no deadlock between half-staged prompts). Not staged: a prompt that fits one chunk
+(exact already), one whose history stays empty, a hit past the sink (its history rows are shared
+INT-b pages), and the BF16 mode (nothing is quantized).
+
+Swapping. ``swap_out`` moves a preempted sequence's page contents to a range of host swap space
+(swap_space.py; the runner copies) and drops its page references, keeping its counters;
+``swap_in`` gives it fresh pages and the runner copies the contents back before it runs. A staged
+sequence is not swapped (its staging pages are large): it is recomputed, staged again.
 """
 
 from __future__ import annotations
@@ -47,6 +66,7 @@ from dataclasses import dataclass
 from oscar_compile.runtime.page_pool import PagePool
 from oscar_compile.runtime.pages import CacheLayout
 from oscar_compile.runtime.sequence import Sequence
+from oscar_compile.runtime.swap_space import SwapSpace
 
 _ROOT_HASH = b""
 
@@ -67,13 +87,29 @@ class PrefixMatch:
     quant_pages: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class SwapCopy:
+    """Pages to copy to (swap out) or from (swap in) the host range at byte ``offset``: window
+    pages first, then history pages, in the sequence's table order."""
+
+    offset: int
+    window_pages: tuple[int, ...]
+    quant_pages: tuple[int, ...]
+
+
 class BlockManager:
     def __init__(self, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
-                 enable_prefix_caching: bool = True, history_hits: bool = False):
+                 enable_prefix_caching: bool = True, history_hits: bool = False,
+                 num_staging_pages: int = 0, swap_space: SwapSpace | None = None):
         self.layout = layout
         self.history_hits = history_hits
         self.window_pool = PagePool("window", num_window_pages)
         self.quant_pool = PagePool("quant", num_quant_pages)
+        # no staging in the BF16 mode: nothing is ever quantized
+        self.staging_pool = PagePool("staging", 0 if layout.is_full_precision else num_staging_pages)
+        self.swap_space = swap_space
+        self.peak_staging_pages = 0
+        self.num_staged_prefills = 0
         self.enable_prefix_caching = enable_prefix_caching
         self.num_prefix_queried_tokens = 0
         self.num_prefix_hit_tokens = 0
@@ -120,16 +156,33 @@ class BlockManager:
             (window if is_sink else quant).append(page)
         return PrefixMatch((len(window) + len(quant)) * P, tuple(window), tuple(quant))
 
-    def can_allocate(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int) -> bool:
-        """Room to admit ``seq`` with ``match`` and to cache its first ``num_new_tokens``."""
+    def staging_need(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int) -> int:
+        """Staging pages ``seq`` takes if admitted with ``match`` and a first chunk of
+        ``num_new_tokens`` (0: not staged; the module docstring says when)."""
+        if not self.staging_pool.num_pages or match.num_tokens > self.layout.sink:
+            return 0
+        if match.num_tokens + num_new_tokens >= seq.num_tokens:
+            return 0
+        return self.layout.num_quant_pages_for(self.layout.num_history_tokens(seq.num_tokens))
+
+    def can_ever_stage(self, num_tokens: int) -> bool:
+        """Whether the staging pool can hold the history of a prompt of ``num_tokens`` alone."""
+        need = self.layout.num_quant_pages_for(self.layout.num_history_tokens(num_tokens))
+        return need <= self.staging_pool.num_pages
+
+    def can_allocate(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int,
+                     num_staging: int = 0) -> bool:
+        """Room to admit ``seq`` with ``match`` and to cache its first ``num_new_tokens``
+        (and ``num_staging`` staging pages)."""
         num_window = self.layout.num_window_pages_per_seq - len(match.window_pages)
         floor = max(0, match.num_tokens - self.layout.sink)
         history = self.layout.num_history_tokens(match.num_tokens + num_new_tokens, floor)
         num_quant = self.layout.num_quant_pages_for(history) - len(match.quant_pages)
         return (num_window <= self._num_available(self.window_pool, match.window_pages)
-                and num_quant <= self._num_available(self.quant_pool, match.quant_pages))
+                and num_quant <= self._num_available(self.quant_pool, match.quant_pages)
+                and num_staging <= self.staging_pool.num_available)
 
-    def allocate(self, seq: Sequence, match: PrefixMatch) -> None:
+    def allocate(self, seq: Sequence, match: PrefixMatch, num_staging: int = 0) -> None:
         """Give ``seq`` its window pages and the matched prefix; its cache then holds R tokens."""
         if seq.has_pages:
             raise RuntimeError(f"{seq} already has pages")
@@ -144,6 +197,10 @@ class BlockManager:
         seq.num_cached_tokens = seq.num_prefix_cached_tokens = match.num_tokens
         seq.num_cached_prompt_tokens = min(match.num_tokens, seq.num_prompt_tokens)
         seq.num_committed_blocks = len(match.window_pages) + len(match.quant_pages)
+        seq.staging_pages = [self.staging_pool.allocate() for _ in range(num_staging)]
+        if num_staging:
+            self.num_staged_prefills += 1
+            self.peak_staging_pages = max(self.peak_staging_pages, self.staging_pool.num_used)
         if self.enable_prefix_caching:
             self.num_prefix_queried_tokens += seq.num_tokens
             self.num_prefix_hit_tokens += match.num_tokens
@@ -175,18 +232,62 @@ class BlockManager:
                 self.quant_pool.register(seq.quant_pages[k - num_sink], seq.block_hashes[k])
         seq.num_committed_blocks = max(seq.num_committed_blocks, num_final)
 
+    def end_staging(self, seq: Sequence) -> None:
+        """The runner has quantized the staged history (every known token is cached): free the
+        staging pages."""
+        for page in seq.staging_pages:
+            self.staging_pool.release(page)
+        seq.staging_pages = []
+
     # ---- release -----------------------------------------------------------------------------
     def deallocate(self, seq: Sequence) -> None:
-        """Drop every page reference of ``seq`` (finish, abort or preemption).
+        """Drop every page reference of ``seq`` (finish, abort or preemption to recompute)."""
+        self._release_pages(seq)
+        if seq.swap is not None:  # ended while swapped out
+            self.swap_space.free(seq.swap[0])
+            seq.swap = None
+        seq.reset_cache_state()
 
-        Later blocks are released first so they sit ahead of their prefixes in the eviction
-        order: a chain loses its tail before its head.
-        """
+    def _release_pages(self, seq: Sequence) -> None:
+        """Later blocks are released first so they sit ahead of their prefixes in the eviction
+        order: a chain loses its tail before its head."""
         for page in reversed(seq.quant_pages):
             self.quant_pool.release(page)
         for page in reversed(seq.window_pages):
             self.window_pool.release(page)
-        seq.reset_cache_state()
+        self.end_staging(seq)
+        seq.window_pages, seq.quant_pages = [], []
+
+    # ---- swapping ----------------------------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        """Host room for ``seq``'s pages (staged or empty sequences are recomputed instead)."""
+        return (self.swap_space is not None and not seq.is_staged and seq.num_cached_tokens > 0
+                and self.swap_space.can_fit(len(seq.window_pages), len(seq.quant_pages)))
+
+    def swap_out(self, seq: Sequence) -> SwapCopy:
+        """Reserve host room for ``seq``'s pages and drop its device pages (their content is
+        copied out by the runner before this step's forward can overwrite them)."""
+        offset = self.swap_space.allocate(len(seq.window_pages), len(seq.quant_pages))
+        copy = SwapCopy(offset, tuple(seq.window_pages), tuple(seq.quant_pages))
+        seq.swap = (offset, len(seq.window_pages), len(seq.quant_pages))
+        self._release_pages(seq)
+        return copy
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        _, num_window, num_quant = seq.swap
+        history = self.history_len(seq, seq.num_cached_tokens + num_new_tokens)
+        num_quant = max(num_quant, self.layout.num_quant_pages_for(history))
+        return num_window <= self.window_pool.num_available and num_quant <= self.quant_pool.num_available
+
+    def swap_in(self, seq: Sequence) -> SwapCopy:
+        """Fresh device pages for a swapped-out ``seq``; the runner copies its content back."""
+        offset, num_window, num_quant = seq.swap
+        seq.window_pages = [self.window_pool.allocate() for _ in range(num_window)]
+        seq.quant_pages = [self.quant_pool.allocate() for _ in range(num_quant)]
+        self.swap_space.free(offset)  # the copy back is queued before any later copy reuses it
+        self.swap_space.num_swapped_in += 1
+        seq.swap = None
+        return SwapCopy(offset, tuple(seq.window_pages), tuple(seq.quant_pages))
 
     # ---- helpers -----------------------------------------------------------------------------
     def _update_hashes(self, seq: Sequence) -> None:

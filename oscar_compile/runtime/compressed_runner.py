@@ -28,7 +28,9 @@ from oscar_compile.kernels.pools import allocate_pools
 from oscar_compile.passes.hf_cache import OscarCache, uses_full_precision_pages
 from oscar_compile.runtime.pages import CacheLayout
 from oscar_compile.runtime.runner import Batch
+from oscar_compile.runtime.staging import StagedStep, allocate_staging_pools, layer_op_constants
 from oscar_compile.runtime.step_inputs import StepInputs
+from oscar_compile.runtime.swapper import HostSwap
 
 # an attention implementation name with no registered mask function: create_causal_mask returns None
 _NO_MASK_IMPLEMENTATION = "oscar_paged"
@@ -37,9 +39,10 @@ _NO_MASK_IMPLEMENTATION = "oscar_paged"
 class StepCache(OscarCache):
     """One packed step of many sequences, seen through the cache protocol of the rewritten graphs."""
 
-    def __init__(self, runner: "CompressedRunner", inputs: dict[str, torch.Tensor]):
+    def __init__(self, runner: "CompressedRunner", inputs: dict[str, torch.Tensor], staged: StagedStep | None = None):
         super().__init__([None] * runner.num_layers)
         self.runner = runner
+        self.staged = staged
         self.cu = inputs["cu_seqlens"]
         self.cache_lens = inputs["cache_lens"]
         self.history_lens = inputs["history_lens"]
@@ -54,10 +57,14 @@ class StepCache(OscarCache):
         pools = self.runner.pools[layer_idx]
         if uses_full_precision_pages(geometry):  # the quant table is a table of every token
             return (*flat, self.cu, self.cache_lens, self.quant_table, *pools, self.cu, None)
+        if self.staged is not None:  # staged rows run here, the graph's ops take the others
+            return self.staged.layer_inputs(layer_idx, *flat, pools)
         return (*flat, self.cu, self.cache_lens, self.window_table, self.quant_table, *pools, self.cu,
                 self.history_lens)
 
     def oscar_layer_outputs(self, layer_idx: int, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        if self.staged is not None and not uses_full_precision_pages(_geometry(self.runner.layout, layer_idx)):
+            out = self.staged.merge(layer_idx, out)
         return out.unsqueeze(0)  # [N, H, D] -> [1, N, H, D]
 
 
@@ -72,10 +79,13 @@ class CompressedRunner:
 
     supports_history_hits = True  # the INT-b ops get Batch.history_lens (see block_manager)
     supports_pending_tokens = True  # run(batch, pending_tokens): overlapped engine steps
+    supports_staging = True  # staged rows: deferred demotion (staging.py)
+    supports_swapping = True  # swap(swap_out, swap_in) to host swap space (swapper.py)
 
     def __init__(self, model: torch.nn.Module, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
                  max_seq_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 cuda_graphs: bool = True, max_graph_batch: int = 64):
+                 cuda_graphs: bool = True, max_graph_batch: int = 64, num_staging_pages: int = 0,
+                 swap_bytes: int = 0):
         report = getattr(model, "_oscar_compile_report", None)
         if report is None:
             raise ValueError("CompressedRunner needs a model rewritten by oscar_compile.apply")
@@ -93,6 +103,8 @@ class CompressedRunner:
         self.scratch_window, self.scratch_quant = num_window_pages, num_quant_pages  # the extra last pages
         self.pools = [self._layer_pools(layout, i, num_window_pages + 1, num_quant_pages + 1, dtype)
                       for i in range(self.num_layers)]
+        self._init_staging(layout, num_staging_pages, dtype)
+        self.swapper = self._host_swap(layout, swap_bytes) if swap_bytes else None
         longest = max_seq_len if max_seq_len is not None else num_quant_pages * layout.page_size
         self.quant_width = min(num_quant_pages, math.ceil(longest / layout.page_size))
         self.inputs = self._step_inputs(max_num_seqs, max_num_batched_tokens)
@@ -117,6 +129,42 @@ class CompressedRunner:
         return tuple(allocate_pools(num_quant, num_window, H, P, D, fmt.bits, fmt.group_size,
                                     fmt.scale_dtype, dtype, self.device))
 
+    def _init_staging(self, layout: CacheLayout, num_pages: int, dtype) -> None:
+        """Staging pools (16-bit history rows, one extra scratch page) for the INT-b layers."""
+        self.scratch_staging = num_pages
+        self.staging_pools: list[tuple | None] = [None] * self.num_layers
+        self.op_constants = {}
+        if not num_pages or layout.is_full_precision:
+            return
+        self.op_constants = layer_op_constants(self.model)
+        for i in range(self.num_layers):
+            if not uses_full_precision_pages(_geometry(layout, i)):
+                if i not in self.op_constants:
+                    raise ValueError(f"layer {i}: no oscar::attention / cache_write call found in its graph")
+                self.staging_pools[i] = allocate_staging_pools(layout, num_pages + 1, dtype, self.device)
+
+    def _host_swap(self, layout: CacheLayout, num_bytes: int) -> HostSwap:
+        window, quant = [], []
+        for i, pools in enumerate(self.pools):
+            if uses_full_precision_pages(_geometry(layout, i)):
+                quant += pools
+            else:
+                window += pools[:2]
+                quant += pools[2:]
+        swapper = HostSwap(num_bytes, window, quant, self.device)
+        has_windows = layout.num_window_pages_per_seq > 0  # else no window page is ever swapped
+        if swapper.quant_page_bytes != layout.quant_page_bytes or (
+                has_windows and swapper.window_page_bytes != layout.window_page_bytes):
+            raise ValueError(f"pool pages of {swapper.window_page_bytes} / {swapper.quant_page_bytes} bytes do "
+                             f"not match the layout's {layout.window_page_bytes} / {layout.quant_page_bytes}")
+        return swapper
+
+    def swap(self, swap_out: list, swap_in: list) -> None:
+        """Copy pages to host swap space and back (block_manager.SwapCopy lists), before the next run."""
+        if self.swapper is None:
+            raise RuntimeError("this runner was built without swap space")
+        self.swapper.swap(swap_out, swap_in)
+
     @torch.no_grad()
     def _compile_prefill_kernels(self, layout: CacheLayout) -> None:
         """Run prefill-shaped steps on the scratch pages now, so that Triton compiles the variants
@@ -133,22 +181,30 @@ class CompressedRunner:
                 self.run(self._scratch_batch(layout, num_seqs, chunk))
                 if num_seqs > 1:  # and an odd token count (a mixed step: decodes plus one chunk)
                     self.run(self._scratch_batch(layout, num_seqs, chunk, extra=1))
+                if self.op_constants:  # staged rows (16-bit history ops, the bulk W = 0 write)
+                    self.run(self._scratch_batch(layout, num_seqs, chunk, staged=True))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def _scratch_batch(self, layout: CacheLayout, num_seqs: int, chunk: int, extra: int = 0) -> Batch:
+    def _scratch_batch(self, layout: CacheLayout, num_seqs: int, chunk: int, extra: int = 0,
+                       staged: bool = False) -> Batch:
         """``num_seqs`` new sequences of ``chunk`` tokens (the first ``extra`` more) whose every
         page is a scratch page. The quant tables have the full width, as a running batch's do:
         the attention kernels plan history splits from it (split and unsplit compile apart; a
         batch of 16 once stalled 3 s on its first mixed step for want of the split variant)."""
         window = layout.num_window_pages_per_seq
         lens = [chunk + extra] + [chunk] * (num_seqs - 1)
+        staging = {}
+        if staged:  # every row ends its staging: the bulk write runs too (into the scratch pages)
+            width = max(1, layout.num_quant_pages_for(layout.num_history_tokens(chunk + extra)))
+            staging = dict(staging_tables=tuple([self.scratch_staging] * width for _ in lens),
+                           staging_ends=tuple(range(num_seqs)))
         return Batch(seq_ids=[-1 - i for i in range(num_seqs)], token_ids=[[0] * n for n in lens],
                      positions=[list(range(n)) for n in lens], cache_lens=[0] * num_seqs,
                      history_lens=[0] * num_seqs,
                      window_tables=[[self.scratch_window] * window for _ in lens],
                      quant_tables=[[self.scratch_quant] * self.quant_width for _ in lens],
-                     context_token_ids=[[0] * n for n in lens], layout=layout)
+                     context_token_ids=[[0] * n for n in lens], layout=layout, **staging)
 
     def _step_inputs(self, max_seqs: int, max_tokens: int) -> StepInputs:
         return StepInputs(max_seqs, max_tokens, self.layout.num_window_pages_per_seq, self.quant_width,
@@ -163,18 +219,25 @@ class CompressedRunner:
             self.inputs = self._step_inputs(max(batch.num_seqs, self.inputs.max_seqs),
                                             max(batch.num_tokens, self.inputs.max_tokens))
         inputs = self.inputs.load(batch, pending_tokens=pending_tokens)
+        staged = None
+        if batch.staging_tables:
+            if not self.op_constants:
+                raise RuntimeError("a staged batch reached a runner built without staging pages")
+            staged = StagedStep(batch, inputs, self.layout, self.staging_pools, self.op_constants,
+                                self.scratch_window, self.scratch_quant, self.scratch_staging)
         self.mark_forward()
         last = inputs["cu_seqlens"][1:].long() - 1  # each sequence's last new token
-        return self.forward(inputs, last).float()
+        return self.forward(inputs, last, staged).float()
 
     def mark_forward(self) -> None:
         if self.forward_started is not None:
             self.forward_started.record()
 
-    def forward(self, inputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None,
+                staged: StagedStep | None = None) -> torch.Tensor:
         """The model over one packed step: logits ``[N, vocab]`` of every new token, or of ``rows``
         only (the LM head of an 8k-token prefill chunk would otherwise make 8k x vocab logits)."""
-        cache = StepCache(self, inputs)
+        cache = StepCache(self, inputs, staged)
         kwargs = {self.cache_kwarg: cache}
         if rows is not None and self.keeps_logit_rows:
             kwargs["logits_to_keep"] = rows
@@ -220,6 +283,9 @@ def runner_factory(model: torch.nn.Module, layout: CacheLayout, config=None):
         if config is not None:
             kwargs.update(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                           cuda_graphs=config.cuda_graphs)
+        swap = block_manager.swap_space
+        kwargs.update(num_staging_pages=block_manager.staging_pool.num_pages,
+                      swap_bytes=swap.num_bytes if swap is not None else 0)
         return CompressedRunner(model, layout, block_manager.window_pool.num_pages, block_manager.quant_pool.num_pages,
                                 **kwargs)
 

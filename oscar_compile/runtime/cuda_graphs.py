@@ -44,7 +44,7 @@ class DecodeGraphs:
 
     def can_run(self, batch: Batch) -> bool:
         """Graphs are captured and this is a decode step (one new token per sequence) they cover."""
-        return (bool(self.graphs) and 0 < batch.num_seqs <= self.max_batch
+        return (bool(self.graphs) and 0 < batch.num_seqs <= self.max_batch and not batch.staging_tables
                 and batch.num_tokens == batch.num_seqs and all(len(ids) == 1 for ids in batch.token_ids))
 
     @torch.no_grad()

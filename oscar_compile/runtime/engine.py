@@ -105,6 +105,14 @@ class LLMEngine:
                 f"the prompt has {num_prompt} (plus at least 1 to generate)",
                 code="context_length_exceeded",
             )
+        if (num_prompt > self.scheduler.max_num_batched_tokens and self.block_manager.staging_pool.num_pages
+                and not self.block_manager.can_ever_stage(num_prompt)):
+            raise RequestError(
+                "prompt",
+                f"a prompt of {num_prompt} tokens is prefilled in chunks, and its history does not fit the "
+                "prefill staging memory: raise --prefill-staging-memory (or --max-num-batched-tokens)",
+                code="context_length_exceeded",
+            )
         num_tokens = min(num_prompt + params.max_tokens, self.max_model_len)
         if not self.block_manager.can_ever_fit(num_tokens):
             raise RequestError(
@@ -147,6 +155,8 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        if out.swap_out or out.swap_in:  # queued before this step's forward, which may reuse the pages
+            self.runner.swap(out.swap_out, out.swap_in)
         launched = self._launch(out) if not out.is_empty else None
         previous, self._in_flight = self._in_flight, None
         outputs = self._read_samples(previous) if previous is not None else []
@@ -200,7 +210,8 @@ class LLMEngine:
     def _build_batch(self, out: SchedulerOutput, pending_src: dict[int, int]) -> Batch:
         fields: dict[str, list] = {name: [] for name in (
             "seq_ids", "token_ids", "positions", "cache_lens", "history_lens",
-            "window_tables", "quant_tables", "context_token_ids", "pending_rows", "pending_src")}
+            "window_tables", "quant_tables", "context_token_ids", "pending_rows", "pending_src",
+            "staging_tables", "staging_ends")}
         for row, (seq, num_new) in enumerate(zip(out.seqs, out.num_new_tokens)):
             L = seq.num_cached_tokens
             ids = seq.token_ids[L:L + num_new]
@@ -216,8 +227,13 @@ class LLMEngine:
             fields["window_tables"].append(seq.window_pages)
             fields["quant_tables"].append(seq.quant_pages)
             fields["context_token_ids"].append(seq.token_ids)
-        fields["pending_rows"] = tuple(fields["pending_rows"])
-        fields["pending_src"] = tuple(fields["pending_src"])
+            fields["staging_tables"].append(seq.staging_pages)
+            if seq.is_staged and L + num_new >= seq.num_tokens:
+                fields["staging_ends"].append(row)
+        for name in ("pending_rows", "pending_src", "staging_ends"):
+            fields[name] = tuple(fields[name])
+        if not any(fields["staging_tables"]):
+            fields["staging_tables"] = ()
         return Batch(layout=self.block_manager.layout, **fields)
 
     def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
@@ -284,8 +300,17 @@ class LLMEngine:
                  "generation_tokens_per_s": self.generation_tokens_per_s(),
                  "prefix_cache_hit_rate": bm.prefix_hit_rate,
                  "prefix_cache_queried_tokens": bm.num_prefix_queried_tokens,
-                 "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens}
-        for pool in (bm.window_pool, bm.quant_pool):
+                 "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,
+                 "num_swap_preemptions": self.scheduler.num_swap_preemptions,
+                 "num_recompute_preemptions": self.scheduler.num_preemptions - self.scheduler.num_swap_preemptions,
+                 "num_staged_prefills": bm.num_staged_prefills,
+                 "staging_pages_peak": bm.peak_staging_pages}
+        swap = bm.swap_space
+        stats["swap_space_bytes"] = swap.num_bytes if swap is not None else 0
+        stats["swap_space_used_bytes"] = swap.num_used_bytes if swap is not None else 0
+        stats["num_swapped"] = swap.num_ranges if swap is not None else 0
+        stats["num_swap_ins"] = swap.num_swapped_in if swap is not None else 0
+        for pool in (bm.window_pool, bm.quant_pool, bm.staging_pool):
             stats[f"{pool.kind}_pages_total"] = pool.num_pages
             stats[f"{pool.kind}_pages_used"] = pool.num_used
             stats[f"{pool.kind}_pages_cached"] = pool.num_cached

@@ -14,8 +14,10 @@ import torch
 
 from oscar_compile.runtime.block_manager import BlockManager
 from oscar_compile.runtime.engine import LLMEngine
+from oscar_compile.runtime.page_pool import PagePool
 from oscar_compile.runtime.pages import GIB, CacheLayout, plan_pages
 from oscar_compile.runtime.runner import ModelRunner, RecomputeRunner
+from oscar_compile.runtime.swap_space import SwapSpace
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +43,30 @@ class EngineConfig:
     num_quant_pages: int | None = None
     cuda_graphs: bool = True  # replay captured CUDA graphs for decode steps (compressed runner on a GPU)
     overlap_steps: bool = True  # host work of step n while step n + 1 runs (engine.py; compressed runner)
+    # full-precision staging of prompts prefilled in chunks (block_manager, "Deferred demotion"), on
+    # top of the KV budget: None = room for the history of one prompt of the context length; 0 = off
+    # (later chunks then read earlier ones back quantized). num_staging_pages overrides it (tests).
+    prefill_staging_memory_gb: float | None = None
+    num_staging_pages: int | None = None
+    swap_space_gb: float = 4.0  # host memory preempted sequences swap to (pinned on CUDA); 0 = recompute
+    # "history": prefix-cache hits reuse sink and INT-b history pages (the continuation reads the
+    # shared prefix quantized); "sink": hits stop at the sink, so a hit computes what a miss does
+    prefix_hits: str = "history"
 
     def __post_init__(self) -> None:
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
             raise ValueError(f"kv_memory_gb must be > 0, got {self.kv_memory_gb}")
+        for name in ("prefill_staging_memory_gb", "num_staging_pages", "swap_space_gb"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.prefix_hits not in ("history", "sink"):
+            raise ValueError(f"prefix_hits must be 'history' or 'sink', got {self.prefix_hits!r}")
         if (self.num_window_pages is None) != (self.num_quant_pages is None):
             raise ValueError("give both num_window_pages and num_quant_pages, or neither")
 
@@ -103,6 +120,16 @@ def default_kv_memory_bytes(device: torch.device) -> int:
     return int(_CPU_KV_MEMORY_GB * GIB)
 
 
+def num_staging_pages(config: EngineConfig, layout: CacheLayout, num_quant_pages: int, max_model_len: int) -> int:
+    """Staging pages (full precision, all layers: ``layout.window_page_bytes`` each) the config asks for."""
+    if config.num_staging_pages is not None:
+        return config.num_staging_pages
+    if config.prefill_staging_memory_gb is not None:
+        return int(config.prefill_staging_memory_gb * GIB) // layout.window_page_bytes
+    longest = min(max_model_len, num_quant_pages * layout.page_size + layout.sink + layout.recent)
+    return layout.num_quant_pages_for(layout.num_history_tokens(longest))
+
+
 def build_engine(model, tokenizer, config: EngineConfig | None = None,
                  runner: ModelRunner | None = None,
                  make_runner: Callable[[BlockManager], ModelRunner] | None = None) -> LLMEngine:
@@ -128,12 +155,19 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
         expected = config.expected_seq_len or min(max_model_len, 4096)
         plan = plan_pages(layout, kv_bytes, config.max_num_seqs, expected)
         num_window, num_quant = plan.num_window_pages, plan.num_quant_pages
-    logger.info("KV pages: %d window (%d B each), %d quant (%d B each)", num_window,
-                layout.window_page_bytes, num_quant, layout.quant_page_bytes)
-    block_manager = BlockManager(layout, num_window, num_quant, config.enable_prefix_caching)
+    num_staging = num_staging_pages(config, layout, num_quant, max_model_len)
+    logger.info("KV pages: %d window (%d B each), %d quant (%d B each), %d staging (%d B each)", num_window,
+                layout.window_page_bytes, num_quant, layout.quant_page_bytes, num_staging, layout.window_page_bytes)
+    swap = SwapSpace(int(config.swap_space_gb * GIB), layout.window_page_bytes, layout.quant_page_bytes)
+    block_manager = BlockManager(layout, num_window, num_quant, config.enable_prefix_caching,
+                                 num_staging_pages=num_staging, swap_space=swap if swap.num_bytes else None)
     if runner is None:
         runner = make_runner(block_manager) if make_runner is not None else RecomputeRunner(model)
-    block_manager.history_hits = bool(getattr(runner, "supports_history_hits", False))
+    block_manager.history_hits = config.prefix_hits == "history" and bool(getattr(runner, "supports_history_hits", False))
+    if not getattr(runner, "supports_staging", False):  # e.g. the exact RecomputeRunner: nothing to stage
+        block_manager.staging_pool = PagePool("staging", 0)
+    if not getattr(runner, "supports_swapping", False):
+        block_manager.swap_space = None
     return LLMEngine(runner, tokenizer, block_manager, max_model_len,
                      config.max_num_seqs, config.max_num_batched_tokens, eos_token_ids(model, tokenizer),
                      overlap=config.overlap_steps)

@@ -26,6 +26,19 @@ _SCALARS = (
      "Tokens looked up in the prefix cache at admission.", "prefix_cache_queried_tokens"),
     ("oscar_prefix_cache_hit_tokens_total", "counter",
      "Tokens found in the prefix cache at admission.", "prefix_cache_hit_tokens"),
+    ("oscar_swap_preemptions_total", "counter",
+     "Preemptions that swapped the sequence's pages to host memory.", "num_swap_preemptions"),
+    ("oscar_recompute_preemptions_total", "counter",
+     "Preemptions that freed the pages to recompute (swap space full, or still prefilling).",
+     "num_recompute_preemptions"),
+    ("oscar_swap_ins_total", "counter", "Swapped-out sequences copied back to the device.", "num_swap_ins"),
+    ("oscar_requests_swapped", "gauge", "Sequences whose pages sit in host swap space.", "num_swapped"),
+    ("oscar_swap_space_bytes", "gauge", "Host swap space.", "swap_space_bytes"),
+    ("oscar_swap_space_used_bytes", "gauge", "Host swap space holding swapped-out pages.",
+     "swap_space_used_bytes"),
+    ("oscar_staged_prefills_total", "counter",
+     "Prompts prefilled in chunks with their history staged in full precision.", "num_staged_prefills"),
+    ("oscar_staging_pages_peak", "gauge", "Most staging pages in use at once.", "staging_pages_peak"),
 )
 # (name, help, stats key suffix); labelled by page kind
 _PAGES = (
@@ -35,7 +48,7 @@ _PAGES = (
      "pages_cached"),
     ("oscar_kv_pages_free", "KV pages holding nothing.", "pages_free"),
 )
-PAGE_KINDS = ("window", "quant")
+PAGE_KINDS = ("window", "quant", "staging")  # staging: full-precision history of chunked prefills
 
 
 def render_metrics(stats: dict[str, float]) -> str:

@@ -41,6 +41,12 @@ class Batch:
       previous step sampled and the host has not read yet: ``token_ids`` holds a placeholder and
       the runner takes the token from row ``pending_src[j]`` of that step's sampled ids (its
       ``run(batch, pending_tokens)``). Only runners with ``supports_pending_tokens`` get them.
+    - ``staging_tables[i]``: staging page ids of a staged sequence (block_manager, "Deferred
+      demotion"), ``[]`` for the others; the whole field is ``()`` when no row is staged. A staged
+      row keeps its history rows in full precision in those pages (its quant table is allocated
+      alongside); ``staging_ends`` lists the rows whose chunk caches their last known token: after
+      writing it the runner quantizes the staged history into the quant pages. A runner without
+      ``supports_staging`` never gets staged rows (it need not look at these fields).
     """
 
     seq_ids: list[int]
@@ -54,6 +60,8 @@ class Batch:
     layout: CacheLayout
     pending_rows: tuple[int, ...] = ()
     pending_src: tuple[int, ...] = ()
+    staging_tables: tuple[Seq[int], ...] = ()
+    staging_ends: tuple[int, ...] = ()
 
     @property
     def num_seqs(self) -> int:
@@ -79,6 +87,10 @@ class ModelRunner(Protocol):
     ``supports_history_hits``: True if the runner honours ``Batch.history_lens`` when it is larger
     than ``max(0, L - W - S0)`` (ring starting empty after a prefix hit); if False or absent,
     prefix hits stop at the sink (see block_manager).
+
+    ``swap(swap_out, swap_in)`` (lists of ``block_manager.SwapCopy``) copies page contents to host
+    swap space and back, queued before the next ``run``; the engine calls it only when the block
+    manager has swap space (runners with ``supports_swapping``).
     """
 
     vocab_size: int

@@ -6,11 +6,17 @@ prompt (chunked prefill) up to what is left of the budget. Then waiting sequence
 arrival order while budget, sequence slots and pages allow; the head of the queue is never
 skipped, so no request starves (FCFS).
 
-When a running sequence needs a page and none is left, the newest running sequence is preempted:
-its pages are freed and it goes back to the front of the queue, to be recomputed (its tokens are
-kept; its finished history blocks stay in the prefix cache until evicted, so recomputation is
-often cheap). The oldest sequence is never preempted for a newer one, and ``add`` refuses a request
-that could not fit the pools even alone, so every request finishes.
+When a running sequence needs a page and none is left, the newest running sequence is preempted
+and goes back to the front of the queue. With host swap space (block_manager, "Swapping") its
+pages are swapped out and swapped back in before it runs again: exact, and cheap next to
+recomputing a long context. Without room there (or while it is still staged) its pages are freed
+and it is recomputed (its tokens are kept; its finished history blocks stay in the prefix cache
+until evicted). The oldest sequence is never preempted for a newer one, and ``add`` refuses a
+request that could not fit the pools even alone, so every request finishes.
+
+A prompt that needs several chunks is admitted with its staging pages (block_manager, "Deferred
+demotion") or waits at the head of the queue until they are free; one whose history the staging
+pool could never hold is admitted only when the step's budget takes the whole prompt at once.
 
 Invariant (tested): every running sequence arrived before every waiting one, so ``running`` is
 sorted by arrival and ``running[-1]`` is the newest.
@@ -22,7 +28,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from oscar_compile.runtime.block_manager import BlockManager
+from oscar_compile.runtime.block_manager import BlockManager, SwapCopy
 from oscar_compile.runtime.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -35,6 +41,8 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[SwapCopy] = field(default_factory=list)  # copy these out before the forward
+    swap_in: list[SwapCopy] = field(default_factory=list)  # then these in
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)
@@ -63,6 +71,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0  # of num_preemptions: swapped out (the rest are recomputed)
 
     @property
     def num_waiting(self) -> int:
@@ -107,15 +116,17 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.num_cached_tokens += num_new
+            if seq.is_staged and seq.num_cached_tokens >= seq.num_tokens:
+                self.block_manager.end_staging(seq)  # the runner quantized the staged history
             self.block_manager.commit(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence (stop, length or abort) wherever it is and free its pages."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+        elif seq.status in (SequenceStatus.WAITING, SequenceStatus.SWAPPED) and seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.has_pages:
+        if seq.has_pages or seq.swap is not None:
             self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -141,33 +152,60 @@ class Scheduler:
         """Preempt the newest running sequences until ``seq`` can grow; False if seq went too."""
         while not self.block_manager.can_append(seq, num_new):
             victim = self.running[-1]
-            self._preempt(victim)
+            self._preempt(victim, out)
             out.preempted.append(victim)
             if victim is seq:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.pop()
-        self.block_manager.deallocate(seq)
-        seq.status = SequenceStatus.WAITING
+        if self.block_manager.can_swap_out(seq):
+            out.swap_out.append(self.block_manager.swap_out(seq))
+            seq.status = SequenceStatus.SWAPPED
+            seq.num_swaps += 1
+            self.num_swap_preemptions += 1
+        else:
+            self.block_manager.deallocate(seq)
+            seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        logger.debug("preempted %s", seq)
+        logger.debug("preempted %s (%s)", seq, seq.status.value)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        block_manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            match = block_manager.match_prefix(seq)
-            num_new = min(seq.num_tokens - match.num_tokens, budget)
-            if not block_manager.can_allocate(seq, match, num_new):
+            num_new = (self._swap_in(seq, budget, out) if seq.status is SequenceStatus.SWAPPED
+                       else self._admit(seq, budget))
+            if not num_new:
                 break
             self.waiting.popleft()
-            block_manager.allocate(seq, match)
-            block_manager.may_append(seq, num_new)
+            self.block_manager.may_append(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.add(seq, num_new)
             budget -= num_new
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Allocate the pages (and staging pages) of a new or recomputed ``seq``; its first chunk
+        length, or 0 if it must wait."""
+        block_manager = self.block_manager
+        match = block_manager.match_prefix(seq)
+        num_new = min(seq.num_tokens - match.num_tokens, budget)
+        num_staging = block_manager.staging_need(seq, match, num_new)
+        if num_staging > block_manager.staging_pool.num_pages:
+            if seq.num_output_tokens == 0:
+                return 0  # a prompt too long to stage: only in one chunk (engine.validate_request)
+            num_staging = 0  # recomputing a sequence that has outputs: inexact anyway
+        if not block_manager.can_allocate(seq, match, num_new, num_staging):
+            return 0
+        block_manager.allocate(seq, match, num_staging)
+        return num_new
+
+    def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        num_new = min(seq.num_uncached_tokens, budget)
+        if num_new < 1 or not self.block_manager.can_swap_in(seq, num_new):
+            return 0
+        out.swap_in.append(self.block_manager.swap_in(seq))
+        return num_new

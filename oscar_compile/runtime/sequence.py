@@ -17,6 +17,7 @@ from oscar_compile.runtime.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its pages copied to host swap space (waiting to swap in)
     FINISHED = "finished"
 
 
@@ -41,6 +42,10 @@ class Sequence:
     usage report, past the release of the pages at the finish.
     ``block_hashes[k]`` chains the ids of tokens ``[0, (k+1)P)``; the first
     ``num_committed_blocks`` blocks have final content in the cache and are registered for reuse.
+    ``staging_pages`` (non-empty only while a prompt is prefilled in several chunks) is the
+    sequence's table of full-precision staging pages: its history rows wait there, unquantized,
+    until the last prompt chunk (deferred demotion, see block_manager). ``swap`` is where its
+    pages sit in host swap space while it is swapped out: ``(offset, num_window, num_quant)``.
     ``num_pending`` tokens (0 or 1 between steps) were sampled on the device and not yet read by
     the host (overlapped steps, see engine.py): they follow ``token_ids`` and the next step may
     already run them.
@@ -62,8 +67,11 @@ class Sequence:
         self.num_cached_prompt_tokens = 0
         self.block_hashes: list[bytes] = []
         self.num_committed_blocks = 0
+        self.staging_pages: list[int] = []
+        self.swap: tuple[int, int, int] | None = None
         self.num_pending = 0
         self.num_preemptions = 0
+        self.num_swaps = 0  # of num_preemptions: swapped out (the others recomputed)
         # Filled by the engine as tokens are appended; plain Python values only.
         self.output_logprobs: list[Any] = []
         self.output_text = ""
@@ -99,7 +107,12 @@ class Sequence:
 
     @property
     def has_pages(self) -> bool:
-        return bool(self.window_pages or self.quant_pages)
+        return bool(self.window_pages or self.quant_pages or self.staging_pages)
+
+    @property
+    def is_staged(self) -> bool:
+        """Prefilling with deferred demotion: history rows in full-precision staging pages."""
+        return bool(self.staging_pages)
 
     def append_token(self, token_id: int) -> None:
         """Add a sampled token; its K/V enters the cache at the next step."""
@@ -109,6 +122,7 @@ class Sequence:
         """Forget everything cached (after preemption): the tokens stay and will be recomputed."""
         self.window_pages = []
         self.quant_pages = []
+        self.staging_pages = []
         self.num_cached_tokens = 0
         self.num_prefix_cached_tokens = 0
         self.num_committed_blocks = 0

@@ -41,7 +41,16 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve") -> argpars
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="token budget of one step (prefill chunks + decodes)")
+    parser.add_argument("--prefill-staging-memory", type=float, metavar="GIB",
+                        help="full-precision staging of prompts prefilled in chunks, on top of --kv-memory "
+                             "(default: the history of one prompt of the context length; 0: off, later "
+                             "chunks read earlier ones quantized)")
+    parser.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
+                        help="host memory preempted sequences swap to (default 4; 0: recompute them)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix reuse")
+    parser.add_argument("--prefix-hits", choices=("history", "sink"), default="history",
+                        help="what a prefix-cache hit reuses: sink and INT-b history pages (the continuation reads "
+                             "the shared prefix quantized), or the sink only (a hit computes what a miss does)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="launch decode steps eagerly (no CUDA graphs)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="run one step at a time (by default a step's host work overlaps the next step on the device)")
@@ -125,7 +134,8 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(kv_memory_gb=args.kv_memory, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         enable_prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
-                        overlap_steps=not args.no_overlap)
+                        overlap_steps=not args.no_overlap, prefill_staging_memory_gb=args.prefill_staging_memory,
+                        swap_space_gb=args.swap_space, prefix_hits=args.prefix_hits)
 
 
 def compression_for(args: argparse.Namespace, model_dir):

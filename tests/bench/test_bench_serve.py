@@ -50,3 +50,17 @@ def test_host_share_is_the_idle_part_of_the_decode_phase_on_the_device_clock():
     summary = clock.summary()
     assert summary["decode_steps"] == 3
     assert abs(summary["host_share_of_decode_step"] - 2 / 114) < 1e-12
+
+
+def test_prefill_and_swap_parts_smoke(tmp_path):
+    """``--parts ttft swap`` alone on the CPU: both prefill paths, one swap round trip."""
+    out = tmp_path / "parts.json"
+    assert main(["--shapes", "tiny", "--device", "cpu", "--parts", "ttft", "swap", "--ttft-contexts", "200",
+                 "--swap-context", "150", "--max-num-batched-tokens", "64", "--reps", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert not result["decode"] and not result["capacity"]
+    rows = {r["deferred_demotion"]: r for r in result["ttft"]}
+    assert rows[True]["ttft_s"] > 0 and rows[False]["ttft_s"] > 0
+    assert rows[True]["staging_peak_bytes"] > 0 == rows[False]["staging_peak_bytes"]
+    (swap,) = result["swap"]
+    assert swap["bytes"] > 0 and swap["swap_out_ms"] > 0 and swap["recompute_ms"] > 0

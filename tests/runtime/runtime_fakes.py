@@ -26,6 +26,7 @@ class IdentityCache:
         self.standard_only = standard_only
         self.window: dict[tuple[int, int], object] = {}
         self.quant: dict[tuple[int, int], object] = {}
+        self.host: dict[tuple, object] = {}  # swap space: (range offset, kind, page index, row)
         self._idents: dict[int, list[int]] = {}
 
     def ident(self, seq: Sequence, pos: int) -> int:
@@ -64,6 +65,20 @@ class IdentityCache:
             store, key = self._where(seq, pos, h_new)
             store[key] = self.ident(seq, pos)
 
+    def swap(self, swap_out, swap_in) -> None:
+        """Copy page contents to the host and back, as the runner does for a scheduler output."""
+        P = self.layout.page_size
+        for copy in swap_out:
+            for kind, store, pages in (("w", self.window, copy.window_pages), ("q", self.quant, copy.quant_pages)):
+                for j, page in enumerate(pages):
+                    for r in range(P):
+                        self.host[(copy.offset, kind, j, r)] = store.get((page, r), GARBAGE)
+        for copy in swap_in:
+            for kind, store, pages in (("w", self.window, copy.window_pages), ("q", self.quant, copy.quant_pages)):
+                for j, page in enumerate(pages):
+                    for r in range(P):
+                        store[(page, r)] = self.host.pop((copy.offset, kind, j, r))
+
     def check(self, seq: Sequence) -> None:
         """Every cached position reads back its own identity."""
         h = self.bm.history_len(seq)
@@ -83,7 +98,8 @@ def next_token(cache: IdentityCache, seq: Sequence, vocab: int) -> int:
 
 def check_page_invariants(bm: BlockManager, live: list[Sequence]) -> None:
     """Reference counts equal the number of holders; every page is used, cached or free once."""
-    for pool, attr in ((bm.window_pool, "window_pages"), (bm.quant_pool, "quant_pages")):
+    for pool, attr in ((bm.window_pool, "window_pages"), (bm.quant_pool, "quant_pages"),
+                       (bm.staging_pool, "staging_pages")):
         holders = [0] * pool.num_pages
         for seq in live:
             for page in getattr(seq, attr):
@@ -105,6 +121,8 @@ def run_scheduler(scheduler: Scheduler, cache: IdentityCache, vocab: int = 50,
         stats["steps"] += 1
         assert stats["steps"] < max_steps, "no progress"
         out = scheduler.schedule()
+        if out.swap_out or out.swap_in:  # (only with swap space; the identity cache follows the copies)
+            cache.swap(out.swap_out, out.swap_in)
         assert out.num_batched_tokens <= scheduler.max_num_batched_tokens
         assert len(scheduler.running) <= scheduler.max_num_seqs
         arrivals = [s.seq_id for s in scheduler.running]

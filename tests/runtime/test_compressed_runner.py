@@ -178,6 +178,9 @@ def test_prefix_cache_hits_past_the_sink_with_the_int2_runner(setup):
     block_manager docstring, "Exactness"). Greedy decoding amplifies any difference at a near-tie,
     so the check is on the first token and its logprob (0.05 nats apart here; a runner that
     demoted stale ring slots into the shared pages moves it by 0.2 - 0.7 and the pages change).
+    Staging is off in both runs (``num_staging_pages=0``): both then chunk their prompts the same
+    way and the difference is the hit's alone (with staging, the miss's chunks would attend to
+    each other in full precision, test_exact_prefill.py).
     """
     tokenizer, model, rot = setup
     shared = _prompts(len(tokenizer), [40], seed=7)[0]
@@ -186,7 +189,7 @@ def test_prefix_cache_hits_past_the_sink_with_the_int2_runner(setup):
     outputs = {}
     for caching in (True, False):
         config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=5,
-                              enable_prefix_caching=caching)
+                              enable_prefix_caching=caching, num_staging_pages=0)
         llm = LLM(copy.deepcopy(model), spec=SPEC, rotations=rot, tokenizer=tokenizer, config=config)
         bm, runner = llm.engine.block_manager, llm.engine.runner
         assert bm.history_hits
