@@ -508,6 +508,7 @@ def gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits: int, group_siz
 MAXNREG = 128
 SMEM_PER_SM = 227 * 1024  # sm_90: shared memory a multiprocessor gives its blocks
 SMEM_RESERVED_PER_BLOCK = 1024
+MIN_SPLIT_TOKENS = 256  # shorter histories are not split (the Triton plan's 2 blocks of 128)
 
 
 def programs_per_sm(maxnreg: int, head_dim: int, num_heads_n: int, window_bytes: int = 2) -> int:
@@ -529,6 +530,12 @@ def plan_gluon_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, sink: in
     48 splits 24 µs). At least 2 tiles per split, whole tiles per split, and splits of at most
     MAX_SPLIT_TOKENS for precision, as in the Triton plan; nwin programs share the windows so
     that their chain of tiles is no longer than a history split's."""
+    if max_hist <= MIN_SPLIT_TOKENS:
+        # one split and one window program, whatever the table width: a CUDA-graph step (full-width
+        # tables) and an eager one (tables trimmed to the batch) then launch the same programs,
+        # and their outputs agree bitwise (tests/runtime/test_cuda_graphs.py), as the Triton plan's
+        # no-split rule below 2 x 128 tokens gives
+        return 1, 1
     slots = programs_per_sm(maxnreg, head_dim, max(8, triton.next_power_of_2(g))) * num_sms(device)
     per_split = N * H_kv
     tiles = triton.cdiv(max_hist, TILE_TOKENS)

@@ -53,6 +53,13 @@ PAGE_KINDS = ("window", "quant", "staging")  # staging: full-precision history o
 
 def render_metrics(stats: dict[str, float]) -> str:
     lines: list[str] = []
+    # which oscar::attention kernel ran in this process (Gluon on sm_90 decode, Triton otherwise)
+    from oscar_compile.kernels.attention_dispatch import kernels_in_use
+
+    lines += ["# HELP oscar_attention_kernel_info The attention kernels that ran, and why each was chosen.",
+              "# TYPE oscar_attention_kernel_info gauge"]
+    lines += [f'oscar_attention_kernel_info{{kernel="{kernel}",reason="{_label(why)}"}} 1'
+              for kernel, why in sorted(kernels_in_use().items())]
     for name, kind, help_text, key in _SCALARS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {_fmt(stats[key])}"]
     for name, help_text, suffix in _PAGES:
@@ -60,6 +67,11 @@ def render_metrics(stats: dict[str, float]) -> str:
         for page_kind in PAGE_KINDS:
             lines.append(f'{name}{{kind="{page_kind}"}} {_fmt(stats[f"{page_kind}_{suffix}"])}')
     return "\n".join(lines) + "\n"
+
+
+def _label(text: str) -> str:
+    """A Prometheus label value: backslash, quote and newline escaped."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _fmt(value: float) -> str:

@@ -100,3 +100,37 @@ def test_the_interpreter_never_gets_the_gluon_kernel(monkeypatch):
     finally:
         ad.gluon_device_problem.cache_clear()
     assert problem is not None
+
+
+def test_launch_plan_fills_whole_waves_and_ignores_table_width_for_short_caches(monkeypatch):
+    """Shapes only; numbers for a 132-SM H200 at the default register cap (4 programs per SM)."""
+    from oscar_compile.kernels import attention_gluon as ag
+
+    monkeypatch.setattr(ag, "num_sms", lambda device: 132)
+    slots = ag.programs_per_sm(ag.MAXNREG, 128, 8) * 132
+    assert slots == 4 * 132
+
+    def plan(B, max_hist):
+        return ag.plan_gluon_launch(B, B, 8, 4, max_hist, 64, 256, None)
+
+    for B, ctx in ((1, 8192), (8, 32768), (32, 8192), (1, 131072)):
+        nsplit, nwin = plan(B, ctx)
+        tiles = -(-ctx // 64)
+        assert nsplit * B * 8 <= slots or nsplit >= -(-ctx // ag.MAX_SPLIT_TOKENS)  # one wave, or precision
+        assert -(-tiles // nsplit) >= 2 and nwin >= 1  # at least two tiles per split
+    assert plan(32, 8192)[0] == 2  # 256 (token, head) pairs: two splits fill the 528 slots
+    assert plan(32, 131072)[0] % 2 == 0  # several waves for precision: whole ones
+    # a graph step plans for the full table width, an eager one for the batch's longest: below
+    # 256 tokens both get one split and one window program, so their outputs agree bitwise
+    assert plan(8, 256) == plan(8, 64) == (1, 1)
+
+
+def test_metrics_say_which_attention_kernel_ran(monkeypatch):
+    from oscar_compile.runtime import metrics
+
+    stats = {key: 0 for *_, key in metrics._SCALARS}
+    stats.update({f"{kind}_{suffix}": 0 for *_, suffix in metrics._PAGES for kind in metrics.PAGE_KINDS})
+    monkeypatch.setattr(ad, "_used", {"gluon": "sm_90", "triton": 'a "prefill-like" batch'})
+    text = metrics.render_metrics(stats)
+    assert '\noscar_attention_kernel_info{kernel="gluon",reason="sm_90"} 1\n' in text
+    assert 'oscar_attention_kernel_info{kernel="triton",reason="a \\"prefill-like\\" batch"} 1' in text
