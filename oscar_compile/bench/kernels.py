@@ -187,6 +187,18 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
     return row
 
 
+def decode_layers(ctx: int, B: int, dev, num_layers: int | None = None):
+    """(q, k, cu_seqlens, cache_lens, bytes, [(pools, tables)] per layer buffer) of a decode step
+    of B sequences of ctx tokens, INT2 with fp16 scales; as many buffers as flush the L2."""
+    q = torch.randn(B, H_Q, D, device=dev, dtype=torch.bfloat16)
+    kn = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
+    cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
+    lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
+    nbytes = int2_bytes(B, ctx, torch.float16)
+    layers = [int2_layer(B, ctx, torch.float16, dev) for _ in range(num_layers or num_buffers(nbytes))]
+    return q, kn, cu, lens, nbytes, layers
+
+
 def gluon_runs() -> bool:
     """The Gluon Hopper kernel can run here (sm_90 and a Triton with Gluon)."""
     from oscar_compile.kernels.attention_dispatch import gluon_device_problem
@@ -200,12 +212,7 @@ def bench_gluon_variants(ctx: int, B: int) -> list[dict]:
     from oscar_compile.kernels.attention_gluon import MAXNREG, attention_gluon, plan_gluon_launch
 
     dev = torch.device("cuda")
-    q = torch.randn(B, H_Q, D, device=dev, dtype=torch.bfloat16)
-    kn = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
-    cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
-    lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
-    nbytes = int2_bytes(B, ctx, torch.float16)
-    layers = [int2_layer(B, ctx, torch.float16, dev) for _ in range(num_buffers(nbytes))]
+    q, kn, cu, lens, nbytes, layers = decode_layers(ctx, B, dev)
     max_hist = layers[0][1][1].shape[1] * P
     out = []
     sweep = []
@@ -250,12 +257,7 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     from oscar_compile.kernels.attention_triton import attention_triton, plan_launch, window_programs
 
     dev = torch.device("cuda")
-    q = torch.randn(B, H_Q, D, device=dev, dtype=torch.bfloat16)
-    kn = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
-    cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
-    lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
-    nbytes = int2_bytes(B, ctx, torch.float16)
-    layers = [int2_layer(B, ctx, torch.float16, dev) for _ in range(num_buffers(nbytes))]
+    q, kn, cu, lens, nbytes, layers = decode_layers(ctx, B, dev)
     max_hist = layers[0][1][1].shape[1] * P
     out = []
     block_n = 128
@@ -410,12 +412,7 @@ def profile_launches(ctx: int, B: int, kernel: str) -> None:
     from oscar_compile.kernels.attention_triton import attention_triton
 
     fn = {"gluon": attention_gluon, "triton": attention_triton}[kernel]
-    dev = torch.device("cuda")
-    q = torch.randn(B, H_Q, D, device=dev, dtype=torch.bfloat16)
-    kn = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
-    cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
-    lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
-    pools, tables = int2_layer(B, ctx, torch.float16, dev)
+    q, kn, cu, lens, _, ((pools, tables),) = decode_layers(ctx, B, torch.device("cuda"), num_layers=1)
     for _ in range(5):
         fn(q, kn, kn, cu, lens, *tables, *pools, D ** -0.5, SINK, RECENT, BITS, GROUP)
     torch.cuda.synchronize()
