@@ -1,0 +1,252 @@
+"""Register-level pieces of the Gluon decode kernel (attention_gluon.py): layouts that are the
+wgmma fragments, the decode of 2-bit codes into them, and the loads of one 64-token history step.
+
+Each layout is written as a linear layout, so that a thread's loads are its share of the A
+fragment and ``convert_layout(..., assert_trivial=True)`` moves no data (docs/cache-format.md,
+"How the Hopper kernel reads the planar rows").
+"""
+from __future__ import annotations
+
+from oscar_compile.kernels.gluon_compat import gl, gluon
+
+TILE_TOKENS = 64  # tokens per warpgroup step: the wgmma M of the key dot, the K of the value dot
+TILE = gl.constexpr(TILE_TOKENS)
+NEG_INIT = gl.constexpr(-1.0e30)  # finite: a fully masked step gives alpha = 1, p = 0, never NaN
+# Decode of one 32-bit word of codes into the 16 fp16 values of its 4 planes, as subnormals
+# c * 2^(2 p - 24) (attention_blocks_triton._dequant_asm, four planes at once): two byte permutes
+# put bytes (0, 1) and (2, 3) into the low byte of each 16-bit half, one AND per plane and half
+# pair keeps a plane's bits. Outputs 4 p .. 4 p + 3 are plane p of bytes 0, 1, 2, 3.
+_MASKS = "".join(f"and.b32 t, lo, {0x00030003 << (2 * p):#010x}; mov.b32 {{${4 * p}, ${4 * p + 1}}}, t; "
+                 f"and.b32 t, hi, {0x00030003 << (2 * p):#010x}; mov.b32 {{${4 * p + 2}, ${4 * p + 3}}}, t; "
+                 for p in range(4))
+KEY_WORD = gl.constexpr("{ .reg .b32 lo, hi, t, z; mov.b32 z, 0; prmt.b32 lo, $16, z, 0x4140; "
+                        "prmt.b32 hi, $16, z, 0x4342; " + _MASKS + "}")
+# The same from four separate bytes (the value codes of 4 tokens, one byte each, bytes (0, 1) then
+# (2, 3) of the word), shifted right by $20 bits first (the plane pair of a warp at D = 64).
+VALUE_BYTES = gl.constexpr("{ .reg .b32 lo, hi, t; prmt.b32 lo, $16, $17, 0x5410; "
+                           "prmt.b32 hi, $18, $19, 0x5410; shr.b32 lo, lo, $20; shr.b32 hi, hi, $20; "
+                           + _MASKS + "}")
+
+
+# ------------------------------------------------------------------ layouts (compile-time)
+@gluon.constexpr_function
+def _mma_layout(NH):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
+
+
+@gluon.constexpr_function
+def _key_words_layout(NW):
+    """[64 tokens, NW words]: warp w, lane 4 g + t hold tokens 16 w + g (+ 8), words of thread t."""
+    per = NW // 4
+    reg = [[0, 1 << i] for i in range(per.bit_length() - 1)] + [[8, 0]]
+    lane = [[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=[[16, 0], [32, 0]],
+                                      block_bases=[], shape=[TILE_TOKENS, NW])
+
+
+@gluon.constexpr_function
+def _value_bytes_layout(WP, X):
+    """[X, 4 (v), 4 (t), WP bytes, 2 (b), 2 (e)]: lane 4 g + t of warp w holds the bytes of
+    tokens 16 v + 8 b + 2 t + e in byte column g + 8 w (D = 128, X = 1), or in column
+    g + 8 (w & 1) for plane pair x = w >> 1 (D = 64, X = 2: two warps read each byte)."""
+    reg = [[0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 1, 0], [0, 1, 0, 0, 0, 0], [0, 2, 0, 0, 0, 0]]
+    lane = [[0, 0, 1, 0, 0, 0], [0, 0, 2, 0, 0, 0], [0, 0, 0, 1, 0, 0], [0, 0, 0, 2, 0, 0],
+            [0, 0, 0, 4, 0, 0]]
+    warp = [[0, 0, 0, 8, 0, 0], [0, 0, 0, 16, 0, 0] if X == 1 else [1, 0, 0, 0, 0, 0]]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
+                                      shape=[X, 4, 4, WP, 2, 2])
+
+
+@gluon.constexpr_function
+def _rows_layout(D):
+    """[64, D] 16-bit rows, 16 bytes per thread along D (window tiles, the query)."""
+    tpr = min(32, D // 8)
+    return gl.BlockedLayout([1, 8], [32 // tpr, tpr], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _vec_layout():
+    return gl.BlockedLayout([1], [32], [4], [0])
+
+
+# ------------------------------------------------------------------ small helpers
+@gluon.jit
+def _decode_key_words(words):
+    """int32 words -> 16 fp16 tensors (KEY_WORD's outputs), each in the words' layout."""
+    return gl.inline_asm_elementwise(KEY_WORD, "=h," * 16 + "r", [words], dtype=(gl.float16,) * 16,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _decode_value_bytes(x00, x10, x01, x11, shift):
+    """Four byte tensors (token offsets e + 8 b: x_eb) -> 16 fp16 tensors (VALUE_BYTES)."""
+    return gl.inline_asm_elementwise(VALUE_BYTES, "=h," * 16 + "r,r,r,r,r", [x00, x10, x01, x11, shift],
+                                     dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _pow2(e):
+    """2^e as float32 for integer tensors -126 <= e <= 127, from its bits (exact)."""
+    return ((e + 127) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _kappa_channel(kappa, WP: gl.constexpr):
+    """Channel whose code sits at contraction index kappa of the key dot (see module doc)."""
+    NMU: gl.constexpr = WP // 16
+    e = kappa & 1
+    t = (kappa >> 1) & 3
+    i0 = (kappa >> 3) & 1
+    s = kappa >> 4
+    return WP * (s // NMU) + 4 * NMU * t + 4 * (s % NMU) + 2 * i0 + e
+
+
+@gluon.jit
+def _value_channel(m, WP: gl.constexpr, X: gl.constexpr):
+    """(channel, bit offset of its decoded code) of row m of the value dot's output
+    (m = g + 8 a + 16 w + 64 r): the row holds the code times 2^(offset - 24)."""
+    g = m & 7
+    a = (m >> 3) & 1
+    w = (m >> 4) & 3
+    r = m >> 6
+    if X == 1:
+        return g + 8 * w + WP * (a + 2 * r), 2 * (a + 2 * r)
+    # D = 64: plane a + 2 x of byte column g + 8 (w & 1), shifted down by 4 x bits first
+    return g + 8 * (w & 1) + WP * (a + 2 * (w >> 1)), 2 * a
+
+
+@gluon.jit
+def _seq_of_token(cu_ptr, n, B):
+    """Sequence of flat token n: #{j in [1, B]: cu[j] <= n} (cu non-decreasing, cu[0] = 0)."""
+    vec: gl.constexpr = _vec_layout()
+    count = n * 0
+    for c0 in range(1, B + 1, 128):
+        j = c0 + gl.arange(0, 128, layout=vec)
+        bound = gl.load(cu_ptr + j, mask=j <= B, other=2147483647)
+        count += gl.sum((bound <= n).to(gl.int32), axis=0)
+    return count
+
+
+@gluon.jit
+def _slot_ok(w, n_sink, n_hist, n_rec, SINK: gl.constexpr, RECENT: gl.constexpr):
+    """Window slots that hold a cached token (attention_triton.window_slot_ok, same rule)."""
+    ok = w < n_sink
+    if RECENT > 0:
+        j = (w - SINK + RECENT - n_hist % RECENT) % RECENT
+        ok = ok | ((w >= SINK) & (w < SINK + RECENT) & (j < n_rec))
+    return ok
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_part):
+    """Online softmax over the 64 keys (rows) of s: [64, N] (base 2) -> (p, alpha, m, l)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - gl.expand_dims(m_new, 0))
+    l_part = l_part * gl.expand_dims(alpha, 0) + p
+    return p, alpha, m_new, l_part
+
+
+# ------------------------------------------------------------------ the INT2 history
+@gluon.jit
+def _history_loads(n0, hi, qt_row, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                   H_KV: gl.constexpr, P: gl.constexpr, WP: gl.constexpr, X: gl.constexpr,
+                   NH: gl.constexpr):
+    """Codes, scales and zeros of history tokens [n0, n0 + 64) (masked at hi), as the step
+    consumes them: key words [64, WP / 4] int32, value bytes [X, 4, 4, WP, 2, 2], per-token key /
+    value scale and zero [64] float32 in the score layout."""
+    NW: gl.constexpr = WP // 4
+    kwl: gl.constexpr = _key_words_layout(NW)
+    vbl: gl.constexpr = _value_bytes_layout(WP, X)
+    mma: gl.constexpr = _mma_layout(NH)
+    # Positions past hi are clamped to hi - 1, not masked: every address stays inside the pools,
+    # and the step masks those tokens' scores (their codes are finite, their weights 0).
+    last = hi - 1
+    # keys: the planar rows as int32 words
+    kk = gl.minimum(n0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, kwl)), last)
+    kpage = gl.load(qt_row + kk // P)
+    krow = (kpage.to(gl.int64) * H_KV + kvh) * P + kk % P
+    kcol = gl.arange(0, NW, layout=gl.SliceLayout(0, kwl))
+    kw = gl.load(kc_ptr + gl.expand_dims(krow * NW, 1) + gl.expand_dims(kcol, 0))
+    # values: one page lookup per 16-token block v (pages hold a multiple of 16 tokens)
+    s5: gl.constexpr = gl.SliceLayout(5, vbl)
+    s4: gl.constexpr = gl.SliceLayout(4, s5)  # [X, 4 (v), 4 (t), WP]
+    blk = gl.minimum(n0 + 16 * gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, s4)))),
+                     last - last % 16)
+    vpage = gl.load(qt_row + blk // P)
+    vbase = (vpage.to(gl.int64) * H_KV + kvh) * P + blk % P  # [4] pool row of block v's first token
+    # the token's offset in its block, 8 b + 2 t + e, and the byte column, broadcast to 6 dims
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, s4))))
+    col = gl.arange(0, WP, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, s4))))
+    x = gl.arange(0, X, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s4))))
+    bb = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s5)))))
+    ee = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, vbl))))))
+    v5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(vbase, 0), 2), 3), 4)  # [1, 4, 1, 1, 1]
+    t5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(t, 0), 1), 3), 4)  # [1, 1, 4, 1, 1]
+    c5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(col, 0), 1), 2), 4)  # [1, 1, 1, WP, 1]
+    x5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(x, 1), 2), 3), 4) * 0  # [X, 1, 1, 1, 1]
+    b5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(bb, 0), 1), 2), 3)  # [1, 1, 1, 1, 2]
+    e6 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(ee, 0), 1), 2), 3), 4)
+    # (a block past hi re-reads the last block: its tokens are masked like the others)
+    vptr = vc_ptr + gl.expand_dims((v5 + 2 * t5 + 8 * b5 + x5) * WP + c5, 5) + e6 * WP
+    vb = gl.load(vptr)
+    # per-token scale / zero in the score layout (one group per token)
+    sk = n0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, mma))
+    sok = sk < hi
+    sk = gl.minimum(sk, last)
+    spage = gl.load(qt_row + sk // P)
+    srow = (spage.to(gl.int64) * H_KV + kvh) * P + sk % P
+    ks = gl.load(ks_ptr + srow).to(gl.float32)
+    kz = gl.load(kz_ptr + srow).to(gl.float32)
+    vs = gl.load(vs_ptr + srow).to(gl.float32)
+    vz = gl.load(vz_ptr + srow).to(gl.float32)
+    return kw, vb, ks, kz, vs, vz, sok
+
+
+@gluon.jit
+def _key_operand(kw, D: gl.constexpr, WP: gl.constexpr, NH: gl.constexpr):
+    """Key words [64, WP / 4] -> the wgmma A operand [64, D] in contraction order (no data moves)."""
+    mma: gl.constexpr = _mma_layout(NH)
+    NMU: gl.constexpr = WP // 16
+    o = _decode_key_words(kw)
+    # plane p, byte pair i0 (bytes 2 i0, 2 i0 + 1: e = 0, 1)
+    p0 = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))  # [64, NW, e, i0]
+    p1 = gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7]))
+    p2 = gl.join(gl.join(o[8], o[9]), gl.join(o[10], o[11]))
+    p3 = gl.join(gl.join(o[12], o[13]), gl.join(o[14], o[15]))
+    c = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [64, NW, e, i0, p0, p1]
+    c = gl.reshape(c, [TILE, 4, NMU, 2, 2, 2, 2])  # [key, t, mu, e, i0, p0, p1]
+    c = gl.permute(c, (0, 6, 5, 2, 4, 1, 3))  # [key, p1, p0, mu, i0, t, e]
+    c = gl.reshape(c, [TILE, D])
+    return gl.convert_layout(c, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+                             assert_trivial=True)
+
+
+@gluon.jit
+def _value_operand(vb, D: gl.constexpr, X: gl.constexpr, NH: gl.constexpr):
+    """Value bytes [X, 4, 4, WP, 2 (b), 2 (e)] -> the wgmma A operand [D rows m, 64 tokens]."""
+    mma: gl.constexpr = _mma_layout(NH)
+    vi = vb.to(gl.int32)
+    x_e0, x_e1 = gl.split(vi)  # [X, 4, 4, WP, b]
+    x00, x01 = gl.split(x_e0)
+    x10, x11 = gl.split(x_e1)
+    # plane pair x = warp >> 1 at D = 64: its two planes shifted down to planes 0 and 1
+    xs = gl.arange(0, X, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, x00.type.layout))))
+    shift = gl.expand_dims(gl.expand_dims(gl.expand_dims(xs, 1), 2), 3) * 4 + x00 * 0
+    o = _decode_value_bytes(x00, x10, x01, x11, shift)
+    # plane p, token half b (tokens +8 b), pair e
+    q0 = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))  # [X, v, t, WP, e, b]
+    q1 = gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7]))
+    if X == 1:
+        q2 = gl.join(gl.join(o[8], o[9]), gl.join(o[10], o[11]))
+        q3 = gl.join(gl.join(o[12], o[13]), gl.join(o[14], o[15]))
+        c = gl.join(gl.join(q0, q1), gl.join(q2, q3))  # [1, v, t, WP, e, b, a, r]
+        c = gl.reshape(c, [4, 4, 4, 8, 2, 2, 2, 2])  # [v, t, w, g, e, b, a, r]
+        c = gl.permute(c, (7, 2, 6, 3, 0, 5, 1, 4))  # [r, w, a, g, v, b, t, e]
+    else:
+        c = gl.join(q0, q1)  # [x, v, t, WP, e, b, a]
+        c = gl.reshape(c, [2, 4, 4, 2, 8, 2, 2, 2])  # [x, v, t, w0, g, e, b, a]
+        c = gl.permute(c, (0, 3, 7, 4, 1, 6, 2, 5))  # [x, w0, a, g, v, b, t, e]
+    c = gl.reshape(c, [D, TILE])
+    return gl.convert_layout(c, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+                             assert_trivial=True)
