@@ -39,10 +39,12 @@ def cmd_calibrate(args) -> int:
     from .calibration import calibrate
     from .calibration.data import load_tokens, make_batches
     from .spec import CompressionSpec
+    from .spec_fit import fit_spec_to_model_dir
 
     spec = CompressionSpec.from_yaml(args.spec)
     if args.num_tokens:
         spec = spec.model_copy(update={"calibration": spec.calibration.model_copy(update={"num_tokens": args.num_tokens})})
+    spec = fit_spec_to_model_dir(spec, args.model)  # the check `serve` runs too, before loading weights
     model, tokenizer = load_model(args.model, args.device, args.dtype)
     tokens = load_tokens(args.data, tokenizer, max_tokens=spec.calibration.num_tokens)
     bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
@@ -80,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="per-layer table of a rotation artifact")
     p.add_argument("file")
     p.set_defaults(func=cmd_inspect)
+
+    from .runtime import serve
+
+    p = sub.add_parser("serve", parents=[serve.build_parser(add_help=False)],
+                       help="serve a model over the OpenAI API (as python -m oscar_compile.runtime.serve)")
+    p.set_defaults(func=serve.serve)
 
     for extra in _extra_commands():
         extra(sub)

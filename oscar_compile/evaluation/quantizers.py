@@ -115,8 +115,6 @@ def spec_quantizers(layers: list[LayerSpec], rotations: Rotations, head_dim: int
             out.append(None)
             continue
         i = layer.index
-        if head_dim % layer.kv_cache.group_size:
-            raise ValueError(f"layer {i}: group_size {layer.kv_cache.group_size} does not divide head_dim {head_dim}")
         mean = rotations.k_mean[i] if layer.key.center else None
         if layer.key.center and mean is None:
             raise ArtifactError(f"layer {i}: key.center is on but the rotation file has no key means (recalibrate)")

@@ -24,6 +24,7 @@ from ..architectures import ModelFingerprint, attention_modules
 from ..artifact import ArtifactError, Rotations
 from ..quant import bits_per_element
 from ..spec import CompressionSpec, LayerSpec
+from ..spec_fit import fit_spec
 from .fold_values import fold_value_rotation
 from .fuse_elementwise import fuse_gated_mlps, fuse_rms_norms, fuse_rope
 from .merge_projections import merge_qkv
@@ -202,11 +203,8 @@ def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: b
     modules = attention_modules(model)  # refuses unknown architectures
     rotations.check_model(model)
     fp = ModelFingerprint.of(model)
-    spec.check_layers(fp.num_layers)
+    spec = fit_spec(spec, fp.head_dim, fp.num_layers, fp.architecture)  # before any rewrite
     layers = resolve_layers(spec, fp.num_layers)
-    for layer in layers:
-        if layer.quantized and fp.head_dim % layer.kv_cache.group_size:
-            raise ValueError(f"layer {layer.index}: group_size {layer.kv_cache.group_size} does not divide head_dim {fp.head_dim}")
     reports = [_rewrite_layer(attn, layer, rotations, fp, fuse) for layer, attn in zip(layers, modules)]
     _install_cache_hook(model, layers)
     fused = {}

@@ -92,8 +92,11 @@ def compress(model: torch.nn.Module, spec, rotations, config: EngineConfig | Non
     from oscar_compile.runtime.compressed_runner import compressed_layout, runner_factory
     from oscar_compile.spec import CompressionSpec
 
+    from oscar_compile.spec_fit import fit_spec_to_model
+
     if not isinstance(spec, CompressionSpec):
         spec = CompressionSpec.from_yaml(spec)
+    spec = fit_spec_to_model(spec, model)  # before calibrating or loading rotations
     if rotations is None:
         try:
             rotations = calibrate(model, spec)  # only none / hadamard rotations need no data

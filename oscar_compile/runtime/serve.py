@@ -25,9 +25,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def build_parser(prog: str = "python -m oscar_compile.runtime.serve") -> argparse.ArgumentParser:
-    """The serve flags; ``oscar_compile.bench.serve_random`` adds its own to them."""
-    parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for oscar_compile models")
+def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: bool = True) -> argparse.ArgumentParser:
+    """The serve flags; ``oscar_compile.bench.serve_random`` adds its own to them, and
+    ``oscar-compile serve`` takes them as its parent parser (``add_help=False``)."""
+    parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for oscar_compile models",
+                                     add_help=add_help)
     parser.add_argument("--model", help="Hugging Face model directory (default: the bundled tiny model)")
     parser.add_argument("--spec", help="compression spec YAML (default: oscar-int2 for the bundled model, else bf16)")
     parser.add_argument("--rotations", help="rotation artifact (default: <model>/rotations/<spec name>.safetensors)")
@@ -116,15 +118,19 @@ def build_app(args: argparse.Namespace):
 
     from oscar_compile.runtime.llm import compress
 
+    from oscar_compile.spec import CompressionSpec
+    from oscar_compile.spec_fit import fit_spec_to_model_dir
+
     model_dir = resolve_model_dir(args.model)
     device = resolve_device(args.device)
-    model, tokenizer = load_model(model_dir, device)
     config = engine_config(args)
-    spec, rotations = compression_for(args, model_dir)
+    spec_path, rotations = compression_for(args, model_dir)
+    spec = fit_spec_to_model_dir(CompressionSpec.from_yaml(spec_path), model_dir)  # the check calibrate runs
+    model, tokenizer = load_model(model_dir, device)
     config, make_runner = compress(model, spec, rotations, config)
     engine = build_engine(model, tokenizer, config, make_runner=make_runner)
     name = args.served_model_name or model_dir.name
-    logger.info("serving %s from %s on %s with %s (rotations: %s)", name, model_dir, device, spec, rotations)
+    logger.info("serving %s from %s on %s with %s (rotations: %s)", name, model_dir, device, spec_path, rotations)
     return create_app(AsyncEngine(engine), name, server), name
 
 
@@ -153,7 +159,11 @@ def compression_for(args: argparse.Namespace, model_dir):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    return serve(parse_args(argv))
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Build the app the flags describe and serve it (``main`` and ``oscar-compile serve``)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         app, _ = build_app(args)
