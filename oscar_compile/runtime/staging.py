@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, allocate_pools
-from oscar_compile.passes import hf_cache
+from oscar_compile.cache import nodes
 from oscar_compile.runtime.pages import CacheLayout
 from oscar_compile.runtime.runner import Batch
 
@@ -55,7 +55,7 @@ def layer_op_constants(model: torch.nn.Module) -> dict[int, OpConstants]:
             continue
         index = attention = write = None
         for node in graph.graph.nodes:
-            if node.target is hf_cache.layer_inputs:
+            if node.target is nodes.layer_inputs:
                 index = node.args[1]
             elif node.target is torch.ops.oscar.attention.default:
                 attention = node.args[-5:]
