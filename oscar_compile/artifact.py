@@ -89,7 +89,7 @@ class Rotations:
 
     # -- I/O -------------------------------------------------------------------------------
     def save(self, path: Union[str, Path]) -> None:
-        from . import __version__
+        from ._version import __version__
 
         tensors = {}
         for i in range(self.num_layers):

@@ -68,7 +68,7 @@ def test_calibrate_apply_generate_serve(tmp_path, tokenizer, arch, head_dim, cap
 
     from starlette.testclient import TestClient
 
-    from oscar_compile.runtime import serve
+    from oscar_compile.cli import serve  # the module that assembles; runtime.serve re-exports it
 
     answers = []
 

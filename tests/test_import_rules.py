@@ -1,5 +1,8 @@
 """The package's import rules, read from the source (nothing is imported).
 
+- no import circles between modules, lazy (function-level) imports included: a circle is a
+  layering mistake even when laziness keeps it from failing at import time;
+- ``runtime`` does not import ``passes`` (the graph-to-cache contract lives in ``cache``);
 - ``kernels`` imports none of ``runtime``, ``passes`` or ``evaluation``.
 
 A package's ``__init__`` counts as importing nothing but what it names itself; ``import a.b.c``
@@ -95,6 +98,31 @@ def _edges_between(graph, source: str, targets: tuple[str, ...]) -> list[str]:
                   for t in ts if t.startswith(targets))
 
 
+def test_no_import_circles():
+    assert _cycles(_graph()) == []
+
+
+def test_runtime_does_not_import_passes():
+    assert _edges_between(_graph(), f"{PACKAGE}.runtime", (f"{PACKAGE}.passes",)) == []
+
+
 def test_kernels_import_no_layer_above_them():
     above = tuple(f"{PACKAGE}.{p}" for p in ("runtime", "passes", "evaluation"))
     assert _edges_between(_graph(), f"{PACKAGE}.kernels", above) == []
+
+
+# kept so promised import paths and `python -m` commands keep working; each only re-exports
+COMPAT_SHIMS = {f"{PACKAGE}.runtime.llm", f"{PACKAGE}.runtime.serve"}
+
+
+def test_runtime_and_cache_reach_only_below_themselves():
+    graph = _graph()
+    allowed = {
+        "runtime": ("runtime", "cache", "kernels", "loading"),
+        "cache": ("cache", "kernels", "quant"),
+    }
+    for layer, below in allowed.items():
+        prefixes = tuple(f"{PACKAGE}.{b}" for b in below)
+        edges = [f"{m} -> {t}" for m, ts in graph.items() if m.startswith(f"{PACKAGE}.{layer}")
+                 and m not in COMPAT_SHIMS for t in ts if not t.startswith(prefixes)]
+        assert edges == [], layer

@@ -29,6 +29,11 @@ from .quantizers import LayerQuantizer, cache_starts
 from .simulate import attention_override, capture_hidden, simulated_layer, _repeat_kv
 
 METRICS = ("k_rel_mse", "v_rel_mse", "qk_mse", "attn_kl", "attn_out_rel_err", "hidden_rel_err")
+METRIC_TITLES = {  # how the report and the plots title each metric
+    "k_rel_mse": "K relative MSE", "v_rel_mse": "V relative MSE", "qk_mse": "QK^T (logit) MSE",
+    "attn_kl": "attention KL(p_bf16 || p_q), nats", "attn_out_rel_err": "attention output after W_O, relative error",
+    "hidden_rel_err": "propagated hidden state, relative error (all layers quantized)",
+}
 
 
 @dataclass
