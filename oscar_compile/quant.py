@@ -1,6 +1,6 @@
 """The reference quantizer: the numerical oracle every kernel and cache is tested against.
 
-Plain torch, float32 math. The rules (DESIGN.md §4, docs/cache-format.md) in the order applied to
+Plain torch, float32 math. The rules (docs/design.md §4, docs/cache-format.md) in the order applied to
 one vector x of D channels, already in rotated coordinates:
 
 1. per-token clip: tau = quantile(|x|, rho) over the D channels, linear interpolation between

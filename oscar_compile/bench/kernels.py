@@ -1,4 +1,4 @@
-"""Kernel benchmark (DESIGN.md §8.1-8.2): paged INT2 decode attention and the cache write, on GPU.
+"""Kernel benchmark (docs/design.md §8.1-8.2): paged INT2 decode attention and the cache write, on GPU.
 
     python -m oscar_compile.bench.kernels [--out bench.json] [--quick] [--parts ...]
 

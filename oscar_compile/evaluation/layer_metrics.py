@@ -1,4 +1,4 @@
-"""Per-layer fidelity (DESIGN.md §7) on held-out text, every method against BF16 in one pass.
+"""Per-layer fidelity (docs/design.md §7) on held-out text, every method against BF16 in one pass.
 
 Setting: teacher-forced decoding of a held-out window of T tokens (every token goes through the
 cache: ``starts[t] = t``), scored at the last Q query positions, where the quantized history is

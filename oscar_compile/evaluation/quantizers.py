@@ -8,7 +8,7 @@ on how many tokens were cached then (``starts[t]``, see :func:`cache_starts`).
 
 Rotating back is exact for the softmax: with R orthogonal and a centring mean mu,
 ``q . (deq R^T + mu) = (q R) . deq + q . mu`` and full-precision keys get the same ``+ q . mu``, so
-every score of a query shifts by one constant, as in the rewritten model (DESIGN.md §5).
+every score of a query shifts by one constant, as in the rewritten model (docs/design.md §5).
 """
 from __future__ import annotations
 
