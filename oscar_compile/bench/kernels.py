@@ -194,11 +194,10 @@ def gluon_runs() -> bool:
     return gluon_device_problem(torch.cuda.current_device()) is None
 
 
-def bench_gluon_variants(ctx: int, B: int) -> list[dict]:
-    """The Gluon kernel at one shape against its number of history splits and window programs
-    (``planned`` marks the default plan)."""
-    from oscar_compile.kernels.attention_gluon import MAXNREG, attention_gluon, plan_gluon_launch
-
+def _decode_case(ctx: int, B: int):
+    """One decode step's inputs at (context, batch): q [B, H_q, D] and new k = v [B, H_kv, D] in
+    bf16, cu_seqlens, cache_lens, the bytes one call reads, enough INT2 layers (tables, pools) to
+    rotate through so that L2 holds none of them, and the longest history."""
     dev = torch.device("cuda")
     q = torch.randn(B, H_Q, D, device=dev, dtype=torch.bfloat16)
     kn = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
@@ -207,6 +206,15 @@ def bench_gluon_variants(ctx: int, B: int) -> list[dict]:
     nbytes = int2_bytes(B, ctx, torch.float16)
     layers = [int2_layer(B, ctx, torch.float16, dev) for _ in range(num_buffers(nbytes))]
     max_hist = layers[0][1][1].shape[1] * P
+    return dev, q, kn, cu, lens, nbytes, layers, max_hist
+
+
+def bench_gluon_variants(ctx: int, B: int) -> list[dict]:
+    """The Gluon kernel at one shape against its number of history splits and window programs
+    (``planned`` marks the default plan)."""
+    from oscar_compile.kernels.attention_gluon import MAXNREG, attention_gluon, plan_gluon_launch
+
+    dev, q, kn, cu, lens, nbytes, layers, max_hist = _decode_case(ctx, B)
     out = []
     sweep = []
     for cap in (96, 104, 128):  # each with its own plan (the occupancy it buys)
@@ -249,14 +257,7 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     from oscar_compile.kernels.attention_blocks_triton import merge_partials
     from oscar_compile.kernels.attention_triton import attention_triton, plan_launch, window_programs
 
-    dev = torch.device("cuda")
-    q = torch.randn(B, H_Q, D, device=dev, dtype=torch.bfloat16)
-    kn = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
-    cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
-    lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
-    nbytes = int2_bytes(B, ctx, torch.float16)
-    layers = [int2_layer(B, ctx, torch.float16, dev) for _ in range(num_buffers(nbytes))]
-    max_hist = layers[0][1][1].shape[1] * P
+    dev, q, kn, cu, lens, nbytes, layers, max_hist = _decode_case(ctx, B)
     out = []
     block_n = 128
     planned = plan_launch(B, B, H_KV, H_Q // H_KV, max_hist, dev, block_n, min_split_blocks=2)[2]

@@ -210,12 +210,18 @@ class _Server:
     async def _in_tokenizer_thread(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
 
-    async def completions(self, request: Request):
+    async def _accept(self, request: Request, schema):
+        """(parsed request, deadline) of a generation request, refused early when the server is
+        draining, the body does not validate or names another model."""
         self.admission.check_open()
         deadline = self._deadline()
-        req = await _parse(request, CompletionRequest)
+        req = await _parse(request, schema)
         self._check_model(req.model)
         req.check()
+        return req, deadline
+
+    async def completions(self, request: Request):
+        req, deadline = await self._accept(request, CompletionRequest)
         texts = req.prompts()
         prompts = await self._in_tokenizer_thread(
             lambda: [self.tokenizer.encode(p) if isinstance(p, str) else p for p in texts])
@@ -227,11 +233,7 @@ class _Server:
         return await self._respond(request, fmt, prompts, params, req.stream, req.stream_options, deadline)
 
     async def chat_completions(self, request: Request):
-        self.admission.check_open()
-        deadline = self._deadline()
-        req = await _parse(request, ChatCompletionRequest)
-        self._check_model(req.model)
-        req.check()
+        req, deadline = await self._accept(request, ChatCompletionRequest)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise RequestError("messages", "this model's tokenizer has no chat template")
         ids = await self._in_tokenizer_thread(lambda: self._apply_chat_template(req))
