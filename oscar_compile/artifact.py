@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .architectures import ModelFingerprint
-from .rotations import orthogonality_error
+from .rotation_math import orthogonality_error
 from .spec import CompressionSpec
 
 FORMAT = "oscar_compile.rotations"

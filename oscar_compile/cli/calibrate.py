@@ -3,7 +3,7 @@ from __future__ import annotations
 
 def cmd_calibrate(args) -> int:
     from ..calibration import calibrate
-    from ..calibration.data import load_tokens, make_batches
+    from ..calibration.tokens import load_tokens, make_batches
     from ..loading import load_model
     from ..spec import CompressionSpec
     from ..spec_fit import fit_spec_to_model_dir

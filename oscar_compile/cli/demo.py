@@ -41,7 +41,7 @@ def _tiny_setup(args):
 
 
 def _model_setup(args):
-    from ..calibration.data import load_tokens
+    from ..calibration.tokens import load_tokens
     from ..loading import load_model
 
     model_dir = Path(args.model) if args.model else BUNDLED_MODEL
@@ -60,7 +60,7 @@ def run_demo(args) -> int:
     import torch
 
     from ..calibration import calibrate
-    from ..calibration.data import make_batches
+    from ..calibration.tokens import make_batches
     from ..passes import apply
     from ..spec import CompressionSpec, shipped_spec
 

@@ -17,7 +17,7 @@ from torch import nn
 from ..architectures import ModelFingerprint
 from ..artifact import Rotations
 from ..calibration import calibrate
-from ..calibration.data import make_batches
+from ..calibration.tokens import make_batches
 from ..spec import CompressionSpec
 from ..spec_fit import fit_spec
 from .kivi import KiviQuantizer

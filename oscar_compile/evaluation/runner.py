@@ -21,7 +21,7 @@ import torch
 from ..architectures import ModelFingerprint
 from .config import EvalConfig
 from ..loading import load_model, resolve_device
-from .data import bos_id, heldout_windows, read_tokens, resolve_paths
+from .heldout import bos_id, heldout_windows, read_tokens, resolve_paths
 from .layer_metrics import LayerMetrics
 from .methods import resolve_methods
 from .needle_task import accuracy_by_length, needle_accuracy, needle_cases, pad_id

@@ -17,7 +17,8 @@ from oscar_compile.loading import BUNDLED_MODEL_DIR, load_model, resolve_device,
 from oscar_compile.runtime.block_manager import BlockManager
 from oscar_compile.runtime.engine import LLMEngine
 from oscar_compile.runtime.page_pool import PagePool
-from oscar_compile.runtime.pages import GIB, CacheLayout, plan_pages
+from oscar_compile.cache.layout import CacheLayout
+from oscar_compile.runtime.page_plan import GIB, plan_pages
 from oscar_compile.runtime.runner import ModelRunner, RecomputeRunner
 from oscar_compile.runtime.swap_space import SwapSpace
 

@@ -30,7 +30,7 @@ import torch
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, allocate_pools
 from oscar_compile.cache import nodes
 from oscar_compile.cache.layout import LayerCache
-from oscar_compile.runtime.pages import CacheLayout
+from oscar_compile.cache.layout import CacheLayout
 from oscar_compile.runtime.runner import Batch
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..calibration.data import load_tokens
+from ..calibration.tokens import load_tokens
 
 logger = logging.getLogger(__name__)
 
