@@ -42,9 +42,9 @@ from __future__ import annotations
 import triton
 
 from oscar_compile.kernels.attention_blocks_triton import merge_partials
-from oscar_compile.kernels.attention_triton import (LOG2E, MAX_SPLIT_TOKENS, check_attention_args,
-                                                     plan_window_splits)
+from oscar_compile.kernels.attention_triton import LOG2E, MAX_SPLIT_TOKENS, plan_window_splits
 from oscar_compile.kernels.device import num_sms
+from oscar_compile.kernels.pools import attention_output_for
 from oscar_compile.kernels.attention_gluon_tiles import (
     NEG_INIT,
     TILE,
@@ -347,9 +347,8 @@ def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, 
     why = gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits, group_size, N, B)
     if why is not None:
         raise ValueError(f"the Gluon decode kernel does not take this call: {why}")
-    check_attention_args(q, k, v, (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero),
-                         history_lens, B)
-    out = torch.empty(N, H_q, D, dtype=q.dtype, device=q.device)
+    out = attention_output_for(q, k, v, (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero),
+                               history_lens, B)
     if N == 0:
         return out
     g = H_q // H_kv

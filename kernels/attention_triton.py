@@ -30,7 +30,7 @@ from oscar_compile.kernels.attention_blocks_triton import (
     CODE_EXP, NEG_INIT, full_block, group_params, history_block, history_rows, merge_partials,
     plane_factor, seq_of_program, store_rows)
 from oscar_compile.kernels.device import num_sms
-from oscar_compile.kernels.pools import FULL_PRECISION_BITS
+from oscar_compile.kernels.pools import FULL_PRECISION_BITS, attention_output_for
 from oscar_compile.kernels.quant_triton import interpreting
 
 LOG2E = 1.4426950408889634
@@ -302,18 +302,6 @@ def window_programs(window_slots: int, block_w: int, max_hist: int, block_n: int
     return plan_window_splits(triton.cdiv(window_slots, block_w), split_blocks)
 
 
-def check_attention_args(q, k, v, pools, history_lens, B: int) -> None:
-    """The layout every ``oscar::attention`` kernel assumes (Triton and Gluon alike)."""
-    if history_lens is not None and history_lens.shape != (B,):
-        raise ValueError(f"history_lens must be [B] = [{B}], got {tuple(history_lens.shape)}")
-    for t in (q, k, v):
-        if t.stride(-1) != 1:
-            raise ValueError("q, k, v need a contiguous last dim")
-    for t in pools:
-        if not t.is_contiguous():
-            raise ValueError("the cache pools must be contiguous")
-
-
 def attention_triton(
     q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, scale, sink, recent, bits, group_size,
@@ -347,9 +335,8 @@ def attention_triton(
         return attention_ref(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win,
                              v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                              scale, sink, recent, bits, group_size, history_lens)
-    check_attention_args(q, k, v, (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero),
-                         history_lens, B)
-    out = torch.empty(N, H_q, D, dtype=q.dtype, device=q.device)
+    out = attention_output_for(q, k, v, (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero),
+                               history_lens, B)
     if N == 0:
         return out
     g = H_q // H_kv

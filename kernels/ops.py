@@ -114,8 +114,10 @@ def _(k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win, k_c
     args = (k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win, k_codes,
             k_scale, k_zero, v_codes, v_scale, v_zero, sink, recent, bits, group_size, clip_k, clip_v)
     impl = _triton_impl("cache_write_triton", "cache_write_triton")
-    if impl is not None:
+    head_dim = k.shape[-1]
+    if impl is not None and not head_dim & (head_dim - 1):  # the kernel tiles D: a power of two
         return impl(*args, rot_k=rot_k, mean_k=mean_k, history_lens=history_lens)
+    # other head dims (80, 96, ...) take the reference, as oscar::attention does (attention_triton)
     if rot_k is not None:
         k = _rotate_tokens_ref(k, rot_k, mean_k)
     cache_write_ref(k, *args[1:], history_lens=history_lens)

@@ -23,9 +23,9 @@ from typing import NamedTuple
 
 import torch
 
+from oscar_compile.cache.layout import FULL_PRECISION_BITS, check_windows, num_pages_for
+from oscar_compile.cache.layout import num_history_tokens as _num_history_tokens
 from oscar_compile.quant import SUPPORTED_BITS, scale_dtype_of
-
-FULL_PRECISION_BITS = 16  # history rows kept as they are: no codes, no scale / zero
 
 
 class CachePools(NamedTuple):
@@ -89,12 +89,26 @@ def allocate_pools(
     )
 
 
+def attention_output_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pools, history_lens,
+                         num_seqs: int) -> torch.Tensor:
+    """The empty output [N, H_q, D] (q's dtype) of an attention kernel call, after checking what
+    the kernels' wrappers (Triton and Gluon alike) require of their tensors: unit-stride q / k / v
+    rows, contiguous pools (the kernels compute page offsets from the shapes) and
+    ``history_lens`` of one entry per sequence when given."""
+    if history_lens is not None and history_lens.shape != (num_seqs,):
+        raise ValueError(f"history_lens must be [B] = [{num_seqs}], got {tuple(history_lens.shape)}")
+    for t in (q, k, v):
+        if t.stride(-1) != 1:
+            raise ValueError("q, k, v need a contiguous last dim")
+    for t in pools:
+        if not t.is_contiguous():
+            raise ValueError("the cache pools must be contiguous")
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
 def check_window_config(sink: int, recent: int, page_size: int) -> None:
-    """S0 and W must be non-negative multiples of P (a window page never straddles sink/recent)."""
-    if sink < 0 or recent < 0:
-        raise ValueError(f"sink and recent must be >= 0, got {sink}, {recent}")
-    if sink % page_size or recent % page_size:
-        raise ValueError(f"sink {sink} and recent {recent} must be multiples of page_size {page_size}")
+    """S0 and W must be non-negative multiples of P (``oscar_compile.cache.layout.check_windows``)."""
+    check_windows(sink, recent, page_size)
 
 
 def num_window_pages_per_seq(sink: int, recent: int, page_size: int) -> int:
@@ -105,7 +119,7 @@ def num_window_pages_per_seq(sink: int, recent: int, page_size: int) -> int:
 
 def num_history_tokens(cache_len: int, sink: int, recent: int) -> int:
     """Quantized tokens of a sequence holding ``cache_len`` tokens: len([S0, L - W))."""
-    return max(0, cache_len - recent - sink)
+    return _num_history_tokens(cache_len, sink, recent)
 
 
 def history_lens_of(cache_lens: torch.Tensor, history_lens: torch.Tensor | None, sink: int,
@@ -133,7 +147,7 @@ def history_lens_of(cache_lens: torch.Tensor, history_lens: torch.Tensor | None,
 
 def num_quant_pages_needed(cache_len: int, sink: int, recent: int, page_size: int) -> int:
     """History pages a sequence needs once it holds ``cache_len`` tokens (allocate before writing)."""
-    return -(-num_history_tokens(cache_len, sink, recent) // page_size)
+    return num_pages_for(num_history_tokens(cache_len, sink, recent), page_size)
 
 
 def window_slot(pos: torch.Tensor, sink: int, recent: int) -> torch.Tensor:

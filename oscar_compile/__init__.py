@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 _LAZY = {
     "CompressionSpec": ".spec",
@@ -18,12 +18,18 @@ _LAZY = {
     "calibrate": ".calibration",
     "apply": ".passes",
     "backend": ".passes",
+    "compress": ".compress",
+    "LLM": ".llm",
+    "SamplingParams": ".runtime.sampling_params",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from .artifact import ArtifactError, Rotations
     from .calibration import calibrate
     from .passes import apply, backend
+    from .compress import compress
+    from .llm import LLM
+    from .runtime.sampling_params import SamplingParams
     from .spec import CompressionSpec, SpecError
 
 

@@ -70,12 +70,17 @@ class ModelFingerprint:
     head_dim: int
 
     @classmethod
-    def of(cls, model: nn.Module) -> "ModelFingerprint":
-        cfg = model.config
+    def of(cls, model) -> "ModelFingerprint":
+        """The fingerprint of a loaded model, or of a Hugging Face config (before loading weights)."""
+        if isinstance(model, nn.Module):
+            cfg, architecture = model.config, type(model).__name__
+        else:
+            cfg = model
+            architecture = (getattr(cfg, "architectures", None) or [type(cfg).__name__])[0]
         num_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         return cls(
-            architecture=type(model).__name__,
+            architecture=architecture,
             num_layers=cfg.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .architectures import ModelFingerprint
-from .rotations import orthogonality_error
+from .rotation_math import orthogonality_error
 from .spec import CompressionSpec
 
 FORMAT = "oscar_compile.rotations"
@@ -89,7 +89,7 @@ class Rotations:
 
     # -- I/O -------------------------------------------------------------------------------
     def save(self, path: Union[str, Path]) -> None:
-        from . import __version__
+        from ._version import __version__
 
         tensors = {}
         for i in range(self.num_layers):

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from .artifact import Rotations
-from .rotations import orthogonality_error
+from .rotation_math import orthogonality_error
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The reference quantizer: the numerical oracle every kernel and cache is tested against.
 
-Plain torch, float32 math. The rules (DESIGN.md §4, docs/cache-format.md) in the order applied to
+Plain torch, float32 math. The rules (docs/design.md §4, docs/cache-format.md) in the order applied to
 one vector x of D channels, already in rotated coordinates:
 
 1. per-token clip: tau = quantile(|x|, rho) over the D channels, linear interpolation between
@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import torch
 
+from .cache.layout import SCALE_DTYPE_BYTES
+
 SUPPORTED_BITS = (2, 4)
 ZERO_POINT_FLOOR = 2.0**-10  # scale >= this times the group's largest magnitude: |zero| <= 2^10
-_SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_SCALE_DTYPES = {name: getattr(torch, name) for name in SCALE_DTYPE_BYTES}  # the names of cache.layout
 
 
 def scale_dtype_of(name: str | torch.dtype) -> torch.dtype:

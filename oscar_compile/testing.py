@@ -12,6 +12,37 @@ _CONFIGS = {
 }
 ARCHITECTURE_NAMES = tuple(_CONFIGS)
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A paged KV cache stores keys and values in fixed-size pages.",
+    "Continuous batching lets new requests join between decoding steps.",
+    "Quantized history pages hold two-bit codes with a scale and a zero point.",
+    "hello world, héllo wörld, 你好, 🙂",
+] * 4
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer (400 tokens, a chat template) trained on the spot: no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
 
 def tiny_model(
     arch: str = "qwen3",

@@ -43,3 +43,14 @@ def test_demo_on_a_tiny_model(capsys):
     assert main(["demo", "--tiny", "--max-new-tokens", "4", "--calib-tokens", "1024"]) == 0
     text = capsys.readouterr().out
     assert "oscar::attention" in text and "bits per K/V element" in text and "greedy-token agreement" in text
+
+
+def test_serve_and_bench_are_subcommands(capsys):
+    """``oscar-compile serve`` takes the flags of ``python -m oscar_compile.runtime.serve``;
+    ``oscar-compile bench NAME ARGS`` hands ARGS to ``python -m oscar_compile.bench.NAME``."""
+    for argv in (["serve", "--help"], ["bench", "serve_random", "--help"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "--kv-memory" in text and "--max-num-seqs" in text and "--shape" in text

@@ -4,7 +4,7 @@ import torch
 from oscar_compile import CompressionSpec, apply, calibrate
 from oscar_compile.calibration.optr import LayerTraces, _HeadLosses, fake_quantize_ste, refine_layer
 from oscar_compile.quant import clip_threshold, fake_quantize
-from oscar_compile.rotations import orthogonality_error
+from oscar_compile.rotation_math import orthogonality_error
 from oscar_compile.testing import tiny_model
 
 BASE = {"kv_cache": {"group_size": 32, "sink_tokens": 4, "recent_tokens": 8, "page_size": 4}}

@@ -1,4 +1,4 @@
-"""Kernel benchmark (DESIGN.md §8.1-8.2): paged INT2 decode attention and the cache write, on GPU.
+"""Kernel benchmark (docs/design.md §8.1-8.2): paged INT2 decode attention and the cache write, on GPU.
 
     python -m oscar_compile.bench.kernels [--out bench.json] [--quick] [--parts ...]
 
@@ -187,18 +187,6 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
     return row
 
 
-def decode_layers(ctx: int, B: int, dev, num_layers: int | None = None):
-    """(q, k, cu_seqlens, cache_lens, bytes, [(pools, tables)] per layer buffer) of a decode step
-    of B sequences of ctx tokens, INT2 with fp16 scales; as many buffers as flush the L2."""
-    q = torch.randn(B, H_Q, D, device=dev, dtype=torch.bfloat16)
-    kn = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
-    cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
-    lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
-    nbytes = int2_bytes(B, ctx, torch.float16)
-    layers = [int2_layer(B, ctx, torch.float16, dev) for _ in range(num_layers or num_buffers(nbytes))]
-    return q, kn, cu, lens, nbytes, layers
-
-
 def gluon_runs() -> bool:
     """The Gluon Hopper kernel can run here (sm_90 and a Triton with Gluon)."""
     from oscar_compile.kernels.attention_dispatch import gluon_device_problem
@@ -206,14 +194,27 @@ def gluon_runs() -> bool:
     return gluon_device_problem(torch.cuda.current_device()) is None
 
 
+def _decode_case(ctx: int, B: int):
+    """One decode step's inputs at (context, batch): q [B, H_q, D] and new k = v [B, H_kv, D] in
+    bf16, cu_seqlens, cache_lens, the bytes one call reads, enough INT2 layers (tables, pools) to
+    rotate through so that L2 holds none of them, and the longest history."""
+    dev = torch.device("cuda")
+    q = torch.randn(B, H_Q, D, device=dev, dtype=torch.bfloat16)
+    kn = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
+    cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
+    lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
+    nbytes = int2_bytes(B, ctx, torch.float16)
+    layers = [int2_layer(B, ctx, torch.float16, dev) for _ in range(num_buffers(nbytes))]
+    max_hist = layers[0][1][1].shape[1] * P
+    return dev, q, kn, cu, lens, nbytes, layers, max_hist
+
+
 def bench_gluon_variants(ctx: int, B: int) -> list[dict]:
     """The Gluon kernel at one shape against its number of history splits and window programs
     (``planned`` marks the default plan)."""
     from oscar_compile.kernels.attention_gluon import MAXNREG, attention_gluon, plan_gluon_launch
 
-    dev = torch.device("cuda")
-    q, kn, cu, lens, nbytes, layers = decode_layers(ctx, B, dev)
-    max_hist = layers[0][1][1].shape[1] * P
+    dev, q, kn, cu, lens, nbytes, layers, max_hist = _decode_case(ctx, B)
     out = []
     sweep = []
     for cap in (96, 104, 128):  # each with its own plan (the occupancy it buys)
@@ -256,9 +257,7 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     from oscar_compile.kernels.attention_blocks_triton import merge_partials
     from oscar_compile.kernels.attention_triton import attention_triton, plan_launch, window_programs
 
-    dev = torch.device("cuda")
-    q, kn, cu, lens, nbytes, layers = decode_layers(ctx, B, dev)
-    max_hist = layers[0][1][1].shape[1] * P
+    dev, q, kn, cu, lens, nbytes, layers, max_hist = _decode_case(ctx, B)
     out = []
     block_n = 128
     planned = plan_launch(B, B, H_KV, H_Q // H_KV, max_hist, dev, block_n, min_split_blocks=2)[2]
@@ -412,7 +411,8 @@ def profile_launches(ctx: int, B: int, kernel: str) -> None:
     from oscar_compile.kernels.attention_triton import attention_triton
 
     fn = {"gluon": attention_gluon, "triton": attention_triton}[kernel]
-    q, kn, cu, lens, _, ((pools, tables),) = decode_layers(ctx, B, torch.device("cuda"), num_layers=1)
+    _, q, kn, cu, lens, _, layers, _ = _decode_case(ctx, B)
+    pools, tables = layers[0]
     for _ in range(5):
         fn(q, kn, kn, cu, lens, *tables, *pools, D ** -0.5, SINK, RECENT, BITS, GROUP)
     torch.cuda.synchronize()

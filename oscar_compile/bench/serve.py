@@ -1,4 +1,4 @@
-"""Serving benchmark of the runtime (DESIGN.md §8.3): decode steps, capacity, end-to-end generation; INT2 vs BF16 mode.
+"""Serving benchmark of the runtime (docs/design.md §8.3): decode steps, capacity, end-to-end generation; INT2 vs BF16 mode.
 
     python -m oscar_compile.bench.serve [--shapes 8b 4b] [--contexts 8192 32768 131072]
         [--capacity-contexts 32768 100000] [--kv-memory GiB]

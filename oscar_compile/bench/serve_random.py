@@ -20,7 +20,7 @@ _DEFAULT_MAX_MODEL_LEN = 4096
 
 def parse_args(argv: list[str] | None = None):
     from oscar_compile.bench.serve import MODES, SHAPES
-    from oscar_compile.runtime import serve
+    from oscar_compile.cli import serve
 
     parser = serve.build_parser(prog="python -m oscar_compile.bench.serve_random")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -36,9 +36,9 @@ def build_app(args):
     """(app, served model name) for a random model of ``args.shape`` in ``args.mode``."""
     from oscar_compile.bench.e2e import SpelledIdTokenizer
     from oscar_compile.bench.serve import mode_spec, random_model
-    from oscar_compile.runtime import serve
+    from oscar_compile.cli import serve
     from oscar_compile.runtime.async_engine import AsyncEngine
-    from oscar_compile.runtime.llm import compress
+    from oscar_compile.compress import compress
     from oscar_compile.runtime.loader import build_engine, resolve_device
     from oscar_compile.runtime.server import create_app
 
@@ -55,7 +55,7 @@ def build_app(args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from oscar_compile.runtime import serve
+    from oscar_compile.cli import serve
 
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

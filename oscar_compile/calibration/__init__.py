@@ -18,6 +18,7 @@ from torch import nn
 from ..architectures import ModelFingerprint, architecture_of
 from ..artifact import Rotations
 from ..spec import CompressionSpec, LayerSpec
+from ..spec_fit import fit_spec
 from .capture import capture_attention
 from .solve import solve_layer
 from .stats import LayerStats
@@ -133,7 +134,7 @@ def calibrate(
     """
     architecture_of(model)  # refuse unknown architectures before any work
     fp = ModelFingerprint.of(model)
-    spec.check_layers(fp.num_layers)
+    spec = fit_spec(spec, fp.head_dim, fp.num_layers, fp.architecture)  # before any work
     layers = [spec.for_layer(i, fp.num_layers) for i in range(fp.num_layers)]
     stats = [LayerStats(fp.num_kv_heads, fp.head_dim) for _ in layers]
     if any(_needs_data(l) for l in layers):

@@ -1,4 +1,4 @@
-"""OptR (DESIGN.md §6, paper 001): refine each KV head's rotations against the post-W_O attention error.
+"""OptR (docs/design.md §6, paper 001): refine each KV head's rotations against the post-W_O attention error.
 
 R = R0 @ expm(A - A^T) per KV head, A = 0 at the start (so step 0 is the base rotation). The key
 loss, over the last ``num_queries`` query positions of each calibration sequence with values in

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..architectures import ModelFingerprint
-from ..rotations import hadamard_rotation, identity_rotation, oscar_rotation
+from ..rotation_math import hadamard_rotation, identity_rotation, oscar_rotation
 from ..spec import LayerSpec
 from .stats import LayerStats
 

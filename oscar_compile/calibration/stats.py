@@ -1,4 +1,4 @@
-"""Running sums for the covariance targets of DESIGN.md §3, one object per layer.
+"""Running sums for the covariance targets of docs/design.md §3, one object per layer.
 
 Memory is O(H_kv * D^2) whatever the number of tokens. Sums are float64 and live on the device
 of the layer they watch. The score-weighted value target needs the *final* query covariance in

@@ -1,4 +1,4 @@
-"""Side-by-side evaluation of KV-cache compression methods (DESIGN.md §7): ``oscar-compile eval``.
+"""Side-by-side evaluation of KV-cache compression methods (docs/design.md §7): ``oscar-compile eval``.
 
 ``evaluate(model=..., specs=[...], contexts=[...], out=...)`` runs BF16, naive INT2, a KIVI-style
 baseline, Hadamard and OSCAR variants on the same held-out data with the compressed cache

@@ -1,4 +1,4 @@
-"""Per-layer fidelity (DESIGN.md §7) on held-out text, every method against BF16 in one pass.
+"""Per-layer fidelity (docs/design.md §7) on held-out text, every method against BF16 in one pass.
 
 Setting: teacher-forced decoding of a held-out window of T tokens (every token goes through the
 cache: ``starts[t] = t``), scored at the last Q query positions, where the quantized history is
@@ -29,6 +29,11 @@ from .quantizers import LayerQuantizer, cache_starts
 from .simulate import attention_override, capture_hidden, simulated_layer, _repeat_kv
 
 METRICS = ("k_rel_mse", "v_rel_mse", "qk_mse", "attn_kl", "attn_out_rel_err", "hidden_rel_err")
+METRIC_TITLES = {  # how the report and the plots title each metric
+    "k_rel_mse": "K relative MSE", "v_rel_mse": "V relative MSE", "qk_mse": "QK^T (logit) MSE",
+    "attn_kl": "attention KL(p_bf16 || p_q), nats", "attn_out_rel_err": "attention output after W_O, relative error",
+    "hidden_rel_err": "propagated hidden state, relative error (all layers quantized)",
+}
 
 
 @dataclass

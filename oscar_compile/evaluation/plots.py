@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .layer_metrics import METRICS
+from .layer_metrics import METRIC_TITLES, METRICS
 
 logger = logging.getLogger(__name__)
 MISSING = "matplotlib is not installed: plots skipped (pip install matplotlib); results.md and results.json are complete"
@@ -69,7 +69,6 @@ def _by_context(plt, results: dict):
 
 def _layers(plt, results: dict):
     """One panel per per-layer metric, log scale, one line per method (BF16's zeros are left out)."""
-    from .report import METRIC_TITLES
 
     per_method = results.get("layers", {}).get("metrics")
     if not per_method:

@@ -17,8 +17,9 @@ from torch import nn
 from ..architectures import ModelFingerprint
 from ..artifact import Rotations
 from ..calibration import calibrate
-from ..calibration.data import make_batches
+from ..calibration.tokens import make_batches
 from ..spec import CompressionSpec
+from ..spec_fit import fit_spec
 from .kivi import KiviQuantizer
 from .methods import Method
 from .quantizers import LayerQuantizer, spec_quantizers
@@ -90,8 +91,8 @@ def method_quantizers(model: nn.Module, method: Method, rotations_dir: Optional[
     device = next(model.parameters()).device
     if method.kivi is not None:
         return [KiviQuantizer(method.kivi, fp.head_dim) for _ in range(fp.num_layers)], "none (KIVI)"
-    method.spec.check_layers(fp.num_layers)
-    layers = [method.spec.for_layer(i, fp.num_layers) for i in range(fp.num_layers)]
+    spec = fit_spec(method.spec, fp.head_dim, fp.num_layers, fp.architecture)
+    layers = [spec.for_layer(i, fp.num_layers) for i in range(fp.num_layers)]
     if not any(layer.quantized for layer in layers):
         return [None] * fp.num_layers, "none (16-bit cache)"
     rot, source = method_rotations(model, method, rotations_dir, calib_tokens, bos, save_dir, progress, max_tokens)

@@ -8,7 +8,7 @@ on how many tokens were cached then (``starts[t]``, see :func:`cache_starts`).
 
 Rotating back is exact for the softmax: with R orthogonal and a centring mean mu,
 ``q . (deq R^T + mu) = (q R) . deq + q . mu`` and full-precision keys get the same ``+ q . mu``, so
-every score of a query shifts by one constant, as in the rewritten model (DESIGN.md §5).
+every score of a query shifts by one constant, as in the rewritten model (docs/design.md §5).
 """
 from __future__ import annotations
 
@@ -115,8 +115,6 @@ def spec_quantizers(layers: list[LayerSpec], rotations: Rotations, head_dim: int
             out.append(None)
             continue
         i = layer.index
-        if head_dim % layer.kv_cache.group_size:
-            raise ValueError(f"layer {i}: group_size {layer.kv_cache.group_size} does not divide head_dim {head_dim}")
         mean = rotations.k_mean[i] if layer.key.center else None
         if layer.key.center and mean is None:
             raise ArtifactError(f"layer {i}: key.center is on but the rotation file has no key means (recalibrate)")

@@ -6,16 +6,9 @@ import logging
 from pathlib import Path
 from typing import Callable, Optional
 
-from .layer_metrics import METRICS
+from .layer_metrics import METRIC_TITLES, METRICS
 
 logger = logging.getLogger(__name__)
-
-METRIC_TITLES = {
-    "k_rel_mse": "K relative MSE", "v_rel_mse": "V relative MSE", "qk_mse": "QK^T (logit) MSE",
-    "attn_kl": "attention KL(p_bf16 || p_q), nats", "attn_out_rel_err": "attention output after W_O, relative error",
-    "hidden_rel_err": "propagated hidden state, relative error (all layers quantized)",
-}
-
 
 def write_outputs(results: dict, out_dir: Path) -> list[str]:
     """Write JSON, markdown and (when matplotlib is installed) plots; returns the paths written."""

@@ -20,7 +20,8 @@ import torch
 
 from ..architectures import ModelFingerprint
 from .config import EvalConfig
-from .data import bos_id, heldout_windows, load_model, pick_device, pick_dtype, read_tokens, resolve_paths
+from ..loading import load_model, resolve_device
+from .heldout import bos_id, heldout_windows, read_tokens, resolve_paths
 from .layer_metrics import LayerMetrics
 from .methods import resolve_methods
 from .needle_task import accuracy_by_length, needle_accuracy, needle_cases, pad_id
@@ -45,8 +46,10 @@ def evaluate(config: Optional[EvalConfig] = None, **settings) -> dict:
     t0 = time.time()
     model_dir, data_path, calib_path = resolve_paths(cfg.model, cfg.data, cfg.calib)
     methods = resolve_methods(cfg.specs)  # fail on a bad name before loading anything
-    device = pick_device(cfg.device)
-    model, tokenizer = load_model(model_dir, device, pick_dtype(cfg.dtype, device))
+    device = resolve_device(cfg.device)
+    model, tokenizer = load_model(model_dir, device, cfg.dtype, tokenizer_required=False)
+    if tokenizer is None:
+        logger.warning("no tokenizer in %s: needle-in-a-haystack is skipped", model_dir)
     bos = bos_id(model, tokenizer)
     calib_tokens = functools.lru_cache(maxsize=1)(lambda: read_tokens(calib_path, tokenizer))
     rot_dir = None if cfg.rotations_dir is None else Path(cfg.rotations_dir)

@@ -7,7 +7,7 @@ the oscar ops (swap_attention.py). With ``fuse``, RMSNorms and gated MLPs get fu
 q/k/v and gate/up one GEMM each (merge_projections.py). The rewritten graph becomes the module's
 forward; it stays inspectable as ``module.oscar_graph`` (a GraphModule: print its ``.graph`` or
 ``.code``). A forward pre-hook on the model hands the rewritten layers an
-:class:`~oscar_compile.passes.hf_cache.OscarCache` whenever the model is asked to cache.
+:class:`~oscar_compile.cache.hf_cache.OscarCache` whenever the model is asked to cache.
 """
 from __future__ import annotations
 
@@ -22,15 +22,16 @@ from torch import nn
 
 from ..architectures import ModelFingerprint, attention_modules
 from ..artifact import ArtifactError, Rotations
+from ..cache.hf_cache import OscarCache
+from ..cache.layout import LayerCache, has_windows
 from ..quant import bits_per_element
 from ..spec import CompressionSpec, LayerSpec
+from ..spec_fit import fit_spec
 from .fold_values import fold_value_rotation
 from .fuse_elementwise import fuse_gated_mlps, fuse_rms_norms, fuse_rope
 from .merge_projections import merge_qkv
-from .hf_cache import OscarCache
 from .rotate_keys import insert_key_rotation
 from .sites import find_attention_site
-from .hf_cache import cache_geometry
 from .swap_attention import swap_in_oscar_attention
 from .trace import trace_attention
 
@@ -150,7 +151,7 @@ def resolve_layers(spec: CompressionSpec, num_layers: int) -> list[LayerSpec]:
       (the classic paged cache, the runtime's BF16 mode); windows would only add a second table.
     """
     layers = [spec.for_layer(i, num_layers) for i in range(num_layers)]
-    windowless = not any(layer.quantized for layer in layers)
+    windowless = not has_windows(layer.kv_cache.bits for layer in layers)
     out = []
     for layer in layers:
         if layer.overridden_to_16_bits:
@@ -165,7 +166,7 @@ def resolve_layers(spec: CompressionSpec, num_layers: int) -> list[LayerSpec]:
 
 def _install_cache_hook(model: nn.Module, layers: list[LayerSpec]) -> None:
     """Give the model an OscarCache whenever it is asked to cache and was given none (or an empty HF one)."""
-    geometries = [cache_geometry(l) for l in layers]
+    caches = [LayerCache.of(l) for l in layers]
     # transformers renamed past_key_values to cache (5.2x); use whichever this version's forward takes
     default_key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -177,7 +178,7 @@ def _install_cache_hook(model: nn.Module, layers: list[LayerSpec]) -> None:
         if not isinstance(cache, OscarCache):
             if cache is not None and cache.get_seq_length() > 0:
                 raise ValueError("this model was rewritten by oscar_compile: continue with the OscarCache it returned")
-            cache = OscarCache(geometries)
+            cache = OscarCache(caches)
             kwargs[key] = cache
         ids = kwargs.get("input_ids", args[0] if args else None)
         num_new = (ids if ids is not None else kwargs["inputs_embeds"]).shape[1]
@@ -202,11 +203,8 @@ def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: b
     modules = attention_modules(model)  # refuses unknown architectures
     rotations.check_model(model)
     fp = ModelFingerprint.of(model)
-    spec.check_layers(fp.num_layers)
+    spec = fit_spec(spec, fp.head_dim, fp.num_layers, fp.architecture)  # before any rewrite
     layers = resolve_layers(spec, fp.num_layers)
-    for layer in layers:
-        if layer.quantized and fp.head_dim % layer.kv_cache.group_size:
-            raise ValueError(f"layer {layer.index}: group_size {layer.kv_cache.group_size} does not divide head_dim {fp.head_dim}")
     reports = [_rewrite_layer(attn, layer, rotations, fp, fuse) for layer, attn in zip(layers, modules)]
     _install_cache_hook(model, layers)
     fused = {}

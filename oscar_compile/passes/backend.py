@@ -21,7 +21,8 @@ import torch.fx
 
 from ..artifact import Rotations
 from ..spec import CompressionSpec
-from . import hf_cache
+from ..cache import contract, nodes
+from ..cache.layout import LayerCache
 
 logger = logging.getLogger(__name__)
 _SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
@@ -88,14 +89,14 @@ class OscarBackend:
 
     def _oscar_attention(self, g: torch.fx.Graph, layer, q, k, v, scale: float) -> torch.fx.Node:
         kv = layer.kv_cache
-        geometry = hf_cache.cache_geometry(layer)
-        inputs = g.call_function(hf_cache.layer_inputs, (None, layer.index, q, k, v, *geometry))
-        parts = [g.call_function(operator.getitem, (inputs, j)) for j in range(15)]
+        inputs = g.call_function(nodes.layer_inputs, (None, layer.index, q, k, v), LayerCache.of(layer).as_kwargs())
+        num_read = len(contract.QKV_INPUTS) + len(contract.WINDOWED_CACHE_INPUTS)  # up to write_cu
+        parts = [g.call_function(operator.getitem, (inputs, j)) for j in range(num_read)]
         out = g.call_function(
             torch.ops.oscar.attention.default,
             (*parts, scale, kv.sink_tokens, kv.recent_tokens, kv.bits, kv.group_size),
         )
-        full = g.call_function(hf_cache.layer_outputs, (None, layer.index, out, q))  # [B, T, H, D]
+        full = g.call_function(nodes.layer_outputs, (None, layer.index, out, q))  # [B, T, H, D]
         return g.call_method("transpose", (full, 1, 2))  # SDPA's layout [B, H, T, D]
 
 

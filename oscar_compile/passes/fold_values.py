@@ -1,4 +1,4 @@
-"""Fold the value rotation R_V into v_proj and o_proj: zero runtime cost (DESIGN.md §5).
+"""Fold the value rotation R_V into v_proj and o_proj: zero runtime cost (docs/design.md §5).
 
 With nn.Linear (y = x W^T + b) and R_V(h) orthogonal:
   v_proj rows of KV head h:             W[h] <- R_V(h)^T @ W[h],  b[h] <- R_V(h)^T @ b[h]

@@ -14,9 +14,11 @@ import operator
 import torch
 import torch.fx
 
+from ..cache import contract, nodes
+from ..cache.layout import LayerCache
 from ..spec import LayerSpec
-from . import hf_cache
 from .sites import AttentionSite
+
 
 def _getitems(graph: torch.fx.Graph, node: torch.fx.Node, count: int) -> list[torch.fx.Node]:
     items = []
@@ -36,40 +38,35 @@ def _erase_with_getitems(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     graph.erase_node(node)
 
 
-def _op_calls(layer: LayerSpec, scale: float) -> tuple:
-    """(number of layer_inputs items the ops read, attention op, its trailing constants, write op,
-    its constants). The full-precision page ops stop before the tuple's last item,
-    ``history_lens`` (no ring)."""
-    kv = layer.kv_cache
-    if hf_cache.uses_full_precision_pages(hf_cache.cache_geometry(layer)):
-        return 9, torch.ops.oscar.attention_bf16.default, (scale,), torch.ops.oscar.cache_write_bf16.default, ()
-    window, quant = (kv.sink_tokens, kv.recent_tokens), (kv.bits, kv.group_size)
-    return (17, torch.ops.oscar.attention.default, (scale, *window, *quant),
+def _op_calls(layer: LayerSpec, cache: LayerCache, scale: float) -> tuple:
+    """(attention op, its trailing constants, write op, its constants) of a layer."""
+    if cache.full_precision_pages:
+        return torch.ops.oscar.attention_bf16.default, (scale,), torch.ops.oscar.cache_write_bf16.default, ()
+    window, quant = (cache.sink, cache.recent), (cache.bits, cache.group_size)
+    return (torch.ops.oscar.attention.default, (scale, *window, *quant),
             torch.ops.oscar.cache_write.default, (*window, *quant, layer.key.clip_ratio, layer.value.clip_ratio))
 
 
 def swap_in_oscar_attention(graph: torch.fx.Graph, site: AttentionSite, layer: LayerSpec, scale: float) -> str:
     """Replace cache update + attention by the paged oscar ops; returns the attention op's name."""
-    count, attention_op, attention_consts, write_op, write_consts = _op_calls(layer, scale)
+    cache = LayerCache.of(layer)
+    attention_op, attention_consts, write_op, write_consts = _op_calls(layer, cache, scale)
     with graph.inserting_before(site.attention):
-        inputs = graph.call_function(
-            hf_cache.layer_inputs,
-            (site.cache, layer.index, site.query, site.key, site.value, *hf_cache.cache_geometry(layer)),
-        )
-    parts = _getitems(graph, inputs, count)
-    q, k, v, cu = parts[:4]
-    if count == 9:  # the full-precision page ops
-        *cache_args, write_cu = parts[4:]
-        extra = {}
-    else:
-        *cache_args, write_cu, history_lens = parts[4:]
-        extra = {"history_lens": history_lens}
-    with graph.inserting_after(parts[-1]):
+        inputs = graph.call_function(nodes.layer_inputs,
+                                     (site.cache, layer.index, site.query, site.key, site.value), cache.as_kwargs())
+    names = contract.layer_input_names(cache)
+    items = _getitems(graph, inputs, len(names))
+    part = dict(zip(names, items))
+    q, k, v, cu = (part[n] for n in contract.QKV_INPUTS)
+    cache_args = [part[n] for n in contract.cache_input_names(cache)]
+    write_cu = part["write_cu"]
+    extra = {"history_lens": part["history_lens"]} if "history_lens" in part else {}
+    with graph.inserting_after(items[-1]):
         out = graph.call_function(attention_op, (q, k, v, cu, *cache_args, *attention_consts), extra)
     with graph.inserting_after(out):
         write = graph.call_function(write_op, (k, v, write_cu, *cache_args, *write_consts), extra)
     with graph.inserting_after(write):
-        full = graph.call_function(hf_cache.layer_outputs, (site.cache, layer.index, out, site.query))
+        full = graph.call_function(nodes.layer_outputs, (site.cache, layer.index, out, site.query))
     output = next(u for u in site.attention.users if u.target is operator.getitem and u.args[1] == 0)
     output.replace_all_uses_with(full)
     _erase_with_getitems(graph, site.attention)

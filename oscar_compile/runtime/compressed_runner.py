@@ -25,8 +25,8 @@ import math
 import torch
 
 from oscar_compile.kernels.pools import allocate_pools
-from oscar_compile.passes.hf_cache import OscarCache, uses_full_precision_pages
-from oscar_compile.runtime.pages import CacheLayout
+from oscar_compile.cache.hf_cache import OscarCache
+from oscar_compile.cache.layout import CacheLayout, LayerCache
 from oscar_compile.runtime.runner import Batch
 from oscar_compile.runtime.staging import StagedStep, allocate_staging_pools, layer_op_constants
 from oscar_compile.runtime.step_inputs import StepInputs
@@ -52,10 +52,10 @@ class StepCache(OscarCache):
     def begin_step(self, attention_mask, num_new: int) -> None:  # the runner packs tokens itself
         pass
 
-    def oscar_layer_inputs(self, layer_idx: int, q, k, v, geometry: tuple) -> tuple:
+    def oscar_layer_inputs(self, layer_idx: int, q, k, v, layer: LayerCache) -> tuple:
         flat = [x[0].transpose(0, 1) for x in (q, k, v)]  # [1, H, N, D] -> [N, H, D]
         pools = self.runner.pools[layer_idx]
-        if uses_full_precision_pages(geometry):  # the quant table is a table of every token
+        if layer.full_precision_pages:  # the quant table is a table of every token
             return (*flat, self.cu, self.cache_lens, self.quant_table, *pools, self.cu, None)
         if self.staged is not None:  # staged rows run here, the graph's ops take the others
             return self.staged.layer_inputs(layer_idx, *flat, pools)
@@ -63,7 +63,7 @@ class StepCache(OscarCache):
                 self.history_lens)
 
     def oscar_layer_outputs(self, layer_idx: int, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        if self.staged is not None and not uses_full_precision_pages(_geometry(self.runner.layout, layer_idx)):
+        if self.staged is not None and not self.runner.layout.layer_cache(layer_idx).full_precision_pages:
             out = self.staged.merge(layer_idx, out)
         return out.unsqueeze(0)  # [N, H, D] -> [1, N, H, D]
 
@@ -123,7 +123,7 @@ class CompressedRunner:
     def _layer_pools(self, layout: CacheLayout, layer: int, num_window: int, num_quant: int, dtype) -> tuple:
         fmt = layout.format_of(layer)
         H, P, D = layout.num_kv_heads, layout.page_size, layout.head_dim
-        if uses_full_precision_pages(_geometry(layout, layer)):
+        if layout.layer_cache(layer).full_precision_pages:
             pages = torch.zeros(num_quant, H, P, D, dtype=dtype, device=self.device)
             return pages, torch.zeros_like(pages)
         return tuple(allocate_pools(num_quant, num_window, H, P, D, fmt.bits, fmt.group_size,
@@ -138,7 +138,7 @@ class CompressedRunner:
             return
         self.op_constants = layer_op_constants(self.model)
         for i in range(self.num_layers):
-            if not uses_full_precision_pages(_geometry(layout, i)):
+            if not layout.layer_cache(i).full_precision_pages:
                 if i not in self.op_constants:
                     raise ValueError(f"layer {i}: no oscar::attention / cache_write call found in its graph")
                 self.staging_pools[i] = allocate_staging_pools(layout, num_pages + 1, dtype, self.device)
@@ -146,7 +146,7 @@ class CompressedRunner:
     def _host_swap(self, layout: CacheLayout, num_bytes: int) -> HostSwap:
         window, quant = [], []
         for i, pools in enumerate(self.pools):
-            if uses_full_precision_pages(_geometry(layout, i)):
+            if layout.layer_cache(i).full_precision_pages:
                 quant += pools
             else:
                 window += pools[:2]
@@ -264,11 +264,6 @@ def _without_hf_masks(config):
 def _all_configs(config) -> list:
     subs = [getattr(config, key, None) for key in getattr(config, "sub_configs", {})]
     return [config] + [c for sub in subs if sub is not None for c in _all_configs(sub)]
-
-
-def _geometry(layout: CacheLayout, layer: int) -> tuple:
-    """The leading part of ``hf_cache.cache_geometry`` (sink, recent, page size, bits) of a layer."""
-    return layout.sink, layout.recent, layout.page_size, layout.format_of(layer).bits
 
 
 def runner_factory(model: torch.nn.Module, layout: CacheLayout, config=None):

@@ -1,6 +1,7 @@
-"""Load a Hugging Face model directory and assemble an engine around it.
+"""Assemble an engine around a loaded model: cache sizing, page plan, block manager, runner.
 
-Shared by the offline ``LLM`` and the server so both size the cache and pick devices the same way.
+Shared by the offline ``LLM`` and the server so both size the cache the same way. Loading a
+model and picking its device is ``oscar_compile.loading`` (its names are re-exported here).
 """
 
 from __future__ import annotations
@@ -12,16 +13,17 @@ from typing import Callable
 
 import torch
 
+from oscar_compile.loading import BUNDLED_MODEL_DIR, load_model, resolve_device, resolve_model_dir  # noqa: F401
 from oscar_compile.runtime.block_manager import BlockManager
 from oscar_compile.runtime.engine import LLMEngine
 from oscar_compile.runtime.page_pool import PagePool
-from oscar_compile.runtime.pages import GIB, CacheLayout, plan_pages
+from oscar_compile.cache.layout import CacheLayout
+from oscar_compile.runtime.page_plan import GIB, plan_pages
 from oscar_compile.runtime.runner import ModelRunner, RecomputeRunner
 from oscar_compile.runtime.swap_space import SwapSpace
 
 logger = logging.getLogger(__name__)
 
-BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "bundled" / "oscar-tiny-qwen3"
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 _CPU_KV_MEMORY_GB = 1.0  # bookkeeping budget on CPU, where only the recompute runner exists
 _GPU_KV_FRACTION = 0.5  # share of the GPU memory left free after the weights
@@ -69,36 +71,6 @@ class EngineConfig:
             raise ValueError(f"prefix_hits must be 'history' or 'sink', got {self.prefix_hits!r}")
         if (self.num_window_pages is None) != (self.num_quant_pages is None):
             raise ValueError("give both num_window_pages and num_quant_pages, or neither")
-
-
-def resolve_model_dir(model: str | Path | None) -> Path:
-    """The model directory to load; the bundled tiny model when none is given."""
-    path = Path(model) if model is not None else BUNDLED_MODEL_DIR
-    if not (path / "config.json").is_file():
-        hint = "pass --model DIR" if model is None else "expected a Hugging Face model directory"
-        what = "the bundled model" if model is None else "model"
-        raise FileNotFoundError(f"{what} was not found at {path} (no config.json): {hint}")
-    return path
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
-    return device
-
-
-def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None):
-    """(model, tokenizer) from a directory; float32 on CPU, bfloat16 on GPU unless told."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    return model, tokenizer
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

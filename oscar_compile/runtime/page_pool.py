@@ -34,14 +34,14 @@ class PagePool:
         return len(self._free)
 
     @property
-    def num_cached(self) -> int:
-        """Unreferenced pages that still hold a reusable block."""
-        return len(self._cached)
-
-    @property
     def num_available(self) -> int:
         """Pages a new allocation can take (free, or cached and evictable)."""
         return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced pages that still hold a reusable block."""
+        return len(self._cached)
 
     @property
     def num_used(self) -> int:

@@ -75,10 +75,12 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
+        """Sequences queued for admission (new, preempted or swapped out): they hold no pages."""
         return len(self.waiting)
 
     @property
     def num_running(self) -> int:
+        """Sequences that hold pages and take part in the next step."""
         return len(self.running)
 
     def has_unfinished(self) -> bool:

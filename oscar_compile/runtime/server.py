@@ -11,7 +11,7 @@ connection, hand-rolled chunked encoding and offers no reliable disconnect signa
 Every error answers with the OpenAI body ``{"error": {"message", "type", "param", "code"}}``.
 What may come in is decided in layers, cheapest first: the API key and the body size in ASGI
 middleware (gate.py), then whether the server admits requests at all (admission.py: draining, a
-full queue), then the body's fields (protocol.py), then what needs the tokenized prompt (its
+full queue), then the body's fields (openai_schema.py), then what needs the tokenized prompt (its
 length against the context, ``max_tokens``). Tokenizing and the chat template run on one worker
 thread, so a long prompt does not stall the event loop that serves every other client.
 """
@@ -35,7 +35,7 @@ from oscar_compile.runtime.admission import Admission, Refused
 from oscar_compile.runtime.async_engine import AsyncEngine, EngineDeadError
 from oscar_compile.runtime.gate import ApiKeyGate, BodyLimit
 from oscar_compile.runtime.metrics import render_metrics
-from oscar_compile.runtime.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest,
+from oscar_compile.runtime.openai_schema import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest,
                                             CompletionRequest)
 from oscar_compile.runtime.responses import Choice, Formatter, error_body, sse
 from oscar_compile.runtime.sampling_params import RequestError, SamplingParams
@@ -210,12 +210,18 @@ class _Server:
     async def _in_tokenizer_thread(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
 
-    async def completions(self, request: Request):
+    async def _accept(self, request: Request, schema):
+        """(parsed request, deadline) of a generation request, refused early when the server is
+        draining, the body does not validate or names another model."""
         self.admission.check_open()
         deadline = self._deadline()
-        req = await _parse(request, CompletionRequest)
+        req = await _parse(request, schema)
         self._check_model(req.model)
         req.check()
+        return req, deadline
+
+    async def completions(self, request: Request):
+        req, deadline = await self._accept(request, CompletionRequest)
         texts = req.prompts()
         prompts = await self._in_tokenizer_thread(
             lambda: [self.tokenizer.encode(p) if isinstance(p, str) else p for p in texts])
@@ -227,11 +233,7 @@ class _Server:
         return await self._respond(request, fmt, prompts, params, req.stream, req.stream_options, deadline)
 
     async def chat_completions(self, request: Request):
-        self.admission.check_open()
-        deadline = self._deadline()
-        req = await _parse(request, ChatCompletionRequest)
-        self._check_model(req.model)
-        req.check()
+        req, deadline = await self._accept(request, ChatCompletionRequest)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise RequestError("messages", "this model's tokenizer has no chat template")
         ids = await self._in_tokenizer_thread(lambda: self._apply_chat_template(req))

@@ -28,20 +28,19 @@ from dataclasses import dataclass
 import torch
 
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, allocate_pools
-from oscar_compile.passes import hf_cache
-from oscar_compile.runtime.pages import CacheLayout
+from oscar_compile.cache import nodes
+from oscar_compile.cache.layout import LayerCache
+from oscar_compile.cache.layout import CacheLayout
 from oscar_compile.runtime.runner import Batch
 
 
 @dataclass(frozen=True)
 class OpConstants:
-    """The trailing constants a layer's graph passes to ``oscar::attention`` / ``cache_write``."""
+    """What a layer's graph passes its INT-b ops besides tensors: the layer's cache (the keyword
+    constants of its ``layer_inputs`` node), the attention scale and the write's clip ratios."""
 
+    layer: LayerCache
     scale: float
-    sink: int
-    recent: int
-    bits: int
-    group_size: int
     clip_k: float
     clip_v: float
 
@@ -53,17 +52,16 @@ def layer_op_constants(model: torch.nn.Module) -> dict[int, OpConstants]:
         graph = module.__dict__.get("oscar_graph")
         if graph is None:
             continue
-        index = attention = write = None
+        index = layer = scale = clips = None
         for node in graph.graph.nodes:
-            if node.target is hf_cache.layer_inputs:
-                index = node.args[1]
+            if node.target is nodes.layer_inputs:
+                index, layer = node.args[1], LayerCache(**node.kwargs)
             elif node.target is torch.ops.oscar.attention.default:
-                attention = node.args[-5:]
+                scale = float(node.args[-5])  # (scale, sink, recent, bits, group_size) end its args
             elif node.target is torch.ops.oscar.cache_write.default:
-                write = node.args[-6:]
-        if index is not None and attention is not None and write is not None:
-            found[index] = OpConstants(float(attention[0]), *(int(x) for x in attention[1:]),
-                                       float(write[4]), float(write[5]))
+                clips = node.args[-2:]  # (..., clip_k, clip_v)
+        if index is not None and scale is not None and clips is not None:
+            found[index] = OpConstants(layer, scale, float(clips[0]), float(clips[1]))
     return found
 
 
@@ -165,9 +163,9 @@ class StagedStep:
             q_s, k_s, v_s = (x.index_select(0, self.tok_s) for x in (q, k, v))
         tables = (self.cu_s, self.cache_lens_s, self.window_s, self.staging_s, k_win, v_win, *stage)
         self._staged_out[layer_idx] = torch.ops.oscar.attention(
-            q_s, k_s, v_s, *tables, c.scale, c.sink, c.recent, FULL_PRECISION_BITS, c.group_size,
+            q_s, k_s, v_s, *tables, c.scale, c.layer.sink, c.layer.recent, FULL_PRECISION_BITS, c.layer.group_size,
             history_lens=self.history_lens_s)
-        torch.ops.oscar.cache_write(k_s, v_s, *tables, c.sink, c.recent, FULL_PRECISION_BITS, c.group_size,
+        torch.ops.oscar.cache_write(k_s, v_s, *tables, c.layer.sink, c.layer.recent, FULL_PRECISION_BITS, c.layer.group_size,
                                     c.clip_k, c.clip_v, history_lens=self.history_lens_s)
         if self.num_end_rows:
             self._quantize_staged(c, stage, pools)
@@ -189,7 +187,7 @@ class StagedStep:
 
         k_rows, v_rows = rows(stage[0]), rows(stage[3])
         torch.ops.oscar.cache_write(k_rows, v_rows, self.end_cu, self.end_lens, self.end_window, self.end_quant,
-                                    *pools, c.sink, 0, c.bits, c.group_size, c.clip_k, c.clip_v)
+                                    *pools, c.layer.sink, 0, c.layer.bits, c.layer.group_size, c.clip_k, c.clip_v)
 
     def merge(self, layer_idx: int, out: torch.Tensor) -> torch.Tensor:
         """The layer's output for every token, batch order: [N, H_q, D]."""

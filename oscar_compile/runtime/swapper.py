@@ -34,18 +34,12 @@ class HostSwap:
         self.device = device
         self.window = [t for t in window if t[0].numel()]
         self.quant = [t for t in quant if t[0].numel()]
+        # bytes of one page over all its pools: the pools are fixed, so counted once
+        self.window_page_bytes, self.quant_page_bytes = page_bytes(self.window), page_bytes(self.quant)
         # not zero-filled: only ranges written by a swap-out are ever read back (and untouched
         # host pages of an unpinned CPU arena are never committed)
         self.arena = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    @property
-    def window_page_bytes(self) -> int:
-        return page_bytes(self.window)
-
-    @property
-    def quant_page_bytes(self) -> int:
-        return page_bytes(self.quant)
 
     def swap(self, swap_out: list[SwapCopy], swap_in: list[SwapCopy]) -> None:
         """Queue the copies out, then the copies in (a range freed by a swap-in may be reused by a

@@ -9,7 +9,7 @@ import pytest
 from runtime_fakes import IdentityCache, check_page_invariants, run_scheduler
 
 from oscar_compile.runtime.block_manager import BlockManager
-from oscar_compile.runtime.pages import CacheLayout
+from oscar_compile.runtime.page_plan import CacheLayout
 from oscar_compile.runtime.sampling_params import SamplingParams
 from oscar_compile.runtime.scheduler import Scheduler
 from oscar_compile.runtime.sequence import Sequence

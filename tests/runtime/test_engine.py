@@ -10,7 +10,7 @@ import torch
 from oscar_compile.runtime.engine import LLMEngine
 from oscar_compile.runtime.llm import LLM
 from oscar_compile.runtime.loader import BUNDLED_MODEL_DIR, EngineConfig, build_engine, resolve_model_dir
-from oscar_compile.runtime.pages import CacheLayout
+from oscar_compile.runtime.page_plan import CacheLayout
 from oscar_compile.runtime.sampling_params import RequestError, SamplingParams
 
 GREEDY = dict(temperature=0.0)

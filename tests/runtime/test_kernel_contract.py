@@ -16,7 +16,7 @@ import torch
 from runtime_fakes import IdentityCache, run_scheduler
 
 from oscar_compile.runtime.block_manager import BlockManager
-from oscar_compile.runtime.pages import CacheLayout
+from oscar_compile.runtime.page_plan import CacheLayout
 from oscar_compile.runtime.sampling_params import SamplingParams
 from oscar_compile.runtime.scheduler import Scheduler
 from oscar_compile.runtime.sequence import Sequence

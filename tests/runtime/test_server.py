@@ -107,7 +107,7 @@ def test_many_concurrent_clients(client):
      "messages.0.role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function"}]}, 400, "tools"),
-    # refused as OpenAI / vLLM refuse them (protocol.py says where each bound comes from)
+    # refused as OpenAI / vLLM refuse them (openai_schema.py says where each bound comes from)
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 600}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),

@@ -2,7 +2,7 @@
 import torch
 
 from oscar_compile.runtime.cuda_graphs import graph_batch_sizes
-from oscar_compile.runtime.pages import CacheLayout
+from oscar_compile.runtime.page_plan import CacheLayout
 from oscar_compile.runtime.runner import Batch
 from oscar_compile.runtime.step_inputs import StepInputs, TableMirror
 

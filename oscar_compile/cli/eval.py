@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from .config import EvalConfig
-from .names import BUILTIN_VARIANT_NAMES, DEFAULT_METHODS, NEEDLE_MODES, TASKS
+from ..evaluation.config import EvalConfig
+from ..evaluation.names import BUILTIN_VARIANT_NAMES, DEFAULT_METHODS, NEEDLE_MODES, TASKS
 
 HELP = "compare KV-cache compression methods side by side on held-out data (table, JSON, plots)"
 EPILOG = f"""\
@@ -73,16 +72,9 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .runner import evaluate
+    from ..evaluation.runner import evaluate
 
     results = evaluate(config_from_args(args))
     print(Path(args.out, "results.md").read_text())
     print(f"wrote {', '.join(results['files'])} in {results['runtime_s']:.0f} s")
     return 0
-
-
-def main(argv=None) -> int:
-    """``python -m oscar_compile.evaluation ...`` is ``oscar-compile eval ...``."""
-    from ..cli import main as cli_main
-
-    return cli_main(["eval", *(sys.argv[1:] if argv is None else argv)])

@@ -14,11 +14,11 @@ from typing import Optional
 
 import torch
 
-from ..calibration.data import load_tokens
+from ..calibration.tokens import load_tokens
 
 logger = logging.getLogger(__name__)
 
-BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "bundled" / "oscar-tiny-qwen3"
+from ..loading import BUNDLED_MODEL_DIR as BUNDLED_MODEL
 
 
 def resolve_paths(model: Optional[str | Path], data: Optional[str | Path],
@@ -57,36 +57,6 @@ def check_disjoint(data: Path, calib: Path) -> None:
             "calibrated on the evaluation text flatter every calibrated method. Give disjoint splits "
             "(e.g. the bundled heldout.bin and calib.bin)."
         )
-
-
-def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype):
-    """The causal LM (SDPA attention, eval mode) and its tokenizer (None when the folder has none)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
-    model.to(device).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    except (OSError, ValueError) as err:
-        logger.warning("no tokenizer in %s (%s): needle-in-a-haystack is skipped", model_dir, err)
-        tokenizer = None
-    return model, tokenizer
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on a GPU (the BF16 reference), float32 on a CPU (bf16 matmuls are slow there)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}: use auto, bfloat16, float16 or float32")
-    return dtype
 
 
 def bos_id(model, tokenizer) -> Optional[int]:

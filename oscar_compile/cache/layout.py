@@ -1,28 +1,93 @@
-"""Page geometry of the paged KV cache and how a memory budget becomes page counts.
+"""The cache's shape, described once: typed, torch-free, at the bottom of the tree.
 
-The cache (docs/cache-format.md) has two kinds of pages, each a fixed pool shared by all layers
-(page ``i`` of a kind is row ``i`` of that kind's pool in every layer):
+Everything that allocates, addresses or sizes the paged KV cache reads it from here: the spec
+resolves to it (:meth:`CacheLayout.from_spec`, :meth:`LayerCache.of`), the graph passes hand a
+:class:`LayerCache` to the cache contract (``oscar_compile.cache.contract``), the HF cache and
+the runtime's pools are allocated from it, and the runtime's page planner sizes pages with it.
+The rules that used to be repeated in several modules are written here once:
 
-- **window pages** hold full-precision tokens: the ``S0`` sink tokens and the ring of the ``W``
-  most recent tokens. Every sequence owns ``(S0 + W) / P`` of them from admission to finish.
-- **quant pages** hold ``P`` history tokens each (positions ``[S0, L - W)``), one more every ``P``
-  demoted tokens. A layer the spec keeps at 16 bits stores its history rows in full precision, so
-  a quant page is bigger than ``P`` INT-b tokens when such layers exist; the page ids stay the same
-  for every layer, only the per-layer pool dtype differs.
+- the windows (sink ``S0`` and recent ``W``) are multiples of the page size ``P``;
+- a quantized layer's ``group_size`` divides ``head_dim`` and its rows are whole bytes;
+- **nothing quantized, so no windows** (:func:`has_windows`): a model whose every layer keeps
+  16 bits stores every token in a full-precision page (the classic paged cache, the runtime's
+  BF16 mode, the ``oscar::*_bf16`` ops); windows would only add a second page table. A 16-bit
+  layer *beside* INT-b layers keeps the windows, whose page tables are shared by all layers;
+- the scale / zero dtypes and their byte sizes (:data:`SCALE_DTYPE_BYTES`; the reference
+  quantizer maps the same names to torch dtypes).
 
-"BF16 mode" (the side-by-side baseline) is ``bits=16`` with ``S0 = W = 0``: every token lives in a
-full-precision "quant" page at ``quant_table[p // P]``, row ``p % P`` - the classic paged layout.
-
-Nothing here touches torch: the geometry is plain integers so the bookkeeping tests run anywhere.
+Plain integers and strings only, so the bookkeeping tests run anywhere (docs/cache-format.md).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
-SCALE_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp16": 2, "bf16": 2, "fp32": 4}
-GIB = 1024**3
+FULL_PRECISION_BITS = 16  # history rows kept as they are: no codes, no scale / zero
+SCALE_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}  # the spec's scale_dtype choices
+_SCALE_DTYPE_ALIASES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+def scale_dtype_bytes(name: str) -> int:
+    """Bytes of one scale (or zero) stored as ``name`` (a spec name, or fp16 / bf16 / fp32)."""
+    return SCALE_DTYPE_BYTES[_SCALE_DTYPE_ALIASES.get(name, name)]
+
+
+def check_windows(sink: int, recent: int, page_size: int) -> None:
+    """S0 and W must be non-negative multiples of P (a window page never straddles sink/recent)."""
+    if sink < 0 or recent < 0 or sink % page_size or recent % page_size:
+        raise ValueError(f"sink ({sink}) and recent ({recent}) must be non-negative multiples of "
+                         f"page_size ({page_size})")
+
+
+def num_history_tokens(cache_len: int, sink: int, recent: int, history_floor: int = 0) -> int:
+    """History tokens (positions ``[S0, L - W)``) of a sequence holding ``cache_len`` tokens.
+
+    ``history_floor`` is the history length a prefix-cache hit started from (the runtime's
+    block manager): history never shrinks below it."""
+    return max(history_floor, cache_len - recent - sink, 0)
+
+
+def num_pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that hold ``num_tokens`` tokens."""
+    return math.ceil(num_tokens / page_size)
+
+
+def has_windows(bits_per_layer) -> bool:
+    """Whether a model whose layers store their history at these bits keeps sink / recent windows:
+    only when some layer is quantized (see the module docstring)."""
+    return any(bits != FULL_PRECISION_BITS for bits in bits_per_layer)
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """The pools of one layer: windows, page size and how its history is stored.
+
+    What a rewritten attention graph hands the cache contract (as keyword constants of its
+    ``layer_inputs`` node, :meth:`as_kwargs`), and what the HF cache allocates a layer from.
+    """
+
+    sink: int
+    recent: int
+    page_size: int
+    bits: int
+    group_size: int
+    scale_dtype: str
+
+    @classmethod
+    def of(cls, layer_spec) -> "LayerCache":
+        """From a resolved ``oscar_compile.spec.LayerSpec`` (windows already resolved by apply)."""
+        kv = layer_spec.kv_cache
+        return cls(kv.sink_tokens, kv.recent_tokens, kv.page_size, kv.bits, kv.group_size, kv.scale_dtype)
+
+    @property
+    def full_precision_pages(self) -> bool:
+        """Every token in a full-precision page (the ``oscar::*_bf16`` ops): a 16-bit layer without
+        windows. A 16-bit layer with windows takes the INT-b ops with bits = 16."""
+        return self.bits == FULL_PRECISION_BITS and self.sink == 0 and self.recent == 0
+
+    def as_kwargs(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -38,7 +103,7 @@ class LayerFormat:
         if self.bits == 16:
             return head_dim * dtype_bytes
         num_groups = head_dim // self.group_size
-        return head_dim * self.bits // 8 + 2 * num_groups * SCALE_DTYPE_BYTES[self.scale_dtype]
+        return head_dim * self.bits // 8 + 2 * num_groups * scale_dtype_bytes(self.scale_dtype)
 
 
 @dataclass(frozen=True)
@@ -68,13 +133,7 @@ class CacheLayout:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "dtype_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("sink", "recent"):
-            value = getattr(self, name)
-            if value < 0 or value % self.page_size:
-                raise ValueError(
-                    f"{name} must be a non-negative multiple of page_size={self.page_size}, "
-                    f"got {value}"
-                )
+        check_windows(self.sink, self.recent, self.page_size)
         bad = [i for i in self.full_precision_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"full_precision_layers out of range [0, {self.num_layers}): {bad}")
@@ -96,9 +155,9 @@ class CacheLayout:
             )
         if (self.head_dim * fmt.bits) % 8:
             raise ValueError(f"layer {layer}: head_dim * bits must be whole bytes, got {self.head_dim}")
-        if fmt.scale_dtype not in SCALE_DTYPE_BYTES:
+        if _SCALE_DTYPE_ALIASES.get(fmt.scale_dtype, fmt.scale_dtype) not in SCALE_DTYPE_BYTES:
             raise ValueError(
-                f"layer {layer}: scale_dtype must be one of {sorted(SCALE_DTYPE_BYTES)}, "
+                f"layer {layer}: scale_dtype must be one of {sorted([*SCALE_DTYPE_BYTES, *_SCALE_DTYPE_ALIASES])}, "
                 f"got {fmt.scale_dtype!r}"
             )
 
@@ -131,16 +190,22 @@ class CacheLayout:
         base = cls.from_hf_config(config, dtype_bytes=dtype_bytes, bits=16, sink=0, recent=0)
         kv = spec.kv_cache
         layers = [spec.for_layer(i, base.num_layers).kv_cache for i in range(base.num_layers)]
-        quantized = any(c.bits != 16 for c in layers)  # else no windows at all (apply.resolve_layers)
+        quantized = has_windows([c.bits for c in layers])
         if quantized and any((c.sink_tokens, c.recent_tokens) != (kv.sink_tokens, kv.recent_tokens) for c in layers):
             raise NotImplementedError(
                 "per-layer sink/recent windows: the paged runtime shares one page table across layers"
             )
         formats = tuple(LayerFormat(c.bits, c.group_size, c.scale_dtype) for c in layers)
+        sink, recent = (kv.sink_tokens, kv.recent_tokens) if quantized else (0, 0)
         return cls(base.num_layers, base.num_kv_heads, base.head_dim, page_size=kv.page_size,
-                   sink=kv.sink_tokens, recent=kv.recent_tokens, bits=kv.bits,
+                   sink=sink, recent=recent, bits=kv.bits,
                    group_size=kv.group_size, scale_dtype=kv.scale_dtype, dtype_bytes=dtype_bytes,
                    layer_formats=formats)
+
+    def layer_cache(self, layer: int) -> "LayerCache":
+        """What layer ``layer``'s pools look like (the windows are shared by every layer)."""
+        fmt = self.format_of(layer)
+        return LayerCache(self.sink, self.recent, self.page_size, fmt.bits, fmt.group_size, fmt.scale_dtype)
 
     @property
     def is_full_precision(self) -> bool:
@@ -174,54 +239,12 @@ class CacheLayout:
         ``history_floor`` is the history length a prefix-cache hit started from (see
         block_manager): history never shrinks below it.
         """
-        return max(history_floor, num_cached_tokens - self.recent - self.sink, 0)
+        return num_history_tokens(num_cached_tokens, self.sink, self.recent, history_floor)
 
     def num_quant_pages_for(self, num_history_tokens: int) -> int:
-        return math.ceil(num_history_tokens / self.page_size)
+        return num_pages_for(num_history_tokens, self.page_size)
 
     def num_pages_for_seq(self, num_tokens: int) -> tuple[int, int]:
         """(window pages, quant pages) one sequence of ``num_tokens`` cached tokens needs."""
         return (self.num_window_pages_per_seq,
                 self.num_quant_pages_for(self.num_history_tokens(num_tokens)))
-
-
-@dataclass(frozen=True)
-class PagePlan:
-    num_window_pages: int
-    num_quant_pages: int
-
-
-def plan_pages(layout: CacheLayout, kv_memory_bytes: int, max_num_seqs: int,
-               expected_seq_len: int) -> PagePlan:
-    """Split a KV memory budget into window and quant pages.
-
-    The split is fixed at start-up because each kind is a preallocated pool per layer. Window pages
-    cap how many sequences run at once, quant pages cap how many tokens of history fit in total;
-    sizing both for ``expected_seq_len`` tokens per sequence balances them at that length (shorter
-    sequences leave history unused, longer ones run fewer at a time). The windows of at least one
-    sequence always fit, or the budget is refused.
-    """
-    if kv_memory_bytes <= 0:
-        raise ValueError(f"kv memory must be > 0 bytes, got {kv_memory_bytes}")
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    num_window, num_quant = layout.num_pages_for_seq(max(expected_seq_len, 1))
-    window_bytes = num_window * layout.window_page_bytes
-    seq_bytes = window_bytes + num_quant * layout.quant_page_bytes
-    num_seqs = min(max_num_seqs, kv_memory_bytes // seq_bytes) if seq_bytes else max_num_seqs
-    if window_bytes and num_seqs < 1:
-        if kv_memory_bytes < window_bytes:
-            raise ValueError(
-                f"kv memory of {kv_memory_bytes / GIB:.3f} GiB cannot hold the windows of one "
-                f"sequence ({window_bytes / GIB:.3f} GiB)"
-            )
-        num_seqs = 1
-    num_window_pages = num_seqs * num_window
-    left = kv_memory_bytes - num_window_pages * layout.window_page_bytes
-    num_quant_pages = left // layout.quant_page_bytes
-    if num_quant_pages < 1:
-        raise ValueError(
-            f"kv memory of {kv_memory_bytes / GIB:.3f} GiB leaves no room for a history page "
-            f"({layout.quant_page_bytes} bytes)"
-        )
-    return PagePlan(num_window_pages, int(num_quant_pages))

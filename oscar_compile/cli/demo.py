@@ -11,13 +11,9 @@ import copy
 import time
 from pathlib import Path
 
-BUNDLED_MODEL = Path(__file__).resolve().parent / "bundled" / "oscar-tiny-qwen3"
+from ..loading import BUNDLED_MODEL_DIR as BUNDLED_MODEL
+
 DEFAULT_PROMPT = "The Python standard library provides"
-
-
-def bundled_model_dir() -> Path:
-    """Where the project's own small model lives (see oscar_compile/bundled/*/README.md)."""
-    return BUNDLED_MODEL
 
 
 def add_parser(sub) -> None:
@@ -35,7 +31,7 @@ def add_parser(sub) -> None:
 def _tiny_setup(args):
     import torch
 
-    from .testing import tiny_model
+    from ..testing import tiny_model
 
     model = tiny_model("qwen3", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, vocab_size=256)
     g = torch.Generator().manual_seed(0)
@@ -45,13 +41,13 @@ def _tiny_setup(args):
 
 
 def _model_setup(args):
-    from .calibration.data import load_tokens
-    from .cli import load_model
+    from ..calibration.tokens import load_tokens
+    from ..loading import load_model
 
     model_dir = Path(args.model) if args.model else BUNDLED_MODEL
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"no model at {model_dir} (use --model DIR, or --tiny for a random tiny model)")
-    model, tokenizer = load_model(str(model_dir), args.device)
+    model, tokenizer = load_model(model_dir, args.device, tokenizer_required=False)
     calib_file = model_dir / "calib.bin"
     if not calib_file.is_file():
         raise FileNotFoundError(f"{calib_file} not found: the demo calibrates on the model's shipped calibration tokens")
@@ -63,10 +59,10 @@ def _model_setup(args):
 def run_demo(args) -> int:
     import torch
 
-    from .calibration import calibrate
-    from .calibration.data import make_batches
-    from .passes import apply
-    from .spec import CompressionSpec, shipped_spec
+    from ..calibration import calibrate
+    from ..calibration.tokens import make_batches
+    from ..passes import apply
+    from ..spec import CompressionSpec, shipped_spec
 
     spec = CompressionSpec.from_yaml(args.spec) if args.spec else shipped_spec("oscar-int2")
     if args.tiny:
@@ -99,7 +95,7 @@ def run_demo(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m oscar_compile.demo")
+    parser = argparse.ArgumentParser(prog="oscar-compile demo")
     sub = parser.add_subparsers(dest="command")
     add_parser(sub)
     return run_demo(parser.parse_args(["demo", *(argv or [])]))

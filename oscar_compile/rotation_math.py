@@ -1,4 +1,4 @@
-"""Rotation math (DESIGN.md §3): Hadamard matrices, the bit-reversal placement, R = U · H · P_br.
+"""Rotation math (docs/design.md §3): Hadamard matrices, the bit-reversal placement, R = U · H · P_br.
 
 Pure torch, no model knowledge. All results are d x d orthogonal float32 matrices acting on row
 vectors: a rotated vector is ``x @ R``.

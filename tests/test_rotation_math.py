@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from oscar_compile.rotations import (
+from oscar_compile.rotation_math import (
     bit_reversal_order,
     bit_reversal_permutation,
     hadamard,

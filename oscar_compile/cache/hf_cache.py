@@ -4,9 +4,10 @@ A ``transformers`` ``Cache`` whose layers hold the paged pools of docs/cache-for
 ring of S0 + W slots and growing history pages per batch row (quantized, or 16-bit rows for a
 layer kept at 16 bits beside quantized ones), or only full-precision pages for a 16-bit layer
 without windows. The rewritten attention graphs read and write it through
-``oscar::attention`` / ``oscar::cache_write``; :func:`layer_inputs` and :func:`layer_outputs`
-are the two graph nodes that turn the padded ``[B, H, T, D]`` tensors HF uses into the flat
-token lists the ops take, and back.
+``oscar::attention`` / ``oscar::cache_write``, by the contract of ``oscar_compile.cache.contract``
+(its two graph nodes turn the padded ``[B, H, T, D]`` tensors HF uses into the flat token lists
+the ops take, and back); each layer's pools are allocated from its
+:class:`~oscar_compile.cache.layout.LayerCache`.
 
 Left padding: each forward tells the cache which new tokens are real (``begin_step``, called by
 a pre-hook on the model with its 2-D attention mask); pad tokens are never cached, so every row's
@@ -20,8 +21,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from ..kernels.pools import allocate_pools, num_quant_pages_needed, num_window_pages_per_seq
-from ..spec import LayerSpec
 from ..quant import scale_dtype_of
+from .contract import PagedAttentionCache
+from .layout import LayerCache
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -155,36 +157,24 @@ class FullPrecisionLayer(_PagedLayer):
         return (self.cache_lens, self.page_table, self.k_pages, self.v_pages)
 
 
-def cache_geometry(layer: LayerSpec) -> tuple:
-    """(sink, recent, page_size, bits, group_size, scale_dtype) of a layer: what its pools look like."""
-    kv = layer.kv_cache
-    return kv.sink_tokens, kv.recent_tokens, kv.page_size, kv.bits, kv.group_size, kv.scale_dtype
+def _new_layer(layer: LayerCache) -> _PagedLayer:
+    if layer.full_precision_pages:
+        return FullPrecisionLayer(layer.page_size)
+    return OscarLayer(layer.sink, layer.recent, layer.page_size, layer.bits, layer.group_size, layer.scale_dtype)
 
 
-def uses_full_precision_pages(geometry: tuple) -> bool:
-    """Whether a layer of this :func:`cache_geometry` keeps every token in a full-precision page
-    (the ``oscar::*_bf16`` ops): a 16-bit layer without windows. A 16-bit layer with windows
-    (beside INT-b layers, which share its page tables) takes the INT-b ops with bits = 16."""
-    sink, recent, _, bits = geometry[:4]
-    return bits == 16 and sink == 0 and recent == 0
-
-
-def _new_layer(geometry: tuple) -> _PagedLayer:
-    return FullPrecisionLayer(geometry[2]) if uses_full_precision_pages(geometry) else OscarLayer(*geometry)
-
-
-class OscarCache(Cache):
+class OscarCache(Cache, PagedAttentionCache):
     """HF cache: one paged layer per layer of the rewritten model.
 
-    The rewritten graphs talk to it through two methods, ``oscar_layer_inputs`` and
-    ``oscar_layer_outputs`` (the protocol of :func:`layer_inputs` / :func:`layer_outputs`); the
-    runtime's cache implements the same two over its own pages.
+    The rewritten graphs talk to it through the two methods of
+    :class:`~oscar_compile.cache.contract.PagedAttentionCache`; the runtime's cache implements
+    the same two over its own pages.
     """
 
-    def __init__(self, geometries: list[Optional[tuple]]):
-        """``geometries[i]``: :func:`cache_geometry` of layer i; None gives a placeholder
-        ``DynamicLayer`` (a cache that keeps its pages itself, as the runtime's StepCache)."""
-        layers = [DynamicLayer() if g is None else _new_layer(g) for g in geometries]
+    def __init__(self, layers: list[Optional[LayerCache]]):
+        """``layers[i]``: the pools of layer i; None gives a placeholder ``DynamicLayer`` (a cache
+        that keeps its pages itself, as the runtime's StepCache)."""
+        layers = [DynamicLayer() if g is None else _new_layer(g) for g in layers]
         super().__init__(layers=layers)
         self.step_mask: Optional[torch.Tensor] = None  # [B, T] bool: the real new tokens of this forward
 
@@ -202,7 +192,7 @@ class OscarCache(Cache):
             return torch.ones(B, T, dtype=torch.bool, device=q.device)
         return mask.to(q.device)
 
-    def oscar_layer_inputs(self, layer_idx: int, q, k, v, geometry: tuple) -> tuple:
+    def oscar_layer_inputs(self, layer_idx: int, q, k, v, layer: LayerCache) -> tuple:
         state = self.layers[layer_idx]
         if not state.is_initialized:
             state.lazy_initialization(k, v)
@@ -239,32 +229,17 @@ def _unflatten(mask: torch.Tensor, out: torch.Tensor, q: torch.Tensor) -> torch.
     return full
 
 
-def layer_inputs(cache: Optional[Cache], layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 *geometry) -> tuple:
-    """The op inputs for the new tokens. q: [B, H_q, T, D]; k, v: [B, H_kv, T, D] (rotated).
-
-    Returns (q, k, v, cu_seqlens, <cache tensors of the layer kind>, write_cu, history_lens) with
-    q/k/v as [N, H, D]; the cache tensors are those of :meth:`OscarLayer.op_inputs` (a layer with
-    windows) or :meth:`FullPrecisionLayer.op_inputs` (see :func:`uses_full_precision_pages`). ``write_cu`` is ``cu_seqlens`` when there is
-    a cache to write, all zeros (nothing written) when the forward runs without one.
-    ``history_lens`` ([B] int32 or None) is the INT-b ops' optional argument: None when every
-    row's ring is in the standard state (this module's caches), the history length of each
-    sequence from a runtime cache whose rows may start after a prefix-cache hit. A cache with an
-    ``oscar_layer_inputs(layer_idx, q, k, v, geometry)`` method returns this tuple itself.
-    """
-    if hasattr(cache, "oscar_layer_inputs"):
-        return cache.oscar_layer_inputs(layer_idx, q, k, v, geometry)
-    B, _, T, _ = q.shape  # no cache: attention within the chunk only, nothing kept
+def uncached_layer_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerCache) -> tuple:
+    """The op inputs of a forward without a cache: attention within the chunk only, nothing kept."""
+    B, _, T, _ = q.shape
     mask = torch.ones(B, T, dtype=torch.bool, device=q.device)
-    state = _new_layer(geometry)
+    state = _new_layer(layer)
     state.lazy_initialization(k, v)
     cu = _cu_seqlens(mask.sum(dim=1, dtype=torch.int32))
     return (*_flatten(mask, q, k, v), cu, *state.op_inputs(), torch.zeros_like(cu), None)
 
 
-def layer_outputs(cache: Optional[Cache], layer_idx: int, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Scatter the ops' output [N, H_q, D] back to [B, T, H_q, D] and advance the cache lengths."""
-    if hasattr(cache, "oscar_layer_outputs"):
-        return cache.oscar_layer_outputs(layer_idx, out, q)
+def uncached_layer_outputs(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[N, H_q, D] -> [B, T, H_q, D] for a forward without a cache (every token real)."""
     B, _, T, _ = q.shape
     return _unflatten(torch.ones(B, T, dtype=torch.bool, device=q.device), out, q)

@@ -1,0 +1,199 @@
+"""``oscar-compile serve`` (and ``python -m oscar_compile.runtime.serve``): load a model and serve the OpenAI API.
+
+Without ``--model`` it serves the bundled tiny model (``oscar_compile/bundled/oscar-tiny-qwen3``)
+compressed with ``specs/oscar-int2.yaml`` and the rotations shipped beside it. With ``--model``
+the default spec is ``specs/bf16.yaml`` (the same paged runtime, no compression) unless
+``--spec`` says otherwise; ``--rotations`` defaults to ``<model>/rotations/<spec name>.safetensors``
+when that file exists.
+
+The server binds 127.0.0.1 unless told otherwise; binding another address without an API key
+(``--api-key`` or ``OSCAR_API_KEY``) logs a warning. SIGTERM / SIGINT drain it (shutdown.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+
+logger = logging.getLogger("oscar_compile.runtime.serve")  # the name users' log filters were given
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: bool = True) -> argparse.ArgumentParser:
+    """The serve flags; ``oscar_compile.bench.serve_random`` adds its own to them, and
+    ``oscar-compile serve`` takes them as its parent parser (``add_help=False``)."""
+    parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for oscar_compile models",
+                                     add_help=add_help)
+    parser.add_argument("--model", help="Hugging Face model directory (default: the bundled tiny model)")
+    parser.add_argument("--spec", help="compression spec YAML (default: oscar-int2 for the bundled model, else bf16)")
+    parser.add_argument("--rotations", help="rotation artifact (default: <model>/rotations/<spec name>.safetensors)")
+    parser.add_argument("--served-model-name", help="model id clients use (default: the directory name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--kv-memory", type=float, metavar="GIB",
+                        help="KV cache budget in GiB (default: half the free GPU memory, 1 GiB on CPU)")
+    parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="token budget of one step (prefill chunks + decodes)")
+    parser.add_argument("--prefill-staging-memory", type=float, metavar="GIB",
+                        help="full-precision staging of prompts prefilled in chunks, on top of --kv-memory "
+                             "(default: the history of one prompt of the context length; 0: off, later "
+                             "chunks read earlier ones quantized)")
+    parser.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
+                        help="host memory preempted sequences swap to (default 4; 0: recompute them)")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix reuse")
+    parser.add_argument("--prefix-hits", choices=("history", "sink"), default="history",
+                        help="what a prefix-cache hit reuses: sink and INT-b history pages (the continuation reads "
+                             "the shared prefix quantized), or the sink only (a hit computes what a miss does)")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="launch decode steps eagerly (no CUDA graphs)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="run one step at a time (by default a step's host work overlaps the next step on the device)")
+    parser.add_argument("--log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug"))
+    _add_server_args(parser)
+    return parser
+
+
+def _add_server_args(parser: argparse.ArgumentParser) -> None:
+    from oscar_compile.runtime import server_config as defaults
+
+    group = parser.add_argument_group("access and limits")
+    group.add_argument("--api-key", default=os.environ.get("OSCAR_API_KEY") or None,
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $OSCAR_API_KEY; unset: open)")
+    group.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the key too")
+    group.add_argument("--max-body-bytes", type=int, default=defaults.DEFAULT_MAX_BODY_BYTES,
+                       help="larger request bodies get 413 (default: %(default)s)")
+    group.add_argument("--max-waiting-requests", type=int, default=defaults.DEFAULT_MAX_WAITING_REQUESTS,
+                       help="with this many requests queued, new ones get 503 + Retry-After (default: %(default)s)")
+    group.add_argument("--request-timeout", type=float, metavar="S",
+                       help="abort a request (408, pages freed) still running after S seconds (default: none)")
+    group.add_argument("--shutdown-timeout", type=float, metavar="S", default=defaults.DEFAULT_SHUTDOWN_TIMEOUT_S,
+                       help="on SIGTERM/SIGINT, time for in-flight requests to finish (default: %(default)s)")
+    group.add_argument("--default-max-tokens", type=int, default=defaults.DEFAULT_CHAT_MAX_TOKENS,
+                       help="max_tokens of a chat request that sets none, capped by the context "
+                            "(default: %(default)s; completions keep OpenAI's 16)")
+
+
+def server_config(args: argparse.Namespace):
+    """The ServerConfig the flags describe (ValueError for a bad value)."""
+    from oscar_compile.runtime.server_config import ServerConfig
+
+    if args.api_key == "":
+        raise ValueError("--api-key must not be empty")
+    return ServerConfig(api_key=args.api_key, metrics_require_key=args.metrics_require_key,
+                        max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
+                        request_timeout_s=args.request_timeout, shutdown_timeout_s=args.shutdown_timeout,
+                        default_chat_max_tokens=args.default_max_tokens)
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning to log when ``host`` is reachable from other machines and no key is set."""
+    if api_key is not None:
+        return None
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        loopback = False
+    if loopback:
+        return None
+    return (f"binding {host} without an API key: anyone who can reach this address can use the "
+            f"server; pass --api-key or set OSCAR_API_KEY")
+
+
+def build_app(args: argparse.Namespace):
+    """Load the model and return (FastAPI app, served model name)."""
+    server = server_config(args)  # refuse bad flags before loading anything
+    from oscar_compile.runtime.async_engine import AsyncEngine
+    from oscar_compile.loading import load_model, resolve_device, resolve_model_dir
+    from oscar_compile.runtime.loader import build_engine
+    from oscar_compile.runtime.server import create_app
+
+    from oscar_compile.compress import compress
+
+    from oscar_compile.spec import CompressionSpec
+    from oscar_compile.spec_fit import fit_spec_to_model_dir
+
+    model_dir = resolve_model_dir(args.model)
+    device = resolve_device(args.device)
+    config = engine_config(args)
+    spec_path, rotations = compression_for(args, model_dir)
+    spec = fit_spec_to_model_dir(CompressionSpec.from_yaml(spec_path), model_dir)  # the check calibrate runs
+    model, tokenizer = load_model(model_dir, device)
+    config, make_runner = compress(model, spec, rotations, config)
+    engine = build_engine(model, tokenizer, config, make_runner=make_runner)
+    name = args.served_model_name or model_dir.name
+    logger.info("serving %s from %s on %s with %s (rotations: %s)", name, model_dir, device, spec_path, rotations)
+    return create_app(AsyncEngine(engine), name, server), name
+
+
+def engine_config(args: argparse.Namespace):
+    from oscar_compile.runtime.loader import EngineConfig
+
+    return EngineConfig(kv_memory_gb=args.kv_memory, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                        enable_prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
+                        overlap_steps=not args.no_overlap, prefill_staging_memory_gb=args.prefill_staging_memory,
+                        swap_space_gb=args.swap_space, prefix_hits=args.prefix_hits)
+
+
+def compression_for(args: argparse.Namespace, model_dir):
+    """(spec path, rotations path or None) the server compresses the model with."""
+    from oscar_compile.spec import specs_dir
+
+    spec = args.spec or str(specs_dir() / ("oscar-int2.yaml" if args.model is None else "bf16.yaml"))
+    rotations = args.rotations
+    if rotations is None:
+        from pathlib import Path
+
+        shipped = Path(model_dir) / "rotations" / f"{Path(spec).stem}.safetensors"
+        rotations = str(shipped) if shipped.is_file() else None
+    return spec, rotations
+
+
+def main(argv: list[str] | None = None) -> int:
+    return serve(parse_args(argv))
+
+
+def add_parser(sub) -> None:
+    """``oscar-compile serve``: the same flags, the same assembly."""
+    p = sub.add_parser("serve", parents=[build_parser(add_help=False)],
+                       help="serve a model over the OpenAI API (as python -m oscar_compile.runtime.serve)")
+    p.set_defaults(func=serve)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Build the app the flags describe and serve it (``main`` and ``oscar-compile serve``)."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app, _ = build_app(args)
+    except (FileNotFoundError, ValueError, NotImplementedError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    run_server(app, args)
+    return 0
+
+
+def run_server(app, args: argparse.Namespace) -> None:
+    """Serve ``app`` until SIGTERM / SIGINT has drained it."""
+    warning = exposure_warning(args.host, args.api_key)
+    if warning:
+        logger.warning(warning)
+    import uvicorn
+
+    from oscar_compile.runtime.shutdown import DrainingServer
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    DrainingServer(config, app.state.admission, args.shutdown_timeout).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
