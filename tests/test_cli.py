@@ -54,3 +54,13 @@ def test_serve_and_bench_are_subcommands(capsys):
         assert exit_info.value.code == 0
     text = capsys.readouterr().out
     assert "--kv-memory" in text and "--max-num-seqs" in text and "--shape" in text
+
+
+def test_python_m_forms_still_run():
+    """``python -m oscar_compile.cli`` and the promised ``python -m oscar_compile.runtime.serve``."""
+    import subprocess
+    import sys
+
+    for module in ("oscar_compile.cli", "oscar_compile.runtime.serve"):
+        done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "usage:" in done.stdout, done.stderr

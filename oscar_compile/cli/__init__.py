@@ -17,7 +17,8 @@ logger = logging.getLogger("oscar_compile")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="oscar-compile", description=__doc__.splitlines()[0].strip("`: "))
+    parser = argparse.ArgumentParser(prog="oscar-compile",
+                                     description="KV-cache compression for Hugging Face LLMs: every command, one subcommand each")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     calibrate.add_parsers(sub)
@@ -36,7 +37,3 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, NotImplementedError) as err:
         print(f"oscar-compile {args.command}: error: {err}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
