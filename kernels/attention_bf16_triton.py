@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from oscar_compile.kernels.attention_blocks_triton import (
-    NEG_INIT, full_block, merge_partials, seq_of_program, split_range, store_rows)
+    NEG_INIT, full_block, merge_partials, program_ids, query_rows, seq_of_program, split_range, store_rows)
 from oscar_compile.kernels.attention_triton import LOG2E, dot_dtype, plan_launch
 
 
@@ -29,20 +29,10 @@ def _attn_bf16_kernel(
 ):
     NPL: tl.constexpr = 2
     WP: tl.constexpr = D // 2
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
-    sid = tl.program_id(2)
-    i = seq_of_program(cub_ptr, pid, B)
+    pid, h, sid, i = program_ids(cub_ptr, B)
     if pid < tl.load(cub_ptr + B):
-        start = tl.load(cu_ptr + i)
-        T = tl.load(cu_ptr + i + 1) - start
-        L = tl.load(lens_ptr + i)
-        t0 = (pid - tl.load(cub_ptr + i)) * BLOCK_M
-        r = tl.arange(0, ROWS)
-        tok = t0 + r // G_Q
-        head = h * G_Q + r % G_Q
-        row_ok = (r < BLOCK_M * G_Q) & (tok < T)
-        q_rows = q_ptr + (start + tok).to(tl.int64)[:, None] * sqn + head[:, None] * sqh
+        start, T, L, t0, r, tok, head, row_ok, q_rows = query_rows(
+            q_ptr, cu_ptr, cub_ptr, lens_ptr, pid, h, i, sqn, sqh, G_Q, BLOCK_M, ROWS)
         qf = tl.load(q_rows + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DT)
         m = tl.zeros([ROWS], tl.float32) + NEG_INIT
         l = tl.zeros([ROWS], tl.float32)

@@ -119,6 +119,32 @@ def seq_of_program(cub_ptr, pid, B):
 
 
 @triton.jit
+def program_ids(cub_ptr, B):
+    """(pid, KV head, split, sequence) of this program of a (query blocks, H_kv, splits) grid."""
+    pid = tl.program_id(0)
+    return pid, tl.program_id(1), tl.program_id(2), seq_of_program(cub_ptr, pid, B)
+
+
+@triton.jit
+def query_rows(q_ptr, cu_ptr, cub_ptr, lens_ptr, pid, h, i, sqn, sqh, G_Q: tl.constexpr,
+               BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
+    """Where program ``pid`` of sequence i stands: (start, T, L, t0, r, tok, head, row_ok,
+    q_rows). Its ROWS query rows are BLOCK_M chunk tokens from t0 times the G_Q query heads of
+    KV head h (row r: token tok = t0 + r // G_Q, query head h G_Q + r % G_Q), q_rows: [ROWS, 1]
+    pointers to their first channel."""
+    start = tl.load(cu_ptr + i)
+    T = tl.load(cu_ptr + i + 1) - start
+    L = tl.load(lens_ptr + i)
+    t0 = (pid - tl.load(cub_ptr + i)) * BLOCK_M
+    r = tl.arange(0, ROWS)
+    tok = t0 + r // G_Q
+    head = h * G_Q + r % G_Q
+    row_ok = (r < BLOCK_M * G_Q) & (tok < T)
+    q_rows = q_ptr + (start + tok).to(tl.int64)[:, None] * sqn + head[:, None] * sqh
+    return start, T, L, t0, r, tok, head, row_ok, q_rows
+
+
+@triton.jit
 def split_range(n, sid, nsplit, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
     """(do_hist, do_win, lo, hi) of program ``sid`` along the split axis, over ``n`` cached keys.
 

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from oscar_compile.kernels.attention_blocks_triton import (
     CODE_EXP, NEG_INIT, full_block, group_params, history_block, history_rows, merge_partials,
-    plane_factor, seq_of_program, store_rows)
+    plane_factor, program_ids, query_rows, store_rows)
 from oscar_compile.kernels.device import num_sms
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, attention_output_for
 from oscar_compile.kernels.quant_triton import interpreting
@@ -66,20 +66,10 @@ def _attn_kernel(
     NPL: tl.constexpr = 2 if BITS == 16 else 8 // BITS
     WP: tl.constexpr = D // NPL
     NG: tl.constexpr = D // GROUP
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
-    sid = tl.program_id(2)
-    i = seq_of_program(cub_ptr, pid, B)
+    pid, h, sid, i = program_ids(cub_ptr, B)
     if pid < tl.load(cub_ptr + B):
-        start = tl.load(cu_ptr + i)
-        T = tl.load(cu_ptr + i + 1) - start
-        L = tl.load(lens_ptr + i)
-        t0 = (pid - tl.load(cub_ptr + i)) * BLOCK_M
-        r = tl.arange(0, ROWS)
-        tok = t0 + r // G_Q  # [ROWS] chunk index of each query row
-        head = h * G_Q + r % G_Q
-        row_ok = (r < BLOCK_M * G_Q) & (tok < T)
-        q_rows = q_ptr + (start + tok).to(tl.int64)[:, None] * sqn + head[:, None] * sqh
+        start, T, L, t0, r, tok, head, row_ok, q_rows = query_rows(
+            q_ptr, cu_ptr, cub_ptr, lens_ptr, pid, h, i, sqn, sqh, G_Q, BLOCK_M, ROWS)
         m = tl.zeros([ROWS], tl.float32) + NEG_INIT
         l = tl.zeros([ROWS], tl.float32)
         a0 = tl.zeros([ROWS, WP], tl.float32)
