@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from oscar_compile.kernels.attention_blocks_triton import (
-    NEG_INIT, full_block, merge_partials, program_ids, query_rows, seq_of_program, split_range, store_rows)
+    NEG_INIT, full_block, merge_partials, page_rows, program_ids, query_rows, seq_of_program, split_range, store_rows)
 from oscar_compile.kernels.attention_triton import LOG2E, dot_dtype, plan_launch
 
 
@@ -45,8 +45,7 @@ def _attn_bf16_kernel(
             for n0 in range(lo, hi, BLOCK_N):
                 pos = n0 + tl.arange(0, BLOCK_N)
                 ok = pos < hi
-                page = tl.load(pt_row + pos // P, mask=ok, other=0)
-                rows = (page.to(tl.int64) * H_KV + h) * P + pos % P
+                rows = page_rows(pt_row, pos, ok, h, H_KV, P)
                 key_ok = ok[None, :] & (r[:, None] >= 0)
                 m, l, a0, a1, _a2, _a3, z0, _z1, _z2, _z3 = full_block(
                     qf, m, l, a0, a1, a0, a1, z0, z0, z0, z0, kp_ptr, vp_ptr, rows, key_ok,

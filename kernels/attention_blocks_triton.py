@@ -222,8 +222,15 @@ def history_rows(qt_row, n0, hi, h, H_KV: tl.constexpr, P: tl.constexpr, BN: tl.
     """Flat pool rows [BN] of history tokens n0 .. n0 + BN of KV head h, and which are < hi."""
     hidx = n0 + tl.arange(0, BN)
     tmask = hidx < hi
-    page = tl.load(qt_row + hidx // P, mask=tmask, other=0)
-    return (page.to(tl.int64) * H_KV + h) * P + hidx % P, tmask
+    return page_rows(qt_row, hidx, tmask, h, H_KV, P), tmask
+
+
+@triton.jit
+def page_rows(table_row, idx, ok, h, H_KV: tl.constexpr, P: tl.constexpr):
+    """Flat pool rows of KV head h for positions (or window slots) idx through one page-table
+    row: page table_row[idx // P], row idx % P (idx masked by ok reads page 0)."""
+    page = tl.load(table_row + idx // P, mask=ok, other=0)
+    return (page.to(tl.int64) * H_KV + h) * P + idx % P
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from oscar_compile.kernels.attention_blocks_triton import (
     CODE_EXP, NEG_INIT, full_block, group_params, history_block, history_rows, merge_partials,
-    plane_factor, program_ids, query_rows, store_rows)
+    page_rows, plane_factor, program_ids, query_rows, store_rows)
 from oscar_compile.kernels.device import num_sms
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, attention_output_for
 from oscar_compile.kernels.quant_triton import interpreting
@@ -184,8 +184,7 @@ def _attn_kernel(
             for w0 in range(wlo, whi, BLOCK_W):
                 w = w0 + tl.arange(0, BLOCK_W)
                 ok = window_slot_ok(w, n_sink, n_hist, n_rec, SINK, RECENT)
-                page = tl.load(wt_row + w // P, mask=ok, other=0)
-                rows = (page.to(tl.int64) * H_KV + h) * P + w % P
+                rows = page_rows(wt_row, w, ok, h, H_KV, P)
                 key_ok = ok[None, :] & (r[:, None] >= 0)
                 m, l, a0, a1, a2, a3, z0, z1, z2, z3 = full_block(
                     qf, m, l, a0, a1, a2, a3, z0, z1, z2, z3, kwin_ptr, vwin_ptr, rows, key_ok,
