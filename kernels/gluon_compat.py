@@ -4,8 +4,9 @@ Gluon (``triton.experimental.gluon``) is experimental and renames things between
 releases. The Hopper decode kernel must run on the device's Triton 3.6 and compile on the
 newest release the registry serves, so every version-dependent name is resolved here, once:
 
-- ``thread_barrier`` (3.6) became ``barrier`` (3.7+);
 - ``GluonASTSource`` moved from ``gluon._runtime`` to the ``gluon`` package (offline compiles).
+  (The kernel avoids the other names that moved, e.g. ``thread_barrier`` / ``barrier``: Triton's
+  own barrier insertion orders its shared-memory accesses.)
 
 Importing this module never raises: ``GLUON_IMPORT_ERROR`` says why Gluon is unusable (no
 Triton, or a Triton without Gluon's Hopper ops), and the dispatch then keeps the Triton kernel.
@@ -25,9 +26,6 @@ try:
 except Exception as exc:  # noqa: BLE001 - any failure means "no Gluon here"
     GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
     gluon = gl = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
-
-if gl is not None:
-    thread_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
 
 
 def gluon_ast_source():
