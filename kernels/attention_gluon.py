@@ -65,13 +65,14 @@ from oscar_compile.kernels.gluon_compat import (
     fence_async_shared,
     gl,
     gluon,
+    thread_barrier,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 @gluon.jit
 def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-                  q_smem, p_smem, qk_scale, H_KV: gl.constexpr, G_Q: gl.constexpr, NH: gl.constexpr,
+                  q_smem, p_smem, red_smem, qk_scale, H_KV: gl.constexpr, G_Q: gl.constexpr, NH: gl.constexpr,
                   D: gl.constexpr, P: gl.constexpr, WP: gl.constexpr, X: gl.constexpr,
                   PREFETCH: gl.constexpr):
     """History tokens [lo, hi): (o^T [D, N] in value-row order, m, l, zero term) of one split."""
@@ -85,6 +86,7 @@ def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_pt
     qsum = gl.convert_layout(gl.sum(qv, axis=1), gl.SliceLayout(0, mma))
     q_smem.store((qv * gl.expand_dims(_pow2(-2 * (kap // WP)), 0)).to(gl.float16))
     fence_async_shared()
+    thread_barrier()  # here, once: else Triton's barrier insertion puts one in every step
     qk = qk_scale * 16777216.0  # the decoded codes carry 2^-24
     m_i = gl.full([NH], NEG_INIT, gl.float32, layout=gl.SliceLayout(0, mma))
     l_part = gl.zeros([TILE, NH], gl.float32, layout=mma)
@@ -104,9 +106,12 @@ def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_pt
                             gl.zeros([TILE, NH], gl.float32, layout=mma), is_async=True)
         a_v = _value_operand(vb, D, X, NH)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        s = gl.expand_dims(ks, 1) * (acc - gl.expand_dims(kz, 1) * gl.expand_dims(qsum, 0) * 5.9604644775390625e-08)
-        s = gl.where(gl.expand_dims(ok, 1), s * qk, float("-inf"))
-        p, alpha, m_i, l_part = _softmax_step(s, m_i, l_part)
+        # per row a = qk s and b = a z 2^-24, so each score is one multiply and one fma
+        a = ks * qk
+        b = a * kz * 5.9604644775390625e-08
+        s = gl.expand_dims(a, 1) * acc - gl.expand_dims(b, 1) * gl.expand_dims(qsum, 0)
+        s = gl.where(gl.expand_dims(ok, 1), s, float("-inf"))
+        p, alpha, m_i, l_part = _softmax_step(s, m_i, l_part, red_smem, NH)
         pv = (p * gl.expand_dims(vs, 1)).to(gl.float16)
         z_part = z_part * gl.expand_dims(alpha, 0) + pv.to(gl.float32) * gl.expand_dims(vz, 1)
         p_smem.store(pv)
@@ -122,7 +127,7 @@ def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_pt
 
 # ------------------------------------------------------------------ the 16-bit windows and the chunk
 @gluon.jit
-def _full_tile(k_rows, v_rows, ok, q_smem, kv_smem, p_smem, o, m_i, l_part, qk_scale,
+def _full_tile(k_rows, v_rows, ok, q_smem, kv_smem, p_smem, red_smem, o, m_i, l_part, qk_scale,
                D: gl.constexpr, NH: gl.constexpr):
     """Attend to 64 full-precision tokens (row pointers k_rows, v_rows: [64], masked by ok). The
     keys, then the values, pass through one shared-memory tile (a second one would cost the
@@ -140,7 +145,7 @@ def _full_tile(k_rows, v_rows, ok, q_smem, kv_smem, p_smem, o, m_i, l_part, qk_s
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     s = gl.where(gl.expand_dims(gl.convert_layout(ok, gl.SliceLayout(1, mma)), 1), acc * qk_scale,
                  float("-inf"))
-    p, alpha, m_i, l_part = _softmax_step(s, m_i, l_part)
+    p, alpha, m_i, l_part = _softmax_step(s, m_i, l_part, red_smem, NH)
     p_smem.store(p.to(p_smem.dtype))
     kv_smem.store(vt.to(kv_smem.dtype))
     fence_async_shared()
@@ -151,7 +156,7 @@ def _full_tile(k_rows, v_rows, ok, q_smem, kv_smem, p_smem, o, m_i, l_part, qk_s
 
 @gluon.jit
 def _window_part(q_row, sqh, wt_row, kvh, widx, nwin, L, n_hist, t, kw_ptr, vw_ptr, kn_ptr, vn_ptr,
-                 skn, svn, q_smem, kv_smem, p_smem, qk_scale, H_KV: gl.constexpr,
+                 skn, svn, q_smem, kv_smem, p_smem, red_smem, qk_scale, H_KV: gl.constexpr,
                  G_Q: gl.constexpr, NH: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
                  SINK: gl.constexpr, RECENT: gl.constexpr):
     """Window program widx of nwin: its share of the sink + recent slots; the last one also the
@@ -181,13 +186,13 @@ def _window_part(q_row, sqh, wt_row, kvh, widx, nwin, L, n_hist, t, kw_ptr, vw_p
         page = gl.load(wt_row + w // P, mask=ok, other=0)
         row = ((page.to(gl.int64) * H_KV + kvh) * P + w % P) * D
         o, m_i, l_part = _full_tile(kw_ptr + row, vw_ptr + row, ok, q_smem, kv_smem, p_smem,
-                                    o, m_i, l_part, qk_scale, D, NH)
+                                    red_smem, o, m_i, l_part, qk_scale, D, NH)
     kend = gl.where(widx == nwin - 1, t + 1, 0)
     for j0 in range(0, kend, TILE):
         j = j0 + r
         ok = j < kend
         o, m_i, l_part = _full_tile(kn_ptr + j.to(gl.int64) * skn, vn_ptr + j.to(gl.int64) * svn, ok,
-                                    q_smem, kv_smem, p_smem, o, m_i, l_part, qk_scale, D, NH)
+                                    q_smem, kv_smem, p_smem, red_smem, o, m_i, l_part, qk_scale, D, NH)
     return o, m_i, gl.sum(l_part, axis=0)
 
 
@@ -228,20 +233,21 @@ def _decode_kernel(
     q_smem_w = gl.allocate_shared_memory(wdt, [NH, D], gl.NVMMASharedLayout.get_default_for([NH, D], wdt))
     kv_smem = gl.allocate_shared_memory(wdt, [TILE, D], gl.NVMMASharedLayout.get_default_for([TILE, D], wdt))
     p_smem_w = gl.allocate_shared_memory(wdt, [TILE, NH], gl.NVMMASharedLayout.get_default_for([TILE, NH], wdt))
+    red_smem = gl.allocate_shared_memory(gl.float32, [4, NH], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     if sid < nsplit:
         chunk = ((n_hist + nsplit - 1) // nsplit + TILE - 1) // TILE * TILE
         lo = gl.minimum(sid * chunk, n_hist)
         hi = gl.minimum(lo + chunk, n_hist)
         o, m_i, l, zs = _history_part(q_row, sqh, qt_ptr + i.to(gl.int64) * stride_qt, kvh, lo, hi,
                                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, q_smem_h, p_smem_h,
-                                      qk_scale, H_KV, G_Q, NH, D, P, WP, X, PREFETCH)
+                                      red_smem, qk_scale, H_KV, G_Q, NH, D, P, WP, X, PREFETCH)
         chan, offset = _value_channel(m_rows, WP, X)
         o = o * gl.expand_dims(_pow2(24 - offset), 1) - gl.expand_dims(zs, 0)
     else:
         o, m_i, l = _window_part(q_row, sqh, wt_ptr + i.to(gl.int64) * stride_wt, kvh, sid - nsplit, nwin,
                                  L, n_hist, t, kwin_ptr, vwin_ptr, k_ptr + (start.to(gl.int64) * skn + kvh * skh),
                                  v_ptr + (start.to(gl.int64) * svn + kvh * svh), skn, svn, q_smem_w, kv_smem,
-                                 p_smem_w, qk_scale, H_KV, G_Q, NH, D, P, SINK, RECENT)
+                                 p_smem_w, red_smem, qk_scale, H_KV, G_Q, NH, D, P, SINK, RECENT)
         chan = m_rows
     inv_l = gl.where(l > 0.0, 1.0 / l, 0.0)
     o = o * gl.expand_dims(inv_l, 0)

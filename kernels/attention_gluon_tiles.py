@@ -36,12 +36,15 @@ def _mma_layout(NH):
 
 @gluon.constexpr_function
 def _key_words_layout(NW):
-    """[64 tokens, NW words]: warp w, lane 4 g + t hold tokens 16 w + g (+ 8), words of thread t."""
+    """[4 blocks, 16 rows, NW words]: warp w, lane 4 g + t hold rows g and g + 8 of the tile's
+    16-token block w, the words of thread t. Flattened to [64 tokens, NW] it is the A fragment's
+    share of each thread (_key_operand); the block axis is the warp, so each thread finds the
+    page of one block per step."""
     per = NW // 4
-    reg = [[0, 1 << i] for i in range(per.bit_length() - 1)] + [[8, 0]]
-    lane = [[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]]
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=[[16, 0], [32, 0]],
-                                      block_bases=[], shape=[TILE_TOKENS, NW])
+    reg = [[0, 0, 1 << i] for i in range(per.bit_length() - 1)] + [[0, 8, 0]]
+    lane = [[0, 0, per], [0, 0, 2 * per], [0, 1, 0], [0, 2, 0], [0, 4, 0]]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=[[1, 0, 0], [2, 0, 0]],
+                                      block_bases=[], shape=[4, 16, NW])
 
 
 @gluon.constexpr_function
@@ -137,10 +140,32 @@ def _slot_ok(w, n_sink, n_hist, n_rec, SINK: gl.constexpr, RECENT: gl.constexpr)
     return ok
 
 
+@gluon.constexpr_function
+def _warp_max_layout(NH):
+    """[4 warps, NH]: each thread holds all four warps' entries of its score columns (the mma
+    layout's: 2 t, 2 t + 1, then + 8 i), so the max over warps is a register reduction whose
+    result is in the mma layout's column slice."""
+    cols = [[0, 1]] + [[0, 8 << i] for i in range((NH // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0]] + cols,
+                                      lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+                                      warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, NH])
+
+
 @gluon.jit
-def _softmax_step(s, m_i, l_part):
+def _tile_max(s, red_smem, NH: gl.constexpr):
+    """max over the 64 rows of s [64, NH] (4 warps x 16 rows): shuffles within each warp, then
+    one exchange of the four warp maxima through red_smem [4, NH] (one barrier; the generic
+    reduction takes two exchanges and three barriers)."""
+    mma: gl.constexpr = _mma_layout(NH)
+    red_smem.store(gl.max(gl.reshape(s, [4, 16, NH]), axis=1))
+    m = gl.max(red_smem.load(_warp_max_layout(NH)), axis=0)
+    return gl.convert_layout(m, gl.SliceLayout(0, mma), assert_trivial=True)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_part, red_smem, NH: gl.constexpr):
     """Online softmax over the 64 keys (rows) of s: [64, N] (base 2) -> (p, alpha, m, l)."""
-    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    m_new = gl.maximum(m_i, _tile_max(s, red_smem, NH))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s - gl.expand_dims(m_new, 0))
     l_part = l_part * gl.expand_dims(alpha, 0) + p
@@ -149,33 +174,53 @@ def _softmax_step(s, m_i, l_part):
 
 # ------------------------------------------------------------------ the INT2 history
 @gluon.jit
+def _block_rows(blk, qt_row, kvh, H_KV: gl.constexpr, P: gl.constexpr):
+    """Pool row of the first token of each 16-token block index blk (pages hold a multiple of
+    16 tokens, so a block never straddles two pages)."""
+    page = gl.load(qt_row + blk * 16 // P)
+    return (page.to(gl.int64) * H_KV + kvh) * P + blk * 16 % P
+
+
+@gluon.jit
 def _history_loads(n0, hi, qt_row, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                    H_KV: gl.constexpr, P: gl.constexpr, WP: gl.constexpr, X: gl.constexpr,
                    NH: gl.constexpr):
-    """Codes, scales and zeros of history tokens [n0, n0 + 64) (masked at hi), as the step
-    consumes them: key words [64, WP / 4] int32, value bytes [X, 4, 4, WP, 2, 2], per-token key /
-    value scale and zero [64] float32 in the score layout."""
+    """Codes, scales and zeros of history tokens [n0, n0 + 64) (n0 a multiple of 64; masked at
+    hi), as the step consumes them: key words [64, WP / 4] int32, value bytes [X, 4, 4, WP, 2, 2],
+    per-token key / value scale and zero [64] float32 in the score layout.
+
+    Addresses are formed per 16-token block, not per token: a thread's key rows and scales lie
+    in one block (its warp's), its value bytes in the four blocks at fixed offsets, so a step
+    costs one page lookup and one 64-bit base per block instead of a division, a lookup and a
+    base per token (about a third of the step's instructions before)."""
     NW: gl.constexpr = WP // 4
     kwl: gl.constexpr = _key_words_layout(NW)
     vbl: gl.constexpr = _value_bytes_layout(WP, X)
     mma: gl.constexpr = _mma_layout(NH)
-    # Positions past hi are clamped to hi - 1, not masked: every address stays inside the pools,
-    # and the step masks those tokens' scores (their codes are finite, their weights 0).
-    last = hi - 1
-    # keys: the planar rows as int32 words
-    kk = gl.minimum(n0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, kwl)), last)
-    kpage = gl.load(qt_row + kk // P)
-    krow = (kpage.to(gl.int64) * H_KV + kvh) * P + kk % P
-    kcol = gl.arange(0, NW, layout=gl.SliceLayout(0, kwl))
-    kw = gl.load(kc_ptr + gl.expand_dims(krow * NW, 1) + gl.expand_dims(kcol, 0))
-    # values: one page lookup per 16-token block v (pages hold a multiple of 16 tokens)
+    # Blocks past hi re-read the last one, and rows past hi read their block's page: every
+    # address stays inside the pools. Their codes are finite; the step masks their scores and
+    # the value scales and zeros are zeroed here (the rows may never have been written).
+    b0 = n0 // 16
+    last = (hi - 1) // 16
+    # keys and scales: block w of warp w
+    rows: gl.constexpr = gl.SliceLayout(2, kwl)  # [4, 16]
+    kb = gl.minimum(b0 + gl.arange(0, 4, layout=gl.SliceLayout(1, rows)), last)
+    krow = gl.expand_dims(_block_rows(kb, qt_row, kvh, H_KV, P), 1) + gl.expand_dims(
+        gl.arange(0, 16, layout=gl.SliceLayout(0, rows)), 0)  # [4, 16]
+    kcol = gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(1, kwl)))
+    kw = gl.load(kc_ptr + gl.expand_dims(krow * NW, 2) + gl.expand_dims(gl.expand_dims(kcol, 0), 1))
+    kw = gl.reshape(kw, [TILE, NW])
+    srow = gl.convert_layout(gl.reshape(krow, [TILE]), gl.SliceLayout(1, mma), assert_trivial=True)
+    sok = n0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, mma)) < hi
+    ks = gl.load(ks_ptr + srow).to(gl.float32)
+    kz = gl.load(kz_ptr + srow).to(gl.float32)
+    vs = gl.where(sok, gl.load(vs_ptr + srow).to(gl.float32), 0.0)
+    vz = gl.where(sok, gl.load(vz_ptr + srow).to(gl.float32), 0.0)
+    # values: all four blocks, token 16 v + 8 b + 2 t + e at a fixed offset from block v's row
     s5: gl.constexpr = gl.SliceLayout(5, vbl)
     s4: gl.constexpr = gl.SliceLayout(4, s5)  # [X, 4 (v), 4 (t), WP]
-    blk = gl.minimum(n0 + 16 * gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, s4)))),
-                     last - last % 16)
-    vpage = gl.load(qt_row + blk // P)
-    vbase = (vpage.to(gl.int64) * H_KV + kvh) * P + blk % P  # [4] pool row of block v's first token
-    # the token's offset in its block, 8 b + 2 t + e, and the byte column, broadcast to 6 dims
+    vb = gl.minimum(b0 + gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, s4)))), last)
+    vbase = _block_rows(vb, qt_row, kvh, H_KV, P)  # [4]
     t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, s4))))
     col = gl.arange(0, WP, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, s4))))
     x = gl.arange(0, X, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s4))))
@@ -187,20 +232,8 @@ def _history_loads(n0, hi, qt_row, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, 
     x5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(x, 1), 2), 3), 4) * 0  # [X, 1, 1, 1, 1]
     b5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(bb, 0), 1), 2), 3)  # [1, 1, 1, 1, 2]
     e6 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(ee, 0), 1), 2), 3), 4)
-    # (a block past hi re-reads the last block: its tokens are masked like the others)
     vptr = vc_ptr + gl.expand_dims((v5 + 2 * t5 + 8 * b5 + x5) * WP + c5, 5) + e6 * WP
-    vb = gl.load(vptr)
-    # per-token scale / zero in the score layout (one group per token)
-    sk = n0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, mma))
-    sok = sk < hi
-    sk = gl.minimum(sk, last)
-    spage = gl.load(qt_row + sk // P)
-    srow = (spage.to(gl.int64) * H_KV + kvh) * P + sk % P
-    ks = gl.load(ks_ptr + srow).to(gl.float32)
-    kz = gl.load(kz_ptr + srow).to(gl.float32)
-    vs = gl.load(vs_ptr + srow).to(gl.float32)
-    vz = gl.load(vz_ptr + srow).to(gl.float32)
-    return kw, vb, ks, kz, vs, vz, sok
+    return kw, gl.load(vptr), ks, kz, vs, vz, sok
 
 
 @gluon.jit

@@ -5,8 +5,8 @@ releases. The Hopper decode kernel must run on the device's Triton 3.6 and compi
 newest release the registry serves, so every version-dependent name is resolved here, once:
 
 - ``GluonASTSource`` moved from ``gluon._runtime`` to the ``gluon`` package (offline compiles).
-  (The kernel avoids the other names that moved, e.g. ``thread_barrier`` / ``barrier``: Triton's
-  own barrier insertion orders its shared-memory accesses.)
+- The CTA barrier is ``gl.thread_barrier`` up to 3.6 and ``gl.barrier`` from 3.7
+  (``thread_barrier`` here).
 
 Importing this module never raises: ``GLUON_IMPORT_ERROR`` says why Gluon is unusable (no
 Triton, or a Triton without Gluon's Hopper ops), and the dispatch then keeps the Triton kernel.
@@ -26,6 +26,8 @@ try:
 except Exception as exc:  # noqa: BLE001 - any failure means "no Gluon here"
     GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
     gluon = gl = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
+
+thread_barrier = None if gl is None else getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")
 
 
 def gluon_ast_source():
