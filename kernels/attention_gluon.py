@@ -49,7 +49,10 @@ from oscar_compile.kernels.attention_gluon_tiles import (
     NEG_INIT,
     TILE,
     TILE_TOKENS,
-    _history_loads,
+    _allocate_history_stages,
+    _block_pages,
+    _copy_step,
+    _read_step,
     _kappa_channel,
     _key_operand,
     _mma_layout,
@@ -66,6 +69,7 @@ from oscar_compile.kernels.gluon_compat import (
     gl,
     gluon,
     thread_barrier,
+    wait_group,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -74,7 +78,7 @@ from oscar_compile.kernels.gluon_compat import (
 def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                   q_smem, p_smem, red_smem, qk_scale, H_KV: gl.constexpr, G_Q: gl.constexpr, NH: gl.constexpr,
                   D: gl.constexpr, P: gl.constexpr, WP: gl.constexpr, X: gl.constexpr,
-                  PREFETCH: gl.constexpr):
+                  STAGES: gl.constexpr):
     """History tokens [lo, hi): (o^T [D, N] in value-row order, m, l, zero term) of one split."""
     mma: gl.constexpr = _mma_layout(NH)
     ql: gl.constexpr = _rows_layout(D)
@@ -92,15 +96,20 @@ def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_pt
     l_part = gl.zeros([TILE, NH], gl.float32, layout=mma)
     z_part = gl.zeros([TILE, NH], gl.float32, layout=mma)
     o = gl.zeros([D, NH], gl.float32, layout=mma)
-    kb, vb, ks, kz, vs, vz, ok = _history_loads(lo, hi, qt_row, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr,
-                                                vs_ptr, vz_ptr, H_KV, P, WP, X, NH)
+    kbuf, vbuf, sbuf = _allocate_history_stages(kc_ptr, vc_ptr, ks_ptr, STAGES, WP, X)
+    # prologue: steps 0 .. STAGES - 1 in flight, the page of step STAGES in registers
+    page, blk, live = _block_pages(lo, hi, qt_row, P, WP // 4)
+    for j in gl.static_range(STAGES):
+        _copy_step(kbuf, vbuf, sbuf, j, page, blk, live, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                   H_KV, P, WP, X)
+        page, blk, live = _block_pages(lo + (j + 1) * TILE, hi, qt_row, P, WP // 4)
+    step = 0
     for n0 in range(lo, hi, TILE):
-        if PREFETCH:  # the next tile's loads go out before this tile's math (register double buffer)
-            kb_n, vb_n, ks_n, kz_n, vs_n, vz_n, ok_n = _history_loads(
-                n0 + TILE, hi, qt_row, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, H_KV, P, WP, X, NH)
-        else:
-            kb, vb, ks, kz, vs, vz, ok = _history_loads(
-                n0, hi, qt_row, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, H_KV, P, WP, X, NH)
+        wait_group(STAGES - 1)  # this step's copies are done (this thread's) ...
+        thread_barrier()  # ... and every thread's, visible to all warps
+        stage = step % STAGES
+        kb, vb, ks, kz, vs, vz, ok = _read_step(kbuf, vbuf, sbuf, stage, n0, hi, WP, X, NH)
+        step += 1
         # the key dot runs while the value codes decode
         acc = warpgroup_mma(_key_operand(kb, D, WP, NH), q_smem.permute((1, 0)),
                             gl.zeros([TILE, NH], gl.float32, layout=mma), is_async=True)
@@ -112,6 +121,12 @@ def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_pt
         s = gl.expand_dims(a, 1) * acc - gl.expand_dims(b, 1) * gl.expand_dims(qsum, 0)
         s = gl.where(gl.expand_dims(ok, 1), s, float("-inf"))
         p, alpha, m_i, l_part = _softmax_step(s, m_i, l_part, red_smem, NH)
+        # every warp has read this stage (the max exchange ends in a barrier): it takes the step
+        # STAGES ahead, here rather than at the top of the loop, where Triton's barrier insertion
+        # would add a barrier between the copies and the reads of the next stage
+        _copy_step(kbuf, vbuf, sbuf, stage, page, blk, live, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                   H_KV, P, WP, X)
+        page, blk, live = _block_pages(n0 + (STAGES + 1) * TILE, hi, qt_row, P, WP // 4)
         pv = (p * gl.expand_dims(vs, 1)).to(gl.float16)
         z_part = z_part * gl.expand_dims(alpha, 0) + pv.to(gl.float32) * gl.expand_dims(vz, 1)
         p_smem.store(pv)
@@ -120,8 +135,7 @@ def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_pt
         # wait defined by plain moves, and ptxas then serializes every wgmma of the kernel)
         o = warpgroup_mma(a_v, p_smem, o * gl.expand_dims(alpha, 0), is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-        if PREFETCH:
-            kb, vb, ks, kz, vs, vz, ok = kb_n, vb_n, ks_n, kz_n, vs_n, vz_n, ok_n
+    wait_group(0)  # no copy may outlive the program (the last STAGES steps are past hi: masked)
     return o, m_i, gl.sum(l_part, axis=0), gl.sum(z_part, axis=0)
 
 
@@ -204,7 +218,7 @@ def _decode_kernel(
     po_ptr, pl_ptr, qk_scale, B, nsplit, nwin,
     sqn, sqh, skn, skh, svn, svh, stride_wt, stride_qt,
     H_KV: gl.constexpr, G_Q: gl.constexpr, NH: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
-    SINK: gl.constexpr, RECENT: gl.constexpr, HAS_HIST: gl.constexpr, PREFETCH: gl.constexpr,
+    SINK: gl.constexpr, RECENT: gl.constexpr, HAS_HIST: gl.constexpr, STAGES: gl.constexpr,
 ):
     """One program: query token n, KV head kvh, split sid (< nsplit: history; else windows)."""
     WP: gl.constexpr = D // 4  # INT2: bytes per planar row
@@ -240,7 +254,7 @@ def _decode_kernel(
         hi = gl.minimum(lo + chunk, n_hist)
         o, m_i, l, zs = _history_part(q_row, sqh, qt_ptr + i.to(gl.int64) * stride_qt, kvh, lo, hi,
                                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, q_smem_h, p_smem_h,
-                                      red_smem, qk_scale, H_KV, G_Q, NH, D, P, WP, X, PREFETCH)
+                                      red_smem, qk_scale, H_KV, G_Q, NH, D, P, WP, X, STAGES)
         chan, offset = _value_channel(m_rows, WP, X)
         o = o * gl.expand_dims(_pow2(24 - offset), 1) - gl.expand_dims(zs, 0)
     else:
@@ -286,17 +300,22 @@ def gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits: int, group_siz
 # share an SM (4 at 128). Triton 3.6's ptxas fits the kernel in 128 without spills (23 spilled
 # loads at 96, 70 at 80); H200 sweep in bench/results/2026-12-01-h200-gluon.
 MAXNREG = 128
+STAGES = 3  # shared-memory stages of the history pipeline (steps in flight during the math)
 SMEM_PER_SM = 227 * 1024  # sm_90: shared memory a multiprocessor gives its blocks
 SMEM_RESERVED_PER_BLOCK = 1024
 MIN_SPLIT_TOKENS = 256  # shorter histories are not split (the Triton plan's 2 blocks of 128)
 
 
-def programs_per_sm(maxnreg: int, head_dim: int, num_heads_n: int, window_bytes: int = 2) -> int:
+def programs_per_sm(maxnreg: int, head_dim: int, num_heads_n: int, window_bytes: int = 2,
+                    stages: int = STAGES, scale_bytes: int = 2) -> int:
     """4-warp programs resident per SM under a register cap: the smaller of the register file
     (64K) and shared-memory limits. Shared memory: the query twice (history fp16, windows in
-    their dtype), the two P tiles and the window tile (the kernel's static allocations)."""
+    their dtype), the two P tiles, the window tile, the warp-max exchange and the history stages
+    (64 tokens of key and value codes, scales and zeros each; the kernel's static allocations)."""
+    wp = head_dim // 4
+    stage = 64 * wp + max(1, 128 // head_dim) * 64 * wp + 4 * 64 * scale_bytes
     smem = (2 * num_heads_n * head_dim * 2 + 2 * 64 * num_heads_n * 2 + 64 * head_dim * window_bytes
-            + SMEM_RESERVED_PER_BLOCK + 256)
+            + 4 * num_heads_n * 4 + stages * stage + SMEM_RESERVED_PER_BLOCK + 256)
     return max(1, min(65536 // (maxnreg * 128), SMEM_PER_SM // smem, 32))
 
 
@@ -338,11 +357,11 @@ def plan_gluon_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, sink: in
 def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
                     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, scale, sink, recent, bits,
                     group_size, history_lens=None, nsplit: int | None = None,
-                    win_splits: int | None = None, prefetch: bool = False, maxnreg: int = MAXNREG):
+                    win_splits: int | None = None, stages: int = STAGES, maxnreg: int = MAXNREG):
     """Check, plan and launch; the contract of ``oscar::attention`` (docs/cache-format.md).
 
     q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype. ``nsplit`` / ``win_splits``
-    override the plan, ``prefetch`` loads each history tile one step ahead (registers),
+    override the plan, ``stages`` sets the shared-memory stages of the history pipeline,
     ``maxnreg`` caps the registers per thread (benchmark sweeps, tests)."""
     import torch
 
@@ -372,7 +391,7 @@ def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         window_table.stride(0), quant_table.stride(0),
         H_KV=H_kv, G_Q=g, NH=max(8, triton.next_power_of_2(g)), D=D, P=P, SINK=sink, RECENT=recent,
-        HAS_HIST=history_lens is not None, PREFETCH=prefetch, num_warps=4,
+        HAS_HIST=history_lens is not None, STAGES=stages, num_warps=4,
         maxnreg=maxnreg,
     )
     merge_partials(po, pl, out, ns)
@@ -382,7 +401,7 @@ def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, 
 def compile_offline(head_dim: int = 128, num_q_per_kv: int = 4, num_kv_heads: int = 8,
                     page_size: int = 16, sink: int = 64, recent: int = 256,
                     window_dtype: str = "bf16", scale_dtype: str = "fp16", has_hist: bool = False,
-                    prefetch: bool = False, maxnreg: int = MAXNREG):
+                    stages: int = STAGES, maxnreg: int = MAXNREG):
     """Compile the kernel for sm_90 without a GPU (CI, and the benchmark's instruction counts).
 
     Returns Triton's compiled kernel: ``.asm`` holds "ttgir", "ptx", "cubin" (and "sass" where
@@ -401,7 +420,7 @@ def compile_offline(head_dim: int = 128, num_q_per_kv: int = 4, num_kv_heads: in
         "B", "nsplit", "nwin", "sqn", "sqh", "skn", "skh", "svn", "svh", "stride_wt", "stride_qt")}})
     g = num_q_per_kv
     consts = {"H_KV": num_kv_heads, "G_Q": g, "NH": max(8, triton.next_power_of_2(g)), "D": head_dim,
-              "P": page_size, "SINK": sink, "RECENT": recent, "HAS_HIST": has_hist, "PREFETCH": prefetch}
+              "P": page_size, "SINK": sink, "RECENT": recent, "HAS_HIST": has_hist, "STAGES": stages}
     sig.update({k: "constexpr" for k in consts})
     # as the JIT specializes: pointers and the strides (multiples of 16 in practice) divisible by 16
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(len(ptrs)), *range(len(ptrs) + 4, len(ptrs) + 12))}

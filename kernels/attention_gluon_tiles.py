@@ -7,7 +7,7 @@ fragment and ``convert_layout(..., assert_trivial=True)`` moves no data (docs/ca
 """
 from __future__ import annotations
 
-from oscar_compile.kernels.gluon_compat import gl, gluon
+from oscar_compile.kernels.gluon_compat import async_copy, commit_group, gl, gluon
 
 TILE_TOKENS = 64  # tokens per warpgroup step: the wgmma M of the key dot, the K of the value dot
 TILE = gl.constexpr(TILE_TOKENS)
@@ -173,67 +173,148 @@ def _softmax_step(s, m_i, l_part, red_smem, NH: gl.constexpr):
 
 
 # ------------------------------------------------------------------ the INT2 history
-@gluon.jit
-def _block_rows(blk, qt_row, kvh, H_KV: gl.constexpr, P: gl.constexpr):
-    """Pool row of the first token of each 16-token block index blk (pages hold a multiple of
-    16 tokens, so a block never straddles two pages)."""
-    page = gl.load(qt_row + blk * 16 // P)
-    return (page.to(gl.int64) * H_KV + kvh) * P + blk * 16 % P
+# ------------------------------------------------------------------ the INT2 history, through shared memory
+# Each 64-token step is copied into one of STAGES shared-memory stages with cp.async, STAGES - 1
+# steps ahead of the math, so that enough bytes are in flight to cover the memory latency
+# (registers could hold only the step being decoded: a register double buffer cost more
+# occupancy than it hid). Warp w copies the tile's 16-token block w: the planar rows of a block
+# are contiguous in the pools (pages hold a multiple of 16 tokens), so each thread has one page
+# lookup per step, made one step earlier still so that no copy waits for it.
+@gluon.constexpr_function
+def _key_copy_layout(NW):
+    """[4 blocks, 16 rows, NW words]: warp w copies block w, a thread half a row (16 bytes at
+    D = 128, 8 at D = 64)."""
+    half = NW // 2
+    reg = [[0, 0, 1 << i] for i in range(half.bit_length() - 1)]
+    lane = [[0, 0, half], [0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0]]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=[[1, 0, 0], [2, 0, 0]],
+                                      block_bases=[], shape=[4, 16, NW])
+
+
+@gluon.constexpr_function
+def _value_copy_layout(WP, X):
+    """[X, 4 (v), 4 (t), WP, 2 (b), 2 (e)], token 16 v + 8 b + 2 t + e (the shape of
+    _value_bytes_layout): warp v copies block v, a thread 16 bytes of one row (at D = 64, where a
+    row is 16 bytes, each block is copied twice, once per plane pair x, from L2)."""
+    reg = [[0, 0, 0, 1, 0, 0], [0, 0, 0, 2, 0, 0], [0, 0, 0, 4, 0, 0], [0, 0, 0, 8, 0, 0]]
+    lane = [[0, 0, 0, 16, 0, 0] if WP == 32 else [1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1],
+            [0, 0, 1, 0, 0, 0], [0, 0, 2, 0, 0, 0], [0, 0, 0, 0, 1, 0]]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane,
+                                      warp_bases=[[0, 1, 0, 0, 0, 0], [0, 2, 0, 0, 0, 0]], block_bases=[],
+                                      shape=[X, 4, 4, WP, 2, 2])
+
+
+@gluon.constexpr_function
+def _scale_copy_layout():
+    """[4 blocks, 16 rows] of one scale / zero array: warp w copies block w, lanes 8 i + j (i < 4)
+    rows 2 j, 2 j + 1 (the four lanes of a pair copy the same 4 bytes: one request per warp)."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1]], lane_bases=[[0, 2], [0, 4], [0, 8], [0, 0], [0, 0]],
+                                      warp_bases=[[1, 0], [2, 0]], block_bases=[], shape=[4, 16])
+
+
+@gluon.constexpr_function
+def _row_major(rank):
+    return gl.SwizzledSharedLayout(1, 1, 1, order=list(range(rank - 1, -1, -1)))
+
+
+@gluon.constexpr_function
+def _value_stage_layout():
+    """One stage's [X, 4 (v), 4 (t), WP, 2 (b), 2 (e)] over row-major [X, 64 tokens, WP]."""
+    return gl.SwizzledSharedLayout(1, 1, 1, order=[3, 5, 2, 4, 1, 0])
 
 
 @gluon.jit
-def _history_loads(n0, hi, qt_row, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-                   H_KV: gl.constexpr, P: gl.constexpr, WP: gl.constexpr, X: gl.constexpr,
-                   NH: gl.constexpr):
-    """Codes, scales and zeros of history tokens [n0, n0 + 64) (n0 a multiple of 64; masked at
-    hi), as the step consumes them: key words [64, WP / 4] int32, value bytes [X, 4, 4, WP, 2, 2],
-    per-token key / value scale and zero [64] float32 in the score layout.
+def _allocate_history_stages(kc_ptr, vc_ptr, ks_ptr, STAGES: gl.constexpr, WP: gl.constexpr,
+                             X: gl.constexpr):
+    """The STAGES shared-memory stages of the history: key words, value bytes, scales / zeros."""
+    kbuf = gl.allocate_shared_memory(kc_ptr.dtype.element_ty, [STAGES, 4, 16, WP // 4], _row_major(3))
+    vbuf = gl.allocate_shared_memory(vc_ptr.dtype.element_ty, [STAGES, X, 4, 4, WP, 2, 2], _value_stage_layout())
+    # key scale, key zero, value scale, value zero of the 4 blocks, one allocation each (copies
+    # into one would each get a barrier: Triton's barrier insertion cannot tell them apart)
+    sdt: gl.constexpr = ks_ptr.dtype.element_ty
+    ksb = gl.allocate_shared_memory(sdt, [STAGES, 4, 16], _row_major(2))
+    kzb = gl.allocate_shared_memory(sdt, [STAGES, 4, 16], _row_major(2))
+    vsb = gl.allocate_shared_memory(sdt, [STAGES, 4, 16], _row_major(2))
+    vzb = gl.allocate_shared_memory(sdt, [STAGES, 4, 16], _row_major(2))
+    return kbuf, vbuf, (ksb, kzb, vsb, vzb)
 
-    Addresses are formed per 16-token block, not per token: a thread's key rows and scales lie
-    in one block (its warp's), its value bytes in the four blocks at fixed offsets, so a step
-    costs one page lookup and one 64-bit base per block instead of a division, a lookup and a
-    base per token (about a third of the step's instructions before)."""
+
+@gluon.jit
+def _block_pages(n0, hi, qt_row, P: gl.constexpr, NW: gl.constexpr):
+    """(page, block, live) of the block each thread copies in the step at n0: warp w takes block
+    w, clamped to the last block below hi so that every address stays inside the pools; a step
+    wholly past hi (the pipeline's tail, an empty split) is not live: no lookup, no copy."""
+    kl: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, _key_copy_layout(NW)))
+    blk = gl.minimum(n0 // 16 + gl.arange(0, 4, layout=kl), (hi - 1) // 16)
+    live = blk * 0 + n0 < hi  # [4], as the copies' masks want it
+    return gl.load(qt_row + blk * 16 // P, mask=live, other=0), blk, live
+
+
+@gluon.jit
+def _copy_step(kbuf, vbuf, sbuf, stage, page, blk, live, kvh, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+               H_KV: gl.constexpr, P: gl.constexpr, WP: gl.constexpr, X: gl.constexpr):
+    """Start the copies of one step's blocks (page, blk, live: _block_pages) into stage; one group."""
     NW: gl.constexpr = WP // 4
-    kwl: gl.constexpr = _key_words_layout(NW)
-    vbl: gl.constexpr = _value_bytes_layout(WP, X)
-    mma: gl.constexpr = _mma_layout(NH)
-    # Blocks past hi re-read the last one, and rows past hi read their block's page: every
-    # address stays inside the pools. Their codes are finite; the step masks their scores and
-    # the value scales and zeros are zeroed here (the rows may never have been written).
-    b0 = n0 // 16
-    last = (hi - 1) // 16
-    # keys and scales: block w of warp w
-    rows: gl.constexpr = gl.SliceLayout(2, kwl)  # [4, 16]
-    kb = gl.minimum(b0 + gl.arange(0, 4, layout=gl.SliceLayout(1, rows)), last)
-    krow = gl.expand_dims(_block_rows(kb, qt_row, kvh, H_KV, P), 1) + gl.expand_dims(
-        gl.arange(0, 16, layout=gl.SliceLayout(0, rows)), 0)  # [4, 16]
-    kcol = gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(1, kwl)))
-    kw = gl.load(kc_ptr + gl.expand_dims(krow * NW, 2) + gl.expand_dims(gl.expand_dims(kcol, 0), 1))
-    kw = gl.reshape(kw, [TILE, NW])
-    srow = gl.convert_layout(gl.reshape(krow, [TILE]), gl.SliceLayout(1, mma), assert_trivial=True)
-    sok = n0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, mma)) < hi
-    ks = gl.load(ks_ptr + srow).to(gl.float32)
-    kz = gl.load(kz_ptr + srow).to(gl.float32)
-    vs = gl.where(sok, gl.load(vs_ptr + srow).to(gl.float32), 0.0)
-    vz = gl.where(sok, gl.load(vz_ptr + srow).to(gl.float32), 0.0)
-    # values: all four blocks, token 16 v + 8 b + 2 t + e at a fixed offset from block v's row
-    s5: gl.constexpr = gl.SliceLayout(5, vbl)
+    kcl: gl.constexpr = _key_copy_layout(NW)
+    vcl: gl.constexpr = _value_copy_layout(WP, X)
+    scl: gl.constexpr = _scale_copy_layout()
+    base = (page.to(gl.int64) * H_KV + kvh) * P + blk * 16 % P  # [4] pool row of block w's first token
+    # keys: [4, 16, NW] words
+    kr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, kcl)))
+    kcol = gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(1, kcl)))
+    krow = gl.expand_dims(gl.expand_dims(base, 1) + gl.expand_dims(kr, 0), 2)
+    async_copy(kbuf.index(stage), kc_ptr + krow * NW + gl.expand_dims(gl.expand_dims(kcol, 0), 1),
+               mask=gl.expand_dims(gl.expand_dims(live, 1), 2))
+    # scales and zeros: [4, 16] per array
+    sr = gl.arange(0, 16, layout=gl.SliceLayout(0, scl))
+    sbase = gl.convert_layout(base, gl.SliceLayout(1, scl), assert_trivial=True)
+    slive = gl.expand_dims(gl.convert_layout(live, gl.SliceLayout(1, scl), assert_trivial=True), 1)
+    srow = gl.expand_dims(sbase, 1) + gl.expand_dims(sr, 0)
+    async_copy(sbuf[0].index(stage), ks_ptr + srow, mask=slive)
+    async_copy(sbuf[1].index(stage), kz_ptr + srow, mask=slive)
+    async_copy(sbuf[2].index(stage), vs_ptr + srow, mask=slive)
+    async_copy(sbuf[3].index(stage), vz_ptr + srow, mask=slive)
+    # values: [X, 4, 4, WP, 2, 2] bytes, token 16 v + 8 b + 2 t + e
+    s5: gl.constexpr = gl.SliceLayout(5, vcl)
     s4: gl.constexpr = gl.SliceLayout(4, s5)  # [X, 4 (v), 4 (t), WP]
-    vb = gl.minimum(b0 + gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, s4)))), last)
-    vbase = _block_rows(vb, qt_row, kvh, H_KV, P)  # [4]
+    vbase = gl.convert_layout(base, gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, s4))), assert_trivial=True)
     t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, s4))))
     col = gl.arange(0, WP, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, s4))))
     x = gl.arange(0, X, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s4))))
     bb = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s5)))))
-    ee = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, vbl))))))
+    ee = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, vcl))))))
     v5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(vbase, 0), 2), 3), 4)  # [1, 4, 1, 1, 1]
     t5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(t, 0), 1), 3), 4)  # [1, 1, 4, 1, 1]
     c5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(col, 0), 1), 2), 4)  # [1, 1, 1, WP, 1]
     x5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(x, 1), 2), 3), 4) * 0  # [X, 1, 1, 1, 1]
     b5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(bb, 0), 1), 2), 3)  # [1, 1, 1, 1, 2]
     e6 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(ee, 0), 1), 2), 3), 4)
-    vptr = vc_ptr + gl.expand_dims((v5 + 2 * t5 + 8 * b5 + x5) * WP + c5, 5) + e6 * WP
-    return kw, gl.load(vptr), ks, kz, vs, vz, sok
+    vlive = gl.convert_layout(live, gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, s4))), assert_trivial=True)
+    vl6 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(vlive, 0), 2), 3), 4), 5)
+    async_copy(vbuf.index(stage), vc_ptr + gl.expand_dims((v5 + 2 * t5 + 8 * b5 + x5) * WP + c5, 5) + e6 * WP,
+               mask=vl6)
+    commit_group()
+
+
+@gluon.jit
+def _read_step(kbuf, vbuf, sbuf, stage, n0, hi, WP: gl.constexpr, X: gl.constexpr, NH: gl.constexpr):
+    """One step's codes, scales and zeros from its stage, as the math consumes them: key words
+    [64, WP / 4] int32, value bytes [X, 4, 4, WP, 2, 2], and per-token key / value scale and zero
+    [64] float32 in the score layout. Rows past hi hold whatever their page held: the step masks
+    their scores, and their value scales and zeros are zeroed here."""
+    kwl: gl.constexpr = _key_words_layout(WP // 4)
+    mma: gl.constexpr = _mma_layout(NH)
+    sc: gl.constexpr = gl.SliceLayout(1, mma)
+    kw = gl.reshape(kbuf.index(stage).load(kwl), [TILE, WP // 4])
+    vb = vbuf.index(stage).load(_value_bytes_layout(WP, X))
+    rows: gl.constexpr = gl.SliceLayout(2, kwl)  # [4, 16]: the thread's rows g, g + 8 of block w
+    ks = gl.convert_layout(gl.reshape(sbuf[0].index(stage).load(rows), [TILE]), sc, assert_trivial=True)
+    kz = gl.convert_layout(gl.reshape(sbuf[1].index(stage).load(rows), [TILE]), sc, assert_trivial=True)
+    vs = gl.convert_layout(gl.reshape(sbuf[2].index(stage).load(rows), [TILE]), sc, assert_trivial=True)
+    vz = gl.convert_layout(gl.reshape(sbuf[3].index(stage).load(rows), [TILE]), sc, assert_trivial=True)
+    ks, kz, vs, vz = ks.to(gl.float32), kz.to(gl.float32), vs.to(gl.float32), vz.to(gl.float32)
+    ok = n0 + gl.arange(0, TILE, layout=sc) < hi
+    return kw, vb, ks, kz, gl.where(ok, vs, 0.0), gl.where(ok, vz, 0.0), ok
 
 
 @gluon.jit

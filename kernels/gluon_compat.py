@@ -7,6 +7,8 @@ newest release the registry serves, so every version-dependent name is resolved 
 - ``GluonASTSource`` moved from ``gluon._runtime`` to the ``gluon`` package (offline compiles).
 - The CTA barrier is ``gl.thread_barrier`` up to 3.6 and ``gl.barrier`` from 3.7
   (``thread_barrier`` here).
+- cp.async is ``ampere.async_copy.async_copy_global_to_shared`` in 3.6, ``async_load`` later
+  (``async_copy`` here; ``commit_group`` and ``wait_group`` keep their names).
 
 Importing this module never raises: ``GLUON_IMPORT_ERROR`` says why Gluon is unusable (no
 Triton, or a Triton without Gluon's Hopper ops), and the dispatch then keeps the Triton kernel.
@@ -23,11 +25,16 @@ try:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp_async
 except Exception as exc:  # noqa: BLE001 - any failure means "no Gluon here"
     GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
-    gluon = gl = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
+    gluon = gl = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = _cp_async = None
 
 thread_barrier = None if gl is None else getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")
+async_copy = None if _cp_async is None else (getattr(_cp_async, "async_load", None)
+                                             or _cp_async.async_copy_global_to_shared)
+commit_group = None if _cp_async is None else _cp_async.commit_group
+wait_group = None if _cp_async is None else _cp_async.wait_group
 
 
 def gluon_ast_source():
