@@ -23,9 +23,15 @@ stalled at about 2x cuDNN BF16). Here the layouts are explicit:
   (tokens 16 v + 8 b + 2 t + e): its four channels (planes) are the fragment's rows
   ``channel = j + WP (a + 2 r)`` (D = 128; ``_value_channel``), so output rows are permuted
   channels, written back in channel order.
+- **The history streams through shared memory** (``_copy_step`` / ``_read_step``): each 64-token
+  step is copied with cp.async into one of STAGES stages, STAGES steps ahead of the math; warp w
+  copies the step's 16-token block w (contiguous in the pools), so a thread makes one page lookup
+  per step, a step earlier still. Register loads issued at the top of each step left the kernel
+  waiting on memory at 35 % of HBM (run 9: removing a sixth of its instructions gained nothing);
+  the pipeline took it to 48 % (run 10, bench/results/2026-12-01-h200-gluon-pipeline).
 - **Online softmax across the warpgroup**: the running max is reduced over the 64 keys each step
-  (shuffles + one shared-memory exchange); the sums l and the zero terms stay per thread and are
-  reduced once.
+  (shuffles within each warp, then one exchange of the four warp maxima through shared memory);
+  the sums l and the zero terms stay per thread and are reduced once.
 - **Flash-decoding**: the grid's third axis takes ``nsplit`` equal history parts (whole 64-token
   tiles) plus ``nwin`` programs for the BF16 sink + recent windows (the last one also takes the
   token's own chunk, causally); each writes a normalised partial and its log2-sum-exp and
@@ -304,6 +310,12 @@ STAGES = 3  # shared-memory stages of the history pipeline (steps in flight duri
 SMEM_PER_SM = 227 * 1024  # sm_90: shared memory a multiprocessor gives its blocks
 SMEM_RESERVED_PER_BLOCK = 1024
 MIN_SPLIT_TOKENS = 256  # shorter histories are not split (the Triton plan's 2 blocks of 128)
+# History tiles one window tile costs: 7x the bytes (64 BF16 rows against INT2 codes + scales),
+# and its two loads wait in turn. H200, run 10 (bench/results/2026-12-01-h200-gluon-pipeline):
+# two window programs instead of one at 8k / 8 (16 history tiles per split) 31.3 against
+# 36.0 µs, 32k / 1 (8) 17.1 against 19.1, 128k / 1 (31) 46.7 against 51.0; no change at 32k / 8
+# (64) and 128k / 32 (128).
+WINDOW_TILE_COST = 8
 
 
 def programs_per_sm(maxnreg: int, head_dim: int, num_heads_n: int, window_bytes: int = 2,
@@ -350,7 +362,10 @@ def plan_gluon_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, sink: in
             nsplit = triton.cdiv(precision, fit) * fit
         nsplit = triton.cdiv(tiles, triton.cdiv(tiles, nsplit))
     split_tiles = triton.cdiv(tiles, nsplit) if tiles else 0
-    nwin = plan_window_splits(triton.cdiv(sink + recent, TILE_TOKENS) + 1, split_tiles)
+    # a window tile costs about WINDOW_TILE_COST pipelined history tiles (16-bit rows, and its
+    # loads are not pipelined), so the window chain is measured in history tiles
+    nwin = plan_window_splits(triton.cdiv(sink + recent, TILE_TOKENS) + 1,
+                              max(1, split_tiles // WINDOW_TILE_COST))
     return nsplit, nwin
 
 
