@@ -1,7 +1,7 @@
 """Which kernel runs ``oscar::attention`` on CUDA: the Gluon Hopper kernel or the portable Triton one.
 
 - ``OSCAR_ATTENTION_KERNEL=auto`` (default): Gluon on sm_90 (H100 / H200) for every call it
-  takes (decode-like INT2 batches, see ``attention_gluon.gluon_unsupported_reason``), Triton
+  takes (decode-like INT2 and INT4 batches, see ``attention_gluon.gluon_unsupported_reason``), Triton
   for the rest (prefill chunks, INT4, 16-bit layers, other GPUs).
 - ``gluon``: the same, but a device or Triton that cannot run Gluon at all is an error, not a
   silent fallback (a benchmark that asked for Gluon must not time Triton).

@@ -39,7 +39,8 @@ stalled at about 2x cuDNN BF16). Here the layouts are explicit:
   graph safe.
 
 Scope (``gluon_supported``): sm_90, decode-like batches (at most 2 tokens per sequence, as the
-Triton kernel's one-token programs), INT2, D in {64, 128}, one scale group per token
+Triton kernel's one-token programs), INT2 or INT4 (two planes per byte: the same fragments,
+``BITS``), D in {64, 128}, one scale group per token
 (G = D), pages of a multiple of 16 tokens, 16-bit windows, at most 32 query heads per KV head.
 Every other case runs the Triton kernel (kernels/attention_dispatch.py chooses).
 """
@@ -84,7 +85,7 @@ from oscar_compile.kernels.gluon_compat import (
 def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                   q_smem, p_smem, red_smem, qk_scale, H_KV: gl.constexpr, G_Q: gl.constexpr, NH: gl.constexpr,
                   D: gl.constexpr, P: gl.constexpr, WP: gl.constexpr, X: gl.constexpr,
-                  STAGES: gl.constexpr):
+                  STAGES: gl.constexpr, BITS: gl.constexpr):
     """History tokens [lo, hi): (o^T [D, N] in value-row order, m, l, zero term) of one split."""
     mma: gl.constexpr = _mma_layout(NH)
     ql: gl.constexpr = _rows_layout(D)
@@ -94,7 +95,7 @@ def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_pt
     qv = gl.load(q_row + gl.expand_dims(qh * sqh, 1) + gl.expand_dims(_kappa_channel(kap, WP), 0),
                  mask=gl.expand_dims(qh < G_Q, 1), other=0.0).to(gl.float16).to(gl.float32)
     qsum = gl.convert_layout(gl.sum(qv, axis=1), gl.SliceLayout(0, mma))
-    q_smem.store((qv * gl.expand_dims(_pow2(-2 * (kap // WP)), 0)).to(gl.float16))
+    q_smem.store((qv * gl.expand_dims(_pow2(-BITS * (kap // WP)), 0)).to(gl.float16))
     fence_async_shared()
     thread_barrier()  # here, once: else Triton's barrier insertion puts one in every step
     qk = qk_scale * 16777216.0  # the decoded codes carry 2^-24
@@ -117,9 +118,9 @@ def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_pt
         kb, vb, ks, kz, vs, vz, ok = _read_step(kbuf, vbuf, sbuf, stage, n0, hi, WP, X, NH)
         step += 1
         # the key dot runs while the value codes decode
-        acc = warpgroup_mma(_key_operand(kb, D, WP, NH), q_smem.permute((1, 0)),
+        acc = warpgroup_mma(_key_operand(kb, D, WP, NH, BITS), q_smem.permute((1, 0)),
                             gl.zeros([TILE, NH], gl.float32, layout=mma), is_async=True)
-        a_v = _value_operand(vb, D, X, NH)
+        a_v = _value_operand(vb, D, X, NH, BITS)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         # per row a = qk s and b = a z 2^-24, so each score is one multiply and one fma
         a = ks * qk
@@ -225,10 +226,11 @@ def _decode_kernel(
     sqn, sqh, skn, skh, svn, svh, stride_wt, stride_qt,
     H_KV: gl.constexpr, G_Q: gl.constexpr, NH: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
     SINK: gl.constexpr, RECENT: gl.constexpr, HAS_HIST: gl.constexpr, STAGES: gl.constexpr,
+    BITS: gl.constexpr,
 ):
     """One program: query token n, KV head kvh, split sid (< nsplit: history; else windows)."""
-    WP: gl.constexpr = D // 4  # INT2: bytes per planar row
-    X: gl.constexpr = 128 // D  # value plane pairs per byte column (2 at D = 64)
+    WP: gl.constexpr = D * BITS // 8  # bytes per planar row
+    X: gl.constexpr = 128 // D if BITS == 2 else 1  # value plane pairs per byte column (2: INT2 at D = 64)
     mma: gl.constexpr = _mma_layout(NH)
     n = gl.program_id(0)
     kvh = gl.program_id(1)
@@ -260,8 +262,8 @@ def _decode_kernel(
         hi = gl.minimum(lo + chunk, n_hist)
         o, m_i, l, zs = _history_part(q_row, sqh, qt_ptr + i.to(gl.int64) * stride_qt, kvh, lo, hi,
                                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, q_smem_h, p_smem_h,
-                                      red_smem, qk_scale, H_KV, G_Q, NH, D, P, WP, X, STAGES)
-        chan, offset = _value_channel(m_rows, WP, X)
+                                      red_smem, qk_scale, H_KV, G_Q, NH, D, P, WP, X, STAGES, BITS)
+        chan, offset = _value_channel(m_rows, WP, X, BITS)
         o = o * gl.expand_dims(_pow2(24 - offset), 1) - gl.expand_dims(zs, 0)
     else:
         o, m_i, l = _window_part(q_row, sqh, wt_ptr + i.to(gl.int64) * stride_wt, kvh, sid - nsplit, nwin,
@@ -285,8 +287,8 @@ def gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits: int, group_siz
 
     H_q, D = q.shape[1], q.shape[2]
     H_kv, P = k.shape[1], k_win.shape[2]
-    if bits != 2:
-        return f"bits {bits} (the Gluon kernel is INT2)"
+    if bits not in (2, 4):
+        return f"bits {bits} (the Gluon kernel is INT2 / INT4)"
     if D not in (64, 128):
         return f"head_dim {D} (64 or 128)"
     if group_size != D:
@@ -319,13 +321,13 @@ WINDOW_TILE_COST = 8
 
 
 def programs_per_sm(maxnreg: int, head_dim: int, num_heads_n: int, window_bytes: int = 2,
-                    stages: int = STAGES, scale_bytes: int = 2) -> int:
+                    stages: int = STAGES, scale_bytes: int = 2, bits: int = 2) -> int:
     """4-warp programs resident per SM under a register cap: the smaller of the register file
     (64K) and shared-memory limits. Shared memory: the query twice (history fp16, windows in
     their dtype), the two P tiles, the window tile, the warp-max exchange and the history stages
     (64 tokens of key and value codes, scales and zeros each; the kernel's static allocations)."""
-    wp = head_dim // 4
-    stage = 64 * wp + max(1, 128 // head_dim) * 64 * wp + 4 * 64 * scale_bytes
+    wp = head_dim * bits // 8
+    stage = 64 * wp + (max(1, 128 // head_dim) if bits == 2 else 1) * 64 * wp + 4 * 64 * scale_bytes
     smem = (2 * num_heads_n * head_dim * 2 + 2 * 64 * num_heads_n * 2 + 64 * head_dim * window_bytes
             + 4 * num_heads_n * 4 + stages * stage + SMEM_RESERVED_PER_BLOCK + 256)
     return max(1, min(65536 // (maxnreg * 128), SMEM_PER_SM // smem, 32))
@@ -406,7 +408,7 @@ def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         window_table.stride(0), quant_table.stride(0),
         H_KV=H_kv, G_Q=g, NH=max(8, triton.next_power_of_2(g)), D=D, P=P, SINK=sink, RECENT=recent,
-        HAS_HIST=history_lens is not None, STAGES=stages, num_warps=4,
+        HAS_HIST=history_lens is not None, STAGES=stages, BITS=bits, num_warps=4,
         maxnreg=maxnreg,
     )
     merge_partials(po, pl, out, ns)
@@ -416,7 +418,7 @@ def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, 
 def compile_offline(head_dim: int = 128, num_q_per_kv: int = 4, num_kv_heads: int = 8,
                     page_size: int = 16, sink: int = 64, recent: int = 256,
                     window_dtype: str = "bf16", scale_dtype: str = "fp16", has_hist: bool = False,
-                    stages: int = STAGES, maxnreg: int = MAXNREG):
+                    stages: int = STAGES, maxnreg: int = MAXNREG, bits: int = 2):
     """Compile the kernel for sm_90 without a GPU (CI, and the benchmark's instruction counts).
 
     Returns Triton's compiled kernel: ``.asm`` holds "ttgir", "ptx", "cubin" (and "sass" where
@@ -435,7 +437,7 @@ def compile_offline(head_dim: int = 128, num_q_per_kv: int = 4, num_kv_heads: in
         "B", "nsplit", "nwin", "sqn", "sqh", "skn", "skh", "svn", "svh", "stride_wt", "stride_qt")}})
     g = num_q_per_kv
     consts = {"H_KV": num_kv_heads, "G_Q": g, "NH": max(8, triton.next_power_of_2(g)), "D": head_dim,
-              "P": page_size, "SINK": sink, "RECENT": recent, "HAS_HIST": has_hist, "STAGES": stages}
+              "P": page_size, "SINK": sink, "RECENT": recent, "HAS_HIST": has_hist, "STAGES": stages, "BITS": bits}
     sig.update({k: "constexpr" for k in consts})
     # as the JIT specializes: pointers and the strides (multiples of 16 in practice) divisible by 16
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(len(ptrs)), *range(len(ptrs) + 4, len(ptrs) + 12))}

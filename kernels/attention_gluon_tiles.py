@@ -12,20 +12,36 @@ from oscar_compile.kernels.gluon_compat import async_copy, commit_group, gl, glu
 TILE_TOKENS = 64  # tokens per warpgroup step: the wgmma M of the key dot, the K of the value dot
 TILE = gl.constexpr(TILE_TOKENS)
 NEG_INIT = gl.constexpr(-1.0e30)  # finite: a fully masked step gives alpha = 1, p = 0, never NaN
-# Decode of one 32-bit word of codes into the 16 fp16 values of its 4 planes, as subnormals
-# c * 2^(2 p - 24) (attention_blocks_triton._dequant_asm, four planes at once): two byte permutes
-# put bytes (0, 1) and (2, 3) into the low byte of each 16-bit half, one AND per plane and half
-# pair keeps a plane's bits. Outputs 4 p .. 4 p + 3 are plane p of bytes 0, 1, 2, 3.
-_MASKS = "".join(f"and.b32 t, lo, {0x00030003 << (2 * p):#010x}; mov.b32 {{${4 * p}, ${4 * p + 1}}}, t; "
-                 f"and.b32 t, hi, {0x00030003 << (2 * p):#010x}; mov.b32 {{${4 * p + 2}, ${4 * p + 3}}}, t; "
-                 for p in range(4))
-KEY_WORD = gl.constexpr("{ .reg .b32 lo, hi, t, z; mov.b32 z, 0; prmt.b32 lo, $16, z, 0x4140; "
-                        "prmt.b32 hi, $16, z, 0x4342; " + _MASKS + "}")
-# The same from four separate bytes (the value codes of 4 tokens, one byte each, bytes (0, 1) then
-# (2, 3) of the word), shifted right by $20 bits first (the plane pair of a warp at D = 64).
-VALUE_BYTES = gl.constexpr("{ .reg .b32 lo, hi, t; prmt.b32 lo, $16, $17, 0x5410; "
-                           "prmt.b32 hi, $18, $19, 0x5410; shr.b32 lo, lo, $20; shr.b32 hi, hi, $20; "
-                           + _MASKS + "}")
+# Decode of one 32-bit word of b-bit codes into the fp16 values of its 8 / b planes, as
+# subnormals c * 2^(b p - 24) (attention_blocks_triton._dequant_asm, all planes at once): two
+# byte permutes put bytes (0, 1) and (2, 3) into the low byte of each 16-bit half, one AND per
+# plane and half pair keeps a plane's bits. Outputs 4 p .. 4 p + 3 are plane p of bytes 0 .. 3.
+def _plane_masks(bits: int) -> str:
+    mask = ((1 << bits) - 1) * 0x00010001
+    return "".join(f"and.b32 t, lo, {mask << (bits * p):#010x}; mov.b32 {{${4 * p}, ${4 * p + 1}}}, t; "
+                   f"and.b32 t, hi, {mask << (bits * p):#010x}; mov.b32 {{${4 * p + 2}, ${4 * p + 3}}}, t; "
+                   for p in range(8 // bits))
+
+
+def _key_word_asm(bits: int) -> str:
+    w = 32 // bits  # the input's operand number: after the outputs
+    return (f"{{ .reg .b32 lo, hi, t, z; mov.b32 z, 0; prmt.b32 lo, ${w}, z, 0x4140; "
+            f"prmt.b32 hi, ${w}, z, 0x4342; " + _plane_masks(bits) + "}")
+
+
+def _value_bytes_asm(bits: int) -> str:
+    """The same from four separate bytes (the value codes of 4 tokens, one byte each, bytes (0, 1)
+    then (2, 3) of the word), shifted right by the fifth input first (INT2 at D = 64: the plane
+    pair of a warp)."""
+    w = 32 // bits
+    return (f"{{ .reg .b32 lo, hi, t; prmt.b32 lo, ${w}, ${w + 1}, 0x5410; prmt.b32 hi, ${w + 2}, ${w + 3}, 0x5410; "
+            f"shr.b32 lo, lo, ${w + 4}; shr.b32 hi, hi, ${w + 4}; " + _plane_masks(bits) + "}")
+
+
+KEY_WORD2 = gl.constexpr(_key_word_asm(2))
+KEY_WORD4 = gl.constexpr(_key_word_asm(4))
+VALUE_BYTES2 = gl.constexpr(_value_bytes_asm(2))
+VALUE_BYTES4 = gl.constexpr(_value_bytes_asm(4))
 
 
 # ------------------------------------------------------------------ layouts (compile-time)
@@ -50,9 +66,13 @@ def _key_words_layout(NW):
 @gluon.constexpr_function
 def _value_bytes_layout(WP, X):
     """[X, 4 (v), 4 (t), WP bytes, 2 (b), 2 (e)]: lane 4 g + t of warp w holds the bytes of
-    tokens 16 v + 8 b + 2 t + e in byte column g + 8 w (D = 128, X = 1), or in column
-    g + 8 (w & 1) for plane pair x = w >> 1 (D = 64, X = 2: two warps read each byte)."""
+    tokens 16 v + 8 b + 2 t + e in byte column g + 8 w (INT2 at D = 128, INT4 at D = 64), in
+    columns g + 8 w and g + 8 w + 32 (INT4 at D = 128: WP = 64, two planes per byte), or in
+    column g + 8 (w & 1) for plane pair x = w >> 1 (INT2 at D = 64, X = 2: two warps read each
+    byte)."""
     reg = [[0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 1, 0], [0, 1, 0, 0, 0, 0], [0, 2, 0, 0, 0, 0]]
+    if WP == 64:
+        reg = reg + [[0, 0, 0, 32, 0, 0]]
     lane = [[0, 0, 1, 0, 0, 0], [0, 0, 2, 0, 0, 0], [0, 0, 0, 1, 0, 0], [0, 0, 0, 2, 0, 0],
             [0, 0, 0, 4, 0, 0]]
     warp = [[0, 0, 0, 8, 0, 0], [0, 0, 0, 16, 0, 0] if X == 1 else [1, 0, 0, 0, 0, 0]]
@@ -74,17 +94,27 @@ def _vec_layout():
 
 # ------------------------------------------------------------------ small helpers
 @gluon.jit
-def _decode_key_words(words):
-    """int32 words -> 16 fp16 tensors (KEY_WORD's outputs), each in the words' layout."""
-    return gl.inline_asm_elementwise(KEY_WORD, "=h," * 16 + "r", [words], dtype=(gl.float16,) * 16,
-                                     is_pure=True, pack=1)
+def _decode_key_words(words, BITS: gl.constexpr):
+    """int32 words -> 32 / BITS fp16 tensors (KEY_WORDb's outputs), each in the words' layout."""
+    if BITS == 2:  # (one return: Triton checks every return's type, even under a constexpr if)
+        o = gl.inline_asm_elementwise(KEY_WORD2, "=h," * 16 + "r", [words], dtype=(gl.float16,) * 16,
+                                      is_pure=True, pack=1)
+    else:
+        o = gl.inline_asm_elementwise(KEY_WORD4, "=h," * 8 + "r", [words], dtype=(gl.float16,) * 8,
+                                      is_pure=True, pack=1)
+    return o
 
 
 @gluon.jit
-def _decode_value_bytes(x00, x10, x01, x11, shift):
-    """Four byte tensors (token offsets e + 8 b: x_eb) -> 16 fp16 tensors (VALUE_BYTES)."""
-    return gl.inline_asm_elementwise(VALUE_BYTES, "=h," * 16 + "r,r,r,r,r", [x00, x10, x01, x11, shift],
-                                     dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+def _decode_value_bytes(x00, x10, x01, x11, shift, BITS: gl.constexpr):
+    """Four byte tensors (token offsets e + 8 b: x_eb) -> 32 / BITS fp16 tensors (VALUE_BYTESb)."""
+    if BITS == 2:
+        o = gl.inline_asm_elementwise(VALUE_BYTES2, "=h," * 16 + "r,r,r,r,r", [x00, x10, x01, x11, shift],
+                                      dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+    else:
+        o = gl.inline_asm_elementwise(VALUE_BYTES4, "=h," * 8 + "r,r,r,r,r", [x00, x10, x01, x11, shift],
+                                      dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+    return o
 
 
 @gluon.jit
@@ -105,13 +135,15 @@ def _kappa_channel(kappa, WP: gl.constexpr):
 
 
 @gluon.jit
-def _value_channel(m, WP: gl.constexpr, X: gl.constexpr):
+def _value_channel(m, WP: gl.constexpr, X: gl.constexpr, BITS: gl.constexpr):
     """(channel, bit offset of its decoded code) of row m of the value dot's output
     (m = g + 8 a + 16 w + 64 r): the row holds the code times 2^(offset - 24)."""
     g = m & 7
     a = (m >> 3) & 1
     w = (m >> 4) & 3
     r = m >> 6
+    if BITS == 4:  # plane a of byte column g + 8 w + 32 r
+        return g + 8 * w + 32 * r + WP * a, 4 * a
     if X == 1:
         return g + 8 * w + WP * (a + 2 * r), 2 * (a + 2 * r)
     # D = 64: plane a + 2 x of byte column g + 8 (w & 1), shifted down by 4 x bits first
@@ -194,10 +226,12 @@ def _key_copy_layout(NW):
 @gluon.constexpr_function
 def _value_copy_layout(WP, X):
     """[X, 4 (v), 4 (t), WP, 2 (b), 2 (e)], token 16 v + 8 b + 2 t + e (the shape of
-    _value_bytes_layout): warp v copies block v, a thread 16 bytes of one row (at D = 64, where a
-    row is 16 bytes, each block is copied twice, once per plane pair x, from L2)."""
-    reg = [[0, 0, 0, 1, 0, 0], [0, 0, 0, 2, 0, 0], [0, 0, 0, 4, 0, 0], [0, 0, 0, 8, 0, 0]]
-    lane = [[0, 0, 0, 16, 0, 0] if WP == 32 else [1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1],
+    _value_bytes_layout): warp v copies block v, a thread 16 bytes of one row (32 for INT4 at
+    D = 128; INT2 at D = 64, where a row is 16 bytes, copies each block twice, once per plane
+    pair x, from L2)."""
+    per = WP * X // 2  # bytes a thread copies: 16, or 32 for INT4 at D = 128
+    reg = [[0, 0, 0, 1 << i, 0, 0] for i in range(per.bit_length() - 1)]
+    lane = [[0, 0, 0, per, 0, 0] if X == 1 else [1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1],
             [0, 0, 1, 0, 0, 0], [0, 0, 2, 0, 0, 0], [0, 0, 0, 0, 1, 0]]
     return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane,
                                       warp_bases=[[0, 1, 0, 0, 0, 0], [0, 2, 0, 0, 0, 0]], block_bases=[],
@@ -318,26 +352,31 @@ def _read_step(kbuf, vbuf, sbuf, stage, n0, hi, WP: gl.constexpr, X: gl.constexp
 
 
 @gluon.jit
-def _key_operand(kw, D: gl.constexpr, WP: gl.constexpr, NH: gl.constexpr):
+def _key_operand(kw, D: gl.constexpr, WP: gl.constexpr, NH: gl.constexpr, BITS: gl.constexpr):
     """Key words [64, WP / 4] -> the wgmma A operand [64, D] in contraction order (no data moves)."""
     mma: gl.constexpr = _mma_layout(NH)
     NMU: gl.constexpr = WP // 16
-    o = _decode_key_words(kw)
+    o = _decode_key_words(kw, BITS)
     # plane p, byte pair i0 (bytes 2 i0, 2 i0 + 1: e = 0, 1)
     p0 = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))  # [64, NW, e, i0]
     p1 = gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7]))
-    p2 = gl.join(gl.join(o[8], o[9]), gl.join(o[10], o[11]))
-    p3 = gl.join(gl.join(o[12], o[13]), gl.join(o[14], o[15]))
-    c = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [64, NW, e, i0, p0, p1]
-    c = gl.reshape(c, [TILE, 4, NMU, 2, 2, 2, 2])  # [key, t, mu, e, i0, p0, p1]
-    c = gl.permute(c, (0, 6, 5, 2, 4, 1, 3))  # [key, p1, p0, mu, i0, t, e]
+    if BITS == 2:
+        p2 = gl.join(gl.join(o[8], o[9]), gl.join(o[10], o[11]))
+        p3 = gl.join(gl.join(o[12], o[13]), gl.join(o[14], o[15]))
+        c = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [64, NW, e, i0, p0, p1]
+        c = gl.reshape(c, [TILE, 4, NMU, 2, 2, 2, 2])  # [key, t, mu, e, i0, p0, p1]
+        c = gl.permute(c, (0, 6, 5, 2, 4, 1, 3))  # [key, p1, p0, mu, i0, t, e]
+    else:
+        c = gl.join(p0, p1)  # [64, NW, e, i0, p]
+        c = gl.reshape(c, [TILE, 4, NMU, 2, 2, 2])  # [key, t, mu, e, i0, p]
+        c = gl.permute(c, (0, 5, 2, 4, 1, 3))  # [key, p, mu, i0, t, e]
     c = gl.reshape(c, [TILE, D])
     return gl.convert_layout(c, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
                              assert_trivial=True)
 
 
 @gluon.jit
-def _value_operand(vb, D: gl.constexpr, X: gl.constexpr, NH: gl.constexpr):
+def _value_operand(vb, D: gl.constexpr, X: gl.constexpr, NH: gl.constexpr, BITS: gl.constexpr):
     """Value bytes [X, 4, 4, WP, 2 (b), 2 (e)] -> the wgmma A operand [D rows m, 64 tokens]."""
     mma: gl.constexpr = _mma_layout(NH)
     vi = vb.to(gl.int32)
@@ -347,11 +386,19 @@ def _value_operand(vb, D: gl.constexpr, X: gl.constexpr, NH: gl.constexpr):
     # plane pair x = warp >> 1 at D = 64: its two planes shifted down to planes 0 and 1
     xs = gl.arange(0, X, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, x00.type.layout))))
     shift = gl.expand_dims(gl.expand_dims(gl.expand_dims(xs, 1), 2), 3) * 4 + x00 * 0
-    o = _decode_value_bytes(x00, x10, x01, x11, shift)
+    o = _decode_value_bytes(x00, x10, x01, x11, shift, BITS)
     # plane p, token half b (tokens +8 b), pair e
     q0 = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))  # [X, v, t, WP, e, b]
     q1 = gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7]))
-    if X == 1:
+    if BITS == 4:
+        c = gl.join(q0, q1)  # [1, v, t, WP, e, b, a]
+        if D == 128:  # byte column g + 8 w + 32 r
+            c = gl.reshape(c, [4, 4, 2, 4, 8, 2, 2, 2])  # [v, t, r, w, g, e, b, a]
+            c = gl.permute(c, (2, 3, 7, 4, 0, 6, 1, 5))  # [r, w, a, g, v, b, t, e]
+        else:
+            c = gl.reshape(c, [4, 4, 4, 8, 2, 2, 2])  # [v, t, w, g, e, b, a]
+            c = gl.permute(c, (2, 6, 3, 0, 5, 1, 4))  # [w, a, g, v, b, t, e]
+    elif X == 1:
         q2 = gl.join(gl.join(o[8], o[9]), gl.join(o[10], o[11]))
         q3 = gl.join(gl.join(o[12], o[13]), gl.join(o[14], o[15]))
         c = gl.join(gl.join(q0, q1), gl.join(q2, q3))  # [1, v, t, WP, e, b, a, r]

@@ -77,11 +77,11 @@ def make_tables(B: int, pages_per_seq: int, device) -> torch.Tensor:
     return torch.randperm(n, device=device).to(torch.int32).view(B, pages_per_seq)
 
 
-def int2_layer(B: int, ctx: int, sdt: torch.dtype, device):
-    """Random INT2 pools (codes, scales, zeros, windows) for B sequences holding ctx tokens."""
+def int2_layer(B: int, ctx: int, sdt: torch.dtype, device, bits: int = BITS):
+    """Random INT-b pools (codes, scales, zeros, windows) for B sequences holding ctx tokens."""
     hist = max(0, ctx - SINK - RECENT)
     qpages, wpages = -(-hist // P), (SINK + RECENT) // P
-    pools = allocate_pools(B * qpages, B * wpages, H_KV, P, D, BITS, GROUP, sdt, torch.bfloat16, device)
+    pools = allocate_pools(B * qpages, B * wpages, H_KV, P, D, bits, GROUP, sdt, torch.bfloat16, device)
     for c in (pools.k_codes, pools.v_codes):
         c.copy_(torch.randint(0, 256, c.shape, dtype=torch.uint8, device=device))
     for s in (pools.k_scale, pools.v_scale):
@@ -94,9 +94,9 @@ def int2_layer(B: int, ctx: int, sdt: torch.dtype, device):
     return pools, tables
 
 
-def int2_bytes(B: int, ctx: int, sdt: torch.dtype) -> float:
+def int2_bytes(B: int, ctx: int, sdt: torch.dtype, bits: int = BITS) -> float:
     hist = max(0, ctx - SINK - RECENT)
-    per_tok = 2 * (D * BITS // 8 + 2 * (D // GROUP) * torch.finfo(sdt).bits // 8)
+    per_tok = 2 * (D * bits // 8 + 2 * (D // GROUP) * torch.finfo(sdt).bits // 8)
     return B * H_KV * (hist * per_tok + (ctx - hist) * 2 * D * 2)
 
 
@@ -148,17 +148,18 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
     del pages
     from oscar_compile.kernels.attention_triton import attention_triton
 
-    kernels = [(attention_triton, torch.float16, "int2_fp16"), (attention_triton, torch.float32, "int2_fp32")]
+    kernels = [(attention_triton, torch.float16, "int2_fp16", 2), (attention_triton, torch.float16, "int4_fp16", 4)]
     if gluon_runs():
         from oscar_compile.kernels.attention_gluon import attention_gluon
 
-        kernels += [(attention_gluon, torch.float16, "gluon_fp16"), (attention_gluon, torch.float32, "gluon_fp32")]
-    for kernel, sdt, tag in kernels:
-        nbytes = int2_bytes(B, ctx, sdt)
-        layers = [int2_layer(B, ctx, sdt, dev) for _ in range(num_buffers(nbytes))]
+        kernels += [(attention_gluon, torch.float16, "gluon_fp16", 2), (attention_gluon, torch.float32, "gluon_fp32", 2),
+                    (attention_gluon, torch.float16, "gluon_int4_fp16", 4)]
+    for kernel, sdt, tag, bits in kernels:
+        nbytes = int2_bytes(B, ctx, sdt, bits)
+        layers = [int2_layer(B, ctx, sdt, dev, bits) for _ in range(num_buffers(nbytes))]
 
-        def call(pools, tables, kernel=kernel):
-            return kernel(q, kn, vn, cu, lens, *tables, *pools, scale, SINK, RECENT, BITS, GROUP)
+        def call(pools, tables, kernel=kernel, bits=bits):
+            return kernel(q, kn, vn, cu, lens, *tables, *pools, scale, SINK, RECENT, bits, GROUP)
 
         t = graph_time_us([lambda p=p, tb=tb: call(p, tb) for p, tb in layers])
         row[f"{tag}_us"] = t
@@ -176,7 +177,7 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
             errs = []
             for i in sorted({0, B - 1}):
                 want = attention_ref(q[i:i + 1], kn[i:i + 1], vn[i:i + 1], cu[:2], lens[i:i + 1],
-                                     wt[i:i + 1], qt[i:i + 1], *pools, scale, SINK, RECENT, BITS, GROUP)
+                                     wt[i:i + 1], qt[i:i + 1], *pools, scale, SINK, RECENT, bits, GROUP)
                 errs.append(rel_err(got[i:i + 1], want))
             row[f"{tag}_rel_err"] = max(errs)
         del layers
@@ -435,7 +436,7 @@ def print_table(rows: list[dict], write: dict) -> None:
         print("write part failed:", write["error"])
     hdr = (f"{'ctx':>6} {'B':>3} {'sdpa_us':>8} {'bf16pg':>7} | {'triton':>7} {'%HBM':>5} {'x_sdpa':>6} "
            f"{'err':>7} | {'gluon':>7} {'%HBM':>5} {'x_sdpa':>6} {'err':>7} {'x_trit':>6} | "
-           f"{'gl_fp32s':>8} {'x_sdpa':>6}")
+           f"{'gl_fp32s':>8} {'x_sdpa':>6} | {'tri_int4':>8} {'x_sdpa':>6} {'gl_int4':>7} {'%HBM':>5} {'x_sdpa':>6} {'err':>7}")
     print(hdr)
     nan = float("nan")
     for r in rows:
@@ -445,7 +446,10 @@ def print_table(rows: list[dict], write: dict) -> None:
               f"{r.get('gluon_fp16_pct_hbm', nan):>5.1f} {r.get('gluon_fp16_speedup_vs_sdpa', nan):>6.2f} "
               f"{r.get('gluon_fp16_rel_err', nan):>7.1e} "
               f"{r['int2_fp16_us'] / r.get('gluon_fp16_us', nan):>6.2f} | "
-              f"{r.get('gluon_fp32_us', nan):>8.1f} {r.get('gluon_fp32_speedup_vs_sdpa', nan):>6.2f}")
+              f"{r.get('gluon_fp32_us', nan):>8.1f} {r.get('gluon_fp32_speedup_vs_sdpa', nan):>6.2f} | "
+              f"{r['int4_fp16_us']:>8.1f} {r['int4_fp16_speedup_vs_sdpa']:>6.2f} {r.get('gluon_int4_fp16_us', nan):>7.1f} "
+              f"{r.get('gluon_int4_fp16_pct_hbm', nan):>5.1f} {r.get('gluon_int4_fp16_speedup_vs_sdpa', nan):>6.2f} "
+              f"{r.get('gluon_int4_fp16_rel_err', nan):>7.1e}")
     print("write, decode step (µs per layer):", [(w["batch"], round(w["us_per_layer"], 2),
           round(w["us_per_layer_with_rotation"], 2), w.get("bitwise_equal")) for w in write["decode"]])
     print("write, prefill (tokens/s):", [(w["tokens"], f"{w['tokens_per_s']:.3g}", w.get("bitwise_equal"))

@@ -2,7 +2,7 @@
 
 The same cases as the Triton kernel's tests (test_attention_triton.py): ragged lengths, page
 boundaries, an empty INT2 segment, contexts shorter than sink + recent, GQA 1 / 4 / 8, head_dim
-64 and 128, forced history and window splits, prefix-cache hits, two-token chunks. Tolerance:
+64 and 128, INT2 and INT4, forced history and window splits, prefix-cache hits, two-token chunks. Tolerance:
 relative Frobenius error 1e-2, for the reason given there (bf16 output, fp16 p * scale and bf16
 softmax weights in the dots); an indexing or masking error gives O(1).
 """
@@ -56,41 +56,43 @@ LENS = [0, 9, 48, 150, 1000, 333]  # empty, < sink + recent, a page boundary, 1 
 
 
 @needs_sm90
+@pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("sink,recent,H_q,H_kv,D,sdt", CASES)
-def test_decode_matches_reference(sink, recent, H_q, H_kv, D, sdt):
-    case = build_case(LENS, H_kv, D, 16, sink, recent, 2, D, sdt, seed=1, extra_tokens=4, device="cuda")
+def test_decode_matches_reference(sink, recent, H_q, H_kv, D, sdt, bits):
+    case = build_case(LENS, H_kv, D, 16, sink, recent, bits, D, sdt, seed=1, extra_tokens=4, device="cuda")
     got, want = run_both(case, [1] * len(LENS), H_q)
     assert got.dtype == want.dtype and torch.isfinite(got).all() and rel_err(got, want) < TOL
 
 
 @needs_sm90
-@pytest.mark.parametrize("nsplit,win_splits", [(1, 1), (3, 2), (7, 3), (40, 6)])
-def test_forced_splits_match_reference(nsplit, win_splits):
+@pytest.mark.parametrize("nsplit,win_splits,bits", [(1, 1, 2), (3, 2, 2), (7, 3, 2), (40, 6, 2), (7, 3, 4)])
+def test_forced_splits_match_reference(nsplit, win_splits, bits):
     """History in 1 / 3 / 7 / 40 splits (40: most of them empty), windows shared by several
     programs (6 > the window tiles: some get none); the last window program takes the chunk."""
-    case = build_case([700, 70, 20, 1300], 2, 128, 16, 16, 128, 2, 128, torch.float16, seed=2,
+    case = build_case([700, 70, 20, 1300], 2, 128, 16, 16, 128, bits, 128, torch.float16, seed=2,
                       extra_tokens=2, device="cuda")
     got, want = run_both(case, [1, 2, 1, 1], 8, seed=3, nsplit=nsplit, win_splits=win_splits)
     assert rel_err(got, want) < TOL
 
 
 @needs_sm90
+@pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("chunk_lens", [[1] * 5, [2, 1, 2, 2, 1]])
-def test_after_prefix_hits_matches_reference(D, chunk_lens):
+def test_after_prefix_hits_matches_reference(D, chunk_lens, bits):
     """history_lens past the standard (rows [0, h) shared, ring refilling, stale ring slots)."""
     hits, lens = [0, 64, 64, 48, 0], [70, 64, 84, 61, 5]
-    case = build_case(lens, 2, D, group_size=D, seed=6, extra_tokens=4, hits=hits, device="cuda")
+    case = build_case(lens, 2, D, bits=bits, group_size=D, seed=6, extra_tokens=4, hits=hits, device="cuda")
     got, want = run_both(case, chunk_lens, 8, seed=7)
     assert rel_err(got, want) < TOL
 
 
 @needs_sm90
-@pytest.mark.parametrize("page_size", [16, 32, 64])
-def test_page_sizes_and_empty_history(page_size):
+@pytest.mark.parametrize("page_size,bits", [(16, 2), (32, 2), (64, 2), (32, 4)])
+def test_page_sizes_and_empty_history(page_size, bits):
     """Pages of 16 / 32 / 64 tokens (a 64-token tile spans 4, 2 or 1 of them); one sequence with
-    no INT2 history at all beside long ones."""
-    case = build_case([200, 40, 513], 2, 128, page_size, 64, 64, 2, 128, torch.float16, seed=8,
+    no quantized history at all beside long ones."""
+    case = build_case([200, 40, 513], 2, 128, page_size, 64, 64, bits, 128, torch.float16, seed=8,
                       extra_tokens=2, device="cuda")
     assert case.cache_lens[1] < 128  # sequence 1: sink + recent only
     got, want = run_both(case, [1, 1, 1], 8, seed=9)

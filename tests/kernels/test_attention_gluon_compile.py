@@ -17,13 +17,14 @@ from oscar_compile.kernels.gluon_compat import GLUON_IMPORT_ERROR
 needs_gluon = pytest.mark.skipif(GLUON_IMPORT_ERROR is not None, reason=f"no Gluon: {GLUON_IMPORT_ERROR}")
 
 
-CONFIGS = [(128, 4, False), (64, 8, True), (128, 1, False)]  # head_dim, GQA ratio, history_lens
+CONFIGS = [(128, 4, False, 2), (64, 8, True, 2), (128, 1, False, 2), (128, 4, True, 4), (64, 16, False, 4)]
+# head_dim, GQA ratio, history_lens, bits
 _COMPILE = """
 import json, sys
 from oscar_compile.kernels.attention_gluon import compile_offline
 out = []
-for head_dim, g, has_hist in json.loads(sys.argv[1]):
-    ck = compile_offline(head_dim=head_dim, num_q_per_kv=g, has_hist=has_hist)
+for head_dim, g, has_hist, bits in json.loads(sys.argv[1]):
+    ck = compile_offline(head_dim=head_dim, num_q_per_kv=g, has_hist=has_hist, bits=bits)
     ptx = ck.asm["ptx"]
     out.append({"wgmma": ptx.count("wgmma.mma_async"), "local": ("ld.local" in ptx) or ("st.local" in ptx),
                 "shared": ck.metadata.shared})
@@ -40,7 +41,7 @@ def test_kernel_compiles_for_sm90_with_register_fragments():
     res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(CONFIGS)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    for (head_dim, _, _), got in zip(CONFIGS, json.loads(res.stdout.strip().splitlines()[-1])):
+    for (head_dim, _, _, _), got in zip(CONFIGS, json.loads(res.stdout.strip().splitlines()[-1])):
         # per history tile the key dot (D / 16 k-steps) and the value dot (D / 16 more)
         assert got["wgmma"] >= 2 * head_dim // 16
         assert not got["local"] and got["shared"] <= 227 * 1024
@@ -57,13 +58,15 @@ def _call_shapes(N=4, B=4, H_q=32, H_kv=8, D=128, P=16, wdt=torch.bfloat16):
 
 def test_dispatch_picks_gluon_only_for_what_it_takes(monkeypatch):
     """Shapes and dtypes only (CUDA-graph safe): decode-like INT2 batches with one scale group
-    per token and 16-token pages go to Gluon on a capable device, everything else to Triton."""
+    per token and 16-token pages go to Gluon on a capable device, INT2 and INT4, everything else
+    to Triton."""
     monkeypatch.setattr(ad, "gluon_device_problem", lambda index: None)
     monkeypatch.delenv(ad.ENV, raising=False)
     q, k, k_win, k_codes, k_scale = _call_shapes()
     assert ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, 2, 128, 4) == ("gluon", "sm_90")
+    assert ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, 4, 128, 4) == ("gluon", "sm_90")
     refused = {
-        "bits 4": (q, k, k_win, k_codes, k_scale, 4, 128, 4),
+        "bits 8": (q, k, k_win, k_codes, k_scale, 8, 128, 4),
         "group_size 64": (q, k, k_win, k_codes, k_scale, 2, 64, 4),
         "prefill-like": (*_call_shapes(N=40), 2, 128, 4),
         "page_size 8": (*_call_shapes(P=8), 2, 128, 4),
