@@ -1,0 +1,220 @@
+"""Start a tensor-parallel group: rank 0 in this process, ranks ``1 .. N-1`` spawned, one per device.
+
+Every rank loads the whole model on the CPU (``RankSetup.load``, a picklable callable: a model
+directory, or a seeded random-weight builder for benchmarks), keeps its slice
+(``shard.shard_model``), moves it to its device (``cuda:rank``, or the CPU) and compresses it with
+its slice of the rotations (``compress``: the same passes as one device, on a narrower model).
+Rank 0 then builds the engine; when the block manager has sized the pools it sends the runner's
+arguments to the other ranks, which build the same ``CompressedRunner`` (same page ids, their own
+KV heads) and follow rank 0's steps (``oscar_compile.runtime.tensor_parallel``).
+
+Process groups go through ``torch.distributed``'s TCP rendezvous on a free loopback port:
+NCCL on CUDA (the all-reduces), gloo on CPU, and a gloo group for the step messages in both.
+What cannot run is refused before any process starts: KV heads (or the MLP width) that ``N``
+does not divide, more ranks than CUDA devices, rotations made for another head layout.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from oscar_compile.artifact import Rotations
+from oscar_compile.compress import compress
+from oscar_compile.runtime.compressed_runner import CompressedRunner, runner_kwargs
+from oscar_compile.runtime.loader import EngineConfig
+from oscar_compile.runtime.tensor_parallel import RankGroup, TensorParallelRunner, follow_steps
+from oscar_compile.spec import CompressionSpec
+from oscar_compile.tensor_parallel.shard import (ShardReport, check_divisible, check_rotations_layout, shard_model,
+                                                 shard_rotations)
+
+logger = logging.getLogger(__name__)
+_CONTROL_TIMEOUT = timedelta(days=30)  # a following rank waits for the next step as long as the server idles
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What every rank builds, picklable (ranks are spawned, not forked).
+
+    ``load()`` returns ``(model, tokenizer)``: the whole model on the CPU in its serving dtype.
+    ``spec`` / ``rotations`` as ``compress`` takes them (rotations for the whole model: each rank
+    slices its own). ``timeout_s`` bounds every collective of a step (a rank that stops answering
+    fails the group after it).
+    """
+
+    load: Callable[[], tuple]
+    spec: Any
+    rotations: Any
+    config: EngineConfig | None
+    device_type: str
+    timeout_s: float = 300.0
+    log_level: int = logging.INFO
+
+
+def load_model_dir(model_dir: str, dtype) -> tuple:
+    """``RankSetup.load`` for a model directory (module level, so a spawned rank can call it)."""
+    from oscar_compile.loading import load_model
+
+    return load_model(model_dir, "cpu", dtype)
+
+
+def check_launch(model_config, world_size: int, device: torch.device) -> None:
+    """Refuse a split that cannot run, before any process starts."""
+    check_divisible(model_config, world_size)
+    if device.type == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"tensor_parallel_size {world_size} needs one CUDA device per rank; "
+                         f"torch sees {torch.cuda.device_count()}")
+
+
+def prepare_rank(setup: RankSetup, ranks: RankGroup) -> tuple:
+    """(model, tokenizer, engine config, shard report) of this rank: loaded, split, moved, compressed."""
+    model, tokenizer = setup.load()
+    report = shard_model(model, ranks.rank, ranks.world_size, ranks.data_group)
+    device = torch.device("cuda", ranks.rank) if setup.device_type == "cuda" else torch.device("cpu")
+    model.to(device)
+    config, _ = compress(model, setup.spec, _rank_rotations(setup.rotations, report), setup.config)
+    return model, tokenizer, config, report
+
+
+def _rank_rotations(rotations, report: ShardReport) -> Rotations | None:
+    if rotations is None:
+        return None  # compress makes data-free ones for the narrow model
+    if not isinstance(rotations, Rotations):
+        rotations = Rotations.load(rotations)
+    check_rotations_layout(rotations, report.full)
+    return shard_rotations(rotations, report.rank, report.world_size)
+
+
+def _log_rank(report: ShardReport, runner: CompressedRunner, kwargs: dict) -> None:
+    layout = runner.layout
+    logger.info("tensor-parallel rank %d of %d: KV heads %d..%d of %d; KV pages: %d window (%d B each), %d quant "
+                "(%d B each), %d staging", report.rank, report.world_size, report.kv_heads.start,
+                report.kv_heads.stop - 1, report.full.num_kv_heads, kwargs["num_window_pages"],
+                layout.window_page_bytes, kwargs["num_quant_pages"], layout.quant_page_bytes,
+                kwargs["num_staging_pages"])
+
+
+def _join(rank: int, world_size: int, port: int, setup: RankSetup) -> RankGroup:
+    backend = "nccl" if setup.device_type == "cuda" else "gloo"
+    if setup.device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=setup.timeout_s))
+    control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+    return RankGroup(rank, world_size, dist.group.WORLD, control)
+
+
+def _worker_main(rank: int, world_size: int, port: int, setup: RankSetup) -> None:
+    logging.basicConfig(level=setup.log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    try:
+        ranks = _join(rank, world_size, port, setup)
+        model, _, config, report = prepare_rank(setup, ranks)
+        message = ranks.receive()
+        if message[0] == "runner":
+            runner = CompressedRunner(model, config.layout, **message[1])
+            _log_rank(report, runner, message[1])
+            follow_steps(runner, ranks)
+    except BaseException:
+        logger.exception("tensor-parallel rank %d failed", rank)
+        sys.exit(1)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TensorParallelGroup:
+    """Rank 0's handle on the group: the spawned ranks, the process groups, the runner factory."""
+
+    def __init__(self, setup: RankSetup, world_size: int):
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialized in this process: one tensor-parallel "
+                               "engine per process (close the previous one first)")
+        self.setup = setup
+        port = _free_port()
+        context = torch.multiprocessing.get_context("spawn")
+        self.processes = [context.Process(target=_worker_main, args=(rank, world_size, port, setup), daemon=True,
+                                          name=f"oscar-tp-rank{rank}") for rank in range(1, world_size)]
+        for process in self.processes:
+            process.start()
+        self.ranks = _join(0, world_size, port, setup)
+        self.ranks.find_dead_rank = self.find_dead_rank
+        self.runner: TensorParallelRunner | None = None
+        atexit.register(self.close)
+
+    def find_dead_rank(self) -> str | None:
+        for rank, process in enumerate(self.processes, start=1):
+            if process.exitcode is not None:
+                return f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
+        return None
+
+    def prepare(self) -> tuple:
+        """Rank 0's (model, tokenizer, engine config, make_runner for ``build_engine``)."""
+        model, tokenizer, config, report = prepare_rank(self.setup, self.ranks)
+
+        def make_runner(block_manager) -> TensorParallelRunner:
+            kwargs = runner_kwargs(model, block_manager, config)
+            self.ranks.send(("runner", kwargs))
+            local = CompressedRunner(model, config.layout, **kwargs)
+            _log_rank(report, local, kwargs)
+            self.runner = TensorParallelRunner(local, self.ranks)
+            return self.runner
+
+        return model, tokenizer, config, make_runner
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the other ranks and leave the process groups (idempotent)."""
+        if not self.processes and not dist.is_initialized():
+            return
+        if self.runner is not None:
+            self.runner.close()
+        elif self.find_dead_rank() is None:
+            self.ranks.send(("stop",))
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            process.join(max(deadline - time.monotonic(), 0.1))
+            if process.exitcode is None:
+                logger.warning("tensor-parallel %s did not stop; terminating it", process.name)
+                process.terminate()
+                process.join(1.0)
+        self.processes = []
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        atexit.unregister(self.close)
+
+
+def start(model_dir, spec, rotations, config: EngineConfig | None, world_size: int, device: torch.device,
+          dtype=None, timeout_s: float = 300.0) -> TensorParallelGroup:
+    """Check the split, then start the group for a model directory (``LLM`` and ``serve``)."""
+    from functools import partial
+
+    from transformers import AutoConfig
+
+    from oscar_compile.loading import resolve_dtype
+    from oscar_compile.spec_fit import fit_spec_to_model_dir
+
+    model_config = AutoConfig.from_pretrained(str(model_dir))
+    check_launch(model_config, world_size, device)
+    if spec is not None and not isinstance(spec, CompressionSpec):
+        spec = CompressionSpec.from_yaml(spec)
+    if spec is not None:
+        spec = fit_spec_to_model_dir(spec, model_dir)
+    if rotations is not None:  # refuse rotations of another layout here, not in every rank
+        from oscar_compile.architectures import ModelFingerprint
+
+        loaded = rotations if isinstance(rotations, Rotations) else Rotations.load(rotations)
+        check_rotations_layout(loaded, ModelFingerprint.of(model_config))
+    setup = RankSetup(partial(load_model_dir, str(model_dir), resolve_dtype(dtype, device)), spec, rotations,
+                      config, device.type, timeout_s, logging.getLogger().getEffectiveLevel())
+    return TensorParallelGroup(setup, world_size)
