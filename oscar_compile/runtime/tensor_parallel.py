@@ -169,6 +169,10 @@ class TensorParallelRunner:
     def layout(self):
         return self.local.layout
 
+    @property
+    def world_size(self) -> int:
+        return self.ranks.world_size
+
     def _checked(self, fn, *args):
         dead = self.ranks.find_dead_rank()
         if dead is not None:
