@@ -76,16 +76,8 @@ class LLM:
         if spec is None:
             raise ValueError("tensor_parallel_size > 1 serves through the paged runtime: pass a spec "
                              "(specs/bf16.yaml for no compression)")
-        group = launch.start(resolve_model_dir(model), spec, rotations, config, world_size,
-                             resolve_device(device), dtype)
-        try:
-            self.model, loaded_tokenizer, config, make_runner = group.prepare()
-            self.tokenizer = tokenizer or loaded_tokenizer
-            self.engine = build_engine(self.model, self.tokenizer, config, make_runner=make_runner)
-        except BaseException:
-            group.close()
-            raise
-        self.tensor_parallel = group
+        self.tensor_parallel, self.model, self.tokenizer, self.engine = launch.start_engine(
+            resolve_model_dir(model), spec, rotations, config, world_size, resolve_device(device), dtype, tokenizer)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (nothing to do on one device)."""

@@ -18,24 +18,28 @@ only appended to while its sequence runs): a 128k-token sequence adds one quant 
 
 A rank that dies makes the next collective fail (gloo: the connection closes; NCCL: its
 watchdog's timeout) or is seen dead by rank 0 before a step: either way rank 0 raises
-:class:`TensorParallelError`, which the server treats as fatal (async_engine.py).
+:class:`TensorParallelError`, which the server treats as fatal: the requests in flight fail with
+it and the engine thread stops, so ``/health`` and every later request answer 503 (async_engine.py).
 """
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence as Seq
 
 import torch
 import torch.distributed as dist
 
+from oscar_compile.runtime.async_engine import EngineDeadError
 from oscar_compile.runtime.runner import Batch
 
 logger = logging.getLogger(__name__)
 
 
-class TensorParallelError(RuntimeError):
-    """A rank is gone or a collective failed: no later step can run on this group."""
+class TensorParallelError(EngineDeadError):
+    """A rank is gone or a collective failed: no later step can run on this group (the server
+    answers 503 with this message, naming the rank)."""
 
     engine_fatal = True  # async_engine: fail every request and stop, rather than retry the next step
 
@@ -65,9 +69,14 @@ class RankGroup:
         dist.broadcast_object_list(box, src=0, group=self.control_group)
         return box[0]
 
-    def fail(self, err: BaseException | None = None) -> TensorParallelError:
-        """The error to raise when a send or a collective failed (naming a dead rank if one is)."""
+    def fail(self, err: BaseException | None = None, wait_s: float = 5.0) -> TensorParallelError:
+        """The error to raise when a send or a collective failed: it names the rank that died when
+        one did (a peer's socket closes a moment before its process can be reaped: wait for it)."""
         dead = self.find_dead_rank()
+        deadline = time.monotonic() + (wait_s if err is not None else 0.0)
+        while dead is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            dead = self.find_dead_rank()
         what = dead or f"a collective failed ({err})"
         return TensorParallelError(f"tensor-parallel group of {self.world_size} ranks is broken: {what}")
 

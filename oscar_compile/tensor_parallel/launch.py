@@ -30,7 +30,7 @@ import torch.distributed as dist
 from oscar_compile.artifact import Rotations
 from oscar_compile.compress import compress
 from oscar_compile.runtime.compressed_runner import CompressedRunner, runner_kwargs
-from oscar_compile.runtime.loader import EngineConfig
+from oscar_compile.runtime.loader import EngineConfig, build_engine
 from oscar_compile.runtime.tensor_parallel import RankGroup, TensorParallelRunner, follow_steps
 from oscar_compile.spec import CompressionSpec
 from oscar_compile.tensor_parallel.shard import (ShardReport, check_divisible, check_rotations_layout, shard_model,
@@ -109,11 +109,16 @@ def _join(rank: int, world_size: int, port: int, setup: RankSetup) -> RankGroup:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=setup.timeout_s))
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+    if setup.device_type == "cuda":  # NCCL's communicator is made lazily: here, not inside a graph capture
+        dist.all_reduce(torch.zeros(1, device="cuda"))
+        torch.cuda.synchronize()
     return RankGroup(rank, world_size, dist.group.WORLD, control)
 
 
 def _worker_main(rank: int, world_size: int, port: int, setup: RankSetup) -> None:
     logging.basicConfig(level=setup.log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    if setup.device_type == "cpu":  # the ranks share the host's cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
     try:
         ranks = _join(rank, world_size, port, setup)
         model, _, config, report = prepare_rank(setup, ranks)
@@ -218,3 +223,17 @@ def start(model_dir, spec, rotations, config: EngineConfig | None, world_size: i
     setup = RankSetup(partial(load_model_dir, str(model_dir), resolve_dtype(dtype, device)), spec, rotations,
                       config, device.type, timeout_s, logging.getLogger().getEffectiveLevel())
     return TensorParallelGroup(setup, world_size)
+
+
+def start_engine(model_dir, spec, rotations, config: EngineConfig | None, world_size: int, device: torch.device,
+                 dtype=None, tokenizer=None) -> tuple:
+    """(group, rank 0's model, tokenizer, engine) over ``world_size`` ranks (``tokenizer`` in place
+    of the model directory's); the ranks are stopped again when anything fails on the way."""
+    group = start(model_dir, spec, rotations, config, world_size, device, dtype)
+    try:
+        model, loaded_tokenizer, config, make_runner = group.prepare()
+        tokenizer = tokenizer or loaded_tokenizer
+        return group, model, tokenizer, build_engine(model, tokenizer, config, make_runner=make_runner)
+    except BaseException:
+        group.close()
+        raise

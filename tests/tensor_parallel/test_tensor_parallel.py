@@ -8,11 +8,12 @@ about 10 s to start (two processes import torch and load the model), so each sta
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
+import re
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from oscar_compile.architectures import ModelFingerprint
 from oscar_compile.artifact import ArtifactError, Rotations
 from oscar_compile.loading import BUNDLED_MODEL_DIR
 from oscar_compile.runtime import LLM, EngineConfig, SamplingParams
-from oscar_compile.spec import shipped_spec
+from oscar_compile.spec import shipped_spec, specs_dir
 from oscar_compile.tensor_parallel.launch import check_launch
 from oscar_compile.tensor_parallel.shard import check_divisible, check_rotations_layout, shard_rotations
 
@@ -126,43 +127,51 @@ def test_bf16_split_over_two_ranks_equals_one():
     _assert_equal_and_exercised(single, split, staged=False)
 
 
-def test_a_rank_that_dies_mid_request_fails_it_and_stops_the_server_in_bounded_time():
-    from oscar_compile.runtime.async_engine import AsyncEngine, EngineDeadError
-    from oscar_compile.runtime.tensor_parallel import TensorParallelError
+def test_the_server_reports_each_rank_and_fails_loudly_in_bounded_time_when_a_rank_dies(capsys):
+    import multiprocessing
+    import sys
+    import threading
 
-    llm = LLM(None, shipped_spec("bf16"), None, device="cpu", config=EngineConfig(num_window_pages=0, num_quant_pages=64),
-              tensor_parallel_size=2)
-    engine = AsyncEngine(llm.engine)
-    engine.start()
-    victim = llm.tensor_parallel.processes[0]
+    sys.path.insert(0, str(Path(__file__).parents[1] / "runtime"))
+    from server_http import get, post, running
 
-    async def request():
-        tokens = []
-        async for out in engine.generate([5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True), "r"):
-            tokens += out.new_token_ids
-            if len(tokens) == 3:  # mid-request: the ranks have run steps together
-                os.kill(victim.pid, signal.SIGKILL)
-        return tokens
+    from oscar_compile.cli import serve
 
-    start = time.monotonic()
+    args = serve.parse_args(["--device", "cpu", "--spec", str(specs_dir() / "bf16.yaml"), "--kv-memory", "0.01",
+                             "--tensor-parallel-size", "2", "--no-prefix-caching"])
+    app, name = serve.build_app(args)
     try:
-        with pytest.raises(TensorParallelError, match="rank 1 .* exited with code -9"):
-            asyncio.run(asyncio.wait_for(request(), timeout=60))
-        assert time.monotonic() - start < 60
-        deadline = time.monotonic() + 10
-        while engine.is_alive and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not engine.is_alive  # /health answers 503 from now on, and so does every request
-
-        async def another():
-            async for _ in engine.generate([5], SamplingParams(max_tokens=1), "s"):
-                pass
-
-        with pytest.raises(EngineDeadError):
-            asyncio.run(another())
+        with running(app) as port:
+            status, text = get(port, "/metrics")
+            assert status == 200 and "oscar_tensor_parallel_size 2" in text
+            assert 'oscar_kv_rank_pages_total{rank="1",kind="quant"}' in text
+            victim = next(p for p in multiprocessing.active_children() if p.name == "oscar-tp-rank1")
+            reply = {}
+            body = {"model": name, "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True}
+            request = threading.Thread(target=lambda: reply.update(r=post(port, "/v1/completions", body)))
+            start = time.monotonic()
+            request.start()
+            while time.monotonic() - start < 30 and request.is_alive():  # mid-request: steps have run
+                if "oscar_generation_tokens_total 0\n" not in get(port, "/metrics")[1]:
+                    break
+                time.sleep(0.05)
+            assert request.is_alive(), reply
+            os.kill(victim.pid, signal.SIGKILL)
+            request.join(60)
+            assert not request.is_alive() and time.monotonic() - start < 60
+            status, payload = reply["r"]
+            assert status == 503 and re.search("rank 1 .* exited with code -9", payload["error"]["message"])
+            assert get(port, "/health")[0] == 503  # the engine stopped: no later request can run
+            assert post(port, "/v1/completions", {"model": name, "prompt": [5], "max_tokens": 1})[0] == 503
     finally:
-        engine.shutdown()
-        llm.close()
+        app.state.tensor_parallel.close()
+
+
+def test_serve_refuses_a_split_that_cannot_run(capsys):
+    from oscar_compile.cli import serve
+
+    assert serve.main(["--device", "cpu", "--tensor-parallel-size", "3"]) == 2
+    assert "does not divide the model's 2 KV heads" in capsys.readouterr().err
 
 
 def test_what_cannot_be_split_is_refused_before_any_process_starts():
