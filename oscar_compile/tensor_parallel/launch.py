@@ -102,14 +102,17 @@ def _log_rank(report: ShardReport, runner: CompressedRunner, kwargs: dict) -> No
                 kwargs["num_staging_pages"])
 
 
-def _join(rank: int, world_size: int, port: int, setup: RankSetup) -> RankGroup:
-    backend = "nccl" if setup.device_type == "cuda" else "gloo"
-    if setup.device_type == "cuda":
+def join_group(rank: int, world_size: int, port: int, device_type: str, timeout_s: float) -> RankGroup:
+    """Join the group at ``127.0.0.1:port`` as ``rank`` (rank 0 hosts the rendezvous): NCCL on
+    CUDA (``cuda:rank``), gloo on CPU, plus the gloo control group; collectives time out after
+    ``timeout_s``."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=setup.timeout_s))
+                            timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
-    if setup.device_type == "cuda":  # NCCL's communicator is made lazily: here, not inside a graph capture
+    if device_type == "cuda":  # NCCL's communicator is made lazily: here, not inside a graph capture
         dist.all_reduce(torch.zeros(1, device="cuda"))
         torch.cuda.synchronize()
     return RankGroup(rank, world_size, dist.group.WORLD, control)
@@ -120,7 +123,7 @@ def _worker_main(rank: int, world_size: int, port: int, setup: RankSetup) -> Non
     if setup.device_type == "cpu":  # the ranks share the host's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
     try:
-        ranks = _join(rank, world_size, port, setup)
+        ranks = join_group(rank, world_size, port, setup.device_type, setup.timeout_s)
         model, _, config, report = prepare_rank(setup, ranks)
         message = ranks.receive()
         if message[0] == "runner":
@@ -133,7 +136,7 @@ def _worker_main(rank: int, world_size: int, port: int, setup: RankSetup) -> Non
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -147,13 +150,13 @@ class TensorParallelGroup:
             raise RuntimeError("torch.distributed is already initialized in this process: one tensor-parallel "
                                "engine per process (close the previous one first)")
         self.setup = setup
-        port = _free_port()
+        port = free_port()
         context = torch.multiprocessing.get_context("spawn")
         self.processes = [context.Process(target=_worker_main, args=(rank, world_size, port, setup), daemon=True,
                                           name=f"oscar-tp-rank{rank}") for rank in range(1, world_size)]
         for process in self.processes:
             process.start()
-        self.ranks = _join(0, world_size, port, setup)
+        self.ranks = join_group(0, world_size, port, setup.device_type, setup.timeout_s)
         self.ranks.find_dead_rank = self.find_dead_rank
         self.runner: TensorParallelRunner | None = None
         atexit.register(self.close)

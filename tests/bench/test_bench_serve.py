@@ -64,3 +64,21 @@ def test_prefill_and_swap_parts_smoke(tmp_path):
     assert rows[True]["staging_peak_bytes"] > 0 == rows[False]["staging_peak_bytes"]
     (swap,) = result["swap"]
     assert swap["bytes"] > 0 and swap["swap_out_ms"] > 0 and swap["recompute_ms"] > 0
+
+
+def test_tensor_parallel_rows_beside_the_unsplit_ones(tmp_path):
+    """``--tensor-parallel-size 1 2`` on the CPU (gloo): the same rows twice, the split ones with
+    their all-reduce share, and twice the sequences in the same per-rank KV budget."""
+    out = tmp_path / "tp.json"
+    assert main(["--shapes", "tiny", "--device", "cpu", "--tensor-parallel-size", "1", "2", "--contexts", "64",
+                 "--capacity-contexts", "96", "--kv-memory", "0.002", "--reps", "1", "--parts", "decode", "capacity",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    split = {r["mode"]: r for r in result["decode"] if r.get("tensor_parallel_size") == 2}
+    assert set(split) == {"int2", "bf16"} and len(result["decode"]) == 4
+    for r in result["decode"]:
+        assert abs(sum(r["breakdown"].values()) - 1) < 1e-6
+        assert (r["breakdown"]["all_reduce"] > 0) == (r.get("tensor_parallel_size", 1) == 2)
+    seqs = {(c["mode"], c.get("tensor_parallel_size", 1)): c["max_seqs"] for c in result["capacity"]}
+    for mode in ("int2", "bf16"):  # a rank's pages hold half the KV heads
+        assert seqs[(mode, 2)] >= 2 * seqs[(mode, 1)] >= 2

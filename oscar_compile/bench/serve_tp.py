@@ -1,0 +1,100 @@
+"""Decode and capacity rows of ``python -m oscar_compile.bench.serve`` with the model split over N ranks.
+
+    python -m oscar_compile.bench.serve --shapes 8b --tensor-parallel-size 1 2 --parts decode capacity \\
+        --contexts 8192 32768 131072 --capacity-contexts 100000 --kv-memory 80 --out serve_tp.json
+
+Every rank runs the same benchmark code on its own slice (SPMD, no step messages: the batches are
+synthetic and the same everywhere): the random-weight model of the shape (the same seed on
+every rank, so the slices are slices of one model) is split by ``tensor_parallel.shard`` before
+``apply``, and each rank's ``CompressedRunner`` holds its ``H_kv / N`` KV heads' pages. The
+row-wise projections' all-reduces keep the ranks in step; rank 0's rows are the result. The
+KV budget (``--kv-memory``, else 85 % of the free memory) is per GPU, the smallest over the
+ranks, so the capacity rows show how many more sequences N GPUs hold. The step breakdown's
+``all_reduce`` share is the NCCL kernels' time (gloo's on a CPU), waiting for the slower rank
+included: what the all-reduces cost a step.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def tensor_parallel_rows(args, world_size: int, max_len: int) -> dict[str, list[dict]]:
+    """Rank 0's decode / capacity rows over ``world_size`` ranks (ranks 1.. spawned here)."""
+    from oscar_compile.tensor_parallel.launch import free_port
+
+    device_type = _device_type(args)
+    if device_type == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"--tensor-parallel-size {world_size} needs {world_size} GPUs, torch sees "
+                         f"{torch.cuda.device_count()}")
+    port = free_port()
+    context = torch.multiprocessing.get_context("spawn")
+    others = [context.Process(target=_follow, args=(rank, world_size, port, args, max_len), daemon=True)
+              for rank in range(1, world_size)]
+    for process in others:
+        process.start()
+    try:
+        return _rank_rows(0, world_size, port, args, max_len)
+    finally:
+        for process in others:
+            process.join(60)
+            if process.exitcode is None:
+                process.terminate()
+
+
+def _follow(rank: int, world_size: int, port: int, args, max_len: int) -> None:
+    sys.stdout = open(os.devnull, "w")  # rank 0 prints the rows
+    _rank_rows(rank, world_size, port, args, max_len)
+
+
+def _device_type(args) -> str:
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(args.device).type
+
+
+def _rank_rows(rank: int, world_size: int, port: int, args, max_len: int) -> dict[str, list[dict]]:
+    from oscar_compile.bench import serve
+    from oscar_compile.tensor_parallel.launch import join_group
+    from oscar_compile.tensor_parallel.shard import shard_model
+
+    device_type = _device_type(args)
+    ranks = join_group(rank, world_size, port, device_type, timeout_s=600.0)
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    rows: dict[str, list[dict]] = {"decode": [], "capacity": []}
+    try:
+        for shape in args.shapes:
+            for mode in serve.MODES:
+                model, layout = serve.build_model(shape, mode, max_len, device,
+                                                  prepare=lambda m: shard_model(m, rank, world_size, ranks.data_group))
+                if "decode" in args.parts:
+                    rows["decode"] += _tagged(serve.decode_rows(model, layout, shape, mode, args.contexts, args.reps),
+                                              world_size)
+                if args.capacity_contexts and "capacity" in args.parts:
+                    budget = _smallest(int(args.kv_memory * serve.GIB) if args.kv_memory
+                                       else serve._free_memory_bytes(device), device, ranks.data_group)
+                    rows["capacity"] += _tagged(serve.capacity_rows(model, layout, shape, mode, args.capacity_contexts,
+                                                                    budget, args.reps), world_size)
+                del model
+                gc.collect()
+                serve._empty_cache(device)
+    finally:
+        dist.destroy_process_group()
+    return rows
+
+
+def _tagged(rows: list[dict], world_size: int) -> list[dict]:
+    return [dict(row, tensor_parallel_size=world_size) for row in rows]
+
+
+def _smallest(value: int, device: torch.device, group) -> int:
+    """The smallest ``value`` over the ranks: every rank must run the same batches."""
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
