@@ -63,7 +63,7 @@ def load_model_dir(model_dir: str, dtype) -> tuple:
     """``RankSetup.load`` for a model directory (module level, so a spawned rank can call it)."""
     from oscar_compile.loading import load_model
 
-    return load_model(model_dir, "cpu", dtype)
+    return load_model(model_dir, "cpu", dtype, tokenizer_required=False)  # LLM(tokenizer=...) may bring one
 
 
 def check_launch(model_config, world_size: int, device: torch.device) -> None:
@@ -236,6 +236,8 @@ def start_engine(model_dir, spec, rotations, config: EngineConfig | None, world_
     try:
         model, loaded_tokenizer, config, make_runner = group.prepare()
         tokenizer = tokenizer or loaded_tokenizer
+        if tokenizer is None:
+            raise ValueError(f"{model_dir} holds no tokenizer: pass tokenizer=")
         return group, model, tokenizer, build_engine(model, tokenizer, config, make_runner=make_runner)
     except BaseException:
         group.close()
