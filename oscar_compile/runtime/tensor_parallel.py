@@ -190,8 +190,8 @@ class TensorParallelRunner:
             return fn(*args)
         except TensorParallelError:
             raise
-        except RuntimeError as err:  # gloo / NCCL errors are RuntimeErrors (DistBackendError included)
-            raise self.ranks.fail(err) from err
+        except Exception as err:  # gloo / NCCL errors, or rank 0 failing mid-step while the others wait in
+            raise self.ranks.fail(err) from err  # an all-reduce it never joins: the group is out of step
 
     def run(self, batch: Batch, pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
         def step():
