@@ -258,9 +258,9 @@ def run(args) -> dict:
         result.update(ttft=[], swap=[])
         _prefill_swap_parts(args, device, result)
     for size in (n for n in args.tensor_parallel_size if n != 1):  # decode and capacity rows over n ranks
-        from oscar_compile.bench.serve_tp import tensor_parallel_rows
+        from oscar_compile.bench.serve_tp import run_on_ranks
 
-        for part, rows in tensor_parallel_rows(args, size, max_len).items():
+        for part, rows in run_on_ranks(split_model_rows, args, size, max_len).items():
             result[part] += rows
         _save(result, args.out)
     for shape in (args.shapes if 1 in args.tensor_parallel_size and set(args.parts) & {"decode", "capacity"} else []):
@@ -297,6 +297,29 @@ def run(args) -> dict:
                  args.e2e_batches, args.e2e_prompt, args.e2e_output, args.e2e_kv_memory,
                  args.max_num_batched_tokens, args.e2e_time_limit, keep, args.e2e_systems)
     return result
+
+
+def split_model_rows(rank: int, world_size: int, group, device: torch.device, args, max_len: int) -> dict:
+    """One rank's decode and capacity rows with the model split over ``world_size`` ranks
+    (``serve_tp.run_on_ranks`` runs it on every rank; the KV budget is the smallest per GPU)."""
+    from oscar_compile.bench.serve_tp import smallest
+    from oscar_compile.tensor_parallel.shard import shard_model
+
+    rows: dict[str, list[dict]] = {"decode": [], "capacity": []}
+    for shape in args.shapes:
+        for mode in MODES:
+            model, layout = build_model(shape, mode, max_len, device,
+                                        prepare=lambda m: shard_model(m, rank, world_size, group))
+            if "decode" in args.parts:
+                rows["decode"] += decode_rows(model, layout, shape, mode, args.contexts, args.reps)
+            if args.capacity_contexts and "capacity" in args.parts:
+                budget = int(args.kv_memory * GIB) if args.kv_memory else _free_memory_bytes(device)
+                rows["capacity"] += capacity_rows(model, layout, shape, mode, args.capacity_contexts,
+                                                  smallest(budget, device, group), args.reps)
+            del model
+            gc.collect()
+            _empty_cache(device)
+    return rows
 
 
 def _prefill_swap_parts(args, device: torch.device, result: dict) -> None:

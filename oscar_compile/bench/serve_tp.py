@@ -4,9 +4,10 @@
         --contexts 8192 32768 131072 --capacity-contexts 100000 --kv-memory 80 --out serve_tp.json
 
 Every rank runs the same benchmark code on its own slice (SPMD, no step messages: the batches are
-synthetic and the same everywhere): the random-weight model of the shape (the same seed on
-every rank, so the slices are slices of one model) is split by ``tensor_parallel.shard`` before
-``apply``, and each rank's ``CompressedRunner`` holds its ``H_kv / N`` KV heads' pages. The
+synthetic and the same everywhere; ``bench.serve.split_model_rows`` is that code): the
+random-weight model of the shape (the same seed on every rank, so the slices are slices of one
+model) is split by ``tensor_parallel.shard`` before ``apply``, and each rank's
+``CompressedRunner`` holds its ``H_kv / N`` KV heads' pages. The
 row-wise projections' all-reduces keep the ranks in step; rank 0's rows are the result. The
 KV budget (``--kv-memory``, else 85 % of the free memory) is per GPU, the smallest over the
 ranks, so the capacity rows show how many more sequences N GPUs hold. The step breakdown's
@@ -18,13 +19,16 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 
-def tensor_parallel_rows(args, world_size: int, max_len: int) -> dict[str, list[dict]]:
-    """Rank 0's decode / capacity rows over ``world_size`` ranks (ranks 1.. spawned here)."""
+def run_on_ranks(rank_rows: Callable, args, world_size: int, max_len: int) -> dict[str, list[dict]]:
+    """``rank_rows(rank, world_size, group, device, args, max_len)`` on every rank (ranks 1..
+    spawned here, each on ``cuda:rank`` or the CPU, joined in one process group); rank 0's rows,
+    each tagged with ``tensor_parallel_size``. ``rank_rows`` must be a module-level function."""
     from oscar_compile.tensor_parallel.launch import free_port
 
     device_type = _device_type(args)
@@ -33,22 +37,23 @@ def tensor_parallel_rows(args, world_size: int, max_len: int) -> dict[str, list[
                          f"{torch.cuda.device_count()}")
     port = free_port()
     context = torch.multiprocessing.get_context("spawn")
-    others = [context.Process(target=_follow, args=(rank, world_size, port, args, max_len), daemon=True)
+    others = [context.Process(target=_follow, args=(rank_rows, rank, world_size, port, args, max_len), daemon=True)
               for rank in range(1, world_size)]
     for process in others:
         process.start()
     try:
-        return _rank_rows(0, world_size, port, args, max_len)
+        rows = _on_rank(rank_rows, 0, world_size, port, args, max_len)
     finally:
         for process in others:
             process.join(60)
             if process.exitcode is None:
                 process.terminate()
+    return {part: [dict(row, tensor_parallel_size=world_size) for row in part_rows] for part, part_rows in rows.items()}
 
 
-def _follow(rank: int, world_size: int, port: int, args, max_len: int) -> None:
+def _follow(rank_rows: Callable, rank: int, world_size: int, port: int, args, max_len: int) -> None:
     sys.stdout = open(os.devnull, "w")  # rank 0 prints the rows
-    _rank_rows(rank, world_size, port, args, max_len)
+    _on_rank(rank_rows, rank, world_size, port, args, max_len)
 
 
 def _device_type(args) -> str:
@@ -57,43 +62,22 @@ def _device_type(args) -> str:
     return torch.device(args.device).type
 
 
-def _rank_rows(rank: int, world_size: int, port: int, args, max_len: int) -> dict[str, list[dict]]:
-    from oscar_compile.bench import serve
+def _on_rank(rank_rows: Callable, rank: int, world_size: int, port: int, args, max_len: int) -> dict:
     from oscar_compile.tensor_parallel.launch import join_group
-    from oscar_compile.tensor_parallel.shard import shard_model
 
     device_type = _device_type(args)
     ranks = join_group(rank, world_size, port, device_type, timeout_s=600.0)
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
-    rows: dict[str, list[dict]] = {"decode": [], "capacity": []}
     try:
-        for shape in args.shapes:
-            for mode in serve.MODES:
-                model, layout = serve.build_model(shape, mode, max_len, device,
-                                                  prepare=lambda m: shard_model(m, rank, world_size, ranks.data_group))
-                if "decode" in args.parts:
-                    rows["decode"] += _tagged(serve.decode_rows(model, layout, shape, mode, args.contexts, args.reps),
-                                              world_size)
-                if args.capacity_contexts and "capacity" in args.parts:
-                    budget = _smallest(int(args.kv_memory * serve.GIB) if args.kv_memory
-                                       else serve._free_memory_bytes(device), device, ranks.data_group)
-                    rows["capacity"] += _tagged(serve.capacity_rows(model, layout, shape, mode, args.capacity_contexts,
-                                                                    budget, args.reps), world_size)
-                del model
-                gc.collect()
-                serve._empty_cache(device)
+        return rank_rows(rank, world_size, ranks.data_group, device, args, max_len)
     finally:
+        gc.collect()
         dist.destroy_process_group()
-    return rows
 
 
-def _tagged(rows: list[dict], world_size: int) -> list[dict]:
-    return [dict(row, tensor_parallel_size=world_size) for row in rows]
-
-
-def _smallest(value: int, device: torch.device, group) -> int:
+def smallest(value: int, device: torch.device, group) -> int:
     """The smallest ``value`` over the ranks: every rank must run the same batches."""
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
