@@ -12,6 +12,7 @@ import dataclasses
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from oscar_compile.runtime import LLM, EngineConfig, SamplingParams
 from oscar_compile.spec import shipped_spec, specs_dir
 from oscar_compile.tensor_parallel.launch import check_launch
 from oscar_compile.tensor_parallel.shard import check_divisible, check_rotations_layout, shard_rotations
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "runtime"))  # server_http, the server tests' HTTP helpers
 
 _PREFIX, _TAIL, _MAX_TOKENS = 80, 12, 12
 
@@ -129,10 +132,8 @@ def test_bf16_split_over_two_ranks_equals_one():
 
 def test_the_server_reports_each_rank_and_fails_loudly_in_bounded_time_when_a_rank_dies(capsys):
     import multiprocessing
-    import sys
     import threading
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "runtime"))
     from server_http import get, post, running
 
     from oscar_compile.cli import serve
