@@ -319,6 +319,8 @@ def split_model_rows(rank: int, world_size: int, group, device: torch.device, ar
             del model
             gc.collect()
             _empty_cache(device)
+            if rank == 0:  # what was measured so far survives a time limit
+                _save(dict(rows, partial=True, tensor_parallel_size=world_size), args.out)
     return rows
 
 
