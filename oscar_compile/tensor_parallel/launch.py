@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import signal
 import socket
 import sys
 import time
@@ -31,7 +32,7 @@ from oscar_compile.artifact import Rotations
 from oscar_compile.compress import compress
 from oscar_compile.runtime.compressed_runner import CompressedRunner, runner_kwargs
 from oscar_compile.runtime.loader import EngineConfig, build_engine
-from oscar_compile.runtime.tensor_parallel import RankGroup, TensorParallelRunner, follow_steps
+from oscar_compile.runtime.tensor_parallel import RankGroup, TensorParallelError, TensorParallelRunner, follow_steps
 from oscar_compile.spec import CompressionSpec
 from oscar_compile.tensor_parallel.shard import (ShardReport, check_divisible, check_rotations_layout, shard_model,
                                                  shard_rotations)
@@ -102,23 +103,49 @@ def _log_rank(report: ShardReport, runner: CompressedRunner, kwargs: dict) -> No
                 kwargs["num_staging_pages"])
 
 
-def join_group(rank: int, world_size: int, port: int, device_type: str, timeout_s: float) -> RankGroup:
-    """Join the group at ``127.0.0.1:port`` as ``rank`` (rank 0 hosts the rendezvous): NCCL on
-    CUDA (``cuda:rank``), gloo on CPU, plus the gloo control group; collectives time out after
-    ``timeout_s``."""
+def join_group(rank: int, world_size: int, port: int, device_type: str, timeout_s: float,
+               find_dead_rank: Callable[[], str | None] = lambda: None) -> RankGroup:
+    """Join the group at ``127.0.0.1:port`` as ``rank``: NCCL on CUDA (``cuda:rank``), gloo on
+    CPU, plus the gloo control group; collectives time out after ``timeout_s``. Rank 0 hosts the
+    rendezvous store and waits for the others to check in, watching ``find_dead_rank``: a rank
+    that dies while it starts (an import error, say) fails the start at once instead of leaving
+    rank 0 waiting for the timeout."""
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)
+    if rank == 0:
+        _wait_for_ranks(store, world_size, find_dead_rank, timeout_s)
+    else:
+        store.set(f"oscar_tp_rank{rank}", "up")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
     if device_type == "cuda":  # NCCL's communicator is made lazily: here, not inside a graph capture
         dist.all_reduce(torch.zeros(1, device="cuda"))
         torch.cuda.synchronize()
-    return RankGroup(rank, world_size, dist.group.WORLD, control)
+    return RankGroup(rank, world_size, dist.group.WORLD, control, find_dead_rank)
+
+
+def _wait_for_ranks(store, world_size: int, find_dead_rank: Callable[[], str | None], timeout_s: float) -> None:
+    keys = [f"oscar_tp_rank{rank}" for rank in range(1, world_size)]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            store.wait(keys, timedelta(seconds=0.5))
+            return
+        except RuntimeError:  # DistStoreError: not every rank is up yet
+            dead = find_dead_rank()
+            if dead is not None:
+                raise TensorParallelError(f"tensor-parallel start failed: {dead} (its log says why)") from None
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"tensor-parallel ranks did not start within {timeout_s:.0f} s") from None
 
 
 def _worker_main(rank: int, world_size: int, port: int, setup: RankSetup) -> None:
+    # Ctrl-C reaches the whole process group: rank 0 drains the server and then stops this rank
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=setup.log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     if setup.device_type == "cpu":  # the ranks share the host's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
@@ -156,10 +183,23 @@ class TensorParallelGroup:
                                           name=f"oscar-tp-rank{rank}") for rank in range(1, world_size)]
         for process in self.processes:
             process.start()
-        self.ranks = join_group(0, world_size, port, setup.device_type, setup.timeout_s)
-        self.ranks.find_dead_rank = self.find_dead_rank
+        try:
+            self.ranks = join_group(0, world_size, port, setup.device_type, setup.timeout_s, self.find_dead_rank)
+        except BaseException:
+            self._stop_processes(timeout_s=1.0)
+            raise
         self.runner: TensorParallelRunner | None = None
         atexit.register(self.close)
+
+    def _stop_processes(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            process.join(max(deadline - time.monotonic(), 0.1))
+            if process.exitcode is None:
+                logger.warning("tensor-parallel %s did not stop; terminating it", process.name)
+                process.terminate()
+                process.join(1.0)
+        self.processes = []
 
     def find_dead_rank(self) -> str | None:
         for rank, process in enumerate(self.processes, start=1):
@@ -173,7 +213,10 @@ class TensorParallelGroup:
 
         def make_runner(block_manager) -> TensorParallelRunner:
             kwargs = runner_kwargs(model, block_manager, config)
-            self.ranks.send(("runner", kwargs))
+            try:
+                self.ranks.send(("runner", kwargs))
+            except RuntimeError as err:  # a rank died while it loaded or compressed its slice
+                raise self.ranks.fail(err) from err
             local = CompressedRunner(model, config.layout, **kwargs)
             _log_rank(report, local, kwargs)
             self.runner = TensorParallelRunner(local, self.ranks)
@@ -188,15 +231,11 @@ class TensorParallelGroup:
         if self.runner is not None:
             self.runner.close()
         elif self.find_dead_rank() is None:
-            self.ranks.send(("stop",))
-        deadline = time.monotonic() + timeout_s
-        for process in self.processes:
-            process.join(max(deadline - time.monotonic(), 0.1))
-            if process.exitcode is None:
-                logger.warning("tensor-parallel %s did not stop; terminating it", process.name)
-                process.terminate()
-                process.join(1.0)
-        self.processes = []
+            try:
+                self.ranks.send(("stop",))
+            except RuntimeError as err:
+                logger.warning("could not stop the tensor-parallel ranks: %s", err)
+        self._stop_processes(timeout_s)
         if dist.is_initialized():
             dist.destroy_process_group()
         atexit.unregister(self.close)

@@ -205,3 +205,39 @@ def test_rotations_are_sliced_by_kv_head():
             assert torch.equal(part.k[i][0], rot.k[i][rank]) and torch.equal(part.v[i][0], rot.v[i][rank])
             assert torch.equal(part.k_mean[i][0], rot.k_mean[i][rank])
     assert shard_rotations(rot, 0, 1) is rot
+
+
+def _load_but_rank_1_exits(model_dir):
+    """A ``RankSetup.load`` whose rank 1 dies while it loads (module level: spawned ranks import it)."""
+    import torch.distributed as dist
+
+    from oscar_compile.tensor_parallel.launch import load_model_dir
+
+    if dist.get_rank() == 1:
+        os._exit(3)
+    return load_model_dir(model_dir, torch.float32)
+
+
+def test_a_rank_that_dies_while_starting_fails_the_start_at_once():
+    from functools import partial
+
+    from oscar_compile.runtime.tensor_parallel import TensorParallelError
+    from oscar_compile.tensor_parallel.launch import RankSetup, TensorParallelGroup, free_port, join_group
+
+    # before it checks in: rank 0 stops waiting for it as soon as its process has ended
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 .* exited with code 3"):
+        join_group(0, 2, free_port(), "cpu", 60, find_dead_rank=lambda: "rank 1 (pid 1) exited with code 3")
+    assert time.monotonic() - start < 5
+    # while it loads its slice: rank 0's first message to it fails, naming it
+    setup = RankSetup(partial(_load_but_rank_1_exits, str(BUNDLED_MODEL_DIR)), shipped_spec("bf16"), None,
+                      EngineConfig(num_window_pages=0, num_quant_pages=16), "cpu", timeout_s=60)
+    group = TensorParallelGroup(setup, 2)
+    try:
+        model, _, config, make_runner = group.prepare()
+        from oscar_compile.runtime.loader import build_engine
+
+        with pytest.raises(TensorParallelError, match="rank 1 .* exited with code 3"):
+            build_engine(model, None, config, make_runner=make_runner)
+    finally:
+        group.close()
