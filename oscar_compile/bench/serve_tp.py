@@ -42,7 +42,11 @@ def run_on_ranks(rank_rows: Callable, args, world_size: int, max_len: int) -> di
     for process in others:
         process.start()
     try:
-        rows = _on_rank(rank_rows, 0, world_size, port, args, max_len)
+        def find_dead_rank():  # a rank that fails to start fails the run at once
+            return next((f"rank {rank} exited with code {p.exitcode}" for rank, p in enumerate(others, start=1)
+                         if p.exitcode is not None), None)
+
+        rows = _on_rank(rank_rows, 0, world_size, port, args, max_len, find_dead_rank)
     finally:
         for process in others:
             process.join(60)
@@ -62,11 +66,12 @@ def _device_type(args) -> str:
     return torch.device(args.device).type
 
 
-def _on_rank(rank_rows: Callable, rank: int, world_size: int, port: int, args, max_len: int) -> dict:
+def _on_rank(rank_rows: Callable, rank: int, world_size: int, port: int, args, max_len: int,
+             find_dead_rank: Callable[[], str | None] = lambda: None) -> dict:
     from oscar_compile.tensor_parallel.launch import join_group
 
     device_type = _device_type(args)
-    ranks = join_group(rank, world_size, port, device_type, timeout_s=600.0)
+    ranks = join_group(rank, world_size, port, device_type, timeout_s=600.0, find_dead_rank=find_dead_rank)
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
