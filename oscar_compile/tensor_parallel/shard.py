@@ -11,11 +11,14 @@ What is taken from where, and why:
   projection** (a forward hook on ``o_proj`` and ``down_proj``), not DTensor's
   ``parallelize_module(ColwiseParallel / RowwiseParallel)`` nor transformers' ``tp_plan``
   loading, which both leave DTensor parameters in the modules. ``apply`` then rewrites those
-  modules in ways DTensor does not follow: the R_V fold reshapes ``v_proj`` / ``o_proj``
-  weights per KV head in float64 and writes them back, ``merge_projections`` concatenates
-  q/k/v (and gate/up) into one buffer and re-points each Linear at a *view* of it (a view of a
-  sharded DTensor is not the local slice), and the traced attention graph feeds the projections'
-  outputs to ``oscar::`` custom ops, which DTensor would need a sharding rule for each. With
+  modules in ways DTensor does not follow. Tried on the bundled model over 2 gloo ranks
+  (``experiments/2026-12-01-cpu-tensor-parallel/proto_dtensor_parallelize.py``): the plain HF
+  forward runs, but the R_V fold (``R_V(h)^T @ W[h]`` with a plain rotation) stops at
+  ``aten.bmm got mixed torch.Tensor and DTensor``, and with ``fuse`` the merged q/k/v weight
+  (``merge_projections``: one buffer of the three, each Linear re-pointed at a *view* of it) is a
+  DTensor that the traced graph's ``F.linear`` meets with a plain activation (``aten.mm got
+  mixed ...``); only the unrotated, unfused model ran. Every pass would need rewriting for
+  DTensor, and the config would still claim the whole model's head counts to the cache layout. With
   ``use_local_output`` those layers would hand plain local tensors on anyway: DTensor would only
   add per-op dispatch on the host (what CUDA graphs exist to remove) and hide where the one
   collective per block happens. Slicing first and rewriting after lets every pass, kernel and
