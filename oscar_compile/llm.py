@@ -38,13 +38,22 @@ class LLM:
     are made without data, which only ``none`` / ``hadamard`` rotations allow) and served by the
     compressed runner over the paged cache. Without a spec the exact (uncached) RecomputeRunner
     runs the plain model. ``make_runner(block_manager)`` plugs in another runner.
+
+    ``tensor_parallel_size=N`` splits the model over ``N`` processes, one per device (this one is
+    rank 0 and runs the engine; ``oscar_compile.tensor_parallel``): it needs a model directory
+    and a spec, and the ranks stop with ``close()`` (or at exit).
     """
 
     def __init__(self, model: str | Path | torch.nn.Module | None = None, spec=None, rotations=None,
                  tokenizer=None, device: str = "auto", dtype: torch.dtype | None = None,
-                 config: EngineConfig | None = None, make_runner=None):
+                 config: EngineConfig | None = None, make_runner=None, tensor_parallel_size: int = 1):
         if rotations is not None and spec is None:
             raise ValueError("rotations were given without the spec they are applied with")
+        self.tensor_parallel = None
+        if tensor_parallel_size != 1:
+            self._start_tensor_parallel(model, spec, rotations, tokenizer, device, dtype, config, make_runner,
+                                        tensor_parallel_size)
+            return
         if isinstance(model, torch.nn.Module):
             if tokenizer is None:
                 raise ValueError("tokenizer is required when model is an nn.Module")
@@ -56,6 +65,30 @@ class LLM:
         self.model = model
         self.tokenizer = tokenizer
         self.engine: LLMEngine = build_engine(model, tokenizer, config, make_runner=make_runner)
+
+    def _start_tensor_parallel(self, model, spec, rotations, tokenizer, device, dtype, config, make_runner,
+                               world_size: int) -> None:
+        from oscar_compile.tensor_parallel import launch
+
+        if isinstance(model, torch.nn.Module) or make_runner is not None:
+            raise ValueError("tensor_parallel_size > 1 loads the model in every rank: pass a model directory "
+                             "(not a loaded model or a make_runner)")
+        if spec is None:
+            raise ValueError("tensor_parallel_size > 1 serves through the paged runtime: pass a spec "
+                             "(specs/bf16.yaml for no compression)")
+        self.tensor_parallel, self.model, self.tokenizer, self.engine = launch.start_engine(
+            resolve_model_dir(model), spec, rotations, config, world_size, resolve_device(device), dtype, tokenizer)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do on one device)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[CompletionOutput]:

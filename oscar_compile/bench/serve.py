@@ -23,6 +23,9 @@ real ``CompressedRunner`` on a synthetic batch whose caches are pre-filled to th
    prompts with deferred demotion (prompt-exact chunked prefill) against the old chunked prefill,
    with the peak staging memory; the time to swap a ``--swap-context``-token sequence out to host
    memory and back against recomputing it (see ``oscar_compile.bench.prefill_swap``).
+5. (``--tensor-parallel-size 1 2``) the decode and capacity rows with the model split over 2 GPUs
+   beside the unsplit ones, each step's all-reduce time in the breakdown (``allred``); the KV
+   budget is per GPU (see ``oscar_compile.bench.serve_tp``).
 ``--parts`` picks the sections (default: decode capacity e2e, the e2e rows only with
 ``--e2e-batches``). Prints tables and writes JSON. ``--shapes tiny --device cpu`` is the CPU
 smoke run CI uses.
@@ -78,11 +81,14 @@ def mode_spec(shape: str, mode: str):
     return spec
 
 
-def build_model(shape: str, mode: str, max_len: int, device: torch.device, fuse: bool = True):
-    """A random-weight Qwen3 of ``shape``, rewritten for ``mode``; returns (model, layout)."""
+def build_model(shape: str, mode: str, max_len: int, device: torch.device, fuse: bool = True, prepare=None):
+    """A random-weight Qwen3 of ``shape``, rewritten for ``mode``; returns (model, layout).
+    ``prepare(model)`` runs before the rewrite (serve_tp.py keeps a rank's slice there)."""
     from oscar_compile.calibration import calibrate
 
     model = random_model(shape, max_len, device)
+    if prepare is not None:
+        prepare(model)
     spec = mode_spec(shape, mode)
     apply(model, spec, calibrate(model, spec), fuse=fuse)
     return model, compressed_layout(model, spec)
@@ -128,6 +134,9 @@ _OPS = {
     "norm_act": ("oscar::rms_norm", "oscar::silu_mul"),
 }
 _GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
+# tensor-parallel all-reduces: on CUDA the NCCL kernels (by name); on a CPU the calling thread's op
+# (gloo's own events run on its threads, spanning the wait for the other rank: not step time)
+_ALL_REDUCES = ("c10d::allreduce_",)
 
 
 def _inside(event, names) -> bool:
@@ -157,16 +166,19 @@ def step_breakdown(runner: CompressedRunner, batch: Batch, reps: int = 3) -> dic
             runner.run(batch)
         _sync(runner.device)
     ours = {name for names in _OPS.values() for name in names}
-    totals = dict.fromkeys([*_OPS, "gemm"], 0.0)
+    totals = dict.fromkeys([*_OPS, "gemm", "all_reduce"], 0.0)  # all_reduce: tensor-parallel ranks (serve_tp.py)
     whole = 0.0
     for ev in prof.events():
         on_device = ev.device_type != DeviceType.CPU
         if cuda:
             whole += ev.device_time_total if on_device else 0.0
             if on_device:
+                totals["all_reduce"] += ev.device_time_total if ev.name.lower().startswith("nccl") else 0.0
                 continue
         else:
             whole += ev.self_cpu_time_total
+            if ev.name in _ALL_REDUCES:
+                totals["all_reduce"] += ev.cpu_time_total
         for category, names in _OPS.items():
             if ev.name in names and not _inside(ev, ours):
                 totals[category] += ev.device_time_total if cuda else ev.cpu_time_total
@@ -245,7 +257,13 @@ def run(args) -> dict:
     if "ttft" in args.parts or "swap" in args.parts:
         result.update(ttft=[], swap=[])
         _prefill_swap_parts(args, device, result)
-    for shape in (args.shapes if "decode" in args.parts or "capacity" in args.parts else []):
+    for size in (n for n in args.tensor_parallel_size if n != 1):  # decode and capacity rows over n ranks
+        from oscar_compile.bench.serve_tp import run_on_ranks
+
+        for part, rows in run_on_ranks(split_model_rows, args, size, max_len).items():
+            result[part] += rows
+        _save(result, args.out)
+    for shape in (args.shapes if 1 in args.tensor_parallel_size and set(args.parts) & {"decode", "capacity"} else []):
         for mode in MODES:
             model, layout = build_model(shape, mode, max_len, device)
             if "decode" in args.parts:
@@ -279,6 +297,31 @@ def run(args) -> dict:
                  args.e2e_batches, args.e2e_prompt, args.e2e_output, args.e2e_kv_memory,
                  args.max_num_batched_tokens, args.e2e_time_limit, keep, args.e2e_systems)
     return result
+
+
+def split_model_rows(rank: int, world_size: int, group, device: torch.device, args, max_len: int) -> dict:
+    """One rank's decode and capacity rows with the model split over ``world_size`` ranks
+    (``serve_tp.run_on_ranks`` runs it on every rank; the KV budget is the smallest per GPU)."""
+    from oscar_compile.bench.serve_tp import smallest
+    from oscar_compile.tensor_parallel.shard import shard_model
+
+    rows: dict[str, list[dict]] = {"decode": [], "capacity": []}
+    for shape in args.shapes:
+        for mode in MODES:
+            model, layout = build_model(shape, mode, max_len, device,
+                                        prepare=lambda m: shard_model(m, rank, world_size, group))
+            if "decode" in args.parts:
+                rows["decode"] += decode_rows(model, layout, shape, mode, args.contexts, args.reps)
+            if args.capacity_contexts and "capacity" in args.parts:
+                budget = int(args.kv_memory * GIB) if args.kv_memory else _free_memory_bytes(device)
+                rows["capacity"] += capacity_rows(model, layout, shape, mode, args.capacity_contexts,
+                                                  smallest(budget, device, group), args.reps)
+            del model
+            gc.collect()
+            _empty_cache(device)
+            if rank == 0:  # what was measured so far survives a time limit
+                _save(dict(rows, partial=True, tensor_parallel_size=world_size), args.out)
+    return rows
 
 
 def _prefill_swap_parts(args, device: torch.device, result: dict) -> None:
@@ -333,17 +376,18 @@ def _device_line(device: torch.device) -> str:
 
 def print_tables(result: dict) -> None:
     print(result["device"])
-    print(f"{'shape':>5} {'mode':>5} {'fused':>5} {'context':>8} {'ms/step':>9} {'tok/s':>8}  "
-          "gemm attn write rot norm other")
+    print(f"{'shape':>5} {'mode':>5} {'tp':>2} {'fused':>5} {'context':>8} {'ms/step':>9} {'tok/s':>8}  "
+          "gemm attn write rot norm allred other")
     for r in result["decode"]:
         b = r["breakdown"]
-        print(f"{r['shape']:>5} {r['mode']:>5} {'yes' if r['fused'] else 'no':>5} {r['context']:>8} "
-              f"{r['step_ms']:>9.2f} {r['tokens_per_s']:>8.1f}  {b['gemm']:.2f} {b['attention']:.2f} "
-              f"{b['cache_write']:.2f} {b['rotation']:.2f} {b['norm_act']:.2f} {b['other']:.2f}")
+        print(f"{r['shape']:>5} {r['mode']:>5} {r.get('tensor_parallel_size', 1):>2} {'yes' if r['fused'] else 'no':>5} "
+              f"{r['context']:>8} {r['step_ms']:>9.2f} {r['tokens_per_s']:>8.1f}  {b['gemm']:.2f} {b['attention']:.2f} "
+              f"{b['cache_write']:.2f} {b['rotation']:.2f} {b['norm_act']:.2f} {b['all_reduce']:>6.2f} {b['other']:.2f}")
     if result["capacity"]:
-        print(f"\n{'shape':>5} {'mode':>5} {'context':>8} {'max seqs':>8} {'tok/s':>9}")
+        print(f"\n{'shape':>5} {'mode':>5} {'tp':>2} {'context':>8} {'max seqs':>8} {'tok/s':>9}")
     for c in result["capacity"]:
-        print(f"{c['shape']:>5} {c['mode']:>5} {c['context']:>8} {c['max_seqs']:>8} {c.get('tokens_per_s', 0):>9.1f}")
+        print(f"{c['shape']:>5} {c['mode']:>5} {c.get('tensor_parallel_size', 1):>2} {c['context']:>8} {c['max_seqs']:>8} "
+              f"{c.get('tokens_per_s', 0):>9.1f}")
     if result.get("ttft") or result.get("swap"):
         from oscar_compile.bench.prefill_swap import print_tables as print_prefill_swap
 
@@ -380,11 +424,15 @@ def main(argv=None) -> int:
     parser.add_argument("--ttft-contexts", nargs="+", type=int, default=[32768, 131072],
                         help="prompt lengths of the TTFT rows (--parts ttft)")
     parser.add_argument("--swap-context", type=int, default=100000, help="sequence length of the swap row (--parts swap)")
+    parser.add_argument("--tensor-parallel-size", nargs="+", type=int, default=[1], metavar="N",
+                        help="decode and capacity rows with the model split over N GPUs (e.g. 1 2: side by side)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     args.command = "python -m oscar_compile.bench.serve " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    if any(n != 1 for n in args.tensor_parallel_size) and (set(args.parts) & {"ttft", "swap"} or args.e2e_batches):
+        parser.error("--tensor-parallel-size above 1 runs the decode and capacity parts only")
     print_tables(run(args))
     return 0
 

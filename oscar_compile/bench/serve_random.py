@@ -29,6 +29,9 @@ def parse_args(argv: list[str] | None = None):
     for name in ("model", "spec", "rotations"):
         if getattr(args, name) is not None:
             parser.error(f"--{name} does not apply: the model is random and its spec comes from --mode")
+    if args.tensor_parallel_size != 1:  # the ranks would each need the same random model: not wired here yet
+        parser.error("--tensor-parallel-size is not supported for random models here; "
+                     "python -m oscar_compile.bench.serve --tensor-parallel-size times split random models")
     return args
 
 

@@ -56,6 +56,10 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
     parser.add_argument("--no-cuda-graphs", action="store_true", help="launch decode steps eagerly (no CUDA graphs)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="run one step at a time (by default a step's host work overlaps the next step on the device)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="split the model over N processes, one per GPU (gloo on CPU): attention heads, KV "
+                             "heads (each rank holds its own KV heads' pages) and MLP columns; N must divide the "
+                             "KV heads (default 1)")
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
     _add_server_args(parser)
@@ -126,12 +130,22 @@ def build_app(args: argparse.Namespace):
     config = engine_config(args)
     spec_path, rotations = compression_for(args, model_dir)
     spec = fit_spec_to_model_dir(CompressionSpec.from_yaml(spec_path), model_dir)  # the check calibrate runs
-    model, tokenizer = load_model(model_dir, device)
-    config, make_runner = compress(model, spec, rotations, config)
-    engine = build_engine(model, tokenizer, config, make_runner=make_runner)
+    group = None
+    if args.tensor_parallel_size != 1:  # rank 0 here, the other ranks spawned (tensor_parallel/launch.py)
+        from oscar_compile.tensor_parallel import launch
+
+        group, model, tokenizer, engine = launch.start_engine(model_dir, spec, rotations, config,
+                                                             args.tensor_parallel_size, device)
+    else:
+        model, tokenizer = load_model(model_dir, device)
+        config, make_runner = compress(model, spec, rotations, config)
+        engine = build_engine(model, tokenizer, config, make_runner=make_runner)
     name = args.served_model_name or model_dir.name
-    logger.info("serving %s from %s on %s with %s (rotations: %s)", name, model_dir, device, spec_path, rotations)
-    return create_app(AsyncEngine(engine), name, server), name
+    logger.info("serving %s from %s on %s with %s (rotations: %s, tensor-parallel size %d)", name, model_dir, device,
+                spec_path, rotations, args.tensor_parallel_size)
+    app = create_app(AsyncEngine(engine), name, server)
+    app.state.tensor_parallel = group  # the other ranks: serve() stops them after the server
+    return app, name
 
 
 def engine_config(args: argparse.Namespace):
@@ -177,7 +191,11 @@ def serve(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError, NotImplementedError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    run_server(app, args)
+    try:
+        run_server(app, args)
+    finally:
+        if app.state.tensor_parallel is not None:
+            app.state.tensor_parallel.close()
     return 0
 
 

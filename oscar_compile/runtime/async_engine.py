@@ -3,7 +3,9 @@
 One thread owns the ``LLMEngine`` (and so every Sequence and page): handlers never touch it.
 They post commands (add, abort) to a thread-safe inbox that the engine thread drains between
 steps, and receive outputs on their own ``asyncio.Queue`` through ``call_soon_threadsafe``. A
-model error fails the requests in flight (their pages are freed), not the server.
+model error fails the requests in flight (their pages are freed), not the server; an error marked
+``engine_fatal`` (a tensor-parallel rank that died) fails them and stops the engine thread, so
+``/health`` and every later request answer 503.
 
 ``num_waiting`` counts requests not yet holding pages (in the inbox or the scheduler's queue,
 preempted ones included) without reading the engine from another thread: adds posted but not yet
@@ -119,6 +121,10 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as err:  # a model error must not take the server down
+                if getattr(err, "engine_fatal", False):  # e.g. a tensor-parallel rank died: no step can run
+                    logger.critical("engine cannot run any more steps, stopping it (/health now fails): %s", err)
+                    self._fail_all(err)
+                    break
                 logger.exception("engine step failed; failing the running requests")
                 self._fail_all(err)
                 continue

@@ -310,6 +310,13 @@ class LLMEngine:
         stats["swap_space_used_bytes"] = swap.num_used_bytes if swap is not None else 0
         stats["num_swapped"] = swap.num_ranges if swap is not None else 0
         stats["num_swap_ins"] = swap.num_swapped_in if swap is not None else 0
+        # tensor parallelism: every rank holds the same page ids (its own KV heads in each), so
+        # these page counts are each rank's; the bytes are one rank's pools
+        stats["tensor_parallel_size"] = getattr(self.runner, "world_size", 1)
+        page_bytes = {"window": bm.layout.window_page_bytes, "quant": bm.layout.quant_page_bytes,
+                      "staging": bm.layout.window_page_bytes}
+        stats["kv_bytes_per_rank"] = sum(pool.num_pages * page_bytes[pool.kind]
+                                         for pool in (bm.window_pool, bm.quant_pool, bm.staging_pool))
         for pool in (bm.window_pool, bm.quant_pool, bm.staging_pool):
             stats[f"{pool.kind}_pages_total"] = pool.num_pages
             stats[f"{pool.kind}_pages_used"] = pool.num_used

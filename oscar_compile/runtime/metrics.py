@@ -66,7 +66,24 @@ def render_metrics(stats: dict[str, float]) -> str:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
         for page_kind in PAGE_KINDS:
             lines.append(f'{name}{{kind="{page_kind}"}} {_fmt(stats[f"{page_kind}_{suffix}"])}')
+    lines += _rank_lines(stats)
     return "\n".join(lines) + "\n"
+
+
+def _rank_lines(stats: dict[str, float]) -> list[str]:
+    """Per tensor-parallel rank: its KV pages (the same page ids on every rank, each holding that
+    rank's KV heads) and the bytes of its pools. One rank when the model is not split."""
+    num_ranks = int(stats.get("tensor_parallel_size", 1))
+    lines = ["# HELP oscar_tensor_parallel_size Ranks the model is split over (one process per device).",
+             "# TYPE oscar_tensor_parallel_size gauge", f"oscar_tensor_parallel_size {num_ranks}",
+             "# HELP oscar_kv_rank_bytes KV pool memory held by each rank.", "# TYPE oscar_kv_rank_bytes gauge"]
+    lines += [f'oscar_kv_rank_bytes{{rank="{r}"}} {_fmt(stats.get("kv_bytes_per_rank", 0))}' for r in range(num_ranks)]
+    for suffix in ("pages_total", "pages_used"):
+        name = f"oscar_kv_rank_{suffix}"
+        lines += [f"# HELP {name} KV {suffix.replace('_', ' ')} on each rank.", f"# TYPE {name} gauge"]
+        lines += [f'{name}{{rank="{r}",kind="{kind}"}} {_fmt(stats[f"{kind}_{suffix}"])}'
+                  for r in range(num_ranks) for kind in PAGE_KINDS]
+    return lines
 
 
 def _label(text: str) -> str:

@@ -64,3 +64,24 @@ def test_prefill_and_swap_parts_smoke(tmp_path):
     assert rows[True]["staging_peak_bytes"] > 0 == rows[False]["staging_peak_bytes"]
     (swap,) = result["swap"]
     assert swap["bytes"] > 0 and swap["swap_out_ms"] > 0 and swap["recompute_ms"] > 0
+
+
+def test_tensor_parallel_rows_over_two_ranks(tmp_path):
+    """``--tensor-parallel-size 2`` on the CPU (gloo): the split rows with their all-reduce share,
+    and twice the sequences of the unsplit model in the same per-rank KV budget."""
+    import torch
+
+    from oscar_compile.bench.serve import GIB, _bytes_per_seq, build_model
+
+    out = tmp_path / "tp.json"
+    assert main(["--shapes", "tiny", "--device", "cpu", "--tensor-parallel-size", "2", "--contexts", "64",
+                 "--capacity-contexts", "96", "--kv-memory", "0.002", "--reps", "1", "--parts", "decode", "capacity",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert sorted(r["mode"] for r in result["decode"]) == ["bf16", "int2"]
+    for r in result["decode"]:
+        assert r["tensor_parallel_size"] == 2 and abs(sum(r["breakdown"].values()) - 1) < 1e-6
+        assert r["breakdown"]["all_reduce"] > 0
+    for c in result["capacity"]:  # a rank's pages hold half the KV heads
+        _, unsplit = build_model("tiny", c["mode"], 128, torch.device("cpu"))
+        assert c["max_seqs"] == int(0.002 * GIB) // (_bytes_per_seq(unsplit, 96) // 2) >= 2
