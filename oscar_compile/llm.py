@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from oscar_compile.checkpoint import compression_of
 from oscar_compile.compress import compress
 from oscar_compile.loading import load_model, resolve_device, resolve_model_dir
 from oscar_compile.runtime.engine import LLMEngine, TokenLogprob
@@ -37,7 +38,8 @@ class LLM:
     ``oscar_compile.apply`` with ``rotations`` (a Rotations or a .safetensors path; omitted, they
     are made without data, which only ``none`` / ``hadamard`` rotations allow) and served by the
     compressed runner over the paged cache. Without a spec the exact (uncached) RecomputeRunner
-    runs the plain model. ``make_runner(block_manager)`` plugs in another runner.
+    runs the plain model. A compressed checkpoint (``oscar_compile.save_compressed``) brings its
+    own spec and rotations: give neither. ``make_runner(block_manager)`` plugs in another runner.
     """
 
     def __init__(self, model: str | Path | torch.nn.Module | None = None, spec=None, rotations=None,
@@ -45,14 +47,24 @@ class LLM:
                  config: EngineConfig | None = None, make_runner=None):
         if rotations is not None and spec is None:
             raise ValueError("rotations were given without the spec they are applied with")
+        values_folded = False
         if isinstance(model, torch.nn.Module):
             if tokenizer is None:
                 raise ValueError("tokenizer is required when model is an nn.Module")
         else:
-            model, loaded_tokenizer = load_model(resolve_model_dir(model), resolve_device(device), dtype)
+            model_dir = resolve_model_dir(model)
+            compression = compression_of(model_dir)
+            if compression is not None:
+                if spec is not None or rotations is not None:
+                    raise ValueError(f"{model_dir} is a compressed checkpoint: it brings its own spec and rotations "
+                                     "(give neither)")
+                spec, values_folded = compression.spec, True
+            model, loaded_tokenizer = load_model(model_dir, resolve_device(device), dtype)
             tokenizer = tokenizer or loaded_tokenizer
+            if compression is not None:
+                rotations = compression.load_rotations(model)
         if spec is not None:
-            config, make_runner = compress(model, spec, rotations, config)
+            config, make_runner = compress(model, spec, rotations, config, values_folded=values_folded)
         self.model = model
         self.tokenizer = tokenizer
         self.engine: LLMEngine = build_engine(model, tokenizer, config, make_runner=make_runner)

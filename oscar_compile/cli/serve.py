@@ -121,16 +121,28 @@ def build_app(args: argparse.Namespace):
     from oscar_compile.spec import CompressionSpec
     from oscar_compile.spec_fit import fit_spec_to_model_dir
 
+    from oscar_compile.checkpoint import compression_of
+
     model_dir = resolve_model_dir(args.model)
     device = resolve_device(args.device)
     config = engine_config(args)
-    spec_path, rotations = compression_for(args, model_dir)
-    spec = fit_spec_to_model_dir(CompressionSpec.from_yaml(spec_path), model_dir)  # the check calibrate runs
+    compressed = compression_of(model_dir)  # a compressed checkpoint brings its spec and rotations
+    if compressed is not None:
+        if args.spec or args.rotations:
+            raise ValueError(f"{model_dir} is a compressed checkpoint: it brings its own spec and rotations "
+                             "(drop --spec / --rotations)")
+        spec_path, spec = f"{model_dir} (compressed checkpoint)", fit_spec_to_model_dir(compressed.spec, model_dir)
+    else:
+        spec_path, rotations = compression_for(args, model_dir)
+        spec = fit_spec_to_model_dir(CompressionSpec.from_yaml(spec_path), model_dir)  # the check calibrate runs
     model, tokenizer = load_model(model_dir, device)
-    config, make_runner = compress(model, spec, rotations, config)
+    if compressed is not None:
+        rotations = compressed.load_rotations(model)
+    label = compressed.rotations_path if compressed is not None else rotations
+    config, make_runner = compress(model, spec, rotations, config, values_folded=compressed is not None)
     engine = build_engine(model, tokenizer, config, make_runner=make_runner)
     name = args.served_model_name or model_dir.name
-    logger.info("serving %s from %s on %s with %s (rotations: %s)", name, model_dir, device, spec_path, rotations)
+    logger.info("serving %s from %s on %s with %s (rotations: %s)", name, model_dir, device, spec_path, label)
     return create_app(AsyncEngine(engine), name, server), name
 
 
