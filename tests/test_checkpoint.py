@@ -26,12 +26,7 @@ SPEC = CompressionSpec.from_dict({"kv_cache": {"sink_tokens": 16, "recent_tokens
 PROMPT_LEN = 96  # past 16 sink + 32 recent: history rows are quantized and read back
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -33,12 +33,7 @@ PROMPT_LEN, NEW_TOKENS = 80, 12
 LOGIT_TOLERANCE = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -128,23 +123,16 @@ def test_greedy_tokens_equal_apply_and_generate(setup):
 
 
 def test_teacher_forced_logits_within_tolerance(setup):
+    from oscar_compile.bench.onnx_cpu import teacher_forced_logits
+
     root, spec, rot = setup
-    model = _applied(root, spec, rot)
     gen = OnnxGenerator(root / "onnx", num_threads=1)
-    tokens = _prompt(3) + _prompt(4)[:40]  # 80 prompt tokens, then 40 decode steps: history grows
+    prompt, continuation = _prompt(3), _prompt(4)[:40]  # 40 decode steps: the history grows
     cache = gen.new_cache()
-    got = [gen.step(tokens[:PROMPT_LEN], cache)]
-    got += [gen.step([t], cache) for t in tokens[PROMPT_LEN:]]
-    with torch.no_grad():
-        out = model(torch.tensor([tokens[:PROMPT_LEN]]), use_cache=True)
-        want, past = [out.logits[0]], getattr(out, "cache", None) or out.past_key_values
-        for t in tokens[PROMPT_LEN:]:
-            out = model(torch.tensor([[t]]), past_key_values=past, use_cache=True)
-            want.append(out.logits[0])
-    got, want = np.concatenate(got), torch.cat(want).numpy()
-    assert got.shape == want.shape and cache.length == len(tokens)
-    assert cache.layers[1].num_history == len(tokens) - 16 - 32
-    assert np.abs(got - want).max() < LOGIT_TOLERANCE
+    got = [gen.step(prompt, cache)[-1]] + [gen.step([t], cache)[-1] for t in continuation]
+    want = teacher_forced_logits(_applied(root, spec, rot), prompt, continuation).numpy()
+    assert cache.length == PROMPT_LEN + 40 and cache.layers[1].num_history == PROMPT_LEN + 40 - 16 - 32
+    assert np.abs(np.stack(got) - want).max() < LOGIT_TOLERANCE
 
 
 def test_refusals(setup, tmp_path):

@@ -23,6 +23,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+# |ONNX - PyTorch| of a teacher-forced logit (logits of the bundled model reach ~25): both run the
+# same float32 formulas, but in another summation order (ONNX Runtime's MatMul and Softmax, the
+# cached keys in another order), a few ulps per layer; rarely such an ulp puts a value on the
+# other side of a rounding boundary and one 2-bit code of a history token differs by one step,
+# which moves a logit by ~1e-3 (tests/test_onnx_export.py bounds the tiny model at 1e-4).
+LOGIT_TOLERANCE = 1e-2
+
 
 def _prompts(model_dir: Path, num: int, length: int) -> list[list[int]]:
     tokens = np.fromfile(model_dir / "heldout.bin", dtype="<u2").astype(np.int64)
@@ -56,15 +63,24 @@ def _onnx_decode(gen, prompt: list[int], continuation: list[int]) -> tuple[list[
     return tokens, np.stack(rows), time.perf_counter() - start, cache
 
 
-def _torch_teacher_forced(model, prompt: list[int], continuation: list[int]) -> np.ndarray:
-    """Logits of each continuation position, one token per step through the INT2 cache (as decode runs)."""
+def teacher_forced_logits(model, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """Logits [1 + len(continuation), V]: the prompt's last, then one token per step through the
+    model's cache (the INT2 cache of an applied model), as decoding runs."""
+    import inspect
+
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         out = model(torch.tensor([prompt]), use_cache=True)
         rows, cache = [out.logits[0, -1]], getattr(out, "cache", None) or out.past_key_values
-        for token in continuation[:-1]:
-            out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        for token in continuation:
+            out = model(torch.tensor([[token]]), use_cache=True, **{key: cache})
             rows.append(out.logits[0, -1])
-    return torch.stack(rows).float().numpy()
+    return torch.stack(rows).float()
+
+
+def _torch_teacher_forced(model, prompt: list[int], continuation: list[int]) -> np.ndarray:
+    """Logits of each continuation position (what predicts it), one token per step."""
+    return teacher_forced_logits(model, prompt, continuation[:-1]).numpy()
 
 
 def run(args) -> dict:
@@ -105,6 +121,12 @@ def run(args) -> dict:
     H, D, L = m["num_kv_heads"], m["head_dim"], m["num_layers"]
     bf16_per_token = 2 * 2 * H * D * L
     hist_per_token = L * 2 * H * (D * m["bits"] // 8 + 2 * (D // m["group_size"]) * np.dtype(m["scale_dtype"]).itemsize)
+    window_row = 2 * H * D * np.dtype(m["window_dtype"]).itemsize * L  # K and V of one token, all layers
+    num_window = m["sink_tokens"] + m["recent_tokens"]
+
+    def state_per_token(context: int, row: float) -> float:
+        return (min(context, num_window) * row + max(0, context - num_window) * hist_per_token) / context
+
     last = rows[-1]
     result = {
         "command": "python -m oscar_compile.bench.onnx_cpu " + " ".join(args.argv),
@@ -113,11 +135,15 @@ def run(args) -> dict:
         "export_seconds": round(export_s, 1), "prompts": rows,
         "all_tokens_equal": all(r["tokens_equal"] for r in rows),
         "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in rows),
+        "logit_tolerance": LOGIT_TOLERANCE,
+        "logits_within_tolerance": all(r["max_abs_logit_diff"] < LOGIT_TOLERANCE for r in rows),
         "cache_bytes_per_token": {
             "bf16_kv": bf16_per_token, "int2_history": int(hist_per_token),
             "int2_history_vs_bf16": round(bf16_per_token / hist_per_token, 2),
             f"exported_state_at_{last['cache_tokens']}_tokens": round(last["cache_bytes"] / last["cache_tokens"], 1),
             "windows_dtype": m["window_dtype"],
+            "exported_state_by_context": {str(c): round(state_per_token(c, window_row), 1) for c in (512, 4096, 32768)},
+            "same_with_bf16_windows": {str(c): round(state_per_token(c, 2 * H * D * 2 * L), 1) for c in (512, 4096, 32768)},
         },
         "decode_tokens_per_s": {"onnxruntime_cpu": round(num_decoded / onnx_decode_s, 1),
                                 "pytorch_cpu": round(num_decoded / torch_decode_s, 1)},
@@ -148,7 +174,7 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    return 0 if result["all_tokens_equal"] else 1
+    return 0 if result["all_tokens_equal"] and result["logits_within_tolerance"] else 1
 
 
 if __name__ == "__main__":

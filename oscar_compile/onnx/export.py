@@ -150,7 +150,8 @@ def export_onnx(model_dir: Union[str, Path], spec: Union[CompressionSpec, str, P
                 ["logits", *new_kv_output_names(fp.num_layers)],
                 ({1: T}, {1: T}, tuple(_dynamic_cache_shapes(fp.num_layers))))  # *cache: one nested tuple
         steps.update()
-        quantize = QuantizeGraph(kv.bits, kv.group_size, layer.key.clip_ratio, layer.value.clip_ratio, kv.scale_dtype)
+        quantize = QuantizeGraph(kv.bits, kv.group_size, layer.key.clip_ratio, layer.value.clip_ratio,
+                                 kv.scale_dtype).eval()
         n = torch.export.Dim("num_tokens", min=1)
         x = torch.randn(2, fp.num_kv_heads, fp.head_dim)
         _export(quantize, (x, x.clone()), out_dir / "quantize.onnx", ["k", "v"], list(QUANTIZE_OUTPUTS), ({0: n}, {0: n}))
