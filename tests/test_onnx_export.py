@@ -139,6 +139,16 @@ def test_refusals(setup, tmp_path):
     root, _, _ = setup
     with pytest.raises(FileNotFoundError, match="manifest.json"):
         OnnxGenerator(tmp_path)
-    (tmp_path / "spec.yaml").write_text(SPEC_YAML + "layers: [{match: [0], kv_cache: {bits: 16}}]\n")
-    assert main(["export", "--format", "onnx", "--model", str(root / "model"), "--spec", str(tmp_path / "spec.yaml"),
-                 "--rotations", str(root / "rot.safetensors"), "--out", str(tmp_path / "out")]) == 2
+    for i, bad in enumerate([SPEC_YAML + "layers: [{match: [0], kv_cache: {bits: 16}}]\n",  # per-layer formats
+                             SPEC_YAML.replace("float16", "bfloat16")]):  # numpy holds no bf16 scales
+        (tmp_path / f"spec{i}.yaml").write_text(bad)
+        assert main(["export", "--format", "onnx", "--model", str(root / "model"), "--spec", str(tmp_path / f"spec{i}.yaml"),
+                     "--rotations", str(root / "rot.safetensors"), "--out", str(tmp_path / f"out{i}")]) == 2
+
+
+def test_the_driver_imports_numpy_and_onnxruntime_only():
+    import subprocess
+    import sys
+
+    code = "import sys, oscar_compile.onnx; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

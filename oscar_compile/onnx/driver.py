@@ -126,7 +126,8 @@ class OnnxGenerator:
         self.dir = Path(export_dir)
         path = self.dir / MANIFEST
         if not path.is_file():
-            raise FileNotFoundError(f"no {MANIFEST} in {self.dir}: not an `oscar-compile export --format onnx` directory")
+            raise FileNotFoundError(f"no {MANIFEST} in {self.dir}: not an `oscar-compile export --format onnx` "
+                                    "directory")
         m = json.loads(path.read_text())
         if m.get("format") != FORMAT or m.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{path}: format {m.get('format')!r} version {m.get('format_version')!r}, "
@@ -136,25 +137,30 @@ class OnnxGenerator:
         if num_threads:
             options.intra_op_num_threads = num_threads
             options.inter_op_num_threads = 1
-        self.step_session = ort.InferenceSession(str(self.dir / m["step"]["graph"]), options, providers=list(providers))
+        providers = list(providers)
+        self.step_session = ort.InferenceSession(str(self.dir / m["step"]["graph"]), options, providers=providers)
         self.quantize_session = ort.InferenceSession(str(self.dir / m["quantize"]["graph"]), options,
-                                                     providers=list(providers))
+                                                     providers=providers)
         self.eos_token_ids = tuple(m["eos_token_ids"])
 
     def new_cache(self) -> Cache:
         m = self.manifest
         H, D, bits, G = m["num_kv_heads"], m["head_dim"], m["bits"], m["group_size"]
-        sdt = _SCALE_DTYPES[m["scale_dtype"]] if m["scale_dtype"] in _SCALE_DTYPES else None
-        if sdt is None:
-            raise NotImplementedError(f"scale_dtype {m['scale_dtype']} has no numpy dtype: export with float16 or float32")
+        if m["scale_dtype"] not in _SCALE_DTYPES:
+            raise NotImplementedError(f"scale_dtype {m['scale_dtype']} has no numpy dtype: export float16 or float32")
+        sdt = _SCALE_DTYPES[m["scale_dtype"]]
         rows = {"codes": ((H, D * bits // 8), np.uint8), "scale": ((H, D // G), sdt), "zero": ((H, D // G), sdt)}
+
+        def window(num_tokens: int) -> np.ndarray:
+            return np.zeros((num_tokens, H, D), np.float32)
+
         layers = []
         for _ in range(m["num_layers"]):
-            history = {f"hist_{kind}_{part}": _Grown(*rows[part]) for kind in ("k", "v") for part in ("codes", "scale", "zero")}
-            layers.append(LayerState(
-                sink_k=np.zeros((m["sink_tokens"], H, D), np.float32), sink_v=np.zeros((m["sink_tokens"], H, D), np.float32),
-                ring_k=np.zeros((m["recent_tokens"], H, D), np.float32), ring_v=np.zeros((m["recent_tokens"], H, D), np.float32),
-                history=history))
+            history = {f"hist_{kind}_{part}": _Grown(*rows[part])
+                       for kind in ("k", "v") for part in ("codes", "scale", "zero")}
+            layers.append(LayerState(sink_k=window(m["sink_tokens"]), sink_v=window(m["sink_tokens"]),
+                                     ring_k=window(m["recent_tokens"]), ring_v=window(m["recent_tokens"]),
+                                     history=history))
         return Cache(layers)
 
     def step(self, token_ids: Sequence[int], cache: Cache) -> np.ndarray:

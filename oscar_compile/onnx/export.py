@@ -51,6 +51,9 @@ def uniform_layer(spec: CompressionSpec, num_layers: int):
         if layer.model_dump(exclude={"index"}) != first.model_dump(exclude={"index"}):
             raise NotImplementedError("the ONNX export takes one cache format for every layer (no per-layer "
                                       "overrides): export a spec without `layers:`")
+    if first.kv_cache.scale_dtype not in ("float16", "float32"):
+        raise NotImplementedError(f"the ONNX driver holds scales in numpy, which has no {first.kv_cache.scale_dtype}: "
+                                  "export a spec with kv_cache.scale_dtype float16 or float32")
     if first.kv_cache.bits not in (2, 4):
         raise NotImplementedError(f"the ONNX export quantizes the history (bits 2 or 4), got bits {first.kv_cache.bits}")
     return first
