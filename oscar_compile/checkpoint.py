@@ -100,11 +100,12 @@ def compression_of(model_dir: Union[str, Path]) -> Optional[Compression]:
         return None
     if not isinstance(block, dict) or block.get("format") != FORMAT:
         raise ArtifactError(f"{config_path}: {COMPRESSED_CONFIG_KEY!r} is not an {FORMAT} block")
-    if not ((model_dir / _INDEX).is_file() or (model_dir / _SINGLE).is_file()):
-        raise ArtifactError(f"{model_dir}: a compressed checkpoint keeps its weights in safetensors, and none are there")
     if block.get("format_version") != FORMAT_VERSION:
         raise ArtifactError(f"{config_path}: compressed checkpoint format version {block.get('format_version')!r}, "
                             f"this library (oscar_compile {__version__}) reads {FORMAT_VERSION}")
+    if not ((model_dir / _INDEX).is_file() or (model_dir / _SINGLE).is_file()):
+        raise ArtifactError(f"{model_dir}: a compressed checkpoint keeps its weights in safetensors, "
+                            "and none are there")
     try:
         return Compression(model_dir=model_dir, spec=CompressionSpec.from_dict(block["spec"], source=str(config_path)),
                            fingerprint=ModelFingerprint.from_json(json.dumps(block["fingerprint"])),
@@ -175,11 +176,12 @@ def _write_weights(out_dir: Path, plan: dict[str, list[str]], state: dict[str, t
         (out_dir / _INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _write_tokenizer(model: torch.nn.Module, out_dir: Path, tokenizer) -> None:
+def write_tokenizer(source_dir: Union[str, Path, None], out_dir: Path, tokenizer=None) -> None:
+    """``tokenizer.save_pretrained(out_dir)``, else a copy of the tokenizer files of ``source_dir``."""
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
         return
-    source = Path(str(getattr(model, "name_or_path", "") or ""))
+    source = Path(str(source_dir or ""))
     copied = [n for n in _TOKENIZER_FILES if (source / n).is_file()]
     for name in copied:
         shutil.copyfile(source / name, out_dir / name)
@@ -187,8 +189,8 @@ def _write_tokenizer(model: torch.nn.Module, out_dir: Path, tokenizer) -> None:
         logger.warning("no tokenizer written: pass tokenizer= (the model's source %s has none)", source)
 
 
-def save_compressed(model: torch.nn.Module, spec: Union[CompressionSpec, str, Path], rotations: Union[Rotations, str, Path],
-                    out_dir: Union[str, Path], tokenizer=None) -> Path:
+def save_compressed(model: torch.nn.Module, spec: Union[CompressionSpec, str, Path],
+                    rotations: Union[Rotations, str, Path], out_dir: Union[str, Path], tokenizer=None) -> Path:
     """Write ``model`` (as loaded, before ``apply``) compressed with ``spec`` and ``rotations`` to
     ``out_dir``, a directory ``load_compressed``, ``LLM(out_dir)`` and ``serve --model`` take as it is."""
     if hasattr(model, "_oscar_compile_report"):
@@ -220,7 +222,7 @@ def save_compressed(model: torch.nn.Module, spec: Union[CompressionSpec, str, Pa
     config.save_pretrained(str(out_dir))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(str(out_dir))
-    _write_tokenizer(model, out_dir, tokenizer)
+    write_tokenizer(getattr(model, "name_or_path", None), out_dir, tokenizer)
     logger.info("wrote compressed checkpoint %s (%s)", out_dir, spec.key.rotation)
     return out_dir
 
@@ -251,4 +253,4 @@ def apply_compression(model: torch.nn.Module, compression: Compression, fuse: bo
 
 
 __all__ = ["save_compressed", "load_compressed", "compression_of", "apply_compression", "Compression",
-           "FORMAT", "FORMAT_VERSION", "ROTATIONS_FILE"]
+           "write_tokenizer", "FORMAT", "FORMAT_VERSION", "ROTATIONS_FILE"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 from typing import Optional, Union
 
@@ -26,6 +25,7 @@ import torch
 from .._version import __version__
 from ..architectures import ModelFingerprint, attention_modules
 from ..artifact import Rotations
+from ..checkpoint import write_tokenizer
 from ..loading import load_model
 from ..passes.apply import resolve_layers
 from ..passes.fold_values import fold_value_rotation
@@ -40,7 +40,6 @@ MANIFEST = "manifest.json"
 FORMAT = "oscar_compile.onnx"
 FORMAT_VERSION = 1
 QUANTIZE_OUTPUTS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def uniform_layer(spec: CompressionSpec, num_layers: int):
@@ -161,12 +160,7 @@ def export_onnx(model_dir: Union[str, Path], spec: Union[CompressionSpec, str, P
         steps.update()
     steps.close()
     _write_manifest(out_dir, model, tokenizer, fp, layer)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out_dir))
-    else:
-        for name in _TOKENIZER_FILES:
-            if (Path(model_dir) / name).is_file():
-                shutil.copyfile(Path(model_dir) / name, out_dir / name)
+    write_tokenizer(model_dir, out_dir, tokenizer)
     size = sum(p.stat().st_size for p in out_dir.glob("*.onnx"))
     return f"wrote {out_dir}: step.onnx + quantize.onnx ({size / 2**20:.1f} MiB), {fp.num_layers} layers, INT{kv.bits} history"
 
