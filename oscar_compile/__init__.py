@@ -21,10 +21,13 @@ _LAZY = {
     "compress": ".compress",
     "LLM": ".llm",
     "SamplingParams": ".runtime.sampling_params",
+    "save_compressed": ".checkpoint",
+    "load_compressed": ".checkpoint",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from .artifact import ArtifactError, Rotations
+    from .checkpoint import load_compressed, save_compressed
     from .calibration import calibrate
     from .passes import apply, backend
     from .compress import compress

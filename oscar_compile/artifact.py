@@ -24,6 +24,8 @@ from .spec import CompressionSpec
 FORMAT = "oscar_compile.rotations"
 FORMAT_VERSION = 1
 ORTHOGONALITY_TOLERANCE = 1e-4
+# the block a compressed checkpoint (oscar_compile.checkpoint) adds to config.json; apply() reads it
+COMPRESSED_CONFIG_KEY = "oscar_compression"
 _OPTIONAL = ("k_eigenvalues", "v_eigenvalues", "k_cov", "v_cov", "k_mean")
 
 
@@ -148,47 +150,87 @@ class Rotations:
 
 
 # -- the OSCAR reference release's format ----------------------------------------------------
-def _reference_payload(rots: list[torch.Tensor], eigvals: list[Optional[torch.Tensor]], objective: str) -> dict:
+# Its rotation files are torch pickles of plain containers: {"format_version", "objective",
+# "source_grouping", "layers": {i: {"layer_id", "rotation", "eigenvalues"}}}. Version 1 holds one
+# [D, D] rotation per layer; version 2 (its rotation zoo's per-head files) one [H_kv, D, D] per
+# layer, one rotation per KV head. Read with ``weights_only=True``: tensors and containers only.
+REFERENCE_FORMAT_VERSIONS = (1, 2)
+
+
+def _reference_payload(rots: list[torch.Tensor], eigvals: list[Optional[torch.Tensor]], objective: str,
+                       format_version: int) -> dict:
     layers = {}
     for i, (r, ev) in enumerate(zip(rots, eigvals)):
-        per_layer = bool((r - r[:1]).abs().max() == 0)  # every head equal: store [D, D] as the release does
-        entry = {"rotation": r[0].clone() if per_layer else r.clone()}
+        shared = format_version == 1  # checked by export_reference: every head holds the same rotation
+        entry = {"layer_id": i, "rotation": (r[0] if shared else r).clone().contiguous()}
         if ev is not None:
-            entry["eigenvalues"] = ev[0].clone() if per_layer else ev.clone()
+            entry["eigenvalues"] = (ev[0] if shared else ev).clone().contiguous()
         layers[i] = entry
-    return {"format_version": 1, "objective": objective, "layers": layers}
+    grouping = "layer" if format_version == 1 else "kv_head"
+    return {"format_version": format_version, "objective": objective, "source_grouping": grouping, "layers": layers}
 
 
-def export_reference(rot: Rotations, k_path: Union[str, Path], v_path: Union[str, Path]) -> None:
-    """Write the key and value rotations as the reference release's two torch files."""
+def _heads_equal(rots: list[torch.Tensor]) -> bool:
+    return all(bool((r - r[:1]).abs().max() == 0) for r in rots)
+
+
+def export_reference(rot: Rotations, k_path: Union[str, Path], v_path: Union[str, Path],
+                     format_version: Optional[int] = None) -> None:
+    """Write the key and value rotations as the reference release's two torch files.
+
+    ``format_version``: 1 (one [D, D] per layer; refused when the KV heads of a layer differ), 2
+    (the rotation zoo's per-head [H_kv, D, D] per layer), or None: 1 when every layer's heads
+    share one rotation, else 2.
+    """
+    if format_version is None:
+        format_version = 1 if _heads_equal(rot.k) and _heads_equal(rot.v) else 2
+    if format_version not in REFERENCE_FORMAT_VERSIONS:
+        raise ArtifactError(f"reference format_version must be one of {REFERENCE_FORMAT_VERSIONS}, got {format_version}")
+    if format_version == 1 and not (_heads_equal(rot.k) and _heads_equal(rot.v)):
+        raise ArtifactError("reference format_version 1 holds one rotation per layer, but these rotations "
+                            "differ per KV head: export format_version 2")
     v_objective = "sst" if rot.spec.value.target == "score_weighted" else "attention_output"
-    torch.save(_reference_payload(rot.k, [e.get("k_eigenvalues") for e in rot.extras], "qqt"), str(k_path))
-    torch.save(_reference_payload(rot.v, [e.get("v_eigenvalues") for e in rot.extras], v_objective), str(v_path))
+    k_eig, v_eig = [e.get("k_eigenvalues") for e in rot.extras], [e.get("v_eigenvalues") for e in rot.extras]
+    torch.save(_reference_payload(rot.k, k_eig, "qqt", format_version), str(k_path))
+    torch.save(_reference_payload(rot.v, v_eig, v_objective, format_version), str(v_path))
 
 
 def _read_reference(path: Union[str, Path], fp: ModelFingerprint) -> tuple[list[torch.Tensor], list]:
-    payload = torch.load(str(path), map_location="cpu", weights_only=True)
+    try:
+        payload = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises pickle / zip errors of several types
+        raise ArtifactError(f"{path}: not a readable reference rotation file ({err})") from None
     if not isinstance(payload, dict) or "layers" not in payload:
         raise ArtifactError(f"{path}: not a reference rotation file (expected a dict with 'layers')")
+    version = payload.get("format_version", 1)  # the release's loader does not require the field
+    if version not in REFERENCE_FORMAT_VERSIONS:
+        raise ArtifactError(f"{path}: reference format_version {version!r}, this library reads "
+                            f"{REFERENCE_FORMAT_VERSIONS}")
     layers = {int(k): v for k, v in payload["layers"].items()}
     if sorted(layers) != list(range(fp.num_layers)):
         raise ArtifactError(f"{path}: holds layers {sorted(layers)}, the model has {fp.num_layers}")
+    per_head_shape = (fp.num_kv_heads, fp.head_dim, fp.head_dim)
     rots, eigvals = [], []
     for i in range(fp.num_layers):
         r = layers[i]["rotation"].float()
         ev = layers[i].get("eigenvalues")
+        ev = None if ev is None else ev.float()
+        if version == 2 and tuple(r.shape) != per_head_shape:
+            raise ArtifactError(f"{path}: format_version 2 layer {i} rotation has shape {tuple(r.shape)}, "
+                                f"expected [H_kv, D, D] = {per_head_shape}")
         if r.dim() == 2:  # per-layer: one [D, D] for all KV heads
             r = r.expand(fp.num_kv_heads, -1, -1).clone()
-            ev = None if ev is None else ev.float().expand(fp.num_kv_heads, -1).clone()
+            ev = None if ev is None else ev.expand(fp.num_kv_heads, -1).clone()
         rots.append(r)
-        eigvals.append(None if ev is None else ev.float())
+        eigvals.append(ev)
     return rots, eigvals
 
 
 def import_reference(
     k_path: Union[str, Path], v_path: Union[str, Path], fingerprint: ModelFingerprint, spec: CompressionSpec
 ) -> Rotations:
-    """Load the reference release's key/value rotation files (weights_only) into a :class:`Rotations`."""
+    """Load the reference release's key/value rotation files (format_version 1 or 2, read with
+    weights_only) into a :class:`Rotations`."""
     k, k_ev = _read_reference(k_path, fingerprint)
     v, v_ev = _read_reference(v_path, fingerprint)
     extras = []
@@ -202,4 +244,5 @@ def import_reference(
     return Rotations(spec=spec, fingerprint=fingerprint, k=k, v=v, extras=extras)
 
 
-__all__ = ["Rotations", "ArtifactError", "export_reference", "import_reference", "FORMAT_VERSION"]
+__all__ = ["Rotations", "ArtifactError", "export_reference", "import_reference", "FORMAT_VERSION",
+           "REFERENCE_FORMAT_VERSIONS", "COMPRESSED_CONFIG_KEY"]

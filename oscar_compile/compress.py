@@ -21,8 +21,11 @@ from oscar_compile.spec import CompressionSpec
 from oscar_compile.spec_fit import fit_spec_to_model
 
 
-def compress(model: torch.nn.Module, spec, rotations, config: EngineConfig | None):
-    """Apply ``spec`` to ``model`` in place; the engine config and runner factory that serve it."""
+def compress(model: torch.nn.Module, spec, rotations, config: EngineConfig | None, values_folded: bool = False):
+    """Apply ``spec`` to ``model`` in place; the engine config and runner factory that serve it.
+
+    ``values_folded``: the model is a compressed checkpoint whose weights hold R_V already
+    (``oscar_compile.checkpoint``); ``rotations`` are then its own, checked on load."""
     import dataclasses
 
     from oscar_compile.artifact import Rotations
@@ -44,7 +47,7 @@ def compress(model: torch.nn.Module, spec, rotations, config: EngineConfig | Non
                              "`oscar-compile calibrate`, or a Rotations)") from None
     elif not isinstance(rotations, Rotations):
         rotations = Rotations.load(rotations, model)
-    apply(model, spec, rotations)
+    apply(model, spec, rotations, values_folded=values_folded)
     layout = compressed_layout(model, spec)
     config = dataclasses.replace(config or EngineConfig(), layout=layout, page_size=layout.page_size)
     return config, runner_factory(model, layout, config)

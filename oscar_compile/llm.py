@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from oscar_compile.checkpoint import compression_of
 from oscar_compile.compress import compress
 from oscar_compile.loading import load_model, resolve_device, resolve_model_dir
 from oscar_compile.runtime.engine import LLMEngine, TokenLogprob
@@ -37,11 +38,12 @@ class LLM:
     ``oscar_compile.apply`` with ``rotations`` (a Rotations or a .safetensors path; omitted, they
     are made without data, which only ``none`` / ``hadamard`` rotations allow) and served by the
     compressed runner over the paged cache. Without a spec the exact (uncached) RecomputeRunner
-    runs the plain model. ``make_runner(block_manager)`` plugs in another runner.
+    runs the plain model. A compressed checkpoint (``oscar_compile.save_compressed``) brings its
+    own spec and rotations: give neither. ``make_runner(block_manager)`` plugs in another runner.
 
     ``tensor_parallel_size=N`` splits the model over ``N`` processes, one per device (this one is
-    rank 0 and runs the engine; ``oscar_compile.tensor_parallel``): it needs a model directory
-    and a spec, and the ranks stop with ``close()`` (or at exit).
+    rank 0 and runs the engine; ``oscar_compile.tensor_parallel``): it needs a plain model
+    directory and a spec, and the ranks stop with ``close()`` (or at exit).
     """
 
     def __init__(self, model: str | Path | torch.nn.Module | None = None, spec=None, rotations=None,
@@ -54,14 +56,24 @@ class LLM:
             self._start_tensor_parallel(model, spec, rotations, tokenizer, device, dtype, config, make_runner,
                                         tensor_parallel_size)
             return
+        values_folded = False
         if isinstance(model, torch.nn.Module):
             if tokenizer is None:
                 raise ValueError("tokenizer is required when model is an nn.Module")
         else:
-            model, loaded_tokenizer = load_model(resolve_model_dir(model), resolve_device(device), dtype)
+            model_dir = resolve_model_dir(model)
+            compression = compression_of(model_dir)
+            if compression is not None:
+                if spec is not None or rotations is not None:
+                    raise ValueError(f"{model_dir} is a compressed checkpoint: it brings its own spec and rotations "
+                                     "(give neither)")
+                spec, values_folded = compression.spec, True
+            model, loaded_tokenizer = load_model(model_dir, resolve_device(device), dtype)
             tokenizer = tokenizer or loaded_tokenizer
+            if compression is not None:
+                rotations = compression.load_rotations(model)
         if spec is not None:
-            config, make_runner = compress(model, spec, rotations, config)
+            config, make_runner = compress(model, spec, rotations, config, values_folded=values_folded)
         self.model = model
         self.tokenizer = tokenizer
         self.engine: LLMEngine = build_engine(model, tokenizer, config, make_runner=make_runner)
@@ -73,11 +85,16 @@ class LLM:
         if isinstance(model, torch.nn.Module) or make_runner is not None:
             raise ValueError("tensor_parallel_size > 1 loads the model in every rank: pass a model directory "
                              "(not a loaded model or a make_runner)")
+        model_dir = resolve_model_dir(model)
+        if compression_of(model_dir) is not None:
+            raise ValueError(f"{model_dir} is a compressed checkpoint, whose value rotations are already folded "
+                             "into the weights; tensor_parallel_size > 1 splits a plain model: pass the source "
+                             "model with its spec and rotations")
         if spec is None:
             raise ValueError("tensor_parallel_size > 1 serves through the paged runtime: pass a spec "
                              "(specs/bf16.yaml for no compression)")
         self.tensor_parallel, self.model, self.tokenizer, self.engine = launch.start_engine(
-            resolve_model_dir(model), spec, rotations, config, world_size, resolve_device(device), dtype, tokenizer)
+            model_dir, spec, rotations, config, world_size, resolve_device(device), dtype, tokenizer)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (nothing to do on one device)."""

@@ -95,7 +95,10 @@ def test_reference_format_export_and_import(tmp_path, model, granularity):
     rot = calibrate(model, spec, [torch.randint(0, 128, (2, 24))])
     export_reference(rot, tmp_path / "k.pt", tmp_path / "v.pt")
     payload = torch.load(tmp_path / "k.pt", weights_only=True)
-    assert payload["objective"] == "qqt" and payload["format_version"] == 1
+    # per-layer rotations: the release's version 1; per-head ones: its rotation zoo's version 2
+    version = 1 if granularity == "per_layer" else 2
+    assert payload["objective"] == "qqt" and payload["format_version"] == version
+    assert payload["source_grouping"] == ("layer" if version == 1 else "kv_head")
     assert payload["layers"][0]["rotation"].shape == ((16, 16) if granularity == "per_layer" else (2, 16, 16))
     back = import_reference(tmp_path / "k.pt", tmp_path / "v.pt", ModelFingerprint.of(model), spec)
     for i in range(2):
@@ -106,4 +109,31 @@ def test_reference_format_export_and_import(tmp_path, model, granularity):
 def test_reference_file_with_wrong_layers_is_refused(tmp_path, model):
     torch.save({"format_version": 1, "objective": "qqt", "layers": {0: {"rotation": torch.eye(16)}}}, tmp_path / "k.pt")
     with pytest.raises(ArtifactError, match="the model has 2"):
+        import_reference(tmp_path / "k.pt", tmp_path / "k.pt", ModelFingerprint.of(model), SPEC)
+
+
+def test_reference_format_version_2_of_per_layer_rotations_round_trips(tmp_path, rot, model):
+    export_reference(rot, tmp_path / "k.pt", tmp_path / "v.pt", format_version=2)
+    payload = torch.load(tmp_path / "v.pt", weights_only=True)
+    assert payload["format_version"] == 2 and payload["layers"][1]["rotation"].shape == (2, 16, 16)
+    back = import_reference(tmp_path / "k.pt", tmp_path / "v.pt", ModelFingerprint.of(model), SPEC)
+    for i in range(2):
+        assert torch.equal(back.k[i], rot.k[i]) and torch.equal(back.v[i], rot.v[i])
+
+
+def test_reference_format_version_1_cannot_hold_per_head_rotations(tmp_path, model):
+    spec = CompressionSpec.from_dict({"kv_cache": {"group_size": 16}, "key": {"granularity": "per_head"}})
+    rot = calibrate(model, spec, [torch.randint(0, 128, (2, 24))])
+    with pytest.raises(ArtifactError, match="format_version 2"):
+        export_reference(rot, tmp_path / "k.pt", tmp_path / "v.pt", format_version=1)
+
+
+@pytest.mark.parametrize("payload, message", [
+    ({"format_version": 3, "layers": {}}, "format_version 3"),
+    ({"format_version": 2, "layers": {0: {"rotation": torch.eye(16)}, 1: {"rotation": torch.eye(16)}}},
+     r"expected \[H_kv, D, D\]"),
+])
+def test_reference_files_of_unknown_versions_or_shapes_are_refused(tmp_path, model, payload, message):
+    torch.save(payload, tmp_path / "k.pt")
+    with pytest.raises(ArtifactError, match=message):
         import_reference(tmp_path / "k.pt", tmp_path / "k.pt", ModelFingerprint.of(model), SPEC)

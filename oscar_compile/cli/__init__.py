@@ -1,7 +1,7 @@
 """``oscar-compile``: every command of the project, one subcommand each.
 
 calibrate / inspect (``calibrate.py``), demo (``demo.py``), eval (``eval.py``), serve
-(``serve.py``) and bench (``bench.py``). Each module adds its parser; the work is imported only
+(``serve.py``), bench (``bench.py``) and export (``export.py``). Each module adds its parser; the work is imported only
 when a command runs, so ``oscar-compile --help`` stays fast. User errors (a bad spec, a missing
 file, an unsupported combination) exit with status 2 and one line on stderr.
 """
@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from . import bench, calibrate, demo, eval, serve
+from . import bench, calibrate, demo, eval, export, serve
 
 logger = logging.getLogger("oscar_compile")
 
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     eval.add_parser(sub)
     serve.add_parser(sub)
     bench.add_parser(sub)
+    export.add_parser(sub)
     return parser
 
 

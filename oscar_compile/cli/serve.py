@@ -125,11 +125,24 @@ def build_app(args: argparse.Namespace):
     from oscar_compile.spec import CompressionSpec
     from oscar_compile.spec_fit import fit_spec_to_model_dir
 
+    from oscar_compile.checkpoint import compression_of
+
     model_dir = resolve_model_dir(args.model)
     device = resolve_device(args.device)
     config = engine_config(args)
-    spec_path, rotations = compression_for(args, model_dir)
-    spec = fit_spec_to_model_dir(CompressionSpec.from_yaml(spec_path), model_dir)  # the check calibrate runs
+    compressed = compression_of(model_dir)  # a compressed checkpoint brings its spec and rotations
+    if compressed is not None:
+        if args.spec or args.rotations:
+            raise ValueError(f"{model_dir} is a compressed checkpoint: it brings its own spec and rotations "
+                             "(drop --spec / --rotations)")
+        if args.tensor_parallel_size != 1:
+            raise ValueError(f"{model_dir} is a compressed checkpoint, whose value rotations are already folded "
+                             "into the weights; --tensor-parallel-size splits a plain model: serve the source "
+                             "model with --spec / --rotations")
+        spec_path, spec = f"{model_dir} (compressed checkpoint)", fit_spec_to_model_dir(compressed.spec, model_dir)
+    else:
+        spec_path, rotations = compression_for(args, model_dir)
+        spec = fit_spec_to_model_dir(CompressionSpec.from_yaml(spec_path), model_dir)  # the check calibrate runs
     group = None
     if args.tensor_parallel_size != 1:  # rank 0 here, the other ranks spawned (tensor_parallel/launch.py)
         from oscar_compile.tensor_parallel import launch
@@ -138,11 +151,14 @@ def build_app(args: argparse.Namespace):
                                                              args.tensor_parallel_size, device)
     else:
         model, tokenizer = load_model(model_dir, device)
-        config, make_runner = compress(model, spec, rotations, config)
+        if compressed is not None:
+            rotations = compressed.load_rotations(model)
+        config, make_runner = compress(model, spec, rotations, config, values_folded=compressed is not None)
         engine = build_engine(model, tokenizer, config, make_runner=make_runner)
+    label = compressed.rotations_path if compressed is not None else rotations
     name = args.served_model_name or model_dir.name
     logger.info("serving %s from %s on %s with %s (rotations: %s, tensor-parallel size %d)", name, model_dir, device,
-                spec_path, rotations, args.tensor_parallel_size)
+                spec_path, label, args.tensor_parallel_size)
     app = create_app(AsyncEngine(engine), name, server)
     app.state.tensor_parallel = group  # the other ranks: serve() stops them after the server
     return app, name

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..architectures import ModelFingerprint, attention_modules
-from ..artifact import ArtifactError, Rotations
+from ..artifact import COMPRESSED_CONFIG_KEY, ArtifactError, Rotations
 from ..cache.hf_cache import OscarCache
 from ..cache.layout import LayerCache, has_windows
 from ..quant import bits_per_element
@@ -94,7 +94,8 @@ def _set_buffer(modules: list[nn.Module], name: str, value: torch.Tensor) -> Non
         m.register_buffer(name, value, persistent=False)
 
 
-def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelFingerprint, fuse: bool) -> LayerReport:
+def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelFingerprint, fuse: bool,
+                   values_folded: bool) -> LayerReport:
     i = layer.index
     gm = trace_attention(attn)
     graph = gm.graph
@@ -102,7 +103,7 @@ def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelF
     device = attn.o_proj.weight.device
     notes = []
     folded = layer.value.rotation != "none"
-    if folded:
+    if folded and not values_folded:  # a compressed checkpoint's weights hold R_V already
         fold_value_rotation(attn.v_proj, attn.o_proj, rot.v[i], fp.num_heads)
     mean = rot.k_mean[i] if layer.key.center else None
     if layer.key.center and mean is None:
@@ -189,7 +190,8 @@ def _install_cache_hook(model: nn.Module, layers: list[LayerSpec]) -> None:
     model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: bool = True) -> ApplyReport:
+def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: bool = True,
+          values_folded: bool = False) -> ApplyReport:
     """Rewrite ``model`` (a supported HF causal LM) in place; returns what was done per layer.
 
     ``fuse``: also swap RMSNorm, RoPE (with the key rotation) and the MLP's SiLU-product for the
@@ -197,15 +199,22 @@ def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: b
     (merge_projections.py): same values on the CPU, a fraction of the kernel launches on a GPU.
     Off, the model keeps its own code (e.g. to measure the gain). Move the model to its device
     before: the merged GEMMs' weights are shared views that a later ``.to()`` would copy apart.
+
+    ``values_folded``: the weights already hold R_V (a compressed checkpoint written by
+    ``save_compressed``; ``load_compressed`` passes it), so it is not folded a second time. A model
+    whose config carries the compressed-checkpoint block is refused without it.
     """
     if hasattr(model, _APPLIED):
         raise RuntimeError("oscar_compile.apply was already applied to this model; load a fresh copy to apply again")
+    if getattr(getattr(model, "config", None), COMPRESSED_CONFIG_KEY, None) and not values_folded:
+        raise ArtifactError("this model was loaded from a compressed checkpoint (R_V is already folded into its "
+                            "weights): load it with oscar_compile.load_compressed(dir)")
     modules = attention_modules(model)  # refuses unknown architectures
     rotations.check_model(model)
     fp = ModelFingerprint.of(model)
     spec = fit_spec(spec, fp.head_dim, fp.num_layers, fp.architecture)  # before any rewrite
     layers = resolve_layers(spec, fp.num_layers)
-    reports = [_rewrite_layer(attn, layer, rotations, fp, fuse) for layer, attn in zip(layers, modules)]
+    reports = [_rewrite_layer(attn, layer, rotations, fp, fuse, values_folded) for layer, attn in zip(layers, modules)]
     _install_cache_hook(model, layers)
     fused = {}
     if fuse:
