@@ -1,0 +1,98 @@
+"""Per-layer sensitivity: how far the continuation moves from BF16 as one layer is stored otherwise.
+
+The measure is the KL divergence of the next-token distribution to BF16's,
+``KL(p_bf16 || p_q)`` in nats, averaged over the scored continuation tokens of held-out windows
+(the perplexity task's schedule: the context prefilled in one chunk, the continuation decoded
+over the compressed history; tasks.py). Why KL and not perplexity:
+
+* it compares with the BF16 model token by token over the whole vocabulary, so it is zero
+  exactly when the compressed cache changes nothing, and never negative; a perplexity delta
+  mixes in whether the change happened to help on these tokens, and the single-layer deltas
+  this sweep needs (a tenth of a percent) are within the noise of a few windows of perplexity;
+* it is the quantity the deltas can be added over: for small perturbations it is a quadratic
+  form of the logit error, and errors of different layers' caches add nearly independently.
+  The sweep checks that on the chosen spec (predicted against measured KL, sweep.py).
+
+Perplexity (the continuation's NLL) is recorded beside it for every probe, to read, not to
+decide. A *probe* is a full list of per-layer quantizers; the sweep's probes are the base spec
+and the base spec with one layer stored in another format (leave-one-layer-at-higher-precision).
+"""
+from __future__ import annotations
+
+from typing import Hashable, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .quantizers import LayerQuantizer, cache_starts
+from .simulate import simulated_logits
+
+Probe = Sequence[Optional[LayerQuantizer]]
+
+
+def _kl_and_nll(ref_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
+    """Summed KL(p_ref || p) and NLL over the tokens. ref_logp, logits: [B, M, V]; targets: [B, M]."""
+    logp = logits.float().log_softmax(-1)
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # [B, M]
+    nll = -logp.gather(-1, targets[..., None])[..., 0]
+    return float(kl.double().sum()), float(nll.double().sum())
+
+
+def continuation_divergence(model: nn.Module, probes: Mapping[Hashable, Probe], windows: torch.Tensor,
+                            scored_tokens: int, batch_size: int, progress: bool = False,
+                            desc: str = "sensitivity") -> dict[Hashable, dict[str, float]]:
+    """{probe key: {"kl", "nll", "tokens"}}: mean KL to BF16 and NLL over the last ``scored_tokens``.
+
+    windows: [n, C] token ids; every probe runs on the same windows, one batch at a time, after
+    the BF16 forward of that batch (the reference). Deterministic: no sampling anywhere.
+    """
+    C = windows.shape[1]
+    if not 0 < scored_tokens < C:
+        raise ValueError(f"scored tokens ({scored_tokens}) must be between 1 and the context length - 1 ({C - 1})")
+    device = next(model.parameters()).device
+    starts = cache_starts(C, prefill=C - scored_tokens, device=device)
+    num_layers = len(next(iter(probes.values())))
+    sums = {key: [0.0, 0.0] for key in probes}
+    chunks = list(windows.split(batch_size))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(chunks) * (len(probes) + 1), desc=desc, unit="forward")
+    count = 0
+    with torch.inference_mode():
+        for ids in chunks:
+            ids = ids.to(device)
+            targets = ids[:, C - scored_tokens:]  # [B, M]
+            ref = simulated_logits(model, [None] * num_layers, ids, starts, logits_to_keep=scored_tokens + 1)
+            ref_logp = ref[:, :-1].log_softmax(-1)
+            if bar is not None:
+                bar.update(1)
+            for key, probe in probes.items():
+                logits = simulated_logits(model, probe, ids, starts, logits_to_keep=scored_tokens + 1,
+                                          label=str(key))[:, :-1]
+                kl, nll = _kl_and_nll(ref_logp, logits, targets)
+                sums[key][0] += kl
+                sums[key][1] += nll
+                if bar is not None:
+                    bar.update(1)
+            count += targets.numel()
+    if bar is not None:
+        bar.close()
+    return {key: {"kl": kl / count, "nll": nll / count, "tokens": count} for key, (kl, nll) in sums.items()}
+
+
+def tail_windows(tokens: torch.Tensor, length: int, num: int, bos: Optional[int]) -> torch.Tensor:
+    """[n, length] non-overlapping windows from the *end* of ``tokens`` (BOS first when the model has one).
+
+    ``oscar-compile eval`` scores windows from the start of the held-out file, so a sweep that
+    tunes on the end of it is not tuned on the eval's own windows (when the file holds both).
+    """
+    from .heldout import heldout_windows
+
+    body = length - (bos is not None)
+    n = min(num, len(tokens) // body)
+    return heldout_windows(tokens[len(tokens) - max(n, 1) * body:], length, num, bos)
+
+
+__all__ = ["Probe", "continuation_divergence", "tail_windows"]
