@@ -15,7 +15,7 @@ column) is at most --budget. Writes the spec (--out, a .yaml that apply, eval --
 --spec load as they are) and .json, .md (per-layer table) and .png (sensitivity by layer) beside it.
 Same inputs and --seed, same spec."""
 EPILOG = """example:
-  oscar-compile sweep --spec specs/oscar-int2.yaml --budget 2.5 --context 2048 --out specs/mixed/oscar-int2-2.5.yaml
+  oscar-compile sweep --spec specs/oscar-int2.yaml --budget 2.5 3.0 --out specs/mixed/oscar-int2-{budget}.yaml
 """
 
 
@@ -25,8 +25,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="Hugging Face model directory (default: the bundled oscar-tiny-qwen3)")
     p.add_argument("--spec", default="oscar-int2", help="base spec: a .yaml file or a shipped name (default: %(default)s)")
-    p.add_argument("--budget", required=True, help="average bits per element of the history, asymptotic (e.g. 2.5)")
-    p.add_argument("--out", required=True, help="the mixed spec to write (.yaml); .json, .md, .png go beside it")
+    p.add_argument("--budget", required=True, nargs="+", metavar="BITS",
+                   help="average bits per element of the history, asymptotic (e.g. 2.5); several budgets share "
+                        "one measurement")
+    p.add_argument("--out", required=True, help="the mixed spec to write (.yaml); .json, .md, .png go beside it. "
+                   "With several budgets it must contain {budget}, e.g. mixed-{budget}.yaml")
     p.add_argument("--data", default=None, help="held-out tokens/text (default: <model>/heldout.bin)")
     p.add_argument("--calib", default=None, help="calibration tokens/text (default: <model>/calib.bin)")
     p.add_argument("--rotations-dir", default=None, help="folder with <spec name>.safetensors to use instead of calibrating")
@@ -48,17 +51,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..evaluation.sweep import SweepConfig, sweep
+    from ..evaluation.sweep import SweepConfig, sweep_budgets
     from ..evaluation.sweep_report import layer_table, summary
 
-    cfg = SweepConfig(spec=args.spec, budget=args.budget, model=args.model, data=args.data, calib=args.calib,
+    if len(args.budget) > 1 and "{budget}" not in args.out:
+        raise ValueError("several budgets: --out must contain {budget}, e.g. specs/mixed/oscar-int2-{budget}.yaml")
+    outs = [args.out.replace("{budget}", b) for b in args.budget]
+    cfg = SweepConfig(spec=args.spec, budget=args.budget[0], model=args.model, data=args.data, calib=args.calib,
                       rotations_dir=args.rotations_dir, context=args.context, scored_tokens=args.scored_tokens,
                       num_windows=args.num_windows, batch_size=args.batch_size, upgrade_bits=tuple(args.upgrade_bits),
                       group_sizes=tuple(args.group_sizes), calib_tokens=args.calib_tokens, device=args.device,
                       dtype=args.dtype, seed=args.seed, progress=not args.quiet)
-    results = sweep(cfg, out=args.out)
-    print(summary(results))
-    print()
-    print(layer_table(results))
-    print(f"\nwrote {', '.join(results['files'])} in {results['runtime_s']:.0f} s")
+    for results in sweep_budgets(cfg, args.budget, outs):
+        print(summary(results))
+        print()
+        print(layer_table(results))
+        print(f"\nwrote {', '.join(results['files'])} ({results['runtime_s']:.0f} s since the start)\n")
     return 0

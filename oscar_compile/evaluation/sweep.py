@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -90,12 +90,6 @@ class SweepConfig:
             raise ValueError(f"upgrade bits must be 4 or 16, got {bad}")
 
 
-def _choices(formats: list[list[Format]], floor: int, budget: int) -> list[list[tuple[Format, bool]]]:
-    """(format, affordable) per layer: a format whose extra cost alone exceeds the slack is never measured."""
-    slack = budget - floor
-    return [[(f, f.cost - layer[0].cost <= slack) for f in layer] for layer in formats]
-
-
 def plan(spec_name: str, budget, head_dim: int, num_layers: int, upgrade_bits=UPGRADE_BITS,
          group_sizes: Sequence[int] = ()) -> tuple[Method, list[list[Format]], int, int]:
     """(method, formats per layer, floor, budget) in bits per row summed over layers; checks the budget.
@@ -118,22 +112,36 @@ def plan(spec_name: str, budget, head_dim: int, num_layers: int, upgrade_bits=UP
     return method, formats, floor, units
 
 
-def sweep(config: Optional[SweepConfig] = None, out: Optional[str | Path] = None, **settings) -> dict:
-    """Run the sweep; returns the results dict (with ``"spec"``: the mixed CompressionSpec).
+@dataclass
+class Sensitivity:
+    """What steps 1-2 measured, and what step 4 needs to measure a chosen spec (the model, the windows)."""
 
-    With ``out`` (a ``.yaml`` path) writes the spec there and ``.json`` / ``.md`` / ``.png``
-    beside it (sweep_report.py). Pass a :class:`SweepConfig` or its fields as keywords.
-    """
-    if config is not None and settings:
-        raise TypeError("pass either a SweepConfig or keyword settings, not both")
-    cfg = config if config is not None else SweepConfig(**settings)
-    t0 = time.time()
+    cfg: SweepConfig
+    method: Method
+    formats: list[list[Format]]
+    floor: int
+    measured: dict
+    header: dict
+    quantizers: Callable
+    model: object
+    windows: torch.Tensor
+
+    def gains(self, i: int, j: int) -> Optional[float]:
+        if j == 0:
+            return 0.0
+        m = self.measured.get((i, j))
+        return None if m is None else self.measured["base"]["kl"] - m["kl"]
+
+
+def measure(cfg: SweepConfig, budgets: Sequence) -> Sensitivity:
+    """Steps 1-2 for every format affordable under the largest of ``budgets`` (all checked first)."""
     model_dir, data_path, calib_path = resolve_paths(cfg.model, cfg.data, cfg.calib)  # refuses data == calib
     from transformers import AutoConfig
 
     fp = ModelFingerprint.of(AutoConfig.from_pretrained(model_dir))
-    method, formats, floor, units = plan(cfg.spec, cfg.budget, fp.head_dim, fp.num_layers, cfg.upgrade_bits,
-                                         cfg.group_sizes)
+    plans = [plan(cfg.spec, b, fp.head_dim, fp.num_layers, cfg.upgrade_bits, cfg.group_sizes) for b in budgets]
+    method, formats, floor, _ = plans[0]
+    units = max(p[3] for p in plans)
     model, tokenizer = load_model(model_dir, resolve_device(cfg.device), cfg.dtype, tokenizer_required=False)
     bos = bos_id(model, tokenizer)
     torch.manual_seed(cfg.seed)
@@ -148,60 +156,99 @@ def sweep(config: Optional[SweepConfig] = None, out: Optional[str | Path] = None
 
     base = quantizers(method.spec)
     probes = {"base": base}
-    choices = _choices(formats, floor, units)
-    for i, layer in enumerate(choices):
-        for j, (fmt, affordable) in enumerate(layer):
-            if j and affordable:
+    for i, layer in enumerate(formats):
+        for j, fmt in enumerate(layer):
+            if j and fmt.cost - layer[0].cost <= units - floor:  # else its extra bits alone exceed every budget
                 probes[(i, j)] = base[:i] + quantizers(with_format(method.spec, i, fmt))[i:i + 1] + base[i + 1:]
     measured = continuation_divergence(model, probes, windows, cfg.scored_tokens, cfg.batch_size, cfg.progress,
                                        desc="sweep: layer sensitivity")
-    kl_base = measured["base"]["kl"]
-    table = [[Choice(fmt.cost, 0.0 if j == 0 else (kl_base - measured[(i, j)]["kl"] if (i, j) in measured else None))
-              for j, (fmt, _) in enumerate(layer)] for i, layer in enumerate(choices)]
-    picked = allocate(table, units)
-    mixed = with_formats(method.spec, {i: formats[i][j] for i, j in enumerate(picked)})
-    check = continuation_divergence(model, {"mixed": quantizers(mixed)}, windows, cfg.scored_tokens, cfg.batch_size,
-                                    cfg.progress, desc="sweep: chosen spec")["mixed"]
-    results = {
+    header = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": str(model_dir), "fingerprint": asdict(fp), "data": str(data_path), "calib": str(calib_path),
         "device": str(device), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "settings": {k: v for k, v in asdict(cfg).items() if k != "progress"} | {"budget": str(cfg.budget)},
-        "base": {"name": method.name, "source": method.source, "rotations": rot_note, "kl": kl_base,
+        "settings": {k: v for k, v in asdict(cfg).items() if k not in ("progress", "budget")},
+        "base": {"name": method.name, "source": method.source, "rotations": rot_note, "kl": measured["base"]["kl"],
                  "nll": measured["base"]["nll"]},
         "measure": "KL(p_bf16 || p) of the next-token distribution, nats per scored token",
         "windows": {"count": int(windows.shape[0]), "context": cfg.context, "scored_tokens": cfg.scored_tokens,
                     "taken_from": "the end of the data file"},
-        "budget": {"bits_per_element": float(Fraction(str(cfg.budget))), "row_bits_total": units,
-                   "floor_bits_per_element": floor / (fp.head_dim * fp.num_layers)},
-        "layers": [_layer_row(i, layer, picked[i], measured, kl_base) for i, layer in enumerate(choices)],
-        "chosen": {"bits_per_element": sum(formats[i][j].cost for i, j in enumerate(picked)) / (fp.head_dim * fp.num_layers),
+    }
+    return Sensitivity(cfg, method, formats, floor, measured, header, quantizers, model, windows)
+
+
+def choose(sens: Sensitivity, budget) -> dict:
+    """Steps 3-4 at one budget: the knapsack, the mixed spec and its measured KL (the results dict)."""
+    fp = sens.header["fingerprint"]
+    row = fp["head_dim"] * fp["num_layers"]
+    units = budget_units(budget, fp["head_dim"], fp["num_layers"])
+    if units < sens.floor:
+        raise BudgetError(f"budget {budget} is below the floor of {sens.floor / row:g} bits per element")
+    table = [[Choice(fmt.cost, sens.gains(i, j)) for j, fmt in enumerate(layer)] for i, layer in enumerate(sens.formats)]
+    picked = allocate(table, units)
+    mixed = with_formats(sens.method.spec, {i: sens.formats[i][j] for i, j in enumerate(picked)})
+    cfg = sens.cfg
+    check = continuation_divergence(sens.model, {"mixed": sens.quantizers(mixed)}, sens.windows, cfg.scored_tokens,
+                                    cfg.batch_size, cfg.progress, desc="sweep: chosen spec")["mixed"]
+    kl_base = sens.measured["base"]["kl"]
+    return sens.header | {
+        "settings": sens.header["settings"] | {"budget": str(budget)},
+        "budget": {"bits_per_element": float(Fraction(str(budget))), "row_bits_total": units,
+                   "floor_bits_per_element": sens.floor / row},
+        "layers": [_layer_row(i, layer, picked[i], sens) for i, layer in enumerate(sens.formats)],
+        "chosen": {"bits_per_element": sum(sens.formats[i][j].cost for i, j in enumerate(picked)) / row,
                    "predicted_kl": kl_base - sum(table[i][j].gain for i, j in enumerate(picked)),
                    "kl": check["kl"], "nll": check["nll"]},
         "spec": mixed,
     }
-    results["runtime_s"] = time.time() - t0
-    if out is not None:
-        from .sweep_report import write_sweep_outputs
 
-        results["files"] = write_sweep_outputs(results, Path(out))
+
+def sweep(config: Optional[SweepConfig] = None, out: Optional[str | Path] = None, **settings) -> dict:
+    """Run the sweep at ``config.budget``; returns the results dict (``"spec"``: the mixed CompressionSpec).
+
+    With ``out`` (a ``.yaml`` path) writes the spec there and ``.json`` / ``.md`` / ``.png``
+    beside it (sweep_report.py). Pass a :class:`SweepConfig` or its fields as keywords.
+    :func:`sweep_budgets` measures once for several budgets.
+    """
+    if config is not None and settings:
+        raise TypeError("pass either a SweepConfig or keyword settings, not both")
+    cfg = config if config is not None else SweepConfig(**settings)
+    return sweep_budgets(cfg, [cfg.budget], None if out is None else [out])[0]
+
+
+def sweep_budgets(cfg: SweepConfig, budgets: Sequence, outs: Optional[Sequence[str | Path]] = None) -> list[dict]:
+    """One measurement, one mixed spec per budget (written to ``outs[k]`` when given)."""
+    if not budgets:
+        raise ValueError("no budget given")
+    if outs is not None and len(outs) != len(budgets):
+        raise ValueError(f"{len(budgets)} budgets but {len(outs)} output paths")
+    for b in budgets:
+        SweepConfig(**{**asdict(cfg), "budget": b})  # the same checks for every budget, before any work
+    t0 = time.time()
+    sens = measure(cfg, budgets)
+    results = []
+    for k, budget in enumerate(budgets):
+        res = choose(sens, budget)
+        res["runtime_s"] = time.time() - t0
+        if outs is not None:
+            from .sweep_report import write_sweep_outputs
+
+            res["files"] = write_sweep_outputs(res, Path(outs[k]))
+        results.append(res)
     return results
 
 
-def _layer_row(i: int, layer, picked: int, measured: dict, kl_base: float) -> dict:
+def _layer_row(i: int, layer: list[Format], picked: int, sens: Sensitivity) -> dict:
     options = []
-    for j, (fmt, affordable) in enumerate(layer):
+    for j, fmt in enumerate(layer):
         entry = {"format": fmt.name, "bits": fmt.bits, "group_size": fmt.group_size, "row_bits": fmt.cost}
-        if j == 0:
-            entry.update(kl=kl_base, gain=0.0)
-        elif (i, j) in measured:
-            m = measured[(i, j)]
-            entry.update(kl=m["kl"], gain=kl_base - m["kl"], nll=m["nll"])
-        else:
+        m = sens.measured["base"] if j == 0 else sens.measured.get((i, j))
+        if m is None:
             entry.update(kl=None, gain=None, skipped="its extra bits alone exceed the budget")
+        else:
+            entry.update(kl=m["kl"], gain=sens.gains(i, j), nll=m["nll"])
         options.append(entry)
-    return {"layer": i, "options": options, "chosen": layer[picked][0].name}
+    return {"layer": i, "options": options, "chosen": layer[picked].name}
 
 
-__all__ = ["BudgetError", "SweepConfig", "plan", "sweep"]
+__all__ = ["BudgetError", "Sensitivity", "SweepConfig", "choose", "measure", "plan", "sweep", "sweep_budgets"]
