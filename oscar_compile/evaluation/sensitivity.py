@@ -24,6 +24,7 @@ from typing import Hashable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from ..architectures import attention_modules
 from .quantizers import LayerQuantizer, cache_starts
 from .simulate import simulated_logits
 
@@ -38,36 +39,52 @@ def _kl_and_nll(ref_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Ten
     return float(kl.double().sum()), float(nll.double().sum())
 
 
-def continuation_divergence(model: nn.Module, probes: Mapping[Hashable, Probe], windows: torch.Tensor,
-                            scored_tokens: int, batch_size: int, progress: bool = False,
-                            desc: str = "sensitivity") -> dict[Hashable, dict[str, float]]:
-    """{probe key: {"kl", "nll", "tokens"}}: mean KL to BF16 and NLL over the last ``scored_tokens``.
+def reference_logprobs(model: nn.Module, windows: torch.Tensor, scored_tokens: int,
+                       batch_size: int) -> list[torch.Tensor]:
+    """BF16's log-probabilities of the scored continuation, one [B, M, V] float32 tensor per batch.
 
-    windows: [n, C] token ids; every probe runs on the same windows, one batch at a time, after
-    the BF16 forward of that batch (the reference). Deterministic: no sampling anywhere.
+    Kept by the sweep so that measuring the chosen spec at each budget costs one forward per
+    batch, not two. windows: [n, C] token ids.
     """
     C = windows.shape[1]
     if not 0 < scored_tokens < C:
         raise ValueError(f"scored tokens ({scored_tokens}) must be between 1 and the context length - 1 ({C - 1})")
     device = next(model.parameters()).device
     starts = cache_starts(C, prefill=C - scored_tokens, device=device)
-    num_layers = len(next(iter(probes.values())))
+    num_layers = len(attention_modules(model))
+    out = []
+    with torch.inference_mode():
+        for ids in windows.split(batch_size):
+            ref = simulated_logits(model, [None] * num_layers, ids.to(device), starts, logits_to_keep=scored_tokens + 1)
+            out.append(ref[:, :-1].log_softmax(-1))
+    return out
+
+
+def continuation_divergence(model: nn.Module, probes: Mapping[Hashable, Probe], windows: torch.Tensor,
+                            reference: Sequence[torch.Tensor], scored_tokens: int, batch_size: int,
+                            progress: bool = False, desc: str = "sensitivity") -> dict[Hashable, dict[str, float]]:
+    """{probe key: {"kl", "nll", "tokens"}}: mean KL to BF16 and NLL over the last ``scored_tokens``.
+
+    windows: [n, C] token ids; reference: :func:`reference_logprobs` of the same windows and
+    batch size. Every probe runs on the same windows, one batch at a time. Deterministic.
+    """
+    C = windows.shape[1]
+    device = next(model.parameters()).device
+    starts = cache_starts(C, prefill=C - scored_tokens, device=device)
     sums = {key: [0.0, 0.0] for key in probes}
     chunks = list(windows.split(batch_size))
+    if len(reference) != len(chunks):
+        raise ValueError(f"{len(reference)} reference batches for {len(chunks)} batches of windows")
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(chunks) * (len(probes) + 1), desc=desc, unit="forward")
+        bar = tqdm(total=len(chunks) * len(probes), desc=desc, unit="forward")
     count = 0
     with torch.inference_mode():
-        for ids in chunks:
+        for ids, ref_logp in zip(chunks, reference):
             ids = ids.to(device)
             targets = ids[:, C - scored_tokens:]  # [B, M]
-            ref = simulated_logits(model, [None] * num_layers, ids, starts, logits_to_keep=scored_tokens + 1)
-            ref_logp = ref[:, :-1].log_softmax(-1)
-            if bar is not None:
-                bar.update(1)
             for key, probe in probes.items():
                 logits = simulated_logits(model, probe, ids, starts, logits_to_keep=scored_tokens + 1,
                                           label=str(key))[:, :-1]
@@ -95,4 +112,4 @@ def tail_windows(tokens: torch.Tensor, length: int, num: int, bos: Optional[int]
     return heldout_windows(tokens[len(tokens) - max(n, 1) * body:], length, num, bos)
 
 
-__all__ = ["Probe", "continuation_divergence", "tail_windows"]
+__all__ = ["Probe", "continuation_divergence", "reference_logprobs", "tail_windows"]

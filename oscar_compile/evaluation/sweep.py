@@ -37,7 +37,7 @@ from .heldout import bos_id, read_tokens, resolve_paths
 from .methods import Method, resolve_method
 from .prepare import method_rotations
 from .quantizers import spec_quantizers
-from .sensitivity import continuation_divergence, tail_windows
+from .sensitivity import continuation_divergence, reference_logprobs, tail_windows
 
 logger = logging.getLogger(__name__)
 FORMAT = "oscar_compile.sweep"
@@ -125,6 +125,7 @@ class Sensitivity:
     quantizers: Callable
     model: object
     windows: torch.Tensor
+    reference: list  # BF16 log-probabilities per batch (sensitivity.reference_logprobs)
 
     def gains(self, i: int, j: int) -> Optional[float]:
         if j == 0:
@@ -160,8 +161,9 @@ def measure(cfg: SweepConfig, budgets: Sequence) -> Sensitivity:
         for j, fmt in enumerate(layer):
             if j and fmt.cost - layer[0].cost <= units - floor:  # else its extra bits alone exceed every budget
                 probes[(i, j)] = base[:i] + quantizers(with_format(method.spec, i, fmt))[i:i + 1] + base[i + 1:]
-    measured = continuation_divergence(model, probes, windows, cfg.scored_tokens, cfg.batch_size, cfg.progress,
-                                       desc="sweep: layer sensitivity")
+    reference = reference_logprobs(model, windows, cfg.scored_tokens, cfg.batch_size)
+    measured = continuation_divergence(model, probes, windows, reference, cfg.scored_tokens, cfg.batch_size,
+                                       cfg.progress, desc="sweep: layer sensitivity")
     header = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -174,7 +176,7 @@ def measure(cfg: SweepConfig, budgets: Sequence) -> Sensitivity:
         "windows": {"count": int(windows.shape[0]), "context": cfg.context, "scored_tokens": cfg.scored_tokens,
                     "taken_from": "the end of the data file"},
     }
-    return Sensitivity(cfg, method, formats, floor, measured, header, quantizers, model, windows)
+    return Sensitivity(cfg, method, formats, floor, measured, header, quantizers, model, windows, reference)
 
 
 def choose(sens: Sensitivity, budget) -> dict:
@@ -188,8 +190,8 @@ def choose(sens: Sensitivity, budget) -> dict:
     picked = allocate(table, units)
     mixed = with_formats(sens.method.spec, {i: sens.formats[i][j] for i, j in enumerate(picked)})
     cfg = sens.cfg
-    check = continuation_divergence(sens.model, {"mixed": sens.quantizers(mixed)}, sens.windows, cfg.scored_tokens,
-                                    cfg.batch_size, cfg.progress, desc="sweep: chosen spec")["mixed"]
+    check = continuation_divergence(sens.model, {"mixed": sens.quantizers(mixed)}, sens.windows, sens.reference,
+                                    cfg.scored_tokens, cfg.batch_size, cfg.progress, desc="sweep: chosen spec")["mixed"]
     kl_base = sens.measured["base"]["kl"]
     return sens.header | {
         "settings": sens.header["settings"] | {"budget": str(budget)},

@@ -5,7 +5,9 @@ import json
 import random
 import shutil
 
+import numpy as np
 import pytest
+import torch
 import yaml
 
 from oscar_compile.cli import main as cli_main
@@ -178,3 +180,25 @@ def test_bad_inputs_get_clear_errors(tiny, tmp_path, capsys):
     assert cli_main(["sweep", "--model", str(bare), "--spec", str(root / "base.yaml"), "--budget", "2.5",
                      "--out", str(tmp_path / "x.yaml"), *ARGS]) == 2
     assert "heldout.bin: pass --data" in capsys.readouterr().err
+
+
+def test_kl_is_zero_for_bf16_and_positive_under_int2_on_the_same_windows(tiny):
+    from oscar_compile.evaluation.sensitivity import continuation_divergence, reference_logprobs, tail_windows
+    from oscar_compile.loading import load_model
+
+    root, model_dir = tiny
+    tokens = torch.arange(1000) % 256
+    windows = tail_windows(tokens, 256, 2, bos=300)
+    assert windows[:, 0].tolist() == [300, 300] and windows[-1, -1] == tokens[-1]  # the end of the file
+    assert windows[0, 1] == tokens[1000 - 2 * 255]
+    model, _ = load_model(model_dir, "cpu")
+    ids = tail_windows(torch.from_numpy(np.fromfile(model_dir / "heldout.bin", "<u2").astype("int64")),
+                       256, 2, model.config.bos_token_id)
+    ref = reference_logprobs(model, ids, 64, batch_size=1)
+    kivi = resolve_method("kivi-int2-g32-r32")
+    from oscar_compile.evaluation.prepare import method_quantizers
+
+    quant, _ = method_quantizers(model, kivi, None, None, None, None)
+    res = continuation_divergence(model, {"bf16": [None] * 3, "kivi": quant}, ids, ref, 64, batch_size=1)
+    assert res["bf16"]["kl"] == pytest.approx(0.0, abs=1e-9) and res["bf16"]["tokens"] == 128
+    assert res["kivi"]["kl"] > 1e-6
