@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from .eval import add_device_options
+
 HELP = "find per-layer KV precisions (INT2 / INT4 / 16-bit) that fit a bit budget with the least error"
 DESCRIPTION = HELP + """.
 
@@ -42,8 +44,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--group-sizes", nargs="+", type=int, default=[], metavar="G",
                    help="smaller groups offered at the base bits, e.g. 64 32 (default: none)")
     p.add_argument("--calib-tokens", type=int, default=None, help="cap the spec's calibration.num_tokens (quick runs)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32")
+    add_device_options(p)
     p.add_argument("--seed", type=int, default=0, help="torch seed set before calibrating (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
