@@ -108,7 +108,7 @@ def plan(spec_name: str, budget, head_dim: int, num_layers: int, upgrade_bits=UP
     if units < floor:
         raise BudgetError(f"budget {budget} bits per element is below what {method.name} costs at its cheapest: "
                           f"{floor / (head_dim * num_layers):g} bits per element (its base formats, "
-                          f"{', '.join(sorted({f[0].name for f in formats}))}, codes plus fp16 scale and zero per group)")
+                          f"{', '.join(sorted({f[0].name for f in formats}))}, codes plus scale and zero per group)")
     return method, formats, floor, units
 
 
