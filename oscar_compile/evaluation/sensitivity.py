@@ -61,6 +61,16 @@ def reference_logprobs(model: nn.Module, windows: torch.Tensor, scored_tokens: i
     return out
 
 
+def reference_nll(reference: Sequence[torch.Tensor], windows: torch.Tensor, batch_size: int) -> float:
+    """BF16's mean NLL of the scored continuation, from :func:`reference_logprobs` (no forward)."""
+    total, count = 0.0, 0
+    for ids, ref_logp in zip(windows.split(batch_size), reference):
+        targets = ids[:, ids.shape[1] - ref_logp.shape[1]:].to(ref_logp.device)  # [B, M]
+        total += float(-ref_logp.gather(-1, targets[..., None]).double().sum())
+        count += targets.numel()
+    return total / count
+
+
 def continuation_divergence(model: nn.Module, probes: Mapping[Hashable, Probe], windows: torch.Tensor,
                             reference: Sequence[torch.Tensor], scored_tokens: int, batch_size: int,
                             progress: bool = False, desc: str = "sensitivity") -> dict[Hashable, dict[str, float]]:
@@ -113,4 +123,4 @@ def tail_windows(tokens: torch.Tensor, length: int, num: int, bos: Optional[int]
     return heldout_windows(tokens[len(tokens) - max(n, 1) * body:], length, num, bos)
 
 
-__all__ = ["Probe", "continuation_divergence", "reference_logprobs", "tail_windows"]
+__all__ = ["Probe", "continuation_divergence", "reference_logprobs", "reference_nll", "tail_windows"]

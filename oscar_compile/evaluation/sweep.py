@@ -37,7 +37,7 @@ from .heldout import bos_id, read_tokens, resolve_paths
 from .methods import Method, resolve_method
 from .prepare import method_rotations
 from .quantizers import spec_quantizers
-from .sensitivity import continuation_divergence, reference_logprobs, tail_windows
+from .sensitivity import continuation_divergence, reference_logprobs, reference_nll, tail_windows
 
 logger = logging.getLogger(__name__)
 FORMAT = "oscar_compile.sweep"
@@ -172,6 +172,7 @@ def measure(cfg: SweepConfig, budgets: Sequence) -> Sensitivity:
         "settings": {k: v for k, v in asdict(cfg).items() if k not in ("progress", "budget")},
         "base": {"name": method.name, "source": method.source, "rotations": rot_note, "kl": measured["base"]["kl"],
                  "nll": measured["base"]["nll"]},
+        "bf16": {"nll": reference_nll(reference, windows, cfg.batch_size)},
         "measure": "KL(p_bf16 || p) of the next-token distribution, nats per scored token",
         "windows": {"count": int(windows.shape[0]), "context": cfg.context, "scored_tokens": cfg.scored_tokens,
                     "taken_from": "the end of the data file"},

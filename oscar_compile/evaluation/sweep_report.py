@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import logging
 from pathlib import Path
 
@@ -32,12 +33,17 @@ def layer_table(results: dict) -> str:
 def summary(results: dict) -> str:
     b, c, base = results["budget"], results["chosen"], results["base"]
     w = results["windows"]
+    ppl = ""
+    if "bf16" in results:  # perplexity of the same scored tokens relative to BF16, to read beside the KL
+        ref = results["bf16"]["nll"]
+        ppl = (f" Perplexity vs BF16 on these tokens: base {100 * math.expm1(base['nll'] - ref):+.2f} %, chosen "
+               f"{100 * math.expm1(c['nll'] - ref):+.2f} %.")
     return (f"Sweep of `{base['name']}` on `{results['model']}` at a budget of {b['bits_per_element']:g} bits per "
             f"element (floor {b['floor_bits_per_element']:g}): {w['count']} held-out windows of {w['context']} tokens "
             f"({w['taken_from']}), the last {w['scored_tokens']} scored; {results['measure']}.\n\n"
             f"Base KL {base['kl']:.4g}; chosen spec: {c['bits_per_element']:.4g} bits per element, KL predicted "
             f"{c['predicted_kl']:.4g}, measured {c['kl']:.4g}. \"-\": not measured (its extra bits alone exceed "
-            f"the budget).")
+            f"the budget).{ppl}")
 
 
 def write_sweep_outputs(results: dict, out: Path) -> list[str]:

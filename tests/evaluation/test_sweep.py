@@ -126,7 +126,7 @@ def test_cli_writes_spec_json_table_and_plot_per_budget(swept, capsys):
         results = json.loads((out / f"mixed-{budget}.json").read_text())
         bpe = resolve_method(str(out / f"mixed-{budget}.yaml")).bits_per_element(128, 3, None)
         assert bpe == results["chosen"]["bits_per_element"] <= float(budget)
-        assert results["base"]["kl"] > 0 and len(results["layers"]) == 3
+        assert results["base"]["kl"] > 0 and len(results["layers"]) == 3 and results["bf16"]["nll"] > 0
         assert results["chosen"]["kl"] <= results["base"]["kl"]
         assert spec == CompressionSpec.from_json(json.dumps(results["spec_json"]))
         assert "| layer |" in (out / f"mixed-{budget}.md").read_text()
