@@ -80,21 +80,22 @@ def _plot(results: dict, path: Path):
         logger.warning(MISSING.replace("results.md and results.json", "the spec, .md and .json"))
         return None
     layers = results["layers"]
-    names = [o["format"] for o in layers[0]["options"]][1:]
+    names = [(k, o["format"]) for k, o in enumerate(layers[0]["options"]) if k and
+             any(row["options"][k]["gain"] is not None for row in layers)]  # formats never measured: no bars
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(layers) + 3), 4))
     width = 0.8 / max(1, len(names))
     x = range(len(layers))
-    for k, name in enumerate(names):
-        gains = [row["options"][k + 1]["gain"] for row in layers]
-        ax.bar([i + (k - (len(names) - 1) / 2) * width for i in x], [g if g is not None else 0 for g in gains],
-               width, label=f"gain at {name}")
+    for i, row in enumerate(layers):
+        if row["chosen"] != row["options"][0]["format"]:
+            ax.axvspan(i - 0.45, i + 0.45, color="gold", alpha=0.3, lw=0, zorder=0)
+    for n, (k, name) in enumerate(names):
+        gains = [row["options"][k]["gain"] for row in layers]
+        ax.bar([i + (n - (len(names) - 1) / 2) * width for i in x], [g if g is not None else 0 for g in gains],
+               width, label=f"gain at {name}", zorder=2)
     ax.set_xticks(list(x), [f"L{row['layer']}\n{row['chosen']}" for row in layers], fontsize=8)
-    ax.set(xlabel="layer (chosen format)", ylabel="KL reduction vs base, nats/token",
+    ax.set(xlabel="layer (chosen format; shaded: raised above the base)", ylabel="KL reduction vs base, nats/token",
            title=f"{results['base']['name']} at {results['budget']['bits_per_element']:g} bits/elt: "
                  f"KL {results['base']['kl']:.3g} -> {results['chosen']['kl']:.3g}")
-    for i, row in enumerate(layers):
-        if row["chosen"] != layers[i]["options"][0]["format"]:
-            ax.axvspan(i - 0.45, i + 0.45, color="gold", alpha=0.25, lw=0)
     ax.axhline(0, color="black", lw=0.5)
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=120, bbox_inches="tight")
