@@ -1,6 +1,6 @@
 """``oscar-compile``: every command of the project, one subcommand each.
 
-calibrate / inspect (``calibrate.py``), demo (``demo.py``), eval (``eval.py``), serve
+calibrate / inspect (``calibrate.py``), demo (``demo.py``), eval (``eval.py``), sweep (``sweep.py``), serve
 (``serve.py``), bench (``bench.py``) and export (``export.py``). Each module adds its parser; the work is imported only
 when a command runs, so ``oscar-compile --help`` stays fast. User errors (a bad spec, a missing
 file, an unsupported combination) exit with status 2 and one line on stderr.
@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from . import bench, calibrate, demo, eval, export, serve
+from . import bench, calibrate, demo, eval, export, serve, sweep
 
 logger = logging.getLogger("oscar_compile")
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_parsers(sub)
     demo.add_parser(sub)
     eval.add_parser(sub)
+    sweep.add_parser(sub)
     serve.add_parser(sub)
     bench.add_parser(sub)
     export.add_parser(sub)

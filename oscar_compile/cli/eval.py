@@ -18,6 +18,12 @@ The evaluation data and the calibration data must be different files (the same f
 """
 
 
+def add_device_options(p: argparse.ArgumentParser) -> None:
+    """--device and --dtype, as every command that loads a model for measuring reads them (eval, sweep)."""
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32")
+
+
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = EvalConfig()
     p.add_argument("--model", default=None, help="Hugging Face model directory (default: the bundled oscar-tiny-qwen3)")
@@ -45,8 +51,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per forward (default: %(default)s)")
     p.add_argument("--calib-tokens", type=int, default=None, help="cap every spec's calibration.num_tokens "
                    "(quick runs; default: the spec's own)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32")
+    add_device_options(p)
     p.add_argument("--seed", type=int, default=0, help="needle prompt seed")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)

@@ -12,10 +12,16 @@ the prompt length is exact, so accuracy can be binned by context length and dept
 Everything is deterministic given ``seed``; only the tokenizer is needed (pure python;
 the haystack may be a list, a numpy array or a memmap of token ids).
 
+The prompts start with the model's own BOS token, as its tokenizer would put it in front of a
+prompt: ``tokenizer.bos_token_id`` (``<|startoftext|>`` for the bundled model, ``<s>`` for
+Llama and Mistral), or nothing when the tokenizer has none (most Qwen tokenizers). A caller that
+knows the model's BOS better (the evaluation also reads the model config, as its perplexity
+windows do) passes ``bos_id`` to :class:`TokenAdapter`.
+
 Two layouts:
-  * ``"plain"``:  BOS, haystack, "Question: ... Answer: The special magic number for <key> is"
+  * ``"plain"``:  BOS (if any), haystack, "Question: ... Answer: The special magic number for <key> is"
   * ``"chat"``:   the ChatML form the bundled tokenizer's chat template renders
-    (user turn = haystack + question; assistant turn starts with the answer prefix), with
+    (BOS if any; user turn = haystack + question; assistant turn starts with the answer prefix), with
     ``messages`` for an OpenAI-style chat server (check ``answer in reply`` there).
 """
 from __future__ import annotations
@@ -48,7 +54,7 @@ BOS, EOS, IM_START, IM_END = "<|startoftext|>", "<|endoftext|>", "<|im_start|>",
 
 @dataclass(frozen=True)
 class NeedleSample:
-    """One needle prompt. ``input_ids`` has exactly ``length`` ids, BOS first."""
+    """One needle prompt. ``input_ids`` has exactly ``length`` ids, the BOS first when there is one."""
 
     input_ids: list[int]
     answer_ids: list[int]        # greedy continuation that counts as correct
@@ -59,20 +65,40 @@ class NeedleSample:
     needle_pos: int              # index in input_ids where the needle sentence starts
     length: int
     fmt: str
-    prompt_text: str             # decode(input_ids) without BOS
+    prompt_text: str             # decode(input_ids) without the BOS
     messages: list[dict[str, str]] | None = field(default=None)
 
 
-class TokenAdapter:
-    """Adapter over a transformers tokenizer or a raw ``tokenizers.Tokenizer``."""
+TOKENIZER_BOS: Any = object()  # "the tokenizer's own BOS": the default of every bos_id argument
 
-    def __init__(self, tokenizer: Any):
+
+class TokenAdapter:
+    """Adapter over a transformers tokenizer or a raw ``tokenizers.Tokenizer``.
+
+    ``bos`` is the id the prompts start with, or None for none: ``bos_id`` when given (an int or
+    None), else the tokenizer's ``bos_token_id``. A raw ``tokenizers.Tokenizer`` names no BOS, so
+    it gets ``<|startoftext|>`` when its vocabulary has that token (the bundled convention).
+    ``eos`` likewise: the tokenizer's ``eos_token_id``, for a raw one ``<|endoftext|>``.
+    """
+
+    def __init__(self, tokenizer: Any, bos_id: Any = TOKENIZER_BOS):
         self.t = tokenizer
         self.raw = not hasattr(tokenizer, "convert_tokens_to_ids")
-        self.bos, self.eos = self.token_id(BOS), self.token_id(EOS)
+        if bos_id is not TOKENIZER_BOS:
+            self.bos = None if bos_id is None else int(bos_id)
+        else:
+            self.bos = self.token_id(BOS) if self.raw else _as_id(getattr(tokenizer, "bos_token_id", None))
+        self.eos = self.token_id(EOS) if self.raw else _as_id(getattr(tokenizer, "eos_token_id", None))
         self.im_start, self.im_end = self.token_id(IM_START), self.token_id(IM_END)
-        self.special = {i for i in (self.bos, self.eos, self.im_start, self.im_end) if i is not None}
+        special = [self.bos, self.eos, self.im_start, self.im_end]
+        special += [] if self.raw else list(getattr(tokenizer, "all_special_ids", []))
+        self.special = {int(i) for i in special if i is not None}
         self.newline = self.encode("\n")[0]
+
+    @property
+    def head(self) -> list[int]:
+        """What a prompt starts with: ``[bos]``, or nothing when the model has no BOS."""
+        return [] if self.bos is None else [self.bos]
 
     def token_id(self, tok: str) -> int | None:
         i = self.t.token_to_id(tok) if self.raw else self.t.convert_tokens_to_ids(tok)
@@ -85,6 +111,10 @@ class TokenAdapter:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.t.decode(list(ids), skip_special_tokens=False)
+
+
+def _as_id(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _random_key(rng: random.Random, exclude: set[str]) -> str:
@@ -124,17 +154,17 @@ def make_needle_sample(tokenizer: Any, haystack: Sequence[int], length: int, *,
     needle_ids, answer_ids = needle(key, value)
     distractor_ids = [needle(k, v)[0] for k, v in others]
     if fmt == "plain":
-        head = [tk.bos]
+        head = tk.head
         tail = tk.encode(PLAIN_QUESTION.format(key=key))
-        end = tk.encode(NEEDLE_SUFFIX) + [tk.eos]
+        end = tk.encode(NEEDLE_SUFFIX) + ([] if tk.eos is None else [tk.eos])
     else:
         if tk.im_start is None or tk.im_end is None:
             raise ValueError("tokenizer lacks <|im_start|>/<|im_end|> for the chat layout")
-        head = [tk.bos, tk.im_start] + tk.encode("user\n")
+        head = tk.head + [tk.im_start] + tk.encode("user\n")
         question_ids = tk.encode(CHAT_QUESTION.format(key=key))
         tail = (question_ids + [tk.im_end] + tk.encode("\n") + [tk.im_start]
                 + tk.encode("assistant\n") + tk.encode(CHAT_ANSWER_PREFIX.format(key=key)))
-        end = tk.encode(".") + [tk.im_end] + tk.encode("\n") + [tk.eos]
+        end = tk.encode(".") + [tk.im_end] + tk.encode("\n") + ([] if tk.eos is None else [tk.eos])
     fixed = len(head) + len(tail) + len(needle_ids) + sum(map(len, distractor_ids))
     n_fill = length - fixed
     if n_fill < 0:
@@ -170,14 +200,17 @@ def make_needle_sample(tokenizer: Any, haystack: Sequence[int], length: int, *,
         input_ids=input_ids, answer_ids=answer_ids, completion_ids=answer_ids + end,
         answer=value, key=key, depth=pos / n_fill if n_fill else 0.0,
         needle_pos=len(head) + needle_offset, length=length, fmt=fmt,
-        prompt_text=tk.decode(input_ids[1:]) if with_text else "", messages=messages)
+        prompt_text=tk.decode(input_ids[len(tk.head):]) if with_text else "", messages=messages)
 
 
 def needle_grid(tokenizer: Any, haystack: Sequence[int], lengths: Sequence[int],
                 depths: Sequence[float], n_per_cell: int, *, seed: int = 0, fmt: str = "plain",
-                n_distractors: int = 0) -> Iterator[NeedleSample]:
-    """Yield ``n_per_cell`` samples for every (length, depth) cell, each with its own seed."""
-    tk = TokenAdapter(tokenizer)
+                n_distractors: int = 0, bos_id: Any = TOKENIZER_BOS) -> Iterator[NeedleSample]:
+    """Yield ``n_per_cell`` samples for every (length, depth) cell, each with its own seed.
+
+    ``bos_id``: the id the prompts start with (None: no BOS); default the tokenizer's (TokenAdapter).
+    """
+    tk = TokenAdapter(tokenizer, bos_id)
     for li, length in enumerate(lengths):
         for di, depth in enumerate(depths):
             for k in range(n_per_cell):

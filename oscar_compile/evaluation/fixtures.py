@@ -17,31 +17,40 @@ import numpy as np
 SPECIAL = ("<|endoftext|>", "<|startoftext|>", "<|im_start|>", "<|im_end|>")
 
 
-def byte_tokenizer():
-    """A ``PreTrainedTokenizerFast``: one token per byte (ids 0..255), then the four specials."""
+def byte_tokenizer(bos: str | None = SPECIAL[1], extra_special: tuple[str, ...] = ()):
+    """A ``PreTrainedTokenizerFast``: one token per byte (ids 0..255), then the four specials.
+
+    ``bos``: the BOS token (default ``<|startoftext|>``, the bundled convention; a token not in
+    SPECIAL, e.g. Llama's ``<s>``, goes to ``extra_special``); None builds a tokenizer without a
+    BOS, as most Qwen tokenizers are.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    for tok in SPECIAL:
+    specials = list(SPECIAL) + list(extra_special)
+    for tok in specials:
         vocab[tok] = len(vocab)
     raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     raw.decoder = decoders.ByteLevel()
-    raw.add_special_tokens(list(SPECIAL))
-    return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=SPECIAL[1], eos_token=SPECIAL[0],
+    raw.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=bos, eos_token=SPECIAL[0],
                                    pad_token=SPECIAL[0])
 
 
 def write_tiny_model_dir(path: str | Path, num_layers: int = 2, heldout_tokens: int = 16384,
-                         calib_tokens: int = 8192, seed: int = 0) -> Path:
-    """Write config, weights, tokenizer, heldout.bin and calib.bin under ``path``; returns it."""
+                         calib_tokens: int = 8192, seed: int = 0, tokenizer=None) -> Path:
+    """Write config, weights, tokenizer, heldout.bin and calib.bin under ``path``; returns it.
+
+    ``tokenizer``: default :func:`byte_tokenizer`; the config's ``bos_token_id`` is its BOS (or None).
+    """
     from oscar_compile.testing import tiny_model
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = byte_tokenizer()
+    tokenizer = tokenizer if tokenizer is not None else byte_tokenizer()
     model = tiny_model("qwen3", num_layers=num_layers, num_heads=2, num_kv_heads=1, head_dim=128,
                        vocab_size=len(tokenizer), seed=seed)
     model.config.bos_token_id = tokenizer.bos_token_id

@@ -1,6 +1,7 @@
 """Needle-in-a-haystack retrieval by context length and needle depth, every method on the same prompts.
 
-Prompts come from ``oscar_compile.data.needle`` (plain layout: BOS, held-out haystack with one
+Prompts come from ``oscar_compile.data.needle`` (plain layout: the model's BOS when it has one
+(the id the perplexity windows start with, heldout.bos_id), held-out haystack with one
 "special magic number" fact at a chosen depth, then the question), built on the held-out tokens.
 A method retrieves correctly when its greedy answer reproduces every answer token (teacher-forced
 argmax, which equals greedy decoding over the answer span).
@@ -16,12 +17,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from ..data.needle import PLAIN_QUESTION, NeedleSample, TokenAdapter, make_needle_sample
+from ..data.needle import PLAIN_QUESTION, TOKENIZER_BOS, NeedleSample, TokenAdapter, make_needle_sample
 from .names import NEEDLE_MODES
 from .quantizers import cache_starts
 from .simulate import simulated_logits
@@ -39,15 +40,14 @@ class NeedleCase:
 
 
 def needle_cases(tokenizer, haystack: Sequence[int], lengths: Sequence[int], depths: Sequence[float],
-                 per_cell: int, seed: int = 0) -> list[NeedleCase]:
+                 per_cell: int, seed: int = 0, bos: Any = TOKENIZER_BOS) -> list[NeedleCase]:
     """``per_cell`` plain-layout prompts per (length, depth), deterministic in ``seed``.
 
-    Lengths too short for the layout are skipped with a warning. Raises ValueError when the
-    tokenizer lacks the ``<|startoftext|>`` token the layout starts with.
+    The prompts start with ``bos`` (the model's BOS id; default the tokenizer's), or with the
+    haystack when it is None.
+    Lengths too short for the layout are skipped with a warning.
     """
-    tk = TokenAdapter(tokenizer)
-    if tk.bos is None:
-        raise ValueError("the tokenizer has no <|startoftext|> token, which the needle prompts start with")
+    tk = TokenAdapter(tokenizer, bos)
     cases = []
     for li, length in enumerate(lengths):
         try:

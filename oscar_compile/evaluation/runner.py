@@ -112,7 +112,7 @@ def _run_tasks(cfg: EvalConfig, model, tokenizer, tokens: torch.Tensor, bos, qua
             timings[task] = _done(task, t0)
     if "needle" in cfg.tasks and cfg.needle_per_cell > 0:
         t0 = time.time()
-        results["needle"] = _needle(cfg, model, tokenizer, tokens, quantizers)
+        results["needle"] = _needle(cfg, model, tokenizer, tokens, quantizers, bos)
         timings["needle"] = _done("needle", t0)
 
 
@@ -122,11 +122,12 @@ def _done(task: str, t0: float) -> float:
     return elapsed
 
 
-def _needle(cfg: EvalConfig, model, tokenizer, tokens: torch.Tensor, quantizers: dict) -> dict:
+def _needle(cfg: EvalConfig, model, tokenizer, tokens: torch.Tensor, quantizers: dict, bos: Optional[int]) -> dict:
     if tokenizer is None:
         return {"skipped": "the model directory has no tokenizer"}
     try:
-        cases = needle_cases(tokenizer, tokens.numpy(), cfg.contexts, cfg.needle_depths, cfg.needle_per_cell, cfg.seed)
+        cases = needle_cases(tokenizer, tokens.numpy(), cfg.contexts, cfg.needle_depths, cfg.needle_per_cell, cfg.seed,
+                             bos)
     except ValueError as err:
         logger.warning("needle-in-a-haystack skipped: %s", err)
         return {"skipped": str(err)}
