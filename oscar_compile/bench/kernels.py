@@ -77,7 +77,7 @@ def make_tables(B: int, pages_per_seq: int, device) -> torch.Tensor:
     return torch.randperm(n, device=device).to(torch.int32).view(B, pages_per_seq)
 
 
-def int2_layer(B: int, ctx: int, sdt: torch.dtype, device, bits: int = BITS):
+def quantized_layer(B: int, ctx: int, sdt: torch.dtype, device, bits: int = BITS):
     """Random INT-b pools (codes, scales, zeros, windows) for B sequences holding ctx tokens."""
     hist = max(0, ctx - SINK - RECENT)
     qpages, wpages = -(-hist // P), (SINK + RECENT) // P
@@ -94,7 +94,7 @@ def int2_layer(B: int, ctx: int, sdt: torch.dtype, device, bits: int = BITS):
     return pools, tables
 
 
-def int2_bytes(B: int, ctx: int, sdt: torch.dtype, bits: int = BITS) -> float:
+def quantized_bytes(B: int, ctx: int, sdt: torch.dtype, bits: int = BITS) -> float:
     hist = max(0, ctx - SINK - RECENT)
     per_tok = 2 * (D * bits // 8 + 2 * (D // GROUP) * torch.finfo(sdt).bits // 8)
     return B * H_KV * (hist * per_tok + (ctx - hist) * 2 * D * 2)
@@ -155,8 +155,8 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
         kernels += [(attention_gluon, torch.float16, "gluon_fp16", 2), (attention_gluon, torch.float32, "gluon_fp32", 2),
                     (attention_gluon, torch.float16, "gluon_int4_fp16", 4)]
     for kernel, sdt, tag, bits in kernels:
-        nbytes = int2_bytes(B, ctx, sdt, bits)
-        layers = [int2_layer(B, ctx, sdt, dev, bits) for _ in range(num_buffers(nbytes))]
+        nbytes = quantized_bytes(B, ctx, sdt, bits)
+        layers = [quantized_layer(B, ctx, sdt, dev, bits) for _ in range(num_buffers(nbytes))]
 
         def call(pools, tables, kernel=kernel, bits=bits):
             return kernel(q, kn, vn, cu, lens, *tables, *pools, scale, SINK, RECENT, bits, GROUP)
@@ -204,8 +204,8 @@ def _decode_case(ctx: int, B: int):
     kn = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
     cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
     lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
-    nbytes = int2_bytes(B, ctx, torch.float16)
-    layers = [int2_layer(B, ctx, torch.float16, dev) for _ in range(num_buffers(nbytes))]
+    nbytes = quantized_bytes(B, ctx, torch.float16)
+    layers = [quantized_layer(B, ctx, torch.float16, dev) for _ in range(num_buffers(nbytes))]
     max_hist = layers[0][1][1].shape[1] * P
     return dev, q, kn, cu, lens, nbytes, layers, max_hist
 
@@ -317,8 +317,8 @@ def bench_extend(cached: int, B: int, chunk: int = 2048) -> dict:
         [lambda kp=kp, vp=vp, pt=pt: ops.attention_bf16(q, k, v, cu, lens, pt, kp, vp, scale)
          for kp, vp, pt in pages], reps=10)
     del pages
-    layers = [int2_layer(B, cached, torch.float16, dev)
-              for _ in range(num_buffers(int2_bytes(B, cached, torch.float16)))]
+    layers = [quantized_layer(B, cached, torch.float16, dev)
+              for _ in range(num_buffers(quantized_bytes(B, cached, torch.float16)))]
     for rows, warps, cap in ((64, 4, None), (64, 4, 128), (64, 8, None), (128, 8, None), (32, 4, None)):
         kw = dict(prefill_rows=rows, num_warps=warps, prefill_maxnreg=cap)
         try:
@@ -340,7 +340,7 @@ def bench_extend(cached: int, B: int, chunk: int = 2048) -> dict:
 def decode_write_inputs(B: int, dev, ctx: int = 4096):
     """(k, v, args after k, v) of a decode step's cache write for B sequences of ctx tokens: the
     ring is full, so every step also demotes (quantizes) one token per sequence."""
-    pools, (wt, qt) = int2_layer(B, ctx + 1, torch.float16, dev)
+    pools, (wt, qt) = quantized_layer(B, ctx + 1, torch.float16, dev)
     k = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
     cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
@@ -388,7 +388,7 @@ def bench_write(check: bool) -> dict:
         res["decode"].append(entry)
     for B, T in ((1, 32768), (8, 4096)):
         N = B * T
-        pools, (wt, qt) = int2_layer(B, T, torch.float16, dev)
+        pools, (wt, qt) = quantized_layer(B, T, torch.float16, dev)
         k = torch.randn(N, H_KV, D, device=dev, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         cu = torch.arange(B + 1, device=dev, dtype=torch.int32) * T
