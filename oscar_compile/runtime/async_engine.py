@@ -40,13 +40,16 @@ class AsyncEngine:
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Any]] = {}
         self._thread: threading.Thread | None = None
         self.stats: dict[str, float] = engine.stats()  # snapshot, refreshed by the engine thread
-        self._lock = threading.Lock()  # guards stats together with _num_unseen_adds
+        self._lock = threading.Lock()  # guards stats together with _num_unseen_adds, and _closed
+        self._closed = False  # the engine thread has stopped taking requests
         self._num_unseen_adds = 0  # adds posted that no snapshot counts yet
         self._num_drained_adds = 0  # engine thread: adds drained since the last snapshot
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
+            self._stop.clear()
+            self._closed = False
             self._thread = threading.Thread(target=self._run, name="oscar-engine", daemon=True)
             self._thread.start()
 
@@ -70,9 +73,11 @@ class AsyncEngine:
             raise EngineDeadError("the engine thread is not running")
         self.engine.validate_request(prompt_token_ids, params)
         loop = asyncio.get_running_loop()
-        with self._lock:
+        with self._lock:  # (the thread's last drain takes this lock: no add can slip in after it)
+            if self._closed:
+                raise EngineDeadError("the engine thread is not running")
             self._num_unseen_adds += 1
-        self._inbox.put(("add", prompt_token_ids, params, request_id, (loop, sink, tag)))
+            self._inbox.put(("add", prompt_token_ids, params, request_id, (loop, sink, tag)))
         self._wakeup.set()
 
     @property
@@ -111,6 +116,7 @@ class AsyncEngine:
     # ---- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
         logger.info("engine thread started")
+        final_err: BaseException = EngineDeadError("the server is shutting down")
         while not self._stop.is_set():
             self._drain_inbox()
             if not self.engine.has_unfinished():
@@ -123,7 +129,7 @@ class AsyncEngine:
             except Exception as err:  # a model error must not take the server down
                 if getattr(err, "engine_fatal", False):  # e.g. a tensor-parallel rank died: no step can run
                     logger.critical("engine cannot run any more steps, stopping it (/health now fails): %s", err)
-                    self._fail_all(err)
+                    final_err = err
                     break
                 logger.exception("engine step failed; failing the running requests")
                 self._fail_all(err)
@@ -131,9 +137,24 @@ class AsyncEngine:
             self._publish_stats()  # before delivery: a client reads it after its output
             for out in outputs:
                 self._deliver(out.request_id, out, out.finished)
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        with self._lock:
+            self._closed = True
+        self._fail_posted_adds(final_err)  # posted before the thread stopped: their handlers wait too
+        self._fail_all(final_err)
         self._publish_stats()
         logger.info("engine thread stopped")
+
+    def _fail_posted_adds(self, err: BaseException) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                request_id, sink = command[3], command[4]
+                self._num_drained_adds += 1
+                self._sinks[request_id] = sink
+                self._deliver(request_id, err, True)
 
     def _publish_stats(self) -> None:
         stats = self.engine.stats()
