@@ -144,6 +144,16 @@ def test_refusals(setup, tmp_path):
         (tmp_path / f"spec{i}.yaml").write_text(bad)
         assert main(["export", "--format", "onnx", "--model", str(root / "model"), "--spec", str(tmp_path / f"spec{i}.yaml"),
                      "--rotations", str(root / "rot.safetensors"), "--out", str(tmp_path / f"out{i}")]) == 2
+    # a compressed checkpoint has R_V folded already: exporting it would fold it a second time
+    from oscar_compile import save_compressed
+
+    _, spec, rot = setup
+    model, tokenizer = load_model(root / "model", "cpu")
+    ckpt = save_compressed(model, spec, rot, tmp_path / "ckpt", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="compressed checkpoint"):
+        from oscar_compile.onnx.export import export_onnx
+
+        export_onnx(ckpt, spec, None, tmp_path / "out-ckpt")
 
 
 def test_the_driver_imports_numpy_and_onnxruntime_only():

@@ -25,7 +25,7 @@ import torch
 from .._version import __version__
 from ..architectures import ModelFingerprint, attention_modules
 from ..artifact import Rotations
-from ..checkpoint import write_tokenizer
+from ..checkpoint import compression_of, write_tokenizer
 from ..loading import load_model
 from ..passes.apply import resolve_layers
 from ..passes.fold_values import fold_value_rotation
@@ -119,6 +119,9 @@ def export_onnx(model_dir: Union[str, Path], spec: Union[CompressionSpec, str, P
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"{out_dir} exists and is not empty: give a new directory")
+    if compression_of(model_dir) is not None:  # its R_V is folded already: folding again changes the basis
+        raise ValueError(f"{model_dir} is a compressed checkpoint (R_V already folded into its weights): "
+                         "export ONNX from its source model with --spec / --rotations")
     model, tokenizer = load_model(model_dir, "cpu", torch.float32, tokenizer_required=False)
     if not isinstance(spec, CompressionSpec):
         spec = CompressionSpec.from_yaml(spec)
