@@ -9,6 +9,8 @@ whose rounding error is large, and a loss at INT4, whose rounding error is small
 """
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -85,14 +87,17 @@ def with_formats(base: CompressionSpec, chosen: dict[int, Format]) -> Compressio
     Appended after the base spec's own overrides, so they win (later overrides win).
     """
     data = base.model_dump(mode="json", exclude_none=True)
+    # keyed by the override itself, not the format's name: two layers whose base formats differ
+    # can reach formats of one name through different overrides
     groups: dict[str, list[int]] = {}
     overrides: dict[str, dict] = {}
     for index in sorted(chosen):
         fmt = chosen[index]
         if not fmt.is_base:
-            groups.setdefault(fmt.name, []).append(index)
-            overrides[fmt.name] = fmt.override
-    data["layers"] = data.get("layers", []) + [{"match": groups[name], **overrides[name]} for name in groups]
+            key = json.dumps(fmt.override, sort_keys=True)
+            groups.setdefault(key, []).append(index)
+            overrides[key] = fmt.override
+    data["layers"] = data.get("layers", []) + [{"match": groups[key], **overrides[key]} for key in groups]
     return CompressionSpec.from_dict(data, source="mixed-precision spec")
 
 

@@ -83,6 +83,19 @@ def test_format_costs_are_the_eval_reports_asymptotic_bits():
     assert layers[2].key.clip_ratio == 0.99 and layers[5].kv_cache.group_size == 64
 
 
+def test_formats_of_one_name_reached_by_different_overrides_stay_apart():
+    """Layer 0 (INT4 in the base) offered groups of 64 and layer 1 (INT2, groups of 64) raised to
+    INT4 both become "int4-g64", through different overrides: each layer keeps its own."""
+    from oscar_compile.evaluation.formats import Format
+
+    spec = shipped_spec("oscar-int2")
+    regroup = Format("int4-g64", 4, 64, 576, {"kv_cache": {"group_size": 64}})
+    raise_bits = Format("int4-g64", 4, 64, 576, {"kv_cache": {"bits": 4, "group_size": 64}})
+    mixed = with_formats(spec, {0: regroup, 1: raise_bits})
+    assert [o.match for o in mixed.layers[-2:]] == [[0], [1]]
+    assert mixed.for_layer(1, 8).kv_cache.bits == 4 and mixed.for_layer(0, 8).kv_cache.bits == 2
+
+
 def test_budget_below_the_int2_floor_is_refused_before_loading():
     with pytest.raises(BudgetError, match="2.25 bits per element"):
         plan("oscar-int2", 2.2, 128, 8)
