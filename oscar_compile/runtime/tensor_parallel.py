@@ -24,6 +24,7 @@ it and the engine thread stops, so ``/health`` and every later request answer 50
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence as Seq
@@ -173,6 +174,9 @@ class TensorParallelRunner:
             setattr(self, flag, getattr(local, flag, False))
         self._encoder = StepEncoder()
         self._closed = False
+        # one message at a time on the control group: a step or swap (engine thread) and the stop
+        # (the main thread, at shutdown, maybe while a step still runs) never interleave
+        self._lock = threading.Lock()
 
     @property
     def layout(self):
@@ -183,15 +187,18 @@ class TensorParallelRunner:
         return self.ranks.world_size
 
     def _checked(self, fn, *args):
-        dead = self.ranks.find_dead_rank()
-        if dead is not None:
-            raise self.ranks.fail()
-        try:
-            return fn(*args)
-        except TensorParallelError:
-            raise
-        except Exception as err:  # gloo / NCCL errors, or rank 0 failing mid-step while the others wait in
-            raise self.ranks.fail(err) from err  # an all-reduce it never joins: the group is out of step
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError("the tensor-parallel ranks were stopped")
+            dead = self.ranks.find_dead_rank()
+            if dead is not None:
+                raise self.ranks.fail()
+            try:
+                return fn(*args)
+            except TensorParallelError:
+                raise
+            except Exception as err:  # gloo / NCCL errors, or rank 0 failing mid-step while the others wait in
+                raise self.ranks.fail(err) from err  # an all-reduce it never joins: the group is out of step
 
     def run(self, batch: Batch, pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
         def step():
@@ -211,15 +218,17 @@ class TensorParallelRunner:
         self._checked(copy)
 
     def close(self) -> None:
-        """Tell the other ranks to return (idempotent; a broken group is left as it is)."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.ranks.find_dead_rank() is None:
-            try:
-                self.ranks.send(("stop",))
-            except RuntimeError as err:
-                logger.warning("could not stop the tensor-parallel ranks: %s", err)
+        """Tell the other ranks to return, after any step in flight (idempotent; a broken group is
+        left as it is)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self.ranks.find_dead_rank() is None:
+                try:
+                    self.ranks.send(("stop",))
+                except RuntimeError as err:
+                    logger.warning("could not stop the tensor-parallel ranks: %s", err)
 
 
 def follow_steps(runner, ranks: RankGroup) -> None:
