@@ -106,6 +106,10 @@ def compression_of(model_dir: Union[str, Path]) -> Optional[Compression]:
     if not ((model_dir / _INDEX).is_file() or (model_dir / _SINGLE).is_file()):
         raise ArtifactError(f"{model_dir}: a compressed checkpoint keeps its weights in safetensors, "
                             "and none are there")
+    name = block.get("rotations")
+    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        raise ArtifactError(f"{config_path}: the rotation file must be a file name inside the checkpoint, "
+                            f"got {name!r}")
     try:
         return Compression(model_dir=model_dir, spec=CompressionSpec.from_dict(block["spec"], source=str(config_path)),
                            fingerprint=ModelFingerprint.from_json(json.dumps(block["fingerprint"])),

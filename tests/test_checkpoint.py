@@ -131,6 +131,14 @@ def test_an_unknown_format_version_is_refused(compressed_dir, tmp_path):
         load_compressed(out)
 
 
+def test_a_rotation_file_outside_the_checkpoint_is_refused(compressed_dir, tmp_path):
+    out = _copy(compressed_dir, tmp_path)
+    for name in ("../rot.safetensors", str(tmp_path / "rot.safetensors"), ""):
+        _edit_block(out, rotations=name)
+        with pytest.raises(ArtifactError, match="file name inside the checkpoint"):
+            load_compressed(out)
+
+
 def test_an_edited_rotation_file_is_refused(compressed_dir, tmp_path):
     out = _copy(compressed_dir, tmp_path)
     path = out / "oscar_rotations.safetensors"
