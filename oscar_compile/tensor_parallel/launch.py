@@ -21,7 +21,7 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -31,7 +31,8 @@ import torch.distributed as dist
 from oscar_compile.artifact import Rotations
 from oscar_compile.compress import compress
 from oscar_compile.runtime.compressed_runner import CompressedRunner, runner_kwargs
-from oscar_compile.runtime.loader import EngineConfig, build_engine
+from oscar_compile.runtime.loader import EngineConfig, build_engine, default_kv_memory_bytes
+from oscar_compile.runtime.page_plan import GIB
 from oscar_compile.runtime.tensor_parallel import RankGroup, TensorParallelError, TensorParallelRunner, follow_steps
 from oscar_compile.spec import CompressionSpec
 from oscar_compile.tensor_parallel.shard import (ShardReport, check_divisible, check_rotations_layout, shard_model,
@@ -82,7 +83,17 @@ def prepare_rank(setup: RankSetup, ranks: RankGroup) -> tuple:
     device = torch.device("cuda", ranks.rank) if setup.device_type == "cuda" else torch.device("cpu")
     model.to(device)
     config, _ = compress(model, setup.spec, _rank_rotations(setup.rotations, report), setup.config)
+    if config.kv_memory_gb is None and device.type == "cuda":
+        config = replace(config, kv_memory_gb=_smallest_kv_budget(device, ranks) / GIB)
     return model, tokenizer, config, report
+
+
+def _smallest_kv_budget(device: torch.device, ranks: RankGroup) -> int:
+    """The default KV budget (a share of free memory) of the rank with the least: every rank
+    allocates the page counts rank 0 plans, so rank 0's own budget could overfill another GPU."""
+    free = torch.tensor([default_kv_memory_bytes(device)], dtype=torch.int64, device=device)
+    dist.all_reduce(free, op=dist.ReduceOp.MIN, group=ranks.data_group)
+    return int(free.item())
 
 
 def _rank_rotations(rotations, report: ShardReport) -> Rotations | None:
