@@ -106,6 +106,9 @@ def compression_of(model_dir: Union[str, Path]) -> Optional[Compression]:
     if not ((model_dir / _INDEX).is_file() or (model_dir / _SINGLE).is_file()):
         raise ArtifactError(f"{model_dir}: a compressed checkpoint keeps its weights in safetensors, "
                             "and none are there")
+    if block.get("values_folded") is not True:
+        raise ArtifactError(f"{config_path}: a compressed checkpoint holds weights with R_V folded in "
+                            f"(values_folded: true), got {block.get('values_folded')!r}")
     name = block.get("rotations")
     if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
         raise ArtifactError(f"{config_path}: the rotation file must be a file name inside the checkpoint, "

@@ -66,6 +66,7 @@ def add_parser(sub) -> None:
                                        "none: data-free rotations, which only none / hadamard specs allow)")
     p.add_argument("--out", required=True, help="output directory (new or empty)")
     p.add_argument("--dtype", default="auto",
-                   help="hf: weight dtype, auto = the source checkpoint's | float32 | bfloat16 | float16")
+                   help="hf: weight dtype, auto = the one the source's config.json names (float32 if it names "
+                        "none) | float32 | bfloat16 | float16")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_export)
