@@ -152,15 +152,17 @@ def measure(cfg: SweepConfig, budgets: Sequence) -> Sensitivity:
     windows = tail_windows(read_tokens(data_path, tokenizer), cfg.context, cfg.num_windows, bos)
     device = next(model.parameters()).device
 
-    def quantizers(spec):
-        return spec_quantizers(resolved_layers(spec, fp.head_dim, fp.num_layers), rotations, fp.head_dim, device)
+    def quantizers(spec, only: slice = slice(None)):
+        layers = resolved_layers(spec, fp.head_dim, fp.num_layers)[only]
+        return spec_quantizers(layers, rotations, fp.head_dim, device)
 
     base = quantizers(method.spec)
     probes = {"base": base}
     for i, layer in enumerate(formats):
         for j, fmt in enumerate(layer):
             if j and fmt.cost - layer[0].cost <= units - floor:  # else its extra bits alone exceed every budget
-                probes[(i, j)] = base[:i] + quantizers(with_format(method.spec, i, fmt))[i:i + 1] + base[i + 1:]
+                probe = quantizers(with_format(method.spec, i, fmt), slice(i, i + 1))  # layer i's alone
+                probes[(i, j)] = base[:i] + probe + base[i + 1:]
     reference = reference_logprobs(model, windows, cfg.scored_tokens, cfg.batch_size)
     measured = continuation_divergence(model, probes, windows, reference, cfg.scored_tokens, cfg.batch_size,
                                        cfg.progress, desc="sweep: layer sensitivity")
