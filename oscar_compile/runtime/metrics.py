@@ -80,7 +80,8 @@ def _rank_lines(stats: dict[str, float]) -> list[str]:
     lines += [f'oscar_kv_rank_bytes{{rank="{r}"}} {_fmt(stats.get("kv_bytes_per_rank", 0))}' for r in range(num_ranks)]
     for suffix in ("pages_total", "pages_used"):
         name = f"oscar_kv_rank_{suffix}"
-        lines += [f"# HELP {name} KV {suffix.replace('_', ' ')} on each rank.", f"# TYPE {name} gauge"]
+        lines += [f"# HELP {name} KV {suffix.replace('_', ' ')} on each rank (rank 0's plan: every rank holds the same "
+                  "page ids, each with its own KV heads).", f"# TYPE {name} gauge"]
         lines += [f'{name}{{rank="{r}",kind="{kind}"}} {_fmt(stats[f"{kind}_{suffix}"])}'
                   for r in range(num_ranks) for kind in PAGE_KINDS]
     return lines
