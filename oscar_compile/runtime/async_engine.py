@@ -145,11 +145,7 @@ class AsyncEngine:
         logger.info("engine thread stopped")
 
     def _fail_posted_adds(self, err: BaseException) -> None:
-        while True:
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for command in self._posted():
             if command[0] == "add":
                 request_id, sink = command[3], command[4]
                 self._num_drained_adds += 1
@@ -163,12 +159,16 @@ class AsyncEngine:
             self._num_unseen_adds -= self._num_drained_adds
             self._num_drained_adds = 0
 
-    def _drain_inbox(self) -> None:
+    def _posted(self):
+        """The inbox's commands, until it is empty."""
         while True:
             try:
-                command = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_inbox(self) -> None:
+        for command in self._posted():
             if command[0] == "abort":
                 out = self.engine.abort_request(command[1])
                 if out is not None:
