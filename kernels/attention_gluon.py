@@ -1,4 +1,4 @@
-"""Gluon ``oscar::attention`` for Hopper (sm_90): paged INT2 decode with wgmma, A from registers.
+"""Gluon ``oscar::attention`` for Hopper (sm_90): paged INT2 / INT4 decode with wgmma, A from registers.
 
 Why Gluon: plain Triton chooses register layouts itself, so the decoded codes went through
 shared memory and 4 query heads were padded to a 16-row tile (kernels/attention_triton.py,
@@ -7,8 +7,9 @@ stalled at about 2x cuDNN BF16). Here the layouts are explicit:
 - **Keys on the M side, query heads on N** (N = 8 for GQA 1 / 4 / 8). One warpgroup (4 warps)
   takes 64 history tokens per step: S^T[64, N] = C[64, D] . q'^T[D, N], with C the key codes
   decoded straight into the wgmma A fragment (``convert_layout(..., assert_trivial=True)``: no
-  shared memory). Thread (warp w, lane 4 g + t) loads bytes ``[t WP/4, (t + 1) WP/4)`` of the
-  planar key rows of tokens ``16 w + g`` and ``16 w + g + 8``: one 8-byte load each (D = 128).
+  data moves between threads). Thread (warp w, lane 4 g + t) reads bytes ``[t WP/4, (t + 1) WP/4)``
+  of the planar key rows of tokens ``16 w + g`` and ``16 w + g + 8`` from the step's
+  shared-memory stage: one 8-byte read each (INT2, D = 128).
 - **The cache format is the planar one** (docs/cache-format.md): the contraction index of the
   key dot is a permutation of the channels, kappa = 16 (mu + n_mu p) + 8 i0 + 2 t + e for the
   code of channel WP p + 4 n_mu t + 4 mu + 2 i0 + e (plane p, byte t WP/4 + 4 mu + 2 i0 + e),
@@ -21,8 +22,9 @@ stalled at about 2x cuDNN BF16). Here the layouts are explicit:
   shared memory (fp16) and the zero term sum_t P'_t z_t kept per thread and reduced once at the
   end. Thread (warp w, lane 4 g + t) takes one byte column of the planar value rows of 16 tokens
   (tokens 16 v + 8 b + 2 t + e): its four channels (planes) are the fragment's rows
-  ``channel = j + WP (a + 2 r)`` (D = 128; ``_value_channel``), so output rows are permuted
-  channels, written back in channel order.
+  ``channel = j + WP (a + 2 r)`` (INT2, D = 128; INT4 takes two byte columns j, j + 32 of two
+  planes each; ``_value_channel``), so output rows are permuted channels, written back in
+  channel order.
 - **The history streams through shared memory** (``_copy_step`` / ``_read_step``): each 64-token
   step is copied with cp.async into one of STAGES stages, STAGES steps ahead of the math; warp w
   copies the step's 16-token block w (contiguous in the pools), so a thread makes one page lookup
