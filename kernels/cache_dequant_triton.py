@@ -1,0 +1,121 @@
+"""Triton dequantization of each sequence's cache into dense full-precision pages (cache_dequant_ref).
+
+One program per (sequence, BLOCK_T positions, KV head) writes the keys and values of those
+positions into the scratch pages, in position order: sink and ring slots copied from the window
+pools, history rows dequantized from the planar codes (channel c is plane c // WP of byte
+c % WP, WP = D * b / 8) with the scale and zero of group c // G, s * (code - z) in float32 as
+``quant.dequantize`` computes it, then rounded to the window dtype. Bitwise the reference: the
+float32 value is the same product, and the rounding to bfloat16 is done on the bits (round to
+nearest even), because the Triton interpreter's float32 -> bfloat16 cast truncates. Positions
+>= L are not written. Programs past a sequence's length return at once; the grid comes from
+shapes only.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from oscar_compile.kernels.attention_blocks_triton import page_rows
+from oscar_compile.kernels.cache_dequant_ref import scratch_page_table
+from oscar_compile.kernels.pools import check_window_config
+from oscar_compile.quant import SUPPORTED_BITS
+
+
+@triton.jit
+def round_to_bf16(x):
+    """float32 -> bfloat16, round to nearest even, from the bits (finite x)."""
+    b = x.to(tl.uint32, bitcast=True)
+    b = b + 0x7FFF + ((b >> 16) & 1)
+    return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _dequant_rows(win_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, wrow, qrow, drow, in_win,
+                  in_hist, ok, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                  ROUND_BF16: tl.constexpr):
+    """Rows wrow (window pool) or qrow (history pools), [BLOCK_T] each, -> out rows drow."""
+    WP: tl.constexpr = D * BITS // 8
+    NG: tl.constexpr = D // GROUP
+    c = tl.arange(0, D)[None, :]
+    w = tl.load(win_ptr + wrow[:, None] * D + c, mask=in_win[:, None], other=0.0)
+    hm = in_hist[:, None]
+    b = tl.load(codes_ptr + qrow[:, None] * WP + c % WP, mask=hm, other=0).to(tl.int32)
+    code = (b >> (BITS * (c // WP))) & ((1 << BITS) - 1)
+    g = qrow[:, None] * NG + c // GROUP
+    s = tl.load(scale_ptr + g, mask=hm, other=0.0).to(tl.float32)
+    z = tl.load(zero_ptr + g, mask=hm, other=0.0).to(tl.float32)
+    x = s * (code.to(tl.float32) - z)
+    if ROUND_BF16:
+        xr = round_to_bf16(x)
+    else:
+        xr = x.to(out_ptr.dtype.element_ty)
+    val = tl.where(hm, xr, w.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + drow[:, None] * D + c, val, mask=ok[:, None])
+
+
+@triton.jit(do_not_specialize=["cols"])
+def _dequant_cache_kernel(
+    lens_ptr, hist_ptr, wt_ptr, qt_ptr, kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr,
+    vz_ptr, kout_ptr, vout_ptr, stride_wt, stride_qt, cols,
+    H_KV: tl.constexpr, D: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr,
+    RECENT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_HIST: tl.constexpr, ROUND_BF16: tl.constexpr,
+):
+    i = tl.program_id(0)
+    t0 = tl.program_id(1) * BLOCK_T
+    h = tl.program_id(2)
+    L = tl.load(lens_ptr + i)
+    if t0 < L:
+        if HAS_HIST:
+            n_hist = tl.load(hist_ptr + i)
+        else:
+            n_hist = tl.maximum(L - SINK - RECENT, 0)
+        p = t0 + tl.arange(0, BLOCK_T)
+        ok = p < L
+        in_hist = ok & (p >= SINK) & (p < SINK + n_hist)
+        in_win = ok & ~in_hist
+        if RECENT > 0:
+            slot = tl.where(p < SINK, p, SINK + (p - SINK) % RECENT)
+        else:  # no ring: every window position is a sink slot
+            slot = p
+        wrow = page_rows(wt_ptr + i.to(tl.int64) * stride_wt, slot, in_win, h, H_KV, P)
+        qrow = page_rows(qt_ptr + i.to(tl.int64) * stride_qt, p - SINK, in_hist, h, H_KV, P)
+        drow = ((i.to(tl.int64) * cols + p // P) * H_KV + h) * P + p % P
+        _dequant_rows(kwin_ptr, kc_ptr, ks_ptr, kz_ptr, kout_ptr, wrow, qrow, drow, in_win, in_hist,
+                      ok, D, BITS, GROUP, ROUND_BF16)
+        _dequant_rows(vwin_ptr, vc_ptr, vs_ptr, vz_ptr, vout_ptr, wrow, qrow, drow, in_win, in_hist,
+                      ok, D, BITS, GROUP, ROUND_BF16)
+
+
+def dequantize_cache_triton(cache_lens, window_table, quant_table, k_win, v_win, k_codes, k_scale,
+                            k_zero, v_codes, v_scale, v_zero, sink, recent, bits, group_size,
+                            history_lens=None, block_t: int = 32, num_warps: int = 4):
+    """(k_pages [B * C, H_kv, P, D], v_pages, page_table [B, C]) as cache_dequant_ref says; rows
+    of positions >= cache_lens[i] are left uninitialised. INT-b history only (b in 2, 4)."""
+    B, P = cache_lens.shape[0], k_win.shape[2]
+    H, D = k_win.shape[1], k_win.shape[3]
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"dequantize_cache_triton decodes INT-b history (b in {SUPPORTED_BITS}), got bits {bits}")
+    if D & (D - 1) or D % group_size or block_t & (block_t - 1):
+        raise ValueError(f"head_dim {D} must be a power of two divisible by group_size {group_size}, "
+                         f"block_t {block_t} a power of two")
+    if history_lens is not None and history_lens.shape != (B,):
+        raise ValueError(f"history_lens must be [B] = [{B}], got {tuple(history_lens.shape)}")
+    check_window_config(sink, recent, P)
+    pools = (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+    if not all(t.is_contiguous() for t in pools):
+        raise ValueError("the cache pools must be contiguous")
+    cols = window_table.shape[1] + quant_table.shape[1]
+    k_pages = torch.empty(B * cols, H, P, D, dtype=k_win.dtype, device=k_win.device)
+    v_pages = torch.empty_like(k_pages)
+    table = scratch_page_table(B, cols, k_win.device)
+    if B * cols == 0:
+        return k_pages, v_pages, table
+    _dequant_cache_kernel[(B, triton.cdiv(cols * P, block_t), H)](
+        cache_lens, history_lens if history_lens is not None else cache_lens, window_table,
+        quant_table, *pools, k_pages, v_pages, window_table.stride(0), quant_table.stride(0), cols,
+        H_KV=H, D=D, P=P, SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size, BLOCK_T=block_t,
+        HAS_HIST=history_lens is not None, ROUND_BF16=k_win.dtype == torch.bfloat16,
+        num_warps=num_warps)
+    return k_pages, v_pages, table
