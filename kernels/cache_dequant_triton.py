@@ -119,3 +119,25 @@ def dequantize_cache_triton(cache_lens, window_table, quant_table, k_win, v_win,
         HAS_HIST=history_lens is not None, ROUND_BF16=k_win.dtype == torch.bfloat16,
         num_warps=num_warps)
     return k_pages, v_pages, table
+
+
+def compile_offline(window_dtype: str = "bf16", scale_dtype: str = "fp16", bits: int = 2,
+                    group_size: int = 128, head_dim: int = 128, has_hist: bool = True,
+                    block_t: int = 32, num_warps: int = 4):
+    """Compile the kernel for sm_90 without a GPU (CI: it must build for the device, not only run
+    in the interpreter). Returns Triton's compiled kernel (``.asm["ptx"]``, ``.metadata``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    wdt, sdt = window_dtype, scale_dtype
+    ptrs = dict(lens_ptr="i32", hist_ptr="i32", wt_ptr="i32", qt_ptr="i32", kwin_ptr=wdt, vwin_ptr=wdt,
+                kc_ptr="u8", ks_ptr=sdt, kz_ptr=sdt, vc_ptr="u8", vs_ptr=sdt, vz_ptr=sdt,
+                kout_ptr=wdt, vout_ptr=wdt)
+    sig = {name: f"*{t}" for name, t in ptrs.items()}
+    sig.update(stride_wt="i32", stride_qt="i32", cols="i32")
+    consts = dict(H_KV=8, D=head_dim, P=16, SINK=64, RECENT=256, BITS=bits, GROUP=group_size,
+                  BLOCK_T=block_t, HAS_HIST=has_hist, ROUND_BF16=wdt == "bf16")
+    sig.update({k: "constexpr" for k in consts})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))}  # as the JIT specializes pointers
+    src = ASTSource(_dequant_cache_kernel, sig, consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})

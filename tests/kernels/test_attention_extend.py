@@ -178,3 +178,34 @@ def test_extend_path_refuses_what_the_dispatch_would_not_send():
     with pytest.raises(ValueError, match="bits 16"):
         attention_extend_triton(q, k, k, cu, case.cache_lens, case.window_table, case.quant_table,
                                 *case.pools, 0.125, 16, 16, 16, 64)
+
+
+_COMPILE = """
+import json, sys
+from oscar_compile.kernels.cache_dequant_triton import compile_offline
+out = []
+for wdt, sdt, bits, group, head_dim, has_hist in json.loads(sys.argv[1]):
+    ptx = compile_offline(wdt, sdt, bits, group, head_dim, has_hist).asm["ptx"]
+    out.append({"local": ("ld.local" in ptx) or ("st.local" in ptx), "stores": ptx.count("st.global")})
+print(json.dumps(out))
+"""
+
+
+def test_dequant_kernel_compiles_for_sm90():
+    """An offline sm_90 compile (not the interpreter's run): bf16 / fp16 / fp32 windows, INT2 and
+    INT4, groups below D, no register spills. In a child process: under TRITON_INTERPRET=1 (CI)
+    the kernel is an interpreter function."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    configs = [("bf16", "fp16", 2, 128, 128, True), ("bf16", "fp16", 4, 32, 128, False),
+               ("fp16", "bf16", 2, 64, 64, False), ("fp32", "fp32", 2, 16, 64, True)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(configs)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert all(not g["local"] and g["stores"] > 0 for g in got), got
