@@ -20,16 +20,19 @@ unchanged), INT2 or INT4 history (a 16-bit layer's history rows sit in their own
 fused kernel already reads them at the paged BF16 kernel's speed: nothing to gain from a copy),
 a history capacity > 0, shapes the paged BF16 kernel takes (power-of-two D >= 32), and a
 scratch of at most MAX_SCRATCH_BYTES. The scratch is sized from the tables' widths: B sequences
-x (window + quant table columns) pages, the most a sequence can hold. Everything else runs the
-fused kernel, as before. The call decodes every sequence of the batch, decode rows mixed into a
-prefill step included: for those it is extra work (write and read back 32 bits per cached
-element against reading 2.25), which the cap bounds.
+x (window + quant table columns, rounded up to 16) pages, the most a sequence can address.
+Everything else runs the fused kernel, as before. The call decodes every sequence of the batch,
+decode rows mixed into a prefill step included: for those it is extra work (write and read back
+32 bits per cached element against reading 2.25), which the cap bounds. (Sending only the long
+chunks here would need the split of rows between two launches decided on the device, merges
+included; not done.)
 """
 from __future__ import annotations
 
 import torch
 
 from oscar_compile.kernels.attention_bf16_triton import attention_bf16_triton
+from oscar_compile.kernels.cache_dequant_ref import scratch_columns
 from oscar_compile.kernels.cache_dequant_triton import dequantize_cache_triton
 from oscar_compile.quant import SUPPORTED_BITS
 
@@ -43,9 +46,8 @@ MAX_SCRATCH_BYTES = 512 * 2**20
 
 def scratch_bytes(num_seqs: int, window_table: torch.Tensor, quant_table: torch.Tensor,
                   k_win: torch.Tensor) -> int:
-    """Bytes of the K and V scratch pages of one call: B x (table columns) pages of [H_kv, P, D]."""
-    cols = window_table.shape[1] + quant_table.shape[1]
-    return 2 * num_seqs * cols * k_win[0].numel() * k_win.element_size()
+    """Bytes of the K and V scratch pages of one call: B x scratch_columns pages of [H_kv, P, D]."""
+    return 2 * num_seqs * scratch_columns(window_table, quant_table) * k_win[0].numel() * k_win.element_size()
 
 
 def extend_unsupported_reason(q: torch.Tensor, k: torch.Tensor, window_table: torch.Tensor,

@@ -7,7 +7,7 @@ torch (no Triton):
 
 - scratch pages ``k_pages, v_pages: [B * C, H_kv, P, D]`` in the window dtype, C = the columns of
   ``window_table`` plus those of ``quant_table`` (a sequence holds at most S0 + W + h tokens, and
-  h at most ``quant_table.shape[1] * P``);
+  h at most ``quant_table.shape[1] * P``), rounded up to a multiple of 16 (``scratch_columns``);
 - ``page_table: [B, C]`` int32, sequence i's pages ``i * C .. i * C + C - 1`` in order;
 - position p < L of sequence i sits at row p % P of page ``page_table[i, p // P]``: the value
   ``attention_ref.gather_cached`` gives it (sink and ring slots as stored, history rows
@@ -23,6 +23,15 @@ from oscar_compile.kernels.attention_ref import gather_cached
 from oscar_compile.kernels.pools import check_window_config, history_lens_of
 
 
+def scratch_columns(window_table: torch.Tensor, quant_table: torch.Tensor) -> int:
+    """Scratch pages per sequence: every page the tables can address, rounded up to a multiple of
+    16. The paged BF16 kernel specializes on its page table's row stride (a multiple of 16 or
+    not) and so does the dequantization's output: one compiled variant for every table width
+    (the runner compiles it at startup, not in the middle of a batch), for at most 15 pages of
+    address space more per sequence (never written or read)."""
+    return -(-(window_table.shape[1] + quant_table.shape[1]) // 16) * 16
+
+
 def scratch_page_table(B: int, cols: int, device) -> torch.Tensor:
     """[B, cols] int32: sequence i owns scratch pages i * cols .. (i + 1) * cols - 1."""
     return torch.arange(B * cols, dtype=torch.int32, device=device).view(B, cols)
@@ -35,7 +44,7 @@ def dequantize_cache_ref(cache_lens, window_table, quant_table, k_win, v_win, k_
     B, P = cache_lens.shape[0], k_win.shape[2]
     H, D = k_win.shape[1], k_win.shape[3]
     check_window_config(sink, recent, P)
-    cols = window_table.shape[1] + quant_table.shape[1]
+    cols = scratch_columns(window_table, quant_table)
     hists = history_lens_of(cache_lens, history_lens, sink, recent)
     k_pages = torch.zeros(B * cols, H, P, D, dtype=k_win.dtype, device=k_win.device)
     v_pages = torch.zeros_like(k_pages)

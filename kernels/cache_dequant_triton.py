@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from oscar_compile.kernels.attention_blocks_triton import page_rows
-from oscar_compile.kernels.cache_dequant_ref import scratch_page_table
+from oscar_compile.kernels.cache_dequant_ref import scratch_columns, scratch_page_table
 from oscar_compile.kernels.pools import check_window_config
 from oscar_compile.quant import SUPPORTED_BITS
 
@@ -54,7 +54,8 @@ def _dequant_rows(win_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, wrow, qrow, 
     tl.store(out_ptr + drow[:, None] * D + c, val, mask=ok[:, None])
 
 
-@triton.jit(do_not_specialize=["cols"])
+# the table strides (trimmed widths in the runtime's prefill steps) stay unspecialized: one variant
+@triton.jit(do_not_specialize=["stride_wt", "stride_qt", "cols"])
 def _dequant_cache_kernel(
     lens_ptr, hist_ptr, wt_ptr, qt_ptr, kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr,
     vz_ptr, kout_ptr, vout_ptr, stride_wt, stride_qt, cols,
@@ -106,7 +107,7 @@ def dequantize_cache_triton(cache_lens, window_table, quant_table, k_win, v_win,
     pools = (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     if not all(t.is_contiguous() for t in pools):
         raise ValueError("the cache pools must be contiguous")
-    cols = window_table.shape[1] + quant_table.shape[1]
+    cols = scratch_columns(window_table, quant_table)
     k_pages = torch.empty(B * cols, H, P, D, dtype=k_win.dtype, device=k_win.device)
     v_pages = torch.empty_like(k_pages)
     table = scratch_page_table(B, cols, k_win.device)
