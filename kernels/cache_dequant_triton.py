@@ -2,8 +2,9 @@
 
 One program per (sequence, BLOCK_T positions, KV head) writes the keys and values of those
 positions into the scratch pages, in position order: sink and ring slots copied from the window
-pools, history rows dequantized from the planar codes (channel c is plane c // WP of byte
-c % WP, WP = D * b / 8) with the scale and zero of group c // G, s * (code - z) in float32 as
+pools, history rows dequantized from the planar codes (plane i of the D * b / 8 bytes of a row
+holds channels [i WP, (i + 1) WP), WP = D * b / 8: one contiguous tile per plane) with the
+scale and zero of group c // G, s * (code - z) in float32 as
 ``quant.dequantize`` computes it, then rounded to the window dtype. Bitwise the reference: the
 float32 value is the same product, and the rounding to bfloat16 is done on the bits (round to
 nearest even), because the Triton interpreter's float32 -> bfloat16 cast truncates. Positions
@@ -34,24 +35,28 @@ def round_to_bf16(x):
 def _dequant_rows(win_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, wrow, qrow, drow, in_win,
                   in_hist, ok, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                   ROUND_BF16: tl.constexpr):
-    """Rows wrow (window pool) or qrow (history pools), [BLOCK_T] each, -> out rows drow."""
+    """Rows wrow (window pool) or qrow (history pools), [BLOCK_T] each, -> out rows drow, one
+    plane (WP contiguous channels, one shift and mask of the packed bytes) at a time."""
     WP: tl.constexpr = D * BITS // 8
     NG: tl.constexpr = D // GROUP
-    c = tl.arange(0, D)[None, :]
-    w = tl.load(win_ptr + wrow[:, None] * D + c, mask=in_win[:, None], other=0.0)
+    NPL: tl.constexpr = 8 // BITS
+    j = tl.arange(0, WP)[None, :]
     hm = in_hist[:, None]
-    b = tl.load(codes_ptr + qrow[:, None] * WP + c % WP, mask=hm, other=0).to(tl.int32)
-    code = (b >> (BITS * (c // WP))) & ((1 << BITS) - 1)
-    g = qrow[:, None] * NG + c // GROUP
-    s = tl.load(scale_ptr + g, mask=hm, other=0.0).to(tl.float32)
-    z = tl.load(zero_ptr + g, mask=hm, other=0.0).to(tl.float32)
-    x = s * (code.to(tl.float32) - z)
-    if ROUND_BF16:
-        xr = round_to_bf16(x)
-    else:
-        xr = x.to(out_ptr.dtype.element_ty)
-    val = tl.where(hm, xr, w.to(out_ptr.dtype.element_ty))
-    tl.store(out_ptr + drow[:, None] * D + c, val, mask=ok[:, None])
+    b = tl.load(codes_ptr + qrow[:, None] * WP + j, mask=hm, other=0).to(tl.int32)  # [BLOCK_T, WP]
+    for pl in tl.static_range(NPL):
+        c = pl * WP + j  # the plane's channels
+        w = tl.load(win_ptr + wrow[:, None] * D + c, mask=in_win[:, None], other=0.0)
+        code = (b >> (BITS * pl)) & ((1 << BITS) - 1)
+        g = qrow[:, None] * NG + c // GROUP
+        s = tl.load(scale_ptr + g, mask=hm, other=0.0).to(tl.float32)
+        z = tl.load(zero_ptr + g, mask=hm, other=0.0).to(tl.float32)
+        x = s * (code.to(tl.float32) - z)
+        if ROUND_BF16:
+            xr = round_to_bf16(x)
+        else:
+            xr = x.to(out_ptr.dtype.element_ty)
+        val = tl.where(hm, xr, w.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + drow[:, None] * D + c, val, mask=ok[:, None])
 
 
 # the table strides (trimmed widths in the runtime's prefill steps) stay unspecialized: one variant
