@@ -29,6 +29,8 @@ included; not done.)
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from oscar_compile.kernels.attention_bf16_triton import attention_bf16_triton
@@ -47,7 +49,8 @@ MAX_SCRATCH_BYTES = 512 * 2**20
 def scratch_bytes(num_seqs: int, window_table: torch.Tensor, quant_table: torch.Tensor,
                   k_win: torch.Tensor) -> int:
     """Bytes of the K and V scratch pages of one call: B x scratch_columns pages of [H_kv, P, D]."""
-    return 2 * num_seqs * scratch_columns(window_table, quant_table) * k_win[0].numel() * k_win.element_size()
+    page_bytes = math.prod(k_win.shape[1:]) * k_win.element_size()
+    return 2 * num_seqs * scratch_columns(window_table, quant_table) * page_bytes
 
 
 def extend_unsupported_reason(q: torch.Tensor, k: torch.Tensor, window_table: torch.Tensor,

@@ -209,3 +209,25 @@ def test_dequant_kernel_compiles_for_sm90():
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert all(not g["local"] and g["stores"] > 0 for g in got), got
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_op_takes_the_extend_path_on_cuda(monkeypatch):
+    """``oscar::attention`` on a GPU: a prefill-like INT2 call after prefix hits runs the extend
+    path (kernels_in_use says so) and matches the reference; forced to the fused kernel, too."""
+    from oscar_compile.kernels import ops
+
+    monkeypatch.delenv(ad.ENV, raising=False)
+    case = build_case([300, 90, 20], 2, 128, P, 16, 32, 2, 64, torch.float16, seed=21,
+                      extra_tokens=70, hits=[0, 80, 0], device="cuda")
+    gen = torch.Generator().manual_seed(22)
+    q, k, v = (random_kv(100, h, 128, gen, device="cuda") for h in (8, 2, 2))
+    cu = torch.tensor([0, 70, 90, 100], dtype=torch.int32, device="cuda")
+    args = (q, k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
+            128 ** -0.5, 16, 32, 2, 64, case.history_lens)
+    want = attention_ref(*args)
+    assert rel_err(ops.attention(*args), want) < TOL
+    assert "extend" in ad.kernels_in_use()
+    monkeypatch.setenv(ad.ENV, "triton")
+    assert rel_err(ops.attention(*args), want) < TOL
