@@ -2,13 +2,13 @@
 
 One program per (sequence, BLOCK_T positions, KV head) writes the keys and values of those
 positions into the scratch pages, in position order: sink and ring slots copied from the window
-pools, history rows dequantized from the planar codes (plane i of the D * b / 8 bytes of a row
-holds channels [i WP, (i + 1) WP), WP = D * b / 8: one contiguous tile per plane) with the
-scale and zero of group c // G, s * (code - z) in float32 as
-``quant.dequantize`` computes it, then rounded to the window dtype. Bitwise the reference: the
-float32 value is the same product, and the rounding to bfloat16 is done on the bits (round to
-nearest even), because the Triton interpreter's float32 -> bfloat16 cast truncates. Positions
->= L are not written. Programs past a sequence's length return at once; the grid comes from
+pools, history rows dequantized from the planar codes (plane i of a row's WP = D * b / 8 bytes
+holds channels [i WP, (i + 1) WP): one contiguous tile per plane) with the scale and zero of
+group c // G, s * (code - z) in float32 as ``quant.dequantize`` computes it, then rounded to the
+window dtype. Bitwise the reference: the float32 value is the same product, and the rounding to
+bfloat16 is done on the bits (round to nearest even), because the Triton interpreter's float32
+-> bfloat16 cast truncates. Positions >= L are not written (nor any past the sequence's C
+pages, whatever L says). Programs past a sequence's length return at once; the grid comes from
 shapes only.
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ def _dequant_cache_kernel(
         else:
             n_hist = tl.maximum(L - SINK - RECENT, 0)
         p = t0 + tl.arange(0, BLOCK_T)
-        ok = p < L
+        ok = (p < L) & (p < cols * P)
         in_hist = ok & (p >= SINK) & (p < SINK + n_hist)
         in_win = ok & ~in_hist
         if RECENT > 0:
