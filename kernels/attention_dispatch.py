@@ -65,7 +65,8 @@ def choose_attention_kernel(q: torch.Tensor, k: torch.Tensor, k_win: torch.Tenso
     if window_table is not None and quant_table is not None:
         from oscar_compile.kernels.attention_extend_triton import extend_unsupported_reason
 
-        if extend_unsupported_reason(q, k, window_table, quant_table, k_win, bits, num_seqs) is None:
+        why_not = extend_unsupported_reason(q, k, window_table, quant_table, k_win, bits, num_seqs, group_size)
+        if why_not is None:
             return "extend", "prefill-like call over INT-b history"
     if problem is not None:
         return "triton", problem

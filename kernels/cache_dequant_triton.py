@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from oscar_compile.kernels.attention_blocks_triton import page_rows
-from oscar_compile.kernels.cache_dequant_ref import scratch_columns, scratch_page_table
+from oscar_compile.kernels.cache_dequant_ref import scratch_columns
 from oscar_compile.kernels.pools import check_window_config
 from oscar_compile.quant import SUPPORTED_BITS
 
@@ -62,8 +62,8 @@ def _dequant_rows(win_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, wrow, qrow, 
 # the table strides (trimmed widths in the runtime's prefill steps) stay unspecialized: one variant
 @triton.jit(do_not_specialize=["stride_wt", "stride_qt", "cols"])
 def _dequant_cache_kernel(
-    lens_ptr, hist_ptr, wt_ptr, qt_ptr, kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr,
-    vz_ptr, kout_ptr, vout_ptr, stride_wt, stride_qt, cols,
+    lens_ptr, hist_ptr, first_ptr, wt_ptr, qt_ptr, kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr,
+    vs_ptr, vz_ptr, kout_ptr, vout_ptr, stride_wt, stride_qt, cols,
     H_KV: tl.constexpr, D: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr,
     RECENT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
     HAS_HIST: tl.constexpr, ROUND_BF16: tl.constexpr,
@@ -72,7 +72,8 @@ def _dequant_cache_kernel(
     t0 = tl.program_id(1) * BLOCK_T
     h = tl.program_id(2)
     L = tl.load(lens_ptr + i)
-    if t0 < L:
+    first = tl.load(first_ptr + i).to(tl.int64)  # the sequence's first scratch page, -1: none
+    if (t0 < L) & (first >= 0):
         if HAS_HIST:
             n_hist = tl.load(hist_ptr + i)
         else:
@@ -87,7 +88,7 @@ def _dequant_cache_kernel(
             slot = p
         wrow = page_rows(wt_ptr + i.to(tl.int64) * stride_wt, slot, in_win, h, H_KV, P)
         qrow = page_rows(qt_ptr + i.to(tl.int64) * stride_qt, p - SINK, in_hist, h, H_KV, P)
-        drow = ((i.to(tl.int64) * cols + p // P) * H_KV + h) * P + p % P
+        drow = ((first + p // P) * H_KV + h) * P + p % P
         _dequant_rows(kwin_ptr, kc_ptr, ks_ptr, kz_ptr, kout_ptr, wrow, qrow, drow, in_win, in_hist,
                       ok, D, BITS, GROUP, ROUND_BF16)
         _dequant_rows(vwin_ptr, vc_ptr, vs_ptr, vz_ptr, vout_ptr, wrow, qrow, drow, in_win, in_hist,
@@ -96,9 +97,15 @@ def _dequant_cache_kernel(
 
 def dequantize_cache_triton(cache_lens, window_table, quant_table, k_win, v_win, k_codes, k_scale,
                             k_zero, v_codes, v_scale, v_zero, sink, recent, bits, group_size,
-                            history_lens=None, block_t: int = 32, num_warps: int = 4):
+                            history_lens=None, first_page=None, num_pages: int | None = None,
+                            block_t: int = 32, num_warps: int = 4):
     """(k_pages [B * C, H_kv, P, D], v_pages, page_table [B, C]) as cache_dequant_ref says; rows
-    of positions >= cache_lens[i] are left uninitialised. INT-b history only (b in 2, 4)."""
+    of positions >= cache_lens[i] are left uninitialised. INT-b history only (b in 2, 4).
+
+    ``first_page`` ([B] int32 on the device, with ``num_pages``): sequence i's pages are instead
+    ``first_page[i] + j`` of ``num_pages`` (-1: the sequence is not decoded; its table row is
+    negative and must not be read). The caller makes the runs fit (attention_extend_triton).
+    """
     B, P = cache_lens.shape[0], k_win.shape[2]
     H, D = k_win.shape[1], k_win.shape[3]
     if bits not in SUPPORTED_BITS:
@@ -113,13 +120,18 @@ def dequantize_cache_triton(cache_lens, window_table, quant_table, k_win, v_win,
     if not all(t.is_contiguous() for t in pools):
         raise ValueError("the cache pools must be contiguous")
     cols = scratch_columns(window_table, quant_table)
-    k_pages = torch.empty(B * cols, H, P, D, dtype=k_win.dtype, device=k_win.device)
+    if (first_page is None) != (num_pages is None):
+        raise ValueError("give first_page and num_pages together")
+    if first_page is None:  # sequence i owns pages i * C .. (i + 1) * C - 1 (scratch_page_table)
+        first_page = torch.arange(B, dtype=torch.int32, device=k_win.device) * cols
+        num_pages = B * cols
+    table = first_page[:, None] + torch.arange(cols, dtype=torch.int32, device=k_win.device)
+    k_pages = torch.empty(num_pages, H, P, D, dtype=k_win.dtype, device=k_win.device)
     v_pages = torch.empty_like(k_pages)
-    table = scratch_page_table(B, cols, k_win.device)
-    if B * cols == 0:
+    if B * cols == 0 or num_pages == 0:
         return k_pages, v_pages, table
     _dequant_cache_kernel[(B, triton.cdiv(cols * P, block_t), H)](
-        cache_lens, history_lens if history_lens is not None else cache_lens, window_table,
+        cache_lens, history_lens if history_lens is not None else cache_lens, first_page, window_table,
         quant_table, *pools, k_pages, v_pages, window_table.stride(0), quant_table.stride(0), cols,
         H_KV=H, D=D, P=P, SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size, BLOCK_T=block_t,
         HAS_HIST=history_lens is not None, ROUND_BF16=k_win.dtype == torch.bfloat16,
@@ -136,7 +148,7 @@ def compile_offline(window_dtype: str = "bf16", scale_dtype: str = "fp16", bits:
     from triton.compiler import ASTSource
 
     wdt, sdt = window_dtype, scale_dtype
-    ptrs = dict(lens_ptr="i32", hist_ptr="i32", wt_ptr="i32", qt_ptr="i32", kwin_ptr=wdt, vwin_ptr=wdt,
+    ptrs = dict(lens_ptr="i32", hist_ptr="i32", first_ptr="i32", wt_ptr="i32", qt_ptr="i32", kwin_ptr=wdt, vwin_ptr=wdt,
                 kc_ptr="u8", ks_ptr=sdt, kz_ptr=sdt, vc_ptr="u8", vs_ptr=sdt, vz_ptr=sdt,
                 kout_ptr=wdt, vout_ptr=wdt)
     sig = {name: f"*{t}" for name, t in ptrs.items()}

@@ -103,7 +103,7 @@ def run_both(case, chunk_lens, H_q, device, seed):
     args = (q, k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
             D ** -0.5, case.sink, case.recent, case.bits, case.group_size, case.history_lens)
     assert extend_unsupported_reason(q, k, case.window_table, case.quant_table, case.pools.k_win,
-                                     case.bits, len(chunk_lens)) is None
+                                     case.bits, len(chunk_lens), case.group_size) is None
     return attention_extend_triton(*args), attention_ref(*args)
 
 
@@ -123,6 +123,42 @@ def test_extend_after_prefix_hits_matches_reference(tdevice):
                       extra_tokens=40, hits=[0, 64, 64, 48, 0], device=tdevice)
     got, want = run_both(case, [3, 34, 1, 2, 20], 8, tdevice, seed=7)
     assert rel_err(got, want) < TOL
+
+
+def test_scratch_plan_takes_the_chunks_that_fit_in_batch_order():
+    """Sequences of >= 3 new tokens get ceil(L / P) pages each, in order, while they fit; decode
+    rows and empty chunks none (shapes: the prefix sums run on the device)."""
+    from oscar_compile.kernels.attention_extend_triton import plan_scratch
+
+    cu = torch.tensor([0, 1, 38, 40, 60, 60, 70], dtype=torch.int32)  # 1, 37, 2, 20, 0, 10 new
+    lens = torch.tensor([100, 50, 200, 30, 0, 17], dtype=torch.int32)  # 7, 4, 13, 2, 1, 2 pages
+    first, decoded = plan_scratch(cu, lens, P, 64)
+    assert first.tolist() == [-1, 0, -1, 4, -1, 6] and decoded.tolist() == [False, True, False, True, False, True]
+    first, decoded = plan_scratch(cu, lens, P, 7)  # the third run no longer fits
+    assert first.tolist() == [-1, 0, -1, 4, -1, -1] and first.dtype == torch.int32
+
+
+@pytest.mark.parametrize("mode", ["per_sequence", "small_cap", "whole_call"])
+def test_mixed_step_matches_reference(tdevice, monkeypatch, mode):
+    """Decode rows, an empty chunk and long chunks in one prefill-like call: per sequence (the
+    decode rows on the fused kernel, the chunks on the scratch, one output), with a cap that
+    holds only the first chunk's pages (the later chunk runs fused too), and as one whole call."""
+    import oscar_compile.kernels.attention_extend_triton as ext
+
+    planned = []
+    plan = ext.plan_scratch
+    monkeypatch.setattr(ext, "plan_scratch", lambda *a: planned.append(plan(*a)) or planned[-1])
+    if mode == "small_cap":  # 150 + 100 cached: 10 + 7 pages; room for 12
+        monkeypatch.setattr(ext, "MAX_SCRATCH_BYTES", 12 * 2 * 2 * P * 64 * 2)
+    if mode == "whole_call":
+        monkeypatch.setattr(ext, "per_sequence_mode", lambda *a: False)
+    case = build_case([30, 150, 48, 100, 21, 0], 2, 64, P, 16, 32, 2, 32, torch.float16, seed=30,
+                      extra_tokens=40, hits=[0, 80, 0, 0, 0, 0], device=tdevice)
+    got, want = run_both(case, [1, 37, 2, 20, 0, 5], 8, tdevice, seed=31)
+    assert rel_err(got, want) < TOL
+    decoded = {"per_sequence": [False, True, False, True, False, True],
+               "small_cap": [False, True, False, False, False, False]}
+    assert [d.tolist() for _, d in planned] == ([decoded[mode]] if mode in decoded else [])
 
 
 def _shapes(N, B=4, H_q=32, H_kv=8, D=128, qcols=8):
@@ -161,8 +197,9 @@ def test_dispatch_sends_prefill_like_int_b_calls_to_the_extend_path(monkeypatch)
     need = ext.scratch_bytes(4, wt, qt, k_win)
     assert need == 2 * 4 * 32 * 8 * P * 128 * 2  # 20 + 8 table columns, rounded up to 32
     monkeypatch.setattr(ext, "MAX_SCRATCH_BYTES", need - 1)
-    kernel, why = _choose(q, k, k_win, k_codes, k_scale, wt, qt)
-    assert kernel == "triton"
+    assert _choose(q, k, k_win, k_codes, k_scale, wt, qt)[0] == "extend"  # per sequence: what fits
+    monkeypatch.setattr(ext, "plan_launch", lambda *a, **kw: (16, 64, 2))  # a split plan: whole call
+    assert _choose(q, k, k_win, k_codes, k_scale, wt, qt)[0] == "triton"
     monkeypatch.setattr(ext, "MAX_SCRATCH_BYTES", need)
     assert _choose(q, k, k_win, k_codes, k_scale, wt, qt)[0] == "extend"
     monkeypatch.setenv(ad.ENV, "triton")
