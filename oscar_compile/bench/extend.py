@@ -47,7 +47,8 @@ def _errors(fns: dict, q, k, v, cu, lens, layer, scale, B: int) -> dict:
 def bench_extend(cached: int, B: int, chunk: int = 2048, check: bool = True, device: str = "cuda") -> dict:
     """One row: the three paths' µs per layer, tokens/s, ratios to paged BF16 and errors
     (``device`` other than CUDA: only for a smoke test of this code under the interpreter)."""
-    from oscar_compile.kernels.attention_extend_triton import attention_extend_triton, scratch_bytes
+    from oscar_compile.kernels.attention_extend_triton import (MAX_SCRATCH_BYTES, attention_extend_triton,
+                                                               scratch_bytes)
     from oscar_compile.kernels.attention_triton import attention_triton
     from oscar_compile.kernels.cache_dequant_triton import dequantize_cache_triton
 
@@ -83,7 +84,7 @@ def bench_extend(cached: int, B: int, chunk: int = 2048, check: bool = True, dev
             row[f"{name}_us"] = None
             row[f"{name}_error"] = repr(e)[:300]
     pools, (wt, qt) = layers[0]
-    row["extend_scratch_bytes"] = scratch_bytes(B, wt, qt, pools.k_win)
+    row["extend_scratch_bytes"] = min(scratch_bytes(B, wt, qt, pools.k_win), MAX_SCRATCH_BYTES)  # allocated
     row["bf16_tokens_per_s"] = N / (row["paged_bf16_us"] * 1e-6)
     for name in ("int2", "extend"):
         if row[f"{name}_us"]:

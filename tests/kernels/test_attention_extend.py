@@ -58,11 +58,18 @@ def test_dequantize_is_the_reference_bitwise(tdevice, lens, hits, sink, recent, 
     want = dequantize_cache_ref(*_dequant_args(case))
     got = dequantize_cache_triton(*_dequant_args(case))
     assert torch.equal(got[2], want[2])
+    # the same rows when each sequence's run of pages is placed elsewhere (reversed order here)
+    cols = want[2].shape[1]
+    first = torch.arange(len(lens) - 1, -1, -1, dtype=torch.int32, device=tdevice) * cols
+    moved = dequantize_cache_triton(*_dequant_args(case), first_page=first, num_pages=len(lens) * cols)
+    assert torch.equal(moved[2][:, 0], first)
     for i, L in enumerate(lens):
         pos = torch.arange(L, device=tdevice)
         page, row = want[2][i, pos // P].long(), pos % P
-        for g, w in zip(got[:2], want[:2]):
-            assert torch.equal(g[page, :, row], w[page, :, row]), (i, L)
+        for out in (got, moved):
+            page_got = out[2][i, pos // P].long()
+            for g, w in zip(out[:2], want[:2]):
+                assert torch.equal(g[page_got, :, row], w[page, :, row]), (i, L)
 
 
 @pytest.mark.parametrize("lens,hits,sink,recent,H_kv,D,bits,G,wdt", DEQUANT_CASES[:3])
