@@ -99,16 +99,15 @@ def extend_unsupported_reason(q: torch.Tensor, k: torch.Tensor, window_table: to
 
 def plan_scratch(cu_seqlens: torch.Tensor, cache_lens: torch.Tensor, page_size: int,
                  num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first_page [B] int32, -1 where not decoded; decoded [B] bool), on the device: sequences
-    with at least EXTEND_MIN_TOKENS new tokens get runs of ceil(L / P) scratch pages in batch
-    order, while the runs fit ``num_pages`` (one that does not stays on the fused kernel, and so
-    does every later one: the runs are a prefix sum, no host sync)."""
+    """(page_runs [B + 1] int32, decoded [B] bool), on the device: sequences with at least
+    EXTEND_MIN_TOKENS new tokens get runs of ceil(L / P) scratch pages in batch order while the
+    runs fit ``num_pages`` (one that does not stays on the fused kernel, and so does every later
+    one: a prefix sum, no host sync); the others get empty runs."""
     wants = (cu_seqlens[1:] - cu_seqlens[:-1]) >= EXTEND_MIN_TOKENS
     pages = torch.where(wants, (cache_lens + page_size - 1) // page_size, 0)
-    end = pages.cumsum(0)
-    decoded = wants & (end <= num_pages)
-    first = torch.where(decoded, end - pages, -1).to(torch.int32)
-    return first, decoded
+    decoded = wants & (pages.cumsum(0) <= num_pages)
+    runs = torch.cat([pages[:1] * 0, (pages * decoded).cumsum(0)]).to(torch.int32)
+    return runs, decoded
 
 
 def attention_extend_triton(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win,
@@ -129,9 +128,9 @@ def attention_extend_triton(q, k, v, cu_seqlens, cache_lens, window_table, quant
         return attention_bf16_triton(q, k, v, cu_seqlens, cache_lens, table, k_pages, v_pages, scale)
     whole = B * scratch_columns(window_table, quant_table)
     num_pages = min(whole, MAX_SCRATCH_BYTES // page_pair_bytes(k_win))
-    first, decoded = plan_scratch(cu_seqlens, cache_lens, k_win.shape[2], num_pages)
+    runs, decoded = plan_scratch(cu_seqlens, cache_lens, k_win.shape[2], num_pages)
     k_pages, v_pages, table = dequantize_cache_triton(cache_lens, window_table, quant_table, *pools,
-                                                      *geometry, first_page=first, num_pages=num_pages)
+                                                      *geometry, page_runs=runs, num_pages=num_pages)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     attention_triton(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, *pools, scale, *geometry,
                      nsplit=0, seq_mask=~decoded, out=out)

@@ -58,15 +58,16 @@ def test_dequantize_is_the_reference_bitwise(tdevice, lens, hits, sink, recent, 
     want = dequantize_cache_ref(*_dequant_args(case))
     got = dequantize_cache_triton(*_dequant_args(case))
     assert torch.equal(got[2], want[2])
-    # the same rows when each sequence's run of pages is placed elsewhere (reversed order here)
-    cols = want[2].shape[1]
-    first = torch.arange(len(lens) - 1, -1, -1, dtype=torch.int32, device=tdevice) * cols
-    moved = dequantize_cache_triton(*_dequant_args(case), first_page=first, num_pages=len(lens) * cols)
-    assert torch.equal(moved[2][:, 0], first)
+    # the same rows when the runs of pages differ: the first sequence not decoded (an empty run),
+    # the others with just the pages their tokens need, packed
+    need = [0] + [-(-L // P) for L in lens[1:]]
+    runs = torch.tensor([0] + need, dtype=torch.int32).cumsum(0).to(device=tdevice, dtype=torch.int32)
+    moved = dequantize_cache_triton(*_dequant_args(case), page_runs=runs, num_pages=int(runs[-1]) + 1)
+    assert torch.equal(moved[2][:, 0], runs[:-1])
     for i, L in enumerate(lens):
         pos = torch.arange(L, device=tdevice)
         page, row = want[2][i, pos // P].long(), pos % P
-        for out in (got, moved):
+        for out in (got, moved) if i else (got,):
             page_got = out[2][i, pos // P].long()
             for g, w in zip(out[:2], want[:2]):
                 assert torch.equal(g[page_got, :, row], w[page, :, row]), (i, L)
@@ -138,11 +139,12 @@ def test_scratch_plan_takes_the_chunks_that_fit_in_batch_order():
     from oscar_compile.kernels.attention_extend_triton import plan_scratch
 
     cu = torch.tensor([0, 1, 38, 40, 60, 60, 70], dtype=torch.int32)  # 1, 37, 2, 20, 0, 10 new
-    lens = torch.tensor([100, 50, 200, 30, 0, 17], dtype=torch.int32)  # 7, 4, 13, 2, 1, 2 pages
-    first, decoded = plan_scratch(cu, lens, P, 64)
-    assert first.tolist() == [-1, 0, -1, 4, -1, 6] and decoded.tolist() == [False, True, False, True, False, True]
-    first, decoded = plan_scratch(cu, lens, P, 7)  # the third run no longer fits
-    assert first.tolist() == [-1, 0, -1, 4, -1, -1] and first.dtype == torch.int32
+    lens = torch.tensor([100, 50, 200, 30, 0, 17], dtype=torch.int32)  # 7, 4, 13, 2, 0, 2 pages
+    runs, decoded = plan_scratch(cu, lens, P, 64)
+    assert runs.tolist() == [0, 0, 4, 4, 6, 6, 8] and decoded.tolist() == [False, True, False, True, False, True]
+    runs, decoded = plan_scratch(cu, lens, P, 7)  # the third run no longer fits
+    assert runs.tolist() == [0, 0, 4, 4, 6, 6, 6] and runs.dtype == torch.int32
+    assert decoded.tolist() == [False, True, False, True, False, False]
 
 
 @pytest.mark.parametrize("mode", ["per_sequence", "small_cap", "whole_call"])
