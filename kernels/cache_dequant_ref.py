@@ -4,7 +4,7 @@ A prefill-like ``oscar::attention`` call over INT-b history (attention_extend_tr
 its sequences' cached keys and values once into a transient scratch pool of full-precision
 pages and runs the paged BF16 kernel over it. This module says what those pages hold, in plain
 torch (no Triton), in the standard layout (the Triton kernel can also place each sequence's run
-of pages elsewhere, ``first_page``: the same rows at other page numbers):
+of pages elsewhere, ``page_runs``: the same rows at other page numbers):
 
 - scratch pages ``k_pages, v_pages: [B * C, H_kv, P, D]`` in the window dtype, C = the columns of
   ``window_table`` plus those of ``quant_table`` (a sequence holds at most S0 + W + h tokens, and
