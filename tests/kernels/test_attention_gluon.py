@@ -76,6 +76,18 @@ def test_forced_splits_match_reference(nsplit, win_splits, bits):
 
 
 @needs_sm90
+@pytest.mark.parametrize("early_wait,stages", [(True, 2), (True, 3), (True, 4), (False, 2), (False, 4)])
+@pytest.mark.parametrize("D,nsplit", [(64, None), (128, None), (128, 7)])
+def test_pipeline_variants_match_reference(early_wait, stages, D, nsplit):
+    """Pipeline depths and where the next step's copies are waited for (attention_gluon.EARLY_WAIT),
+    with the planned and with forced splits (7 splits of short histories: empty and one-tile parts)."""
+    case = build_case(LENS, 2, D, 16, 16, 32, 2, D, torch.float16, seed=10, extra_tokens=2, device="cuda")
+    got, want = run_both(case, [1] * len(LENS), 8, seed=11, early_wait=early_wait, stages=stages,
+                         nsplit=nsplit)
+    assert rel_err(got, want) < TOL
+
+
+@needs_sm90
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("chunk_lens", [[1] * 5, [2, 1, 2, 2, 1]])
