@@ -87,7 +87,7 @@ from oscar_compile.kernels.gluon_compat import (
 def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                   q_smem, p_smem, red_smem, qk_scale, H_KV: gl.constexpr, G_Q: gl.constexpr, NH: gl.constexpr,
                   D: gl.constexpr, P: gl.constexpr, WP: gl.constexpr, X: gl.constexpr,
-                  STAGES: gl.constexpr, BITS: gl.constexpr, EARLY_WAIT: gl.constexpr):
+                  STAGES: gl.constexpr, BITS: gl.constexpr):
     """History tokens [lo, hi): (o^T [D, N] in value-row order, m, l, zero term) of one split."""
     mma: gl.constexpr = _mma_layout(NH)
     ql: gl.constexpr = _rows_layout(D)
@@ -113,13 +113,9 @@ def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_pt
                    H_KV, P, WP, X)
         page, blk, live = _block_pages(lo + (j + 1) * TILE, hi, qt_row, P, WP // 4)
     step = 0
-    if EARLY_WAIT:
-        wait_group(STAGES - 1)  # step 0's copies are done (this thread's) ...
-        thread_barrier()  # ... and every thread's, visible to all warps
     for n0 in range(lo, hi, TILE):
-        if not EARLY_WAIT:
-            wait_group(STAGES - 1)  # this step's copies are done (this thread's) ...
-            thread_barrier()  # ... and every thread's, visible to all warps
+        wait_group(STAGES - 1)  # this step's copies are done (this thread's) ...
+        thread_barrier()  # ... and every thread's, visible to all warps
         stage = step % STAGES
         kb, vb, ks, kz, vs, vz, ok = _read_step(kbuf, vbuf, sbuf, stage, n0, hi, WP, X, NH)
         step += 1
@@ -133,9 +129,7 @@ def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_pt
         b = a * kz * 5.9604644775390625e-08
         s = gl.expand_dims(a, 1) * acc - gl.expand_dims(b, 1) * gl.expand_dims(qsum, 0)
         s = gl.where(gl.expand_dims(ok, 1), s, float("-inf"))
-        # EARLY_WAIT: the next step's copies are waited for under the max exchange's barrier,
-        # so that the next step starts without one (2 barriers per step, not 3)
-        p, alpha, m_i, l_part = _softmax_step(s, m_i, l_part, red_smem, NH, STAGES - 2 if EARLY_WAIT else -1)
+        p, alpha, m_i, l_part = _softmax_step(s, m_i, l_part, red_smem, NH)
         # every warp has read this stage (the max exchange ends in a barrier): it takes the step
         # STAGES ahead, here rather than at the top of the loop, where Triton's barrier insertion
         # would add a barrier between the copies and the reads of the next stage
@@ -234,7 +228,7 @@ def _decode_kernel(
     sqn, sqh, skn, skh, svn, svh, stride_wt, stride_qt,
     H_KV: gl.constexpr, G_Q: gl.constexpr, NH: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
     SINK: gl.constexpr, RECENT: gl.constexpr, HAS_HIST: gl.constexpr, STAGES: gl.constexpr,
-    BITS: gl.constexpr, EARLY_WAIT: gl.constexpr,
+    BITS: gl.constexpr,
 ):
     """One program: query token n, KV head kvh, split sid (< nsplit: history; else windows)."""
     WP: gl.constexpr = D * BITS // 8  # bytes per planar row
@@ -270,8 +264,7 @@ def _decode_kernel(
         hi = gl.minimum(lo + chunk, n_hist)
         o, m_i, l, zs = _history_part(q_row, sqh, qt_ptr + i.to(gl.int64) * stride_qt, kvh, lo, hi,
                                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, q_smem_h, p_smem_h,
-                                      red_smem, qk_scale, H_KV, G_Q, NH, D, P, WP, X, STAGES, BITS,
-                                      EARLY_WAIT)
+                                      red_smem, qk_scale, H_KV, G_Q, NH, D, P, WP, X, STAGES, BITS)
         chan, offset = _value_channel(m_rows, WP, X, BITS)
         o = o * gl.expand_dims(_pow2(24 - offset), 1) - gl.expand_dims(zs, 0)
     else:
@@ -318,9 +311,6 @@ def gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits: int, group_siz
 # loads at 96, 70 at 80); H200 sweep in bench/results/2026-12-01-h200-gluon.
 MAXNREG = 128
 STAGES = 3  # shared-memory stages of the history pipeline (steps in flight during the math)
-# Wait for the next step's copies under the max exchange's barrier (2 barriers per step, the
-# copies a step less ahead) instead of at the step's top under a barrier of its own (3)
-EARLY_WAIT = False
 SMEM_PER_SM = 227 * 1024  # sm_90: shared memory a multiprocessor gives its blocks
 SMEM_RESERVED_PER_BLOCK = 1024
 MIN_SPLIT_TOKENS = 256  # shorter histories are not split (the Triton plan's 2 blocks of 128)
@@ -386,8 +376,7 @@ def plan_gluon_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, sink: in
 def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
                     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, scale, sink, recent, bits,
                     group_size, history_lens=None, nsplit: int | None = None,
-                    win_splits: int | None = None, stages: int = STAGES, maxnreg: int = MAXNREG,
-                    early_wait: bool = EARLY_WAIT):
+                    win_splits: int | None = None, stages: int = STAGES, maxnreg: int = MAXNREG):
     """Check, plan and launch; the contract of ``oscar::attention`` (docs/cache-format.md).
 
     q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype. ``nsplit`` / ``win_splits``
@@ -421,7 +410,7 @@ def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         window_table.stride(0), quant_table.stride(0),
         H_KV=H_kv, G_Q=g, NH=max(8, triton.next_power_of_2(g)), D=D, P=P, SINK=sink, RECENT=recent,
-        HAS_HIST=history_lens is not None, STAGES=stages, BITS=bits, EARLY_WAIT=early_wait, num_warps=4,
+        HAS_HIST=history_lens is not None, STAGES=stages, BITS=bits, num_warps=4,
         maxnreg=maxnreg,
     )
     merge_partials(po, pl, out, ns)
@@ -431,8 +420,7 @@ def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, 
 def compile_offline(head_dim: int = 128, num_q_per_kv: int = 4, num_kv_heads: int = 8,
                     page_size: int = 16, sink: int = 64, recent: int = 256,
                     window_dtype: str = "bf16", scale_dtype: str = "fp16", has_hist: bool = False,
-                    stages: int = STAGES, maxnreg: int = MAXNREG, bits: int = 2,
-                    early_wait: bool = EARLY_WAIT):
+                    stages: int = STAGES, maxnreg: int = MAXNREG, bits: int = 2):
     """Compile the kernel for sm_90 without a GPU (CI, and the benchmark's instruction counts).
 
     Returns Triton's compiled kernel: ``.asm`` holds "ttgir", "ptx", "cubin" (and "sass" where
@@ -451,8 +439,7 @@ def compile_offline(head_dim: int = 128, num_q_per_kv: int = 4, num_kv_heads: in
         "B", "nsplit", "nwin", "sqn", "sqh", "skn", "skh", "svn", "svh", "stride_wt", "stride_qt")}})
     g = num_q_per_kv
     consts = {"H_KV": num_kv_heads, "G_Q": g, "NH": max(8, triton.next_power_of_2(g)), "D": head_dim,
-              "P": page_size, "SINK": sink, "RECENT": recent, "HAS_HIST": has_hist, "STAGES": stages, "BITS": bits,
-              "EARLY_WAIT": early_wait}
+              "P": page_size, "SINK": sink, "RECENT": recent, "HAS_HIST": has_hist, "STAGES": stages, "BITS": bits}
     sig.update({k: "constexpr" for k in consts})
     # as the JIT specializes: pointers and the strides (multiples of 16 in practice) divisible by 16
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(len(ptrs)), *range(len(ptrs) + 4, len(ptrs) + 12))}

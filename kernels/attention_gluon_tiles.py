@@ -7,7 +7,7 @@ fragment and ``convert_layout(..., assert_trivial=True)`` moves no data (docs/ca
 """
 from __future__ import annotations
 
-from oscar_compile.kernels.gluon_compat import async_copy, commit_group, gl, gluon, wait_group
+from oscar_compile.kernels.gluon_compat import async_copy, commit_group, gl, gluon
 
 TILE_TOKENS = 64  # tokens per warpgroup step: the wgmma M of the key dot, the K of the value dot
 TILE = gl.constexpr(TILE_TOKENS)
@@ -184,25 +184,20 @@ def _warp_max_layout(NH):
 
 
 @gluon.jit
-def _tile_max(s, red_smem, NH: gl.constexpr, WAIT: gl.constexpr = -1):
+def _tile_max(s, red_smem, NH: gl.constexpr):
     """max over the 64 rows of s [64, NH] (4 warps x 16 rows): shuffles within each warp, then
     one exchange of the four warp maxima through red_smem [4, NH] (one barrier; the generic
-    reduction takes two exchanges and three barriers). WAIT >= 0 also waits until at most WAIT
-    cp.async groups of this thread are pending, under the same barrier (Triton puts a barrier
-    after every wait)."""
+    reduction takes two exchanges and three barriers)."""
     mma: gl.constexpr = _mma_layout(NH)
     red_smem.store(gl.max(gl.reshape(s, [4, 16, NH]), axis=1))
-    if WAIT >= 0:
-        wait_group(WAIT)
     m = gl.max(red_smem.load(_warp_max_layout(NH)), axis=0)
     return gl.convert_layout(m, gl.SliceLayout(0, mma), assert_trivial=True)
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_part, red_smem, NH: gl.constexpr, WAIT: gl.constexpr = -1):
-    """Online softmax over the 64 keys (rows) of s: [64, N] (base 2) -> (p, alpha, m, l)
-    (WAIT: _tile_max)."""
-    m_new = gl.maximum(m_i, _tile_max(s, red_smem, NH, WAIT))
+def _softmax_step(s, m_i, l_part, red_smem, NH: gl.constexpr):
+    """Online softmax over the 64 keys (rows) of s: [64, N] (base 2) -> (p, alpha, m, l)."""
+    m_new = gl.maximum(m_i, _tile_max(s, red_smem, NH))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s - gl.expand_dims(m_new, 0))
     l_part = l_part * gl.expand_dims(alpha, 0) + p

@@ -223,7 +223,7 @@ def bench_gluon_variants(ctx: int, B: int) -> list[dict]:
         sweep += [dict(maxnreg=cap, nsplit=plan[0], win_splits=plan[1])]
     plan = plan_gluon_launch(B, B, H_KV, H_Q // H_KV, max_hist, SINK, RECENT, dev)
     sweep += [dict(nsplit=n, win_splits=plan[1]) for n in sorted({max(1, plan[0] // 2), 2 * plan[0]})]
-    sweep += [dict(stages=2), dict(stages=4), dict(early_wait=True), dict(early_wait=True, stages=4)]
+    sweep += [dict(stages=2), dict(stages=4), dict(win_splits=2)]
     planned = plan
     for kw in sweep:
         try:
