@@ -47,13 +47,27 @@ def install() -> bool:
 
         def post_compile_hook(*args, **kwargs):
             start = _started.pop(threading.get_ident(), None)
-            note_compile(str(kwargs.get("repr", "a Triton kernel")),
-                         None if start is None else time.perf_counter() - start)
+            note_compile(_describe(kwargs), None if start is None else time.perf_counter() - start)
             return after(*args, **kwargs) if after else None
 
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = cache_hook, post_compile_hook
         _installed = True
     return True
+
+
+def _describe(hook_kwargs: dict) -> str:
+    """The kernel, its argument specialization and its constexpr values (what the warmup missed)."""
+    what = str(hook_kwargs.get("repr", "a Triton kernel"))
+    constants = (hook_kwargs.get("compile") or {}).get("constants") or {}
+    params = getattr(getattr(hook_kwargs.get("fn"), "jit_function", None), "params", [])
+
+    def name(key):  # Triton keys constexprs by argument index paths, (i,)
+        if isinstance(key, tuple) and len(key) == 1 and isinstance(key[0], int) and key[0] < len(params):
+            return params[key[0]].name
+        return str(key)
+
+    values = ", ".join(f"{name(k)}={v}" for k, v in constants.items() if isinstance(v, (bool, int, str)))
+    return f"{what} with {values}" if values else what
 
 
 def mark_serving(serving: bool = True) -> None:

@@ -48,3 +48,14 @@ def test_metrics_report_the_compile_counters(fresh):
     text = metrics.render_metrics(stats)
     assert "\noscar_jit_compiles_while_serving_total 1\n" in text
     assert "\noscar_jit_compile_seconds_while_serving_total 2\n" in text
+
+
+def test_a_compile_is_described_by_its_constexpr_names():
+    class Param:
+        def __init__(self, name):
+            self.name = name
+
+    fn = type("Info", (), {"jit_function": type("F", (), {"params": [Param("q_ptr"), Param("BLOCK_M")]})()})()
+    text = jit_watch._describe({"repr": "_attn_kernel(q_ptr: *bf16)", "fn": fn,
+                                "compile": {"constants": {(1,): 16, (0, 2): 1.5}}})
+    assert text == "_attn_kernel(q_ptr: *bf16) with BLOCK_M=16"
