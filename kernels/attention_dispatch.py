@@ -25,6 +25,7 @@ ENV = "OSCAR_ATTENTION_KERNEL"
 CHOICES = ("auto", "gluon", "triton")
 _log = logging.getLogger(__name__)
 _used: dict[str, str] = {}  # kernel -> the reason it was last chosen
+_logged: set[tuple[str, str]] = set()  # (kernel, reason) pairs already logged
 
 
 def forced_kernel() -> str:
@@ -84,9 +85,7 @@ def attention_cuda(*args):
     bits, group_size, cache_lens = args[18], args[19], args[4]
     kernel, why = choose_attention_kernel(q, k, k_win, k_codes, k_scale, bits, group_size,
                                           cache_lens.shape[0], window_table=args[5], quant_table=args[6])
-    if _used.get(kernel) != why:
-        _log.info("oscar::attention: %s kernel (%s)", kernel, why)
-        _used[kernel] = why
+    note_choice(kernel, why)
     if kernel == "gluon":
         from oscar_compile.kernels.attention_gluon import attention_gluon
 
@@ -98,6 +97,15 @@ def attention_cuda(*args):
     from oscar_compile.kernels.attention_triton import attention_triton
 
     return attention_triton(*args)
+
+
+def note_choice(kernel: str, why: str) -> None:
+    """Record the choice for ``kernels_in_use``; log each (kernel, reason) pair once (a server
+    alternating prefill chunks and 16-bit layers logged two lines per step)."""
+    _used[kernel] = why
+    if (kernel, why) not in _logged:
+        _logged.add((kernel, why))
+        _log.info("oscar::attention: %s kernel (%s)", kernel, why)
 
 
 def kernels_in_use() -> dict[str, str]:

@@ -40,6 +40,16 @@ _SCALARS = (
      "Prompts prefilled in chunks with their history staged in full precision.", "num_staged_prefills"),
     ("oscar_staging_pages_peak", "gauge", "Most staging pages in use at once.", "staging_pages_peak"),
 )
+# (name, help, kernels.jit_watch key): counters of Triton JIT compiles in this process
+_JIT = (
+    ("oscar_jit_compiles_total", "Triton kernel specializations compiled (or loaded from disk).",
+     "jit_compiles_total"),
+    ("oscar_jit_compiles_while_serving_total",
+     "Compiles after startup: each one held the engine (the warmup missed its specialization).",
+     "jit_compiles_while_serving"),
+    ("oscar_jit_compile_seconds_while_serving_total", "Seconds the engine spent in those compiles.",
+     "jit_compile_seconds_while_serving"),
+)
 # (name, help, stats key suffix); labelled by page kind
 _PAGES = (
     ("oscar_kv_pages_total", "KV pages in the pool.", "pages_total"),
@@ -63,6 +73,11 @@ def render_metrics(stats: dict[str, float]) -> str:
               for kernel, why in sorted(kernels_in_use().items())]
     for name, kind, help_text, key in _SCALARS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {_fmt(stats[key])}"]
+    from oscar_compile.kernels.jit_watch import compile_stats
+
+    jit = compile_stats()
+    for name, help_text, key in _JIT:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {_fmt(jit[key])}"]
     for name, help_text, suffix in _PAGES:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
         for page_kind in PAGE_KINDS:

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from oscar_compile.kernels import jit_watch
 from oscar_compile.runtime.admission import Admission, Refused
 from oscar_compile.runtime.async_engine import AsyncEngine, EngineDeadError
 from oscar_compile.runtime.gate import ApiKeyGate, BodyLimit
@@ -57,15 +58,18 @@ def create_app(async_engine: AsyncEngine, model_name: str, config: ServerConfig 
     """The ASGI app; its lifespan starts and stops the engine thread. ``app.state.admission``
     is what a graceful shutdown drains (shutdown.py)."""
     config = config or ServerConfig()
+    jit_watch.install()  # compiles made while serving stall the running requests: warn about each
     admission = Admission(async_engine, config.max_waiting_requests)
     server = _Server(async_engine, model_name, config, admission)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         async_engine.start()
+        jit_watch.mark_serving()
         try:
             yield
         finally:
+            jit_watch.mark_serving(False)
             async_engine.shutdown()
             server.close()
             _log_final_stats(async_engine.stats, admission)

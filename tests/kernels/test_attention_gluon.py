@@ -76,6 +76,17 @@ def test_forced_splits_match_reference(nsplit, win_splits, bits):
 
 
 @needs_sm90
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("D,nsplit", [(64, None), (128, None), (128, 7)])
+def test_pipeline_depths_match_reference(stages, D, nsplit):
+    """Pipeline depths other than the default (the benchmark sweeps them), with the planned and
+    with forced splits (7 splits of short histories: empty and one-tile parts)."""
+    case = build_case(LENS, 2, D, 16, 16, 32, 2, D, torch.float16, seed=10, extra_tokens=2, device="cuda")
+    got, want = run_both(case, [1] * len(LENS), 8, seed=11, stages=stages, nsplit=nsplit)
+    assert rel_err(got, want) < TOL
+
+
+@needs_sm90
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("chunk_lens", [[1] * 5, [2, 1, 2, 2, 1]])

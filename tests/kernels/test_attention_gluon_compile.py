@@ -137,3 +137,14 @@ def test_metrics_say_which_attention_kernel_ran(monkeypatch):
     text = metrics.render_metrics(stats)
     assert '\noscar_attention_kernel_info{kernel="gluon",reason="sm_90"} 1\n' in text
     assert 'oscar_attention_kernel_info{kernel="triton",reason="a \\"prefill-like\\" batch"} 1' in text
+
+
+def test_each_kernel_choice_is_logged_once(monkeypatch, caplog):
+    monkeypatch.setattr(ad, "_used", {})
+    monkeypatch.setattr(ad, "_logged", set())
+    with caplog.at_level("INFO", logger=ad.__name__):
+        for _ in range(3):  # a server alternating prefill chunks and 16-bit layers
+            ad.note_choice("triton", "a prefill-like batch")
+            ad.note_choice("triton", "bits 16")
+    assert len(caplog.records) == 2
+    assert ad.kernels_in_use() == {"triton": "bits 16"}
