@@ -14,7 +14,7 @@ import triton.language as tl
 
 from oscar_compile.kernels.attention_blocks_triton import (
     NEG_INIT, full_block, merge_partials, page_rows, program_ids, query_rows, seq_of_program, split_range, store_rows)
-from oscar_compile.kernels.attention_triton import LOG2E, dot_dtype, plan_launch
+from oscar_compile.kernels.attention_triton import LOG2E, check_output, dot_dtype, plan_launch, query_block_prefix
 
 
 # B and nsplit stay specialized (1 / multiple of 16 / other): without, batch-1 decode measured up to
@@ -73,8 +73,13 @@ def _attn_bf16_kernel(
 
 
 def attention_bf16_triton(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages, scale,
-                          block_n: int = 64, num_warps: int = 4, num_stages: int | None = None):
+                          block_n: int = 64, num_warps: int = 4, num_stages: int | None = None,
+                          nsplit: int | None = None, seq_mask=None, out=None):
     """Check, plan and launch. q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype.
+
+    ``nsplit`` overrides the planned history splits. ``seq_mask`` ([B] bool, on the device)
+    computes only those sequences' rows, into ``out`` (given with it), as attention_triton's:
+    prefill-like launches without splits only (the extend path, attention_extend_triton).
 
     ``num_stages`` (pipelining depth) defaults to 3 for a few long splits (a batch of one or two
     with >= 8 blocks per split), else 2: on the H200 (2026-11-30), batch 1 at 32k / 128k took
@@ -86,7 +91,11 @@ def attention_bf16_triton(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, 
     H_kv = k.shape[1]
     B = cache_lens.shape[0]
     P = k_pages.shape[2]
+    if (seq_mask is None) != (out is None):
+        raise ValueError("give seq_mask and out together")
     if H_q % H_kv or D & (D - 1) or D < 32:
+        if seq_mask is not None:
+            raise ValueError("seq_mask: a shape the kernel does not take (the reference computes every row)")
         from oscar_compile.kernels.attention_bf16_ref import attention_bf16_ref
 
         return attention_bf16_ref(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages,
@@ -96,20 +105,22 @@ def attention_bf16_triton(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, 
             raise ValueError("q, k, v need a contiguous last dim")
     if not (k_pages.is_contiguous() and v_pages.is_contiguous()):
         raise ValueError("the pages must be contiguous")
-    out = torch.empty(N, H_q, D, dtype=q.dtype, device=q.device)
+    out = torch.empty(N, H_q, D, dtype=q.dtype, device=q.device) if out is None else check_output(out, q)
     if N == 0:
         return out
     g = H_q // H_kv
     max_hist = page_table.shape[1] * P
-    block_m, rows, nsplit = plan_launch(N, B, H_kv, g, max_hist, q.device, block_n)
+    block_m, rows, planned = plan_launch(N, B, H_kv, g, max_hist, q.device, block_n)
+    nsplit = planned if nsplit is None else nsplit
+    if seq_mask is not None and (block_m == 1 or nsplit):
+        raise ValueError("seq_mask: prefill-like launches without history splits only")
     if num_stages is None:
         split_blocks = triton.cdiv(triton.cdiv(max_hist, block_n), nsplit) if nsplit else 0
         num_stages = 3 if B * H_kv <= 16 and split_blocks >= 8 else 2
     if block_m == 1:
         cub, nblocks = cu_seqlens, N
     else:
-        per_seq = (cu_seqlens[1:] - cu_seqlens[:-1] + block_m - 1) // block_m
-        cub = torch.cat([cu_seqlens[:1] * 0, per_seq.cumsum(0)]).to(torch.int32)
+        cub = query_block_prefix(cu_seqlens, block_m, seq_mask)
         nblocks = triton.cdiv(N, block_m) + B
     if nsplit:
         po = torch.empty(N * H_q * (nsplit + 1), D, dtype=torch.float32, device=q.device)

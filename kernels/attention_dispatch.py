@@ -1,11 +1,14 @@
-"""Which kernel runs ``oscar::attention`` on CUDA: the Gluon Hopper kernel or the portable Triton one.
+"""Which kernel runs ``oscar::attention`` on CUDA: the Gluon Hopper kernel, the extend path or the fused Triton one.
 
-- ``OSCAR_ATTENTION_KERNEL=auto`` (default): Gluon on sm_90 (H100 / H200) for every call it
-  takes (decode-like INT2 and INT4 batches, see ``attention_gluon.gluon_unsupported_reason``), Triton
-  for the rest (prefill chunks, INT4, 16-bit layers, other GPUs).
+- ``OSCAR_ATTENTION_KERNEL=auto`` (default): prefill-like calls over INT-b history take the
+  extend path (``attention_extend_triton``: the history dequantized once per call, then the
+  paged BF16 kernel; its ``extend_unsupported_reason`` says which calls, on any CUDA GPU);
+  Gluon on sm_90 (H100 / H200) for every call it takes (decode-like INT2 and INT4 batches, see
+  ``attention_gluon.gluon_unsupported_reason``); the fused Triton kernel for the rest (the
+  prefill calls the extend path refuses, 16-bit layers, other GPUs).
 - ``gluon``: the same, but a device or Triton that cannot run Gluon at all is an error, not a
   silent fallback (a benchmark that asked for Gluon must not time Triton).
-- ``triton``: the Triton kernel everywhere.
+- ``triton``: the fused Triton kernel everywhere (no extend path either).
 
 The choice reads shapes, dtypes and the device only (never tensor values): CUDA-graph safe. Each
 new (kernel, reason) is logged once, and ``kernels_in_use()`` reports what ran, for ``/metrics``.
@@ -50,15 +53,23 @@ def gluon_device_problem(device_index: int) -> str | None:
 
 def choose_attention_kernel(q: torch.Tensor, k: torch.Tensor, k_win: torch.Tensor,
                             k_codes: torch.Tensor, k_scale: torch.Tensor, bits: int,
-                            group_size: int, num_seqs: int) -> tuple[str, str]:
-    """("gluon" | "triton", why) for one CUDA call of ``oscar::attention``."""
+                            group_size: int, num_seqs: int, window_table: torch.Tensor | None = None,
+                            quant_table: torch.Tensor | None = None) -> tuple[str, str]:
+    """("gluon" | "extend" | "triton", why) for one CUDA call of ``oscar::attention`` (without the
+    tables, the extend path is not considered)."""
     forced = forced_kernel()
     if forced == "triton":
         return "triton", f"{ENV}=triton"
     problem = gluon_device_problem(q.device.index or 0)
+    if problem is not None and forced == "gluon":
+        raise RuntimeError(f"{ENV}=gluon, but {problem}")
+    if window_table is not None and quant_table is not None:
+        from oscar_compile.kernels.attention_extend_triton import extend_unsupported_reason
+
+        why_not = extend_unsupported_reason(q, k, window_table, quant_table, k_win, bits, num_seqs, group_size)
+        if why_not is None:
+            return "extend", "prefill-like call over INT-b history"
     if problem is not None:
-        if forced == "gluon":
-            raise RuntimeError(f"{ENV}=gluon, but {problem}")
         return "triton", problem
     from oscar_compile.kernels.attention_gluon import gluon_unsupported_reason
 
@@ -73,12 +84,16 @@ def attention_cuda(*args):
     q, k, k_win, k_codes, k_scale = args[0], args[1], args[7], args[9], args[10]
     bits, group_size, cache_lens = args[18], args[19], args[4]
     kernel, why = choose_attention_kernel(q, k, k_win, k_codes, k_scale, bits, group_size,
-                                          cache_lens.shape[0])
+                                          cache_lens.shape[0], window_table=args[5], quant_table=args[6])
     note_choice(kernel, why)
     if kernel == "gluon":
         from oscar_compile.kernels.attention_gluon import attention_gluon
 
         return attention_gluon(*args)
+    if kernel == "extend":
+        from oscar_compile.kernels.attention_extend_triton import attention_extend_triton
+
+        return attention_extend_triton(*args)
     from oscar_compile.kernels.attention_triton import attention_triton
 
     return attention_triton(*args)

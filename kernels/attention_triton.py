@@ -227,6 +227,32 @@ def window_slot_ok(w, n_sink, n_hist, n_rec, SINK: tl.constexpr, RECENT: tl.cons
     return ok
 
 
+def kernel_takes(H_q: int, H_kv: int, D: int, bits: int, group_size: int) -> bool:
+    """Whether the kernel runs a call of these shapes (else its wrapper runs the reference):
+    tl.dot needs power-of-two tiles of >= 16 channels per plane, and a plane must not straddle
+    quantization groups."""
+    full = bits == FULL_PRECISION_BITS
+    wp = D // 2 if full else D * bits // 8
+    return not (H_q % H_kv or D & (D - 1) or wp < 16 or (not full and group_size % wp))
+
+
+def check_output(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``out`` if it can take the call's output rows: q's shape and dtype, contiguous."""
+    if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous() or out.device != q.device:
+        raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor on {q.device}")
+    return out
+
+
+def query_block_prefix(cu_seqlens: torch.Tensor, block_m: int, seq_mask: torch.Tensor | None = None):
+    """[B + 1] int32: where each sequence's query blocks of ``block_m`` tokens start in the grid
+    (programs past the last one return at once). ``seq_mask`` ([B] bool): the other sequences get
+    no block, so their output rows are left alone."""
+    per_seq = (cu_seqlens[1:] - cu_seqlens[:-1] + block_m - 1) // block_m
+    if seq_mask is not None:
+        per_seq = per_seq * seq_mask
+    return torch.cat([cu_seqlens[:1] * 0, per_seq.cumsum(0)]).to(torch.int32)
+
+
 def dot_dtype(window_dtype: torch.dtype):
     """Operand dtype of the full-precision dots: the window dtype, float32 in the interpreter
     (whose dot would multiply the raw bit patterns of bfloat16, which numpy lacks)."""
@@ -297,6 +323,7 @@ def attention_triton(
     history_lens=None, block_n: int = 128, use_asm: bool | None = None, num_warps: int = 4,
     num_stages: int = 2, nsplit: int | None = None, block_w: int = 32, maxnreg: int | None = 128,
     win_splits: int | None = None, prefill_rows: int = 64, prefill_maxnreg: int | None = None,
+    seq_mask=None, out=None,
 ):
     """Check, plan and launch. q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype.
 
@@ -310,22 +337,30 @@ def attention_triton(
     slower at batch 8-32 (H200, 2026-11-30). Prefill launches (``prefill_maxnreg``) stay
     uncapped: a 64-row program under the 128 cap spilled about 150 registers per history block
     (Triton 3.6, sm_90 SASS), uncapped it takes 255 and none.
+
+    ``seq_mask`` ([B] bool, on the device) computes only those sequences' rows, into ``out``
+    ([N, H_q, D], given with it): another launch writes the other rows (the extend path,
+    attention_extend_triton). Prefill-like launches without history splits only (a split
+    launch's merge writes every row).
     """
     N, H_q, D = q.shape
     H_kv = k.shape[1]
     B = cache_lens.shape[0]
     P = k_win.shape[2]
     full = bits == FULL_PRECISION_BITS  # a layer kept at 16 bits: history rows as stored
-    wp = D // 2 if full else D * bits // 8
-    if H_q % H_kv or D & (D - 1) or wp < 16 or (not full and group_size % wp):
-        # tl.dot needs power-of-two tiles of >= 16; a plane must not straddle groups
+    if not kernel_takes(H_q, H_kv, D, bits, group_size):
+        if seq_mask is not None:
+            raise ValueError("seq_mask: a shape the kernel does not take (the reference computes every row)")
         from oscar_compile.kernels.attention_ref import attention_ref
 
         return attention_ref(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win,
                              v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                              scale, sink, recent, bits, group_size, history_lens)
-    out = attention_output_for(q, k, v, (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero),
-                               history_lens, B)
+    if (seq_mask is None) != (out is None):
+        raise ValueError("give seq_mask and out together")
+    fresh = attention_output_for(q, k, v, (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero),
+                                 history_lens, B, allocate=out is None)
+    out = fresh if out is None else check_output(out, q)
     if N == 0:
         return out
     g = H_q // H_kv
@@ -347,12 +382,13 @@ def attention_triton(
         nwin = win_splits
     elif nsplit and block_m == 1:  # (an extend chunk's own keys stay in one program: no gain)
         nwin = window_programs(sink + recent, block_w, max_hist, block_n, nsplit)
+    if seq_mask is not None and (block_m == 1 or nsplit):
+        raise ValueError("seq_mask: prefill-like launches without history splits only")
     if block_m == 1:
         cub = cu_seqlens
         nblocks = N
     else:
-        per_seq = (cu_seqlens[1:] - cu_seqlens[:-1] + block_m - 1) // block_m
-        cub = torch.cat([cu_seqlens[:1] * 0, per_seq.cumsum(0)]).to(torch.int32)
+        cub = query_block_prefix(cu_seqlens, block_m, seq_mask)
         nblocks = triton.cdiv(N, block_m) + B
     if nsplit:
         po = torch.empty(N * H_q * (nsplit + nwin), D, dtype=torch.float32, device=q.device)

@@ -4,7 +4,9 @@ Signatures follow docs/cache-format.md. Each op is a ``torch.library.custom_op``
 (meta) implementation so ``torch.compile(fullgraph=True)`` traces through it. The default
 implementation (CPU and any device without a kernel) is the ``*_ref`` module; on CUDA the Triton
 wrapper runs when Triton is importable, else the reference. ``oscar::attention`` on sm_90 runs
-the Gluon kernel for decode-like INT2 batches (``attention_dispatch``: ``OSCAR_ATTENTION_KERNEL``).
+the Gluon kernel for decode-like INT2 batches, and on any GPU prefill-like INT-b calls take the
+extend path (history dequantized once, then the paged BF16 kernel; ``attention_dispatch``:
+``OSCAR_ATTENTION_KERNEL``).
 
 Importing this module is cheap: Triton modules are imported inside the CUDA implementations, on
 first call, never here (no CUDA initialisation, no compilation at import).

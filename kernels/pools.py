@@ -90,11 +90,11 @@ def allocate_pools(
 
 
 def attention_output_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pools, history_lens,
-                         num_seqs: int) -> torch.Tensor:
+                         num_seqs: int, allocate: bool = True) -> torch.Tensor | None:
     """The empty output [N, H_q, D] (q's dtype) of an attention kernel call, after checking what
     the kernels' wrappers (Triton and Gluon alike) require of their tensors: unit-stride q / k / v
     rows, contiguous pools (the kernels compute page offsets from the shapes) and
-    ``history_lens`` of one entry per sequence when given."""
+    ``history_lens`` of one entry per sequence when given. (``allocate=False``: the checks only.)"""
     if history_lens is not None and history_lens.shape != (num_seqs,):
         raise ValueError(f"history_lens must be [B] = [{num_seqs}], got {tuple(history_lens.shape)}")
     for t in (q, k, v):
@@ -103,7 +103,7 @@ def attention_output_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool
     for t in pools:
         if not t.is_contiguous():
             raise ValueError("the cache pools must be contiguous")
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device) if allocate else None
 
 
 def check_window_config(sink: int, recent: int, page_size: int) -> None:

@@ -11,18 +11,17 @@ is captured in a CUDA graph over enough per-layer buffers (up to 36) that the da
 is >= 3x the 60 MB L2, so no layer is served from L2; time = replay time / layers (median).
 Then the cache write: microseconds per layer per decode step against batch, prefill tokens/s, and
 correctness of every kernel against its reference at the benchmark shapes (same command).
-Part ``extend`` times a chunked-prefill step (2048 new tokens per sequence after a cached prefix)
-for the INT2 and paged BF16 kernels. Parts ``variants`` and ``write-variants`` sweep the launch
-knobs (history splits, window programs, window block, merge; rows per program, warps) that the
-kernels' defaults come from; ``gluon-variants`` the Gluon kernel's history splits and window programs.
+Part ``extend`` (module bench.extend) times a chunked-prefill step (2048 new tokens per sequence
+after a cached prefix) for the paged BF16 kernel, the fused INT2 kernel and the extend path (the
+history dequantized once, then the paged BF16 kernel), with the INT2 paths' errors. Parts
+``variants`` and ``write-variants`` sweep the launch knobs (history splits, window programs,
+window block, merge; rows per program, warps) that the kernels' defaults come from; ``gluon-variants`` the Gluon kernel's history splits and window programs.
 Prints a table; writes everything to JSON.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import subprocess
 import sys
 import time
@@ -30,75 +29,12 @@ import warnings
 
 import torch
 
+from oscar_compile.bench.extend import EXTEND_SHAPES, bench_extend
+from oscar_compile.bench.kernel_setup import (  # noqa: F401  (re-exported for experiments/)
+    BITS, D, GROUP, H_KV, H_Q, HBM_BYTES_PER_S, LAYERS, P, RECENT, SINK, graph_time_us, make_tables, num_buffers,
+    quantized_bytes, quantized_layer, rel_err)
 from oscar_compile.kernels import ops
 from oscar_compile.kernels.cache_write_triton import cache_write_triton
-from oscar_compile.kernels.pools import allocate_pools
-
-HBM_BYTES_PER_S = 4.3e12
-L2_BYTES = 60e6
-H_Q, H_KV, D, LAYERS = 32, 8, 128, 36
-SINK, RECENT, P, BITS, GROUP = 64, 256, 16, 2, 128
-
-
-def graph_time_us(calls, reps: int = 15) -> float:
-    """Median time of one call, from CUDA-graph replays of all ``calls`` (one per layer buffer)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in calls:  # compile / autotune outside the graph
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in calls:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    del graph
-    return statistics.median(times)
-
-
-def num_buffers(layer_bytes: float) -> int:
-    return max(1, min(LAYERS, math.ceil(3 * L2_BYTES / layer_bytes)))
-
-
-def make_tables(B: int, pages_per_seq: int, device) -> torch.Tensor:
-    """[B, pages_per_seq] int32: a random permutation of the pages (no contiguity to exploit)."""
-    n = max(B * pages_per_seq, 1)
-    return torch.randperm(n, device=device).to(torch.int32).view(B, pages_per_seq)
-
-
-def quantized_layer(B: int, ctx: int, sdt: torch.dtype, device, bits: int = BITS):
-    """Random INT-b pools (codes, scales, zeros, windows) for B sequences holding ctx tokens."""
-    hist = max(0, ctx - SINK - RECENT)
-    qpages, wpages = -(-hist // P), (SINK + RECENT) // P
-    pools = allocate_pools(B * qpages, B * wpages, H_KV, P, D, bits, GROUP, sdt, torch.bfloat16, device)
-    for c in (pools.k_codes, pools.v_codes):
-        c.copy_(torch.randint(0, 256, c.shape, dtype=torch.uint8, device=device))
-    for s in (pools.k_scale, pools.v_scale):
-        s.copy_(torch.rand(s.shape, device=device) * 0.08 + 0.02)
-    for z in (pools.k_zero, pools.v_zero):
-        z.copy_(torch.rand(z.shape, device=device) * 3)
-    for w in (pools.k_win, pools.v_win):
-        w.copy_(torch.randn(w.shape, device=device))
-    tables = (make_tables(B, wpages, device), make_tables(B, qpages, device))
-    return pools, tables
-
-
-def quantized_bytes(B: int, ctx: int, sdt: torch.dtype, bits: int = BITS) -> float:
-    hist = max(0, ctx - SINK - RECENT)
-    per_tok = 2 * (D * bits // 8 + 2 * (D // GROUP) * torch.finfo(sdt).bits // 8)
-    return B * H_KV * (hist * per_tok + (ctx - hist) * 2 * D * 2)
-
 
 def bench_attention(ctx: int, B: int, check: bool) -> dict:
     dev = torch.device("cuda")
@@ -241,10 +177,6 @@ def bench_gluon_variants(ctx: int, B: int) -> list[dict]:
     return out
 
 
-def rel_err(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def bench_variants(ctx: int, B: int) -> list[dict]:
     """INT2 decode at one shape against the number of history splits, window programs and the
     window block; then the merge kernel alone at the planned split.
@@ -290,51 +222,6 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     del layers
     torch.cuda.empty_cache()
     return out
-
-
-def bench_extend(cached: int, B: int, chunk: int = 2048) -> dict:
-    """A chunked-prefill step: B sequences each add ``chunk`` tokens after ``cached`` ones (B * chunk
-    tokens in the step: the runtime's default budget is 2048, the e2e benchmark runs 8192), µs per
-    layer: the paged BF16 kernel against
-    the INT2 kernel, whose programs take ``prefill_rows`` query rows, ``num_warps`` warps and
-    at most ``prefill_maxnreg`` registers (``int2_us``: the defaults, 64 rows, 4 warps, no cap)."""
-    from oscar_compile.kernels.attention_triton import attention_triton
-
-    dev = torch.device("cuda")
-    scale = D ** -0.5
-    N = B * chunk
-    q = torch.randn(N, H_Q, D, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(N, H_KV, D, device=dev, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    cu = torch.arange(B + 1, device=dev, dtype=torch.int32) * chunk
-    lens = torch.full((B,), cached, device=dev, dtype=torch.int32)
-    row = {"cached": cached, "batch": B, "chunk": chunk}
-    npages = -(-cached // P)
-    pages = [(torch.randn(B * npages, H_KV, P, D, device=dev, dtype=torch.bfloat16),
-              torch.randn(B * npages, H_KV, P, D, device=dev, dtype=torch.bfloat16),
-              make_tables(B, npages, dev)) for _ in range(num_buffers(B * H_KV * cached * 2 * D * 2))]
-    row["paged_bf16_us"] = graph_time_us(
-        [lambda kp=kp, vp=vp, pt=pt: ops.attention_bf16(q, k, v, cu, lens, pt, kp, vp, scale)
-         for kp, vp, pt in pages], reps=10)
-    del pages
-    layers = [quantized_layer(B, cached, torch.float16, dev)
-              for _ in range(num_buffers(quantized_bytes(B, cached, torch.float16)))]
-    for rows, warps, cap in ((64, 4, None), (64, 4, 128), (64, 8, None), (128, 8, None), (32, 4, None)):
-        kw = dict(prefill_rows=rows, num_warps=warps, prefill_maxnreg=cap)
-        try:
-            t = graph_time_us([lambda p=p, tb=tb: attention_triton(
-                q, k, v, cu, lens, *tb, *p, scale, SINK, RECENT, BITS, GROUP, **kw) for p, tb in layers],
-                reps=10)
-            row[f"int2_rows{rows}_warps{warps}_cap{cap}_us"] = t
-        except Exception as e:
-            row[f"int2_rows{rows}_warps{warps}_cap{cap}_error"] = repr(e)[:300]
-    row["int2_us"] = row.get("int2_rows64_warps4_capNone_us")
-    if row["int2_us"]:
-        row["int2_tokens_per_s"] = N / (row["int2_us"] * 1e-6)
-        row["bf16_tokens_per_s"] = N / (row["paged_bf16_us"] * 1e-6)
-    del layers
-    torch.cuda.empty_cache()
-    return row
 
 
 def decode_write_inputs(B: int, dev, ctx: int = 4096):
@@ -495,7 +382,7 @@ def main(argv=None) -> None:
             result["gluon_variants"] += bench_gluon_variants(ctx, B)
         print(json.dumps(result["gluon_variants"]), flush=True)
     if "extend" in args.parts:  # chunks 2 and 4 of an 8k prompt, one deep into a 32k prompt
-        result["extend"] = [bench_extend(c, b) for c, b in ((2048, 8), (6144, 8), (30720, 1))]
+        result["extend"] = [bench_extend(c, b, check=not args.no_check) for c, b in EXTEND_SHAPES]
         print(json.dumps(result["extend"]), flush=True)
     if "write-variants" in args.parts:
         result["write_variants"] = bench_write_variants()

@@ -179,6 +179,10 @@ class CompressedRunner:
                 if chunk <= 2:  # at most 2 tokens per sequence would be a decode-shaped step
                     continue
                 self.run(self._scratch_batch(layout, num_seqs, chunk))
+                # quant tables as wide as the chunk's own history (a first chunk's trimmed tables):
+                # a call whose scratch fits under the extend path's cap (attention_extend_triton)
+                width = max(1, layout.num_quant_pages_for(layout.num_history_tokens(chunk)))
+                self.run(self._scratch_batch(layout, num_seqs, chunk, quant_width=width))
                 if num_seqs > 1:  # and an odd token count (a mixed step: decodes plus one chunk)
                     self.run(self._scratch_batch(layout, num_seqs, chunk, extra=1))
                 if self.op_constants:  # staged rows (16-bit history ops, the bulk W = 0 write)
@@ -187,11 +191,12 @@ class CompressedRunner:
             torch.cuda.synchronize()
 
     def _scratch_batch(self, layout: CacheLayout, num_seqs: int, chunk: int, extra: int = 0,
-                       staged: bool = False) -> Batch:
+                       staged: bool = False, quant_width: int | None = None) -> Batch:
         """``num_seqs`` new sequences of ``chunk`` tokens (the first ``extra`` more) whose every
-        page is a scratch page. The quant tables have the full width, as a running batch's do:
-        the attention kernels plan history splits from it (split and unsplit compile apart; a
-        batch of 16 once stalled 3 s on its first mixed step for want of the split variant)."""
+        page is a scratch page. The quant tables have the full width (or ``quant_width``), as a
+        running batch's do: the attention kernels plan history splits from it (split and unsplit
+        compile apart; a batch of 16 once stalled 3 s on its first mixed step for want of the
+        split variant)."""
         window = layout.num_window_pages_per_seq
         lens = [chunk + extra] + [chunk] * (num_seqs - 1)
         staging = {}
@@ -203,7 +208,7 @@ class CompressedRunner:
                      positions=[list(range(n)) for n in lens], cache_lens=[0] * num_seqs,
                      history_lens=[0] * num_seqs,
                      window_tables=[[self.scratch_window] * window for _ in lens],
-                     quant_tables=[[self.scratch_quant] * self.quant_width for _ in lens],
+                     quant_tables=[[self.scratch_quant] * (quant_width or self.quant_width) for _ in lens],
                      context_token_ids=[[0] * n for n in lens], layout=layout, **staging)
 
     def _step_inputs(self, max_seqs: int, max_tokens: int) -> StepInputs:

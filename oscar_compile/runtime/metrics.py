@@ -63,7 +63,8 @@ PAGE_KINDS = ("window", "quant", "staging")  # staging: full-precision history o
 
 def render_metrics(stats: dict[str, float]) -> str:
     lines: list[str] = []
-    # which oscar::attention kernel ran in this process (Gluon on sm_90 decode, Triton otherwise)
+    # which oscar::attention kernel ran in this process (Gluon on sm_90 decode, the extend path for
+    # prefill-like INT-b calls, Triton otherwise)
     from oscar_compile.kernels.attention_dispatch import kernels_in_use
 
     lines += ["# HELP oscar_attention_kernel_info The attention kernels that ran, and why each was chosen.",

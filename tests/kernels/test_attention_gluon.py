@@ -128,27 +128,29 @@ def test_large_values_keep_the_softmax_finite():
 
 
 @needs_sm90
-def test_dispatch_runs_gluon_for_decode_and_triton_for_prefill(monkeypatch):
-    """The op on an H200: decode goes to Gluon, a prefill chunk to Triton; forcing either works."""
+def test_dispatch_runs_gluon_for_decode_and_extend_for_prefill(monkeypatch):
+    """The op on an H200: decode goes to Gluon, a prefill chunk to the extend path (dequantize
+    once, paged BF16 kernel); forcing Gluon or Triton works."""
     from oscar_compile.kernels import attention_dispatch as ad
     from oscar_compile.kernels import ops
 
     case = build_case([300, 90], 2, 128, 16, 16, 32, 2, 128, torch.float16, seed=12,
                       extra_tokens=40, device="cuda")
     gen = torch.Generator().manual_seed(13)
-    for chunk_lens, expected in (([1, 1], "gluon"), ([37, 3], "triton")):
+    for chunk_lens, expected in (([1, 1], "gluon"), ([37, 3], "extend")):
         n = sum(chunk_lens)
         q, k, v = (random_kv(n, h, 128, gen, device="cuda") for h in (8, 2, 2))
         cu = torch.tensor([0] + chunk_lens, device="cuda").cumsum(0).to(torch.int32)
         args = (q, k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
                 128 ** -0.5, 16, 32, 2, 128)
         assert ad.choose_attention_kernel(q, k, case.pools.k_win, case.pools.k_codes,
-                                          case.pools.k_scale, 2, 128, 2)[0] == expected
+                                          case.pools.k_scale, 2, 128, 2, case.window_table,
+                                          case.quant_table)[0] == expected
         want = attention_ref(*args)
         for forced in ("auto", "gluon", "triton"):
             monkeypatch.setenv(ad.ENV, forced)
             assert rel_err(ops.attention(*args), want) < TOL
-    assert set(ad.kernels_in_use()) == {"gluon", "triton"}
+    assert set(ad.kernels_in_use()) == {"gluon", "extend", "triton"}
 
 
 @needs_sm90

@@ -1,0 +1,97 @@
+"""Extend benchmark (part ``extend`` of ``python -m oscar_compile.bench.kernels``): a chunked-prefill step.
+
+B sequences each add ``chunk`` new tokens after ``cached`` ones (B * chunk tokens in the step:
+the runtime's default budget is 2048, the e2e benchmark runs 8192), one Qwen3-8B layer
+(bench.kernel_setup), µs per layer from CUDA-graph replays, for:
+- ``paged_bf16_us``: the paged BF16 kernel over full-precision pages (the goal's baseline);
+- ``int2_us``: the fused INT2 Triton kernel (attention_triton, its defaults: 64 query rows and
+  4 warps per program, no register cap), which decodes the history in every query block;
+- ``extend_us``: the extend path the dispatch now takes for such calls (attention_extend_triton:
+  the history dequantized once into scratch pages, then the paged BF16 kernel), and
+  ``dequant_us`` its dequantization alone;
+with each INT2 path's relative error against attention_ref on the same inputs (first and last
+sequence; ``check``). Earlier sweeps of the fused kernel's launch knobs (rows 32 / 128, 8 warps,
+a 128-register cap) lost by 1.4-3x and are no longer run (bench/results/2026-12-01-*).
+"""
+from __future__ import annotations
+
+import torch
+
+from oscar_compile.bench.kernel_setup import (
+    BITS, D, GROUP, H_KV, H_Q, P, RECENT, SINK, graph_time_us, make_tables, num_buffers, quantized_bytes,
+    quantized_layer, rel_err)
+from oscar_compile.kernels import ops
+
+# (cached, batch): chunks 2 and 4 of an 8k prompt at batch 8, one deep into a 32k prompt
+EXTEND_SHAPES = ((2048, 8), (6144, 8), (30720, 1))
+
+
+def _errors(fns: dict, q, k, v, cu, lens, layer, scale, B: int) -> dict:
+    """Relative error of each INT2 path against attention_ref, over the first and last sequence."""
+    from oscar_compile.kernels.attention_ref import attention_ref
+
+    pools, (wt, qt) = layer
+    got = {name: fn(pools, (wt, qt)) for name, fn in fns.items()}
+    errs = {name: [] for name in fns}
+    for i in sorted({0, B - 1}):
+        a, b = int(cu[i]), int(cu[i + 1])
+        one = torch.tensor([0, b - a], dtype=torch.int32, device=cu.device)
+        want = attention_ref(q[a:b], k[a:b], v[a:b], one, lens[i:i + 1], wt[i:i + 1], qt[i:i + 1],
+                             *pools, scale, SINK, RECENT, BITS, GROUP)
+        for name in fns:
+            errs[name].append(rel_err(got[name][a:b], want))
+        del want
+    return {f"{name}_rel_err": max(e) for name, e in errs.items()}
+
+
+def bench_extend(cached: int, B: int, chunk: int = 2048, check: bool = True, device: str = "cuda") -> dict:
+    """One row: the three paths' µs per layer, tokens/s, ratios to paged BF16 and errors
+    (``device`` other than CUDA: only for a smoke test of this code under the interpreter)."""
+    from oscar_compile.kernels.attention_extend_triton import (MAX_SCRATCH_BYTES, attention_extend_triton,
+                                                               scratch_bytes)
+    from oscar_compile.kernels.attention_triton import attention_triton
+    from oscar_compile.kernels.cache_dequant_triton import dequantize_cache_triton
+
+    dev = torch.device(device)
+    scale = D ** -0.5
+    N = B * chunk
+    q = torch.randn(N, H_Q, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(N, H_KV, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = torch.arange(B + 1, device=dev, dtype=torch.int32) * chunk
+    lens = torch.full((B,), cached, device=dev, dtype=torch.int32)
+    row = {"cached": cached, "batch": B, "chunk": chunk}
+    npages = -(-cached // P)
+    pages = [(torch.randn(B * npages, H_KV, P, D, device=dev, dtype=torch.bfloat16),
+              torch.randn(B * npages, H_KV, P, D, device=dev, dtype=torch.bfloat16),
+              make_tables(B, npages, dev)) for _ in range(num_buffers(B * H_KV * cached * 2 * D * 2))]
+    row["paged_bf16_us"] = graph_time_us(
+        [lambda kp=kp, vp=vp, pt=pt: ops.attention_bf16(q, k, v, cu, lens, pt, kp, vp, scale)
+         for kp, vp, pt in pages], reps=10)
+    del pages
+    layers = [quantized_layer(B, cached, torch.float16, dev)
+              for _ in range(num_buffers(quantized_bytes(B, cached, torch.float16)))]
+    fns = {
+        "int2": lambda p, tb: attention_triton(q, k, v, cu, lens, *tb, *p, scale, SINK, RECENT, BITS, GROUP),
+        "extend": lambda p, tb: attention_extend_triton(q, k, v, cu, lens, *tb, *p, scale, SINK, RECENT,
+                                                        BITS, GROUP),
+        "dequant": lambda p, tb: dequantize_cache_triton(lens, *tb, *p, SINK, RECENT, BITS, GROUP),
+    }
+    for name, fn in fns.items():
+        try:
+            row[f"{name}_us"] = graph_time_us([lambda p=p, tb=tb, fn=fn: fn(p, tb) for p, tb in layers], reps=10)
+        except Exception as e:  # keep the other paths' numbers
+            row[f"{name}_us"] = None
+            row[f"{name}_error"] = repr(e)[:300]
+    pools, (wt, qt) = layers[0]
+    row["extend_scratch_bytes"] = min(scratch_bytes(B, wt, qt, pools.k_win), MAX_SCRATCH_BYTES)  # allocated
+    row["bf16_tokens_per_s"] = N / (row["paged_bf16_us"] * 1e-6)
+    for name in ("int2", "extend"):
+        if row[f"{name}_us"]:
+            row[f"{name}_tokens_per_s"] = N / (row[f"{name}_us"] * 1e-6)
+            row[f"{name}_vs_paged_bf16"] = row[f"{name}_us"] / row["paged_bf16_us"]
+    if check:
+        row.update(_errors({n: fns[n] for n in ("int2", "extend")}, q, k, v, cu, lens, layers[0], scale, B))
+    del layers
+    torch.cuda.empty_cache()
+    return row

@@ -1,0 +1,83 @@
+"""What the kernel benchmarks share (bench.kernels, bench.extend): the layer shape, CUDA-graph timing, random caches.
+
+One Qwen3-8B attention layer (32 query heads, 8 KV heads, head_dim 128), sink 64, recent 256,
+page 16, INT2 with group 128. Timings replay a CUDA graph over enough per-layer buffers that one
+replay's data is >= 3x the 60 MB L2 (no layer is served from L2).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+
+from oscar_compile.kernels.pools import allocate_pools
+
+HBM_BYTES_PER_S = 4.3e12
+L2_BYTES = 60e6
+H_Q, H_KV, D, LAYERS = 32, 8, 128, 36
+SINK, RECENT, P, BITS, GROUP = 64, 256, 16, 2, 128
+
+
+def graph_time_us(calls, reps: int = 15) -> float:
+    """Median time of one call, from CUDA-graph replays of all ``calls`` (one per layer buffer)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in calls:  # compile / autotune outside the graph
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in calls:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def num_buffers(layer_bytes: float) -> int:
+    return max(1, min(LAYERS, math.ceil(3 * L2_BYTES / layer_bytes)))
+
+
+def make_tables(B: int, pages_per_seq: int, device) -> torch.Tensor:
+    """[B, pages_per_seq] int32: a random permutation of the pages (no contiguity to exploit)."""
+    n = max(B * pages_per_seq, 1)
+    return torch.randperm(n, device=device).to(torch.int32).view(B, pages_per_seq)
+
+
+def quantized_layer(B: int, ctx: int, sdt: torch.dtype, device, bits: int = BITS):
+    """Random INT-b pools (codes, scales, zeros, windows) for B sequences holding ctx tokens."""
+    hist = max(0, ctx - SINK - RECENT)
+    qpages, wpages = -(-hist // P), (SINK + RECENT) // P
+    pools = allocate_pools(B * qpages, B * wpages, H_KV, P, D, bits, GROUP, sdt, torch.bfloat16, device)
+    for c in (pools.k_codes, pools.v_codes):
+        c.copy_(torch.randint(0, 256, c.shape, dtype=torch.uint8, device=device))
+    for s in (pools.k_scale, pools.v_scale):
+        s.copy_(torch.rand(s.shape, device=device) * 0.08 + 0.02)
+    for z in (pools.k_zero, pools.v_zero):
+        z.copy_(torch.rand(z.shape, device=device) * 3)
+    for w in (pools.k_win, pools.v_win):
+        w.copy_(torch.randn(w.shape, device=device))
+    tables = (make_tables(B, wpages, device), make_tables(B, qpages, device))
+    return pools, tables
+
+
+def quantized_bytes(B: int, ctx: int, sdt: torch.dtype, bits: int = BITS) -> float:
+    hist = max(0, ctx - SINK - RECENT)
+    per_tok = 2 * (D * bits // 8 + 2 * (D // GROUP) * torch.finfo(sdt).bits // 8)
+    return B * H_KV * (hist * per_tok + (ctx - hist) * 2 * D * 2)
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
