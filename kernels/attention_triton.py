@@ -211,6 +211,14 @@ def _attn_kernel(
             tl.store(pl_ptr + prow, lse, mask=row_ok)
 
 
+# Prefill launches (BLOCK_M > 1) do not specialize B, nsplit and nwin: a server meets every
+# combination of 1 / multiple of 16 / other, and each compile held its engine for 2-5 s (H200,
+# 16 concurrent requests on the bundled model: 16 compiles after startup, run 14 in
+# bench/results/2026-12-02-h200-serve-load); a prefill program's work dwarfs what specializing
+# them saves.
+_attn_kernel_prefill = triton.jit(do_not_specialize=["B", "nsplit", "nwin"])(_attn_kernel.fn)
+
+
 @triton.jit
 def window_slot_ok(w, n_sink, n_hist, n_rec, SINK: tl.constexpr, RECENT: tl.constexpr):
     """Which window slots w: [BLOCK_W] hold a cached token (n_rec ring tokens after n_hist history).
@@ -402,7 +410,7 @@ def attention_triton(
     if auto_asm:
         use_asm = q.is_cuda and not interpreting() and not _ASM_FAILED
     launch = functools.partial(
-        _attn_kernel[(nblocks, H_kv, nsplit + nwin)],
+        (_attn_kernel if block_m == 1 else _attn_kernel_prefill)[(nblocks, H_kv, nsplit + nwin)],
         q, k, v, cu_seqlens, cub, cache_lens,
         history_lens if history_lens is not None else cache_lens, window_table, quant_table,
         k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,

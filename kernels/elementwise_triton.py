@@ -163,7 +163,9 @@ def rope_triton(q, k, cos, sin, rot=None, mean=None, col_blocks: int | None = No
             # tokens as fit (3), a third of the multiply-adds per token (sm_90 SASS, Triton 3.6;
             # 64 rows gained no more and spilled)
             rows = max(16, rows)
-            toks = max(1, min(rows // (G + 1), NT))
+            # (one token: the TOKS == 1 path; else a fixed count, the tail masked, so that a
+            # server's steps of 2, 3, ... tokens do not each compile a variant)
+            toks = 1 if NT == 1 else max(1, rows // (G + 1))
             ncol = col_blocks or rope_column_blocks(triton.cdiv(NT, toks) * H_kv, D, q.device)
             if D % ncol or ncol & (ncol - 1):
                 raise ValueError(f"col_blocks must be a power of two dividing {D}, got {ncol}")

@@ -167,26 +167,30 @@ class CompressedRunner:
 
     @torch.no_grad()
     def _compile_prefill_kernels(self, layout: CacheLayout) -> None:
-        """Run prefill-shaped steps on the scratch pages now, so that Triton compiles the variants
-        they need here and not in the middle of a running batch (seconds each: an H200 batch of 16
-        lost 15 s so). The attention kernels specialize on one sequence / a multiple of 16 / other
-        and plan split or unsplit launches by chunk size: each pair is run once. Only scratch
-        pages are written (the graphs' padding rows use them too)."""
+        """Run the step shapes the decode graphs do not cover on the scratch pages now, so that
+        Triton compiles the variants they need here and not in the middle of a running batch
+        (seconds each: an H200 batch of 16 lost 15 s so; run 14 of
+        bench/results/2026-12-02-h200-serve-load logged 16 such compiles, 40 s in all, before
+        two-token steps and trimmed tables were added here). The kernels specialize on one
+        sequence / a multiple of 16 / other, on decode-like (at most 2 tokens per sequence) or
+        prefill-like steps, and plan their launches from the page tables' width, which eager
+        steps trim to the batch's longest sequence: each (sequences, tokens) shape runs with
+        full-width tables and with tables as wide as its own history (a first chunk's; under
+        the extend path's cap, attention_extend_triton). Only scratch pages are written (the
+        graphs' padding rows use them too)."""
         budget = self.inputs.max_tokens
         longest = self.quant_width * layout.page_size - 1
         for num_seqs in sorted({1, min(2, self.inputs.max_seqs), min(16, self.inputs.max_seqs)}):
-            for chunk in sorted({min(8, longest), min(2048, (budget - 1) // num_seqs, longest)}):
-                if chunk <= 2:  # at most 2 tokens per sequence would be a decode-shaped step
+            for chunk in sorted({min(2, longest), min(8, longest), min(2048, (budget - 1) // num_seqs, longest)}):
+                if chunk < 2 or num_seqs * chunk + 1 > budget:  # one token each: the graphs' shape
                     continue
-                self.run(self._scratch_batch(layout, num_seqs, chunk))
-                # quant tables as wide as the chunk's own history (a first chunk's trimmed tables):
-                # a call whose scratch fits under the extend path's cap (attention_extend_triton)
-                width = max(1, layout.num_quant_pages_for(layout.num_history_tokens(chunk)))
-                self.run(self._scratch_batch(layout, num_seqs, chunk, quant_width=width))
-                if num_seqs > 1:  # and an odd token count (a mixed step: decodes plus one chunk)
-                    self.run(self._scratch_batch(layout, num_seqs, chunk, extra=1))
-                if self.op_constants:  # staged rows (16-bit history ops, the bulk W = 0 write)
-                    self.run(self._scratch_batch(layout, num_seqs, chunk, staged=True))
+                own = max(1, layout.num_quant_pages_for(layout.num_history_tokens(chunk + 1)))
+                for width in sorted({min(own, self.quant_width), self.quant_width}):
+                    self.run(self._scratch_batch(layout, num_seqs, chunk, quant_width=width))
+                    if num_seqs > 1:  # and an odd token count (a mixed step: decodes plus one chunk)
+                        self.run(self._scratch_batch(layout, num_seqs, chunk, extra=1, quant_width=width))
+                    if self.op_constants:  # staged rows (16-bit history ops, the bulk W = 0 write)
+                        self.run(self._scratch_batch(layout, num_seqs, chunk, staged=True, quant_width=width))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
