@@ -138,6 +138,7 @@ def test_dispatch_runs_gluon_for_decode_and_extend_for_prefill(monkeypatch):
                       extra_tokens=40, device="cuda")
     gen = torch.Generator().manual_seed(13)
     for chunk_lens, expected in (([1, 1], "gluon"), ([37, 3], "extend")):
+        monkeypatch.delenv(ad.ENV, raising=False)  # auto (the loop below leaves it forced)
         n = sum(chunk_lens)
         q, k, v = (random_kv(n, h, 128, gen, device="cuda") for h in (8, 2, 2))
         cu = torch.tensor([0] + chunk_lens, device="cuda").cumsum(0).to(torch.int32)
