@@ -67,7 +67,13 @@ def _describe(hook_kwargs: dict) -> str:
         return str(key)
 
     values = ", ".join(f"{name(k)}={v}" for k, v in constants.items() if isinstance(v, (bool, int, str)))
-    return f"{what} with {values}" if values else what
+    # the arguments Triton specialized as divisible by 16 (pointers and ints): a compile that the
+    # warmup seemed to cover differs from it here, if not in a constexpr
+    configs = (hook_kwargs.get("compile") or {}).get("configs") or [{}]
+    aligned = [name(k) for k, v in (configs[0] or {}).items() if "divisibility" in str(v)]
+    parts = [values] if values else []
+    parts += [f"divisible by 16: {' '.join(aligned)}"] if aligned else []
+    return f"{what} with {'; '.join(parts)}" if parts else what
 
 
 def mark_serving(serving: bool = True) -> None:

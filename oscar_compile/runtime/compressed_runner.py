@@ -186,28 +186,37 @@ class CompressedRunner:
                     continue
                 own = max(1, layout.num_quant_pages_for(layout.num_history_tokens(chunk + 1)))
                 for width in sorted({min(own, self.quant_width), self.quant_width}):
-                    self.run(self._scratch_batch(layout, num_seqs, chunk, quant_width=width))
-                    if num_seqs > 1:  # and an odd token count (a mixed step: decodes plus one chunk)
-                        self.run(self._scratch_batch(layout, num_seqs, chunk, extra=1, quant_width=width))
-                    if self.op_constants:  # staged rows (16-bit history ops, the bulk W = 0 write)
-                        self.run(self._scratch_batch(layout, num_seqs, chunk, staged=True, quant_width=width))
+                    shapes = [{}]
+                    if num_seqs > 1:  # an odd token count, and one chunk beside decode rows
+                        shapes += [dict(extra=1), dict(decodes=True)]
+                    if self.op_constants:  # staged rows (16-bit history ops): a last chunk (the
+                        # bulk W = 0 write), a middle one, and one beside unstaged decode rows
+                        shapes += [dict(staged=True), dict(staged=True, ends=False)]
+                        shapes += [dict(staged=True, decodes=True)] if num_seqs > 1 else []
+                    for shape in shapes:
+                        self.run(self._scratch_batch(layout, num_seqs, chunk, quant_width=width, **shape))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
     def _scratch_batch(self, layout: CacheLayout, num_seqs: int, chunk: int, extra: int = 0,
-                       staged: bool = False, quant_width: int | None = None) -> Batch:
-        """``num_seqs`` new sequences of ``chunk`` tokens (the first ``extra`` more) whose every
-        page is a scratch page. The quant tables have the full width (or ``quant_width``), as a
-        running batch's do: the attention kernels plan history splits from it (split and unsplit
-        compile apart; a batch of 16 once stalled 3 s on its first mixed step for want of the
-        split variant)."""
+                       staged: bool = False, quant_width: int | None = None, decodes: bool = False,
+                       ends: bool = True) -> Batch:
+        """``num_seqs`` new sequences of ``chunk`` tokens (the first ``extra`` more; with
+        ``decodes`` the others one token each) whose every page is a scratch page. The quant
+        tables have the full width (or ``quant_width``), as a running batch's do: the attention
+        kernels plan history splits from it (split and unsplit compile apart; a batch of 16 once
+        stalled 3 s on its first mixed step for want of the split variant). ``staged``: the
+        chunk rows are staged, and with ``ends`` their chunks end the staging (the bulk write
+        runs too, into the scratch pages)."""
         window = layout.num_window_pages_per_seq
-        lens = [chunk + extra] + [chunk] * (num_seqs - 1)
+        lens = [chunk + extra] + [1 if decodes else chunk] * (num_seqs - 1)
         staging = {}
-        if staged:  # every row ends its staging: the bulk write runs too (into the scratch pages)
+        if staged:
+            rows = [0] if decodes else list(range(num_seqs))
             width = max(1, layout.num_quant_pages_for(layout.num_history_tokens(chunk + extra)))
-            staging = dict(staging_tables=tuple([self.scratch_staging] * width for _ in lens),
-                           staging_ends=tuple(range(num_seqs)))
+            staging = dict(staging_tables=tuple([self.scratch_staging] * width if i in rows else []
+                                                for i in range(num_seqs)),
+                           staging_ends=tuple(rows) if ends else ())
         return Batch(seq_ids=[-1 - i for i in range(num_seqs)], token_ids=[[0] * n for n in lens],
                      positions=[list(range(n)) for n in lens], cache_lens=[0] * num_seqs,
                      history_lens=[0] * num_seqs,

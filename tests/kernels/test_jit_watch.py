@@ -59,3 +59,6 @@ def test_a_compile_is_described_by_its_constexpr_names():
     text = jit_watch._describe({"repr": "_attn_kernel(q_ptr: *bf16)", "fn": fn,
                                 "compile": {"constants": {(1,): 16, (0, 2): 1.5}}})
     assert text == "_attn_kernel(q_ptr: *bf16) with BLOCK_M=16"
+    text = jit_watch._describe({"repr": "k", "fn": fn, "compile": {
+        "constants": {}, "configs": [{(0,): [["tt.divisibility", 16]]}]}})
+    assert text == "k with divisible by 16: q_ptr"
