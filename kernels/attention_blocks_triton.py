@@ -234,6 +234,16 @@ def page_rows(table_row, idx, ok, h, H_KV: tl.constexpr, P: tl.constexpr):
 
 
 @triton.jit
+def window_slot_of(p, SINK: tl.constexpr, RECENT: tl.constexpr):
+    """Window slot of positions p (pools.window_slot): p itself below SINK, else its ring slot
+    (without a ring every window position is a sink slot)."""
+    slot = p
+    if RECENT > 0:
+        slot = tl.where(p < SINK, p, SINK + (p - SINK) % RECENT)
+    return slot
+
+
+@triton.jit
 def group_params(ks_ptr, kz_ptr, vs_ptr, vz_ptr, rowq, tmask, NG: tl.constexpr):
     """Key and value scales and zeros of rows ``rowq``: four [BN, NG] tiles, as stored."""
     off = rowq[:, None] * NG + tl.arange(0, NG)[None, :]

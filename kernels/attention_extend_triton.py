@@ -76,25 +76,31 @@ def per_sequence_mode(q: torch.Tensor, k: torch.Tensor, window_table: torch.Tens
     return unsplit and kernel_takes(H_q, H_kv, D, bits, group_size)
 
 
+def _extend_plan(q: torch.Tensor, k: torch.Tensor, window_table: torch.Tensor, quant_table: torch.Tensor,
+                 k_win: torch.Tensor, bits: int, num_seqs: int, group_size: int) -> tuple[str | None, bool]:
+    """(why the call does not take the extend path or None, whether it runs per sequence)."""
+    N, H_q, D = q.shape
+    if bits not in SUPPORTED_BITS:
+        return f"bits {bits}: a 16-bit history is read as stored by the fused kernel", False
+    if N <= 2 * num_seqs:
+        return "decode-like call (at most two new tokens per sequence on average)", False
+    if quant_table.shape[1] == 0:
+        return "no history pages: nothing to dequantize", False
+    if H_q % k.shape[1] or D & (D - 1) or D < 32:
+        return f"H_q {H_q}, H_kv {k.shape[1]}, D {D}: not a shape the paged BF16 kernel takes", False
+    if per_sequence_mode(q, k, window_table, quant_table, k_win, bits, group_size, num_seqs):
+        return None, True
+    need = scratch_bytes(num_seqs, window_table, quant_table, k_win)
+    if need > MAX_SCRATCH_BYTES:
+        return f"whole-call scratch of {need / 2**20:.0f} MiB over the {MAX_SCRATCH_BYTES // 2**20} MiB cap", False
+    return None, False
+
+
 def extend_unsupported_reason(q: torch.Tensor, k: torch.Tensor, window_table: torch.Tensor,
                               quant_table: torch.Tensor, k_win: torch.Tensor, bits: int,
                               num_seqs: int, group_size: int) -> str | None:
     """Why a call does not take the extend path (None: it does). Shapes only."""
-    N, H_q, D = q.shape
-    if bits not in SUPPORTED_BITS:
-        return f"bits {bits}: a 16-bit history is read as stored by the fused kernel"
-    if N <= 2 * num_seqs:
-        return "decode-like call (at most two new tokens per sequence on average)"
-    if quant_table.shape[1] == 0:
-        return "no history pages: nothing to dequantize"
-    if H_q % k.shape[1] or D & (D - 1) or D < 32:
-        return f"H_q {H_q}, H_kv {k.shape[1]}, D {D}: not a shape the paged BF16 kernel takes"
-    if per_sequence_mode(q, k, window_table, quant_table, k_win, bits, group_size, num_seqs):
-        return None
-    need = scratch_bytes(num_seqs, window_table, quant_table, k_win)
-    if need > MAX_SCRATCH_BYTES:
-        return f"whole-call scratch of {need / 2**20:.0f} MiB over the {MAX_SCRATCH_BYTES // 2**20} MiB cap"
-    return None
+    return _extend_plan(q, k, window_table, quant_table, k_win, bits, num_seqs, group_size)[0]
 
 
 def plan_scratch(cu_seqlens: torch.Tensor, cache_lens: torch.Tensor, page_size: int,
@@ -117,12 +123,12 @@ def attention_extend_triton(q, k, v, cu_seqlens, cache_lens, window_table, quant
     [N, H_q, D] in q.dtype. Raises for a call ``extend_unsupported_reason`` refuses (the
     dispatch sends those to the fused kernel)."""
     B = cache_lens.shape[0]
-    why = extend_unsupported_reason(q, k, window_table, quant_table, k_win, bits, B, group_size)
+    why, per_sequence = _extend_plan(q, k, window_table, quant_table, k_win, bits, B, group_size)
     if why is not None:
         raise ValueError(f"attention_extend_triton: {why}")
     pools = (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     geometry = (sink, recent, bits, group_size, history_lens)
-    if not per_sequence_mode(q, k, window_table, quant_table, k_win, bits, group_size, B):
+    if not per_sequence:
         k_pages, v_pages, table = dequantize_cache_triton(cache_lens, window_table, quant_table, *pools,
                                                           *geometry)
         return attention_bf16_triton(q, k, v, cu_seqlens, cache_lens, table, k_pages, v_pages, scale)

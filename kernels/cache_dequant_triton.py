@@ -2,8 +2,9 @@
 
 One program per (scratch page, KV head) writes the keys and values of the P positions the page
 holds (the run of pages it falls in names the sequence: seq_of_program), in position order:
-sink and ring slots copied from the window pools, history rows dequantized from the planar codes (plane i of a row's WP = D * b / 8 bytes
-holds channels [i WP, (i + 1) WP): one contiguous tile per plane) with the scale and zero of
+sink and ring slots copied from the window pools, history rows dequantized from the planar
+codes (plane i of a row's WP = D * b / 8 bytes holds channels [i WP, (i + 1) WP): one
+contiguous tile per plane) with the scale and zero of
 group c // G, s * (code - z) in float32 as ``quant.dequantize`` computes it, then rounded to the
 window dtype. Bitwise the reference: the float32 value is the same product, and the rounding to
 bfloat16 is done on the bits (round to nearest even), because the Triton interpreter's float32
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oscar_compile.kernels.attention_blocks_triton import page_rows, seq_of_program
+from oscar_compile.kernels.attention_blocks_triton import page_rows, seq_of_program, window_slot_of
 from oscar_compile.kernels.cache_dequant_ref import scratch_columns
 from oscar_compile.kernels.pools import check_window_config
 from oscar_compile.quant import SUPPORTED_BITS
@@ -84,10 +85,7 @@ def _dequant_cache_kernel(
             ok = (r < P) & (p < L)
             in_hist = ok & (p >= SINK) & (p < SINK + n_hist)
             in_win = ok & ~in_hist
-            if RECENT > 0:
-                slot = tl.where(p < SINK, p, SINK + (p - SINK) % RECENT)
-            else:  # no ring: every window position is a sink slot
-                slot = p
+            slot = window_slot_of(p, SINK, RECENT)
             wrow = page_rows(wt_ptr + i.to(tl.int64) * stride_wt, slot, in_win, h, H_KV, P)
             qrow = page_rows(qt_ptr + i.to(tl.int64) * stride_qt, p - SINK, in_hist, h, H_KV, P)
             drow = (s.to(tl.int64) * H_KV + h) * P + r

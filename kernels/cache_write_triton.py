@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from oscar_compile.kernels.attention_blocks_triton import seq_of_rows
+from oscar_compile.kernels.attention_blocks_triton import seq_of_rows, window_slot_of
 from oscar_compile.kernels.cache_write_ref import check_cache_write_args
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS
 from oscar_compile.kernels.quant_triton import clip_indices, clip_rows, quantize_rows, zero_low_bits
@@ -100,8 +100,7 @@ def _cache_write_kernel(
     to_ring = (~to_sink) & (p >= L_new - RECENT)
     to_hist = ~(to_sink | to_ring)
     if RECENT > 0:
-        ring = SINK + (p - SINK) % RECENT
-        slot = tl.where(to_sink, p, ring)
+        slot = window_slot_of(p, SINK, RECENT)
         p_old = p - RECENT * ((p - L + RECENT) // RECENT)  # in [L - W, L), same slot as p
         if HAS_HIST:
             ring_lo = SINK + tl.load(hist_ptr + seq)  # the ring holds [S0 + h, L)

@@ -58,7 +58,8 @@ def install() -> bool:
 def _describe(hook_kwargs: dict) -> str:
     """The kernel, its argument specialization and its constexpr values (what the warmup missed)."""
     what = str(hook_kwargs.get("repr", "a Triton kernel"))
-    constants = (hook_kwargs.get("compile") or {}).get("constants") or {}
+    compile_info = hook_kwargs.get("compile") or {}
+    constants = compile_info.get("constants") or {}
     params = getattr(getattr(hook_kwargs.get("fn"), "jit_function", None), "params", [])
 
     def name(key):  # Triton keys constexprs by argument index paths, (i,)
@@ -69,7 +70,7 @@ def _describe(hook_kwargs: dict) -> str:
     values = ", ".join(f"{name(k)}={v}" for k, v in constants.items() if isinstance(v, (bool, int, str)))
     # the arguments Triton specialized as divisible by 16 (pointers and ints): a compile that the
     # warmup seemed to cover differs from it here, if not in a constexpr
-    configs = (hook_kwargs.get("compile") or {}).get("configs") or [{}]
+    configs = compile_info.get("configs") or [{}]
     aligned = [name(k) for k, v in (configs[0] or {}).items() if "divisibility" in str(v)]
     parts = [values] if values else []
     parts += [f"divisible by 16: {' '.join(aligned)}"] if aligned else []

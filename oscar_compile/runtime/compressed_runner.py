@@ -184,7 +184,7 @@ class CompressedRunner:
             for chunk in sorted({min(2, longest), min(8, longest), min(2048, (budget - 1) // num_seqs, longest)}):
                 if chunk < 2 or num_seqs * chunk + 1 > budget:  # one token each: the graphs' shape
                     continue
-                own = max(1, layout.num_quant_pages_for(layout.num_history_tokens(chunk + 1)))
+                own = _history_pages(layout, chunk + 1)
                 for width in sorted({min(own, self.quant_width), self.quant_width}):
                     shapes = [{}]
                     if num_seqs > 1:  # an odd token count, and one chunk beside decode rows
@@ -213,7 +213,7 @@ class CompressedRunner:
         staging = {}
         if staged:
             rows = [0] if decodes else list(range(num_seqs))
-            width = max(1, layout.num_quant_pages_for(layout.num_history_tokens(chunk + extra)))
+            width = _history_pages(layout, chunk + extra)
             staging = dict(staging_tables=tuple([self.scratch_staging] * width if i in rows else []
                                                 for i in range(num_seqs)),
                            staging_ends=tuple(rows) if ends else ())
@@ -282,6 +282,11 @@ def _without_hf_masks(config):
 def _all_configs(config) -> list:
     subs = [getattr(config, key, None) for key in getattr(config, "sub_configs", {})]
     return [config] + [c for sub in subs if sub is not None for c in _all_configs(sub)]
+
+
+def _history_pages(layout: CacheLayout, num_tokens: int) -> int:
+    """Pages (at least one) a sequence of ``num_tokens`` cached tokens needs for its history."""
+    return max(1, layout.num_quant_pages_for(layout.num_history_tokens(num_tokens)))
 
 
 def runner_kwargs(model: torch.nn.Module, block_manager, config=None) -> dict:
