@@ -11,7 +11,7 @@ the runtime's default budget is 2048, the e2e benchmark runs 8192), one Qwen3-8B
   ``dequant_us`` its dequantization alone;
 with each INT2 path's relative error against attention_ref on the same inputs (first and last
 sequence; ``check``). Earlier sweeps of the fused kernel's launch knobs (rows 32 / 128, 8 warps,
-a 128-register cap) lost by 1.4-3x and are no longer run (bench/results/2026-12-01-*).
+a 128-register cap) lost by 1.4-3x and are no longer run (bench/results/2026-11-30-h200-write-clip-rope-prefill).
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ import warnings
 import torch
 
 from oscar_compile.bench.extend import EXTEND_SHAPES, bench_extend
-from oscar_compile.bench.kernel_setup import (  # noqa: F401  (re-exported for experiments/)
+from oscar_compile.bench.kernel_setup import (  # noqa: F401  (re-exported for the prototypes in docs/findings.md)
     BITS, D, GROUP, H_KV, H_Q, HBM_BYTES_PER_S, LAYERS, P, RECENT, SINK, graph_time_us, make_tables, num_buffers,
     quantized_bytes, quantized_layer, rel_err)
 from oscar_compile.kernels import ops
@@ -184,7 +184,7 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     Small batches are latency-bound: a split is a chain of dependent block iterations, so more,
     shorter splits shorten the chain at the cost of a larger merge; the windows (sink + recent
     slots, ``block_w`` keys at a time) are another chain, which ``win_splits`` programs share.
-    ``planned`` marks the default plan. (Earlier runs, bench/results, swept the history block,
+    ``planned`` marks the default plan. (bench/results/kernels_h200.json swept the history block,
     num_warps, pipelining depth and the bit-trick decode: 128, 4 warps, 2 stages and the bit trick
     won.)"""
     from oscar_compile.kernels.attention_blocks_triton import merge_partials

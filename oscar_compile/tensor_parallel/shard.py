@@ -12,7 +12,7 @@ What is taken from where, and why:
   ``parallelize_module(ColwiseParallel / RowwiseParallel)`` nor transformers' ``tp_plan``
   loading, which both leave DTensor parameters in the modules. ``apply`` then rewrites those
   modules in ways DTensor does not follow. Tried on the bundled model over 2 gloo ranks
-  (``experiments/2026-12-01-cpu-tensor-parallel/proto_dtensor_parallelize.py``): the plain HF
+  (docs/findings.md, ``git show 9f42812:experiments/...``): the plain HF
   forward runs, but the R_V fold (``R_V(h)^T @ W[h]`` with a plain rotation) stops at
   ``aten.bmm got mixed torch.Tensor and DTensor``, and with ``fuse`` the merged q/k/v weight
   (``merge_projections``: one buffer of the three, each Linear re-pointed at a *view* of it) is a
