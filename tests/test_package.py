@@ -1,7 +1,10 @@
-"""Packaging guards: kernels/ never shadows Hugging Face's `kernels`; importing us is cheap."""
+"""Packaging guards: kernels/ never shadows Hugging Face's `kernels`; importing us is cheap; pyproject.toml
+lists every package."""
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,3 +50,31 @@ def test_import_is_cheap():
         "print(sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules))\n"
     )
     assert _run_in_repo_root(code) == "[]"
+
+
+def _listed_packages() -> tuple[set[str], dict[str, str]]:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    return set(setuptools["packages"]), setuptools["package-dir"]
+
+
+def _python_folders(root: Path, package: str) -> set[str]:
+    """`package` and every folder below `root` that holds Python (an `__init__.py` or any `.py`):
+    setuptools installs only the packages it is told of, and a folder left out of the list is
+    missing from the wheel while the tests, run from the repo root, still import it."""
+    found = {package}
+    for source in root.rglob("*.py"):
+        folder = source.parent
+        if folder != root and "__pycache__" not in folder.parts:
+            found.add(".".join([package, *folder.relative_to(root).parts]))
+    return found
+
+
+def test_pyproject_lists_every_package():
+    listed, package_dir = _listed_packages()
+    assert package_dir.get("oscar_compile.kernels") == "kernels"
+    assert package_dir.get("oscar_compile.specs") == "specs"
+    expected = (_python_folders(REPO / "oscar_compile", "oscar_compile")
+                | _python_folders(REPO / "kernels", "oscar_compile.kernels") | {"oscar_compile.specs"})
+    assert not expected - listed, f"add to [tool.setuptools] packages in pyproject.toml: {sorted(expected - listed)}"
+    assert not listed - expected, f"listed in pyproject.toml but no such package: {sorted(listed - expected)}"
