@@ -6,8 +6,8 @@ import torch
 
 from oscar_compile import CompressionSpec, calibrate
 from oscar_compile.runtime import LLM, SamplingParams
-from oscar_compile.runtime.loader import EngineConfig
-from oscar_compile.runtime.sequence import Sequence
+from oscar_compile.runtime.engine_config import EngineConfig
+from oscar_compile.runtime.core.sequence import Sequence
 from oscar_compile.spec import specs_dir
 
 SPEC = CompressionSpec.from_dict({
@@ -244,7 +244,7 @@ def test_mask_bypass_restores_every_config():
     """The setter renames sub-configs too; each gets its own value back (here: a multimodal config)."""
     from transformers import LlavaConfig
 
-    from oscar_compile.runtime.compressed_runner import _NO_MASK_IMPLEMENTATION, _without_hf_masks
+    from oscar_compile.runtime.worker.compressed_runner import _NO_MASK_IMPLEMENTATION, _without_hf_masks
 
     config = LlavaConfig()
     parts = (config, config.text_config, config.vision_config)

@@ -11,7 +11,7 @@ import enum
 import itertools
 from typing import Any
 
-from oscar_compile.runtime.sampling_params import SamplingParams
+from oscar_compile.runtime.core.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -31,7 +31,7 @@ from oscar_compile.kernels.pools import FULL_PRECISION_BITS, allocate_pools
 from oscar_compile.cache import nodes
 from oscar_compile.cache.layout import LayerCache
 from oscar_compile.cache.layout import CacheLayout
-from oscar_compile.runtime.runner import Batch
+from oscar_compile.runtime.worker.runner import Batch
 
 
 @dataclass(frozen=True)

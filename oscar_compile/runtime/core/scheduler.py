@@ -28,8 +28,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from oscar_compile.runtime.block_manager import BlockManager, SwapCopy
-from oscar_compile.runtime.sequence import FinishReason, Sequence, SequenceStatus
+from oscar_compile.runtime.core.page_manager import BlockManager, SwapCopy
+from oscar_compile.runtime.core.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

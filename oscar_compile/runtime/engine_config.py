@@ -14,13 +14,13 @@ from typing import Callable
 import torch
 
 from oscar_compile.loading import BUNDLED_MODEL_DIR, load_model, resolve_device, resolve_model_dir  # noqa: F401
-from oscar_compile.runtime.block_manager import BlockManager
+from oscar_compile.runtime.core.page_manager import BlockManager
 from oscar_compile.runtime.engine import LLMEngine
-from oscar_compile.runtime.page_pool import PagePool
+from oscar_compile.runtime.core.page_pool import PagePool
 from oscar_compile.cache.layout import CacheLayout
-from oscar_compile.runtime.page_plan import GIB, plan_pages
-from oscar_compile.runtime.runner import ModelRunner, RecomputeRunner
-from oscar_compile.runtime.swap_space import SwapSpace
+from oscar_compile.runtime.core.page_plan import GIB, plan_pages
+from oscar_compile.runtime.worker.runner import ModelRunner, RecomputeRunner
+from oscar_compile.runtime.core.swap_space import SwapSpace
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from oscar_compile.runtime.block_manager import SwapCopy
+from oscar_compile.runtime.core.page_manager import SwapCopy
 
 
 def page_bytes(tensors: Seq[torch.Tensor]) -> int:
