@@ -15,8 +15,8 @@ import torch
 from oscar_compile.artifact import Rotations
 from oscar_compile.calibration import calibrate
 from oscar_compile.passes import apply
-from oscar_compile.runtime.worker.compressed_runner import compressed_layout, runner_factory
 from oscar_compile.runtime.engine_config import EngineConfig
+from oscar_compile.runtime.worker.compressed_runner import compressed_layout, runner_factory
 from oscar_compile.spec import CompressionSpec
 from oscar_compile.spec_fit import fit_spec_to_model
 

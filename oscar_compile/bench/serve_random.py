@@ -40,8 +40,8 @@ def build_app(args):
     from oscar_compile.bench.e2e import SpelledIdTokenizer
     from oscar_compile.bench.serve import mode_spec, random_model
     from oscar_compile.cli import serve
-    from oscar_compile.runtime.async_engine import AsyncEngine
     from oscar_compile.compress import compress
+    from oscar_compile.runtime.async_engine import AsyncEngine
     from oscar_compile.runtime.engine_config import build_engine, resolve_device
     from oscar_compile.runtime.server.app import create_app
 

@@ -7,7 +7,7 @@ the default spec is ``specs/bf16.yaml`` (the same paged runtime, no compression)
 when that file exists.
 
 The server binds 127.0.0.1 unless told otherwise; binding another address without an API key
-(``--api-key`` or ``OSCAR_API_KEY``) logs a warning. SIGTERM / SIGINT drain it (shutdown.py).
+(``--api-key`` or ``OSCAR_API_KEY``) logs a warning. SIGTERM / SIGINT drain it (runtime/server/shutdown.py).
 """
 
 from __future__ import annotations

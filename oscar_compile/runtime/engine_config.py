@@ -45,7 +45,7 @@ class EngineConfig:
     num_quant_pages: int | None = None
     cuda_graphs: bool = True  # replay captured CUDA graphs for decode steps (compressed runner on a GPU)
     overlap_steps: bool = True  # host work of step n while step n + 1 runs (engine.py; compressed runner)
-    # full-precision staging of prompts prefilled in chunks (block_manager, "Deferred demotion"), on
+    # full-precision staging of prompts prefilled in chunks (page_manager, "Deferred demotion"), on
     # top of the KV budget: None = room for the history of one prompt of the context length; 0 = off
     # (later chunks then read earlier ones back quantized). num_staging_pages overrides it (tests).
     prefill_staging_memory_gb: float | None = None

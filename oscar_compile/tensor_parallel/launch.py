@@ -30,9 +30,9 @@ import torch.distributed as dist
 
 from oscar_compile.artifact import Rotations
 from oscar_compile.compress import compress
-from oscar_compile.runtime.worker.compressed_runner import CompressedRunner, runner_kwargs
-from oscar_compile.runtime.engine_config import EngineConfig, build_engine, default_kv_memory_bytes
 from oscar_compile.runtime.core.page_plan import GIB
+from oscar_compile.runtime.engine_config import EngineConfig, build_engine, default_kv_memory_bytes
+from oscar_compile.runtime.worker.compressed_runner import CompressedRunner, runner_kwargs
 from oscar_compile.runtime.worker.tp_runner import RankGroup, TensorParallelError, TensorParallelRunner, follow_steps
 from oscar_compile.spec import CompressionSpec
 from oscar_compile.tensor_parallel.shard import (ShardReport, check_divisible, check_rotations_layout, shard_model,

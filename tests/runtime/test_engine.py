@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from oscar_compile.runtime.engine import LLMEngine
-from oscar_compile.runtime.llm import LLM
-from oscar_compile.runtime.engine_config import BUNDLED_MODEL_DIR, EngineConfig, build_engine, resolve_model_dir
 from oscar_compile.runtime.core.page_plan import CacheLayout
 from oscar_compile.runtime.core.sampling_params import RequestError, SamplingParams
+from oscar_compile.runtime.engine import LLMEngine
+from oscar_compile.runtime.engine_config import BUNDLED_MODEL_DIR, EngineConfig, build_engine, resolve_model_dir
+from oscar_compile.runtime.llm import LLM
 
 GREEDY = dict(temperature=0.0)
 WINDOWED = dict(sink=16, recent=16)

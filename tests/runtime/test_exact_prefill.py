@@ -13,9 +13,9 @@ import torch
 
 from oscar_compile import CompressionSpec, apply, calibrate
 from oscar_compile.runtime import LLM, SamplingParams
+from oscar_compile.runtime.core.sequence import FinishReason
 from oscar_compile.runtime.engine_config import EngineConfig
 from oscar_compile.runtime.server.metrics import render_metrics
-from oscar_compile.runtime.core.sequence import FinishReason
 
 SPEC = CompressionSpec.from_dict({
     "kv_cache": {"bits": 2, "group_size": 16, "sink_tokens": 4, "recent_tokens": 8, "page_size": 4},

@@ -12,9 +12,9 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from oscar_compile.runtime.async_engine import AsyncEngine  # noqa: E402
-from oscar_compile.runtime.llm import LLM  # noqa: E402
-from oscar_compile.runtime.engine_config import EngineConfig, build_engine  # noqa: E402
 from oscar_compile.runtime.core.sampling_params import SamplingParams  # noqa: E402
+from oscar_compile.runtime.engine_config import EngineConfig, build_engine  # noqa: E402
+from oscar_compile.runtime.llm import LLM  # noqa: E402
 from oscar_compile.runtime.server.app import create_app  # noqa: E402
 from server_http import get, post, running, wait_idle  # noqa: E402
 
@@ -107,7 +107,7 @@ def test_many_concurrent_clients(client):
      "messages.0.role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function"}]}, 400, "tools"),
-    # refused as OpenAI / vLLM refuse them (openai_schema.py says where each bound comes from)
+    # refused as OpenAI / vLLM refuse them (server/protocol.py says where each bound comes from)
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 600}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),

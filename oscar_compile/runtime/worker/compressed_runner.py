@@ -77,7 +77,7 @@ class CompressedRunner:
     sequences on CUDA (captured here, once per padded batch size).
     """
 
-    supports_history_hits = True  # the INT-b ops get Batch.history_lens (see block_manager)
+    supports_history_hits = True  # the INT-b ops get Batch.history_lens (see page_manager)
     supports_pending_tokens = True  # run(batch, pending_tokens): overlapped engine steps
     supports_staging = True  # staged rows: deferred demotion (staging.py)
     supports_swapping = True  # swap(swap_out, swap_in) to host swap space (swapper.py)
@@ -160,7 +160,7 @@ class CompressedRunner:
         return swapper
 
     def swap(self, swap_out: list, swap_in: list) -> None:
-        """Copy pages to host swap space and back (block_manager.SwapCopy lists), before the next run."""
+        """Copy pages to host swap space and back (page_manager.SwapCopy lists), before the next run."""
         if self.swapper is None:
             raise RuntimeError("this runner was built without swap space")
         self.swapper.swap(swap_out, swap_in)

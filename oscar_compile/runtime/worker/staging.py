@@ -1,6 +1,6 @@
 """Deferred demotion on the runner side: staged rows attend to a full-precision history.
 
-A staged sequence (block_manager, "Deferred demotion") is prefilling a prompt in several chunks.
+A staged sequence (page_manager, "Deferred demotion") is prefilling a prompt in several chunks.
 ``generate()`` computes the whole prompt at once, every token attending to every earlier one in
 full precision, and only then quantizes the history. To match it, a staged row keeps its history
 rows unquantized in *staging pages* (16-bit history rows, one pool pair per layer) while it

@@ -1,4 +1,4 @@
-"""Copies of page contents between the device pools and host swap space (block_manager, "Swapping").
+"""Copies of page contents between the device pools and host swap space (page_manager, "Swapping").
 
 The host side is one byte arena (pinned on CUDA, so copies are asynchronous DMA); a swapped-out
 sequence owns a contiguous range of it (swap_space.py decides where). Inside a range the bytes of
