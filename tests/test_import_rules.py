@@ -3,7 +3,9 @@
 - no import circles between modules, lazy (function-level) imports included: a circle is a
   layering mistake even when laziness keeps it from failing at import time;
 - ``runtime`` does not import ``passes`` (the graph-to-cache contract lives in ``cache``);
-- ``kernels`` imports none of ``runtime``, ``passes`` or ``evaluation``.
+- ``kernels`` imports none of ``runtime``, ``passes`` or ``evaluation``;
+- inside ``runtime``, imports go one way between its rooms: server -> engine (the modules at
+  ``runtime/``) -> core / worker, worker -> core for types; ``core`` imports no torch.
 
 A package's ``__init__`` counts as importing nothing but what it names itself; ``import a.b.c``
 depends on ``a.b.c`` only, not on every package above it.
