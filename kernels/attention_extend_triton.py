@@ -44,7 +44,7 @@ from oscar_compile.quant import SUPPORTED_BITS
 
 # The scratch is transient (freed when the call returns; the caching allocator hands the same
 # block to the next layer) and sits in the memory the runtime leaves free beside its KV pools
-# (loader: half of the free memory after the weights). 512 MiB takes a Qwen3-8B layer (8 KV heads,
+# (engine_config: half of the free memory after the weights). 512 MiB takes a Qwen3-8B layer (8 KV heads,
 # D 128, bf16) up to 32k cached tokens in one call (32k x 8 x 128 x 2 x 2 bytes = 128 MiB per
 # sequence, so 4 such sequences, or 8 of 8k); the rest of the call runs the fused kernel.
 # It also bounds the worst case of a whole-call launch, whose rows may be mostly decode rows over

@@ -93,7 +93,7 @@ def build_case(
     ``chunk``: tokens per write call and sequence (None: one bulk call). ``extra_tokens``: room
     in the tables for that many more tokens per sequence (for a following write / attention).
     ``hits``: sequence i starts as after a prefix-cache hit on its first ``hits[i]`` tokens
-    (block_manager): sink ``[0, S0)`` and history ``[S0, hits[i])`` written in one call with
+    (page_manager): sink ``[0, S0)`` and history ``[S0, hits[i])`` written in one call with
     W = 0 (each history row quantized as a demotion would), ring slots full of stale garbage
     (large values: a kernel that reads or demotes one fails loudly); the rest is then written
     (``chunk`` as above) with ``history_lens`` = max(hits[i] - S0, L - W - S0), and

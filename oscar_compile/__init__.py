@@ -20,7 +20,7 @@ _LAZY = {
     "backend": ".passes",
     "compress": ".compress",
     "LLM": ".llm",
-    "SamplingParams": ".runtime.sampling_params",
+    "SamplingParams": ".runtime.core.sampling_params",
     "save_compressed": ".checkpoint",
     "load_compressed": ".checkpoint",
 }
@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .passes import apply, backend
     from .compress import compress
     from .llm import LLM
-    from .runtime.sampling_params import SamplingParams
+    from .runtime.core.sampling_params import SamplingParams
     from .spec import CompressionSpec, SpecError
 
 

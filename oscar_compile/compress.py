@@ -2,7 +2,7 @@
 
 The assembly step of the package: fit the spec to the model (``spec_fit``), get rotations
 (calibrated without data, or read from a file), rewrite the model (``passes.apply``) and
-describe its cache (``runtime.compressed_runner.compressed_layout``). It lives at the top, beside
+describe its cache (``runtime.worker.compressed_runner.compressed_layout``). It lives at the top, beside
 ``LLM``, because it reaches into calibration, artifacts, passes and the runtime, which must not
 reach into each other; the offline ``LLM`` and the server both call it.
 """
@@ -15,8 +15,8 @@ import torch
 from oscar_compile.artifact import Rotations
 from oscar_compile.calibration import calibrate
 from oscar_compile.passes import apply
-from oscar_compile.runtime.compressed_runner import compressed_layout, runner_factory
-from oscar_compile.runtime.loader import EngineConfig
+from oscar_compile.runtime.engine_config import EngineConfig
+from oscar_compile.runtime.worker.compressed_runner import compressed_layout, runner_factory
 from oscar_compile.spec import CompressionSpec
 from oscar_compile.spec_fit import fit_spec_to_model
 
@@ -31,7 +31,7 @@ def compress(model: torch.nn.Module, spec, rotations, config: EngineConfig | Non
     from oscar_compile.artifact import Rotations
     from oscar_compile.calibration import calibrate
     from oscar_compile.passes import apply
-    from oscar_compile.runtime.compressed_runner import compressed_layout, runner_factory
+    from oscar_compile.runtime.worker.compressed_runner import compressed_layout, runner_factory
     from oscar_compile.spec import CompressionSpec
 
     from oscar_compile.spec_fit import fit_spec_to_model

@@ -16,9 +16,9 @@ import torch
 from oscar_compile.checkpoint import compression_of
 from oscar_compile.compress import compress
 from oscar_compile.loading import load_model, resolve_device, resolve_model_dir
+from oscar_compile.runtime.core.sampling_params import SamplingParams
 from oscar_compile.runtime.engine import LLMEngine, TokenLogprob
-from oscar_compile.runtime.loader import EngineConfig, build_engine
-from oscar_compile.runtime.sampling_params import SamplingParams
+from oscar_compile.runtime.engine_config import EngineConfig, build_engine
 
 
 @dataclass

@@ -3,7 +3,9 @@
 - no import circles between modules, lazy (function-level) imports included: a circle is a
   layering mistake even when laziness keeps it from failing at import time;
 - ``runtime`` does not import ``passes`` (the graph-to-cache contract lives in ``cache``);
-- ``kernels`` imports none of ``runtime``, ``passes`` or ``evaluation``.
+- ``kernels`` imports none of ``runtime``, ``passes`` or ``evaluation``;
+- inside ``runtime``, imports go one way between its rooms: server -> engine (the modules at
+  ``runtime/``) -> core / worker, worker -> core for types; ``core`` imports no torch.
 
 A package's ``__init__`` counts as importing nothing but what it names itself; ``import a.b.c``
 depends on ``a.b.c`` only, not on every package above it.
@@ -126,3 +128,35 @@ def test_runtime_and_cache_reach_only_below_themselves():
         edges = [f"{m} -> {t}" for m, ts in graph.items() if m.startswith(f"{PACKAGE}.{layer}")
                  and m not in COMPAT_SHIMS for t in ts if not t.startswith(prefixes)]
         assert edges == [], layer
+
+
+def _runtime_room(module: str) -> str | None:
+    """The runtime room a module sits in: core, worker, server, or the engine (the rest of
+    ``runtime``); None outside the runtime and for the package itself."""
+    runtime = f"{PACKAGE}.runtime"
+    if not module.startswith(runtime + "."):
+        return None
+    first = module[len(runtime) + 1:].split(".")[0]
+    return first if first in ("core", "worker", "server") else "engine"
+
+
+def test_runtime_rooms_import_only_downward():
+    """server -> engine -> core / worker (worker -> core for types), never back."""
+    below = {"core": {"core"}, "worker": {"worker", "core"}, "engine": {"engine", "worker", "core"},
+             "server": {"server", "engine", "worker", "core"}}
+    graph = _graph()
+    edges = [f"{m} -> {t}" for m, ts in graph.items() if _runtime_room(m) and m not in COMPAT_SHIMS
+             for t in ts if _runtime_room(t) and _runtime_room(t) not in below[_runtime_room(m)]]
+    assert edges == []
+
+
+def test_runtime_core_imports_no_torch():
+    """The scheduler's path holds no tensors (as nano-vllm keeps it): core runs without torch."""
+    core = ROOT / PACKAGE / "runtime" / "core"
+    found = []
+    for path in sorted(core.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("torch", "triton", "numpy")]
+    assert found == []

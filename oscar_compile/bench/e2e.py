@@ -133,7 +133,7 @@ def run_runtime(model, spec, prompts, output_len: int, kv_memory_gb: float, max_
                 overlap: bool = True) -> dict:
     """One batch through ``LLM(model, spec)``; ``model`` is rewritten in place (use a fresh one)."""
     from oscar_compile.runtime import LLM, SamplingParams
-    from oscar_compile.runtime.loader import EngineConfig
+    from oscar_compile.runtime.engine_config import EngineConfig
 
     batch, prompt_len = len(prompts), len(prompts[0])
     vocab = model.config.get_text_config().vocab_size

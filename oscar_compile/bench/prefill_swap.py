@@ -20,10 +20,10 @@ import time
 import torch
 
 from oscar_compile.bench.e2e import SpelledIdTokenizer
-from oscar_compile.runtime.block_manager import SwapCopy
-from oscar_compile.runtime.compressed_runner import runner_factory
-from oscar_compile.runtime.loader import EngineConfig, build_engine
-from oscar_compile.runtime.sampling_params import SamplingParams
+from oscar_compile.runtime.core.page_manager import SwapCopy
+from oscar_compile.runtime.core.sampling_params import SamplingParams
+from oscar_compile.runtime.engine_config import EngineConfig, build_engine
+from oscar_compile.runtime.worker.compressed_runner import runner_factory
 
 
 def _sync(device: torch.device) -> None:

@@ -41,8 +41,8 @@ import time
 import torch
 
 from oscar_compile.passes import apply
-from oscar_compile.runtime.compressed_runner import CompressedRunner, compressed_layout
-from oscar_compile.runtime.runner import Batch
+from oscar_compile.runtime.worker.compressed_runner import CompressedRunner, compressed_layout
+from oscar_compile.runtime.worker.runner import Batch
 from oscar_compile.spec import shipped_spec
 
 SHAPES = {

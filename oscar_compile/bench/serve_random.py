@@ -40,10 +40,10 @@ def build_app(args):
     from oscar_compile.bench.e2e import SpelledIdTokenizer
     from oscar_compile.bench.serve import mode_spec, random_model
     from oscar_compile.cli import serve
-    from oscar_compile.runtime.async_engine import AsyncEngine
     from oscar_compile.compress import compress
-    from oscar_compile.runtime.loader import build_engine, resolve_device
-    from oscar_compile.runtime.server import create_app
+    from oscar_compile.runtime.async_engine import AsyncEngine
+    from oscar_compile.runtime.engine_config import build_engine, resolve_device
+    from oscar_compile.runtime.server.app import create_app
 
     server = serve.server_config(args)
     max_len = args.max_model_len or _DEFAULT_MAX_MODEL_LEN

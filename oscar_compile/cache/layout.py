@@ -237,7 +237,7 @@ class CacheLayout:
         """History tokens held when the cache holds ``num_cached_tokens`` (positions from S0).
 
         ``history_floor`` is the history length a prefix-cache hit started from (see
-        block_manager): history never shrinks below it.
+        page_manager): history never shrinks below it.
         """
         return num_history_tokens(num_cached_tokens, self.sink, self.recent, history_floor)
 

@@ -7,7 +7,7 @@ the default spec is ``specs/bf16.yaml`` (the same paged runtime, no compression)
 when that file exists.
 
 The server binds 127.0.0.1 unless told otherwise; binding another address without an API key
-(``--api-key`` or ``OSCAR_API_KEY``) logs a warning. SIGTERM / SIGINT drain it (shutdown.py).
+(``--api-key`` or ``OSCAR_API_KEY``) logs a warning. SIGTERM / SIGINT drain it (runtime/server/shutdown.py).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
-    from oscar_compile.runtime import server_config as defaults
+    from oscar_compile.runtime.server import server_config as defaults
 
     group = parser.add_argument_group("access and limits")
     group.add_argument("--api-key", default=os.environ.get("OSCAR_API_KEY") or None,
@@ -88,7 +88,7 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def server_config(args: argparse.Namespace):
     """The ServerConfig the flags describe (ValueError for a bad value)."""
-    from oscar_compile.runtime.server_config import ServerConfig
+    from oscar_compile.runtime.server.server_config import ServerConfig
 
     if args.api_key == "":
         raise ValueError("--api-key must not be empty")
@@ -117,8 +117,8 @@ def build_app(args: argparse.Namespace):
     server = server_config(args)  # refuse bad flags before loading anything
     from oscar_compile.runtime.async_engine import AsyncEngine
     from oscar_compile.loading import load_model, resolve_device, resolve_model_dir
-    from oscar_compile.runtime.loader import build_engine
-    from oscar_compile.runtime.server import create_app
+    from oscar_compile.runtime.engine_config import build_engine
+    from oscar_compile.runtime.server.app import create_app
 
     from oscar_compile.compress import compress
 
@@ -165,7 +165,7 @@ def build_app(args: argparse.Namespace):
 
 
 def engine_config(args: argparse.Namespace):
-    from oscar_compile.runtime.loader import EngineConfig
+    from oscar_compile.runtime.engine_config import EngineConfig
 
     return EngineConfig(kv_memory_gb=args.kv_memory, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -222,7 +222,7 @@ def run_server(app, args: argparse.Namespace) -> None:
         logger.warning(warning)
     import uvicorn
 
-    from oscar_compile.runtime.shutdown import DrainingServer
+    from oscar_compile.runtime.server.shutdown import DrainingServer
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)

@@ -173,7 +173,7 @@ def fp_vocab(model) -> int:
 
 
 def _write_manifest(out_dir: Path, model, tokenizer, fp: ModelFingerprint, layer) -> None:
-    from ..runtime.loader import eos_token_ids
+    from ..runtime.engine_config import eos_token_ids
 
     kv = layer.kv_cache
     manifest = {

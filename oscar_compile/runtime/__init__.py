@@ -1,8 +1,18 @@
 """Serving runtime: paged KV cache bookkeeping, continuous batching, sampling, OpenAI server.
 
-Modelled on nano-vllm's split (sequence, block_manager, scheduler, model runner). Importing this
-package is cheap: the public names below load their modules (and torch) on first use, and the
-server (FastAPI) is only imported by ``oscar_compile.runtime.server`` / ``serve``.
+Rooms, as vLLM v1 keeps them, with imports one way (server -> engine -> core / worker, worker ->
+core for types, then cache / kernels; tests/test_import_rules.py holds the rule):
+
+- ``core/``: sequences, sampling parameters, the scheduler, pages, swap and staging bookkeeping
+  (plain Python, no tensors: nano-vllm's sequence, block manager and scheduler);
+- ``worker/``: what touches the device: the model runners, step inputs, CUDA graphs, the
+  sampler, the swapper, staged attention and the tensor-parallel runner;
+- here: the engine loop (``engine``, ``async_engine``, ``detokenizer``) and ``engine_config``
+  (``EngineConfig``, ``build_engine``);
+- ``server/``: the OpenAI protocol models, the app factory and routes, admission and shutdown.
+
+Importing this package is cheap: the public names below load their modules (and torch) on first
+use, and the server (FastAPI) is only imported by ``oscar_compile.runtime.server.app`` / ``serve``.
 """
 
 from __future__ import annotations
@@ -14,19 +24,19 @@ _EXPORTS = {
     "CompletionOutput": "llm",
     "LLMEngine": "engine",
     "RequestOutput": "engine",
-    "SamplingParams": "sampling_params",
-    "RequestError": "sampling_params",
-    "CacheLayout": "page_plan",
-    "LayerFormat": "page_plan",
-    "plan_pages": "page_plan",
-    "BlockManager": "block_manager",
-    "Scheduler": "scheduler",
-    "Sequence": "sequence",
-    "Batch": "runner",
-    "ModelRunner": "runner",
-    "RecomputeRunner": "runner",
-    "EngineConfig": "loader",
-    "build_engine": "loader",
+    "SamplingParams": "core.sampling_params",
+    "RequestError": "core.sampling_params",
+    "CacheLayout": "core.page_plan",
+    "LayerFormat": "core.page_plan",
+    "plan_pages": "core.page_plan",
+    "BlockManager": "core.page_manager",
+    "Scheduler": "core.scheduler",
+    "Sequence": "core.sequence",
+    "Batch": "worker.runner",
+    "ModelRunner": "worker.runner",
+    "RecomputeRunner": "worker.runner",
+    "EngineConfig": "engine_config",
+    "build_engine": "engine_config",
 }
 __all__ = sorted(_EXPORTS)
 

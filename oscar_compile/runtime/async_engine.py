@@ -20,15 +20,12 @@ import queue
 import threading
 from typing import Any, AsyncIterator
 
+from oscar_compile.runtime.core.errors import EngineDeadError
+from oscar_compile.runtime.core.sampling_params import SamplingParams
 from oscar_compile.runtime.engine import LLMEngine, RequestOutput
-from oscar_compile.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.5
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread is not running; requests cannot be served."""
 
 
 class AsyncEngine:

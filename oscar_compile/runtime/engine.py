@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oscar_compile.runtime.block_manager import BlockManager
+from oscar_compile.runtime.core.page_manager import BlockManager
+from oscar_compile.runtime.core.sampling_params import RequestError, SamplingParams
+from oscar_compile.runtime.core.scheduler import Scheduler, SchedulerOutput
+from oscar_compile.runtime.core.sequence import FinishReason, Sequence
 from oscar_compile.runtime.detokenizer import IncrementalDetokenizer
-from oscar_compile.runtime.runner import Batch, ModelRunner
-from oscar_compile.runtime.sampler import DeviceSample, Sampler, to_device
-from oscar_compile.runtime.sampling_params import RequestError, SamplingParams
-from oscar_compile.runtime.scheduler import Scheduler, SchedulerOutput
-from oscar_compile.runtime.sequence import FinishReason, Sequence
+from oscar_compile.runtime.worker.runner import Batch, ModelRunner
+from oscar_compile.runtime.worker.sampler import DeviceSample, Sampler, to_device
 
 logger = logging.getLogger(__name__)
 _THROUGHPUT_WINDOW_S = 10.0

@@ -6,7 +6,7 @@ directory, or a seeded random-weight builder for benchmarks), keeps its slice
 its slice of the rotations (``compress``: the same passes as one device, on a narrower model).
 Rank 0 then builds the engine; when the block manager has sized the pools it sends the runner's
 arguments to the other ranks, which build the same ``CompressedRunner`` (same page ids, their own
-KV heads) and follow rank 0's steps (``oscar_compile.runtime.tensor_parallel``).
+KV heads) and follow rank 0's steps (``oscar_compile.runtime.worker.tp_runner``).
 
 Process groups go through ``torch.distributed``'s TCP rendezvous on a free loopback port:
 NCCL on CUDA (the all-reduces), gloo on CPU, and a gloo group for the step messages in both.
@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 from oscar_compile.artifact import Rotations
 from oscar_compile.compress import compress
-from oscar_compile.runtime.compressed_runner import CompressedRunner, runner_kwargs
-from oscar_compile.runtime.loader import EngineConfig, build_engine, default_kv_memory_bytes
-from oscar_compile.runtime.page_plan import GIB
-from oscar_compile.runtime.tensor_parallel import RankGroup, TensorParallelError, TensorParallelRunner, follow_steps
+from oscar_compile.runtime.core.page_plan import GIB
+from oscar_compile.runtime.engine_config import EngineConfig, build_engine, default_kv_memory_bytes
+from oscar_compile.runtime.worker.compressed_runner import CompressedRunner, runner_kwargs
+from oscar_compile.runtime.worker.tp_runner import RankGroup, TensorParallelError, TensorParallelRunner, follow_steps
 from oscar_compile.spec import CompressionSpec
 from oscar_compile.tensor_parallel.shard import (ShardReport, check_divisible, check_rotations_layout, shard_model,
                                                  shard_rotations)

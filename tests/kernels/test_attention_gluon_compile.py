@@ -129,7 +129,7 @@ def test_launch_plan_fills_whole_waves_and_ignores_table_width_for_short_caches(
 
 
 def test_metrics_say_which_attention_kernel_ran(monkeypatch):
-    from oscar_compile.runtime import metrics
+    from oscar_compile.runtime.server import metrics
 
     stats = {key: 0 for *_, key in metrics._SCALARS}
     stats.update({f"{kind}_{suffix}": 0 for *_, suffix in metrics._PAGES for kind in metrics.PAGE_KINDS})

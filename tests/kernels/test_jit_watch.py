@@ -39,7 +39,7 @@ def test_the_hooks_time_a_compile_and_keep_the_hooks_already_set(fresh, monkeypa
 
 
 def test_metrics_report_the_compile_counters(fresh):
-    from oscar_compile.runtime import metrics
+    from oscar_compile.runtime.server import metrics
 
     jit_watch.mark_serving()
     jit_watch.note_compile("k", 2.0)

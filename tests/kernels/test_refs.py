@@ -199,7 +199,7 @@ def test_prefill_then_decode_steps(sink, recent):
 
 
 # ----------------------------------------------------------------------------- history_lens
-# After a prefix-cache hit past the sink (runtime/block_manager.py) a sequence holds sink
+# After a prefix-cache hit past the sink (runtime/core/page_manager.py) a sequence holds sink
 # [0, S0), shared history [S0, S0 + h) and a ring of fewer than W tokens [S0 + h, L).
 # (hits, cache_lens) per sequence, S0 = 16, W = 32, P = 16: standard (h = 22, derived), right
 # after a hit (h = 48, empty ring), ring of 20 wrapping past the ring's end (starts at slot

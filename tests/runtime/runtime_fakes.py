@@ -12,9 +12,9 @@ opt-in.
 
 from __future__ import annotations
 
-from oscar_compile.runtime.block_manager import BlockManager
-from oscar_compile.runtime.scheduler import Scheduler
-from oscar_compile.runtime.sequence import FinishReason, Sequence
+from oscar_compile.runtime.core.page_manager import BlockManager
+from oscar_compile.runtime.core.scheduler import Scheduler
+from oscar_compile.runtime.core.sequence import FinishReason, Sequence
 
 GARBAGE = "garbage"
 

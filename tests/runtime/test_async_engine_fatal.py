@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from oscar_compile.runtime.async_engine import AsyncEngine, EngineDeadError
+from oscar_compile.runtime.async_engine import AsyncEngine
+from oscar_compile.runtime.core.errors import EngineDeadError
 
 
 class FatalEngine:

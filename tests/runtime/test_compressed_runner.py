@@ -6,8 +6,8 @@ import torch
 
 from oscar_compile import CompressionSpec, calibrate
 from oscar_compile.runtime import LLM, SamplingParams
-from oscar_compile.runtime.loader import EngineConfig
-from oscar_compile.runtime.sequence import Sequence
+from oscar_compile.runtime.core.sequence import Sequence
+from oscar_compile.runtime.engine_config import EngineConfig
 from oscar_compile.spec import specs_dir
 
 SPEC = CompressionSpec.from_dict({
@@ -175,7 +175,7 @@ def test_prefix_cache_hits_past_the_sink_with_the_int2_runner(setup):
     for two steps, so the ops run with history_lens past the standard value and demote only what
     the ring holds. Exact equality with a miss is not expected: the miss run's tokens [40, 51)
     read positions [32, 40) from its full-precision ring, the hit's from INT2 history (the
-    block_manager docstring, "Exactness"). Greedy decoding amplifies any difference at a near-tie,
+    page_manager docstring, "Exactness"). Greedy decoding amplifies any difference at a near-tie,
     so the check is on the first token and its logprob (0.05 nats apart here; a runner that
     demoted stale ring slots into the shared pages moves it by 0.2 - 0.7 and the pages change).
     Staging is off in both runs (``num_staging_pages=0``): both then chunk their prompts the same
@@ -244,7 +244,7 @@ def test_mask_bypass_restores_every_config():
     """The setter renames sub-configs too; each gets its own value back (here: a multimodal config)."""
     from transformers import LlavaConfig
 
-    from oscar_compile.runtime.compressed_runner import _NO_MASK_IMPLEMENTATION, _without_hf_masks
+    from oscar_compile.runtime.worker.compressed_runner import _NO_MASK_IMPLEMENTATION, _without_hf_masks
 
     config = LlavaConfig()
     parts = (config, config.text_config, config.vision_config)

@@ -4,7 +4,7 @@ import torch
 
 from oscar_compile import CompressionSpec
 from oscar_compile.runtime import LLM, SamplingParams
-from oscar_compile.runtime.loader import EngineConfig
+from oscar_compile.runtime.engine_config import EngineConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

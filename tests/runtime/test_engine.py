@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
+from oscar_compile.runtime.core.page_plan import CacheLayout
+from oscar_compile.runtime.core.sampling_params import RequestError, SamplingParams
 from oscar_compile.runtime.engine import LLMEngine
+from oscar_compile.runtime.engine_config import BUNDLED_MODEL_DIR, EngineConfig, build_engine, resolve_model_dir
 from oscar_compile.runtime.llm import LLM
-from oscar_compile.runtime.loader import BUNDLED_MODEL_DIR, EngineConfig, build_engine, resolve_model_dir
-from oscar_compile.runtime.page_plan import CacheLayout
-from oscar_compile.runtime.sampling_params import RequestError, SamplingParams
 
 GREEDY = dict(temperature=0.0)
 WINDOWED = dict(sink=16, recent=16)
@@ -160,7 +160,7 @@ def test_llm_loads_a_model_directory(model_dir):
 
 
 def test_a_runner_factory_sizes_its_pools_from_the_block_manager(tiny_model, tokenizer):
-    from oscar_compile.runtime.runner import RecomputeRunner
+    from oscar_compile.runtime.worker.runner import RecomputeRunner
 
     seen = {}
 

@@ -13,9 +13,9 @@ import torch
 
 from oscar_compile import CompressionSpec, apply, calibrate
 from oscar_compile.runtime import LLM, SamplingParams
-from oscar_compile.runtime.loader import EngineConfig
-from oscar_compile.runtime.metrics import render_metrics
-from oscar_compile.runtime.sequence import FinishReason
+from oscar_compile.runtime.core.sequence import FinishReason
+from oscar_compile.runtime.engine_config import EngineConfig
+from oscar_compile.runtime.server.metrics import render_metrics
 
 SPEC = CompressionSpec.from_dict({
     "kv_cache": {"bits": 2, "group_size": 16, "sink_tokens": 4, "recent_tokens": 8, "page_size": 4},
@@ -156,7 +156,7 @@ def test_tiny_swap_space_falls_back_to_recompute(setup):
 def test_a_prompt_too_long_to_stage_is_refused(setup):
     """Prompts longer than a step are staged; one whose history the staging pool cannot hold
     is refused with a clear error, not served at lower precision."""
-    from oscar_compile.runtime.sampling_params import RequestError
+    from oscar_compile.runtime.core.sampling_params import RequestError
 
     llm = _llm(setup, num_staging_pages=5)  # 20 history rows: prompts of up to 32 tokens
     prompt = _prompts(400, [45])[0]

@@ -10,8 +10,8 @@ import copy
 
 from oscar_compile import CompressionSpec, calibrate
 from oscar_compile.runtime import LLM, SamplingParams
-from oscar_compile.runtime.cuda_graphs import DecodeGraphs
-from oscar_compile.runtime.loader import EngineConfig
+from oscar_compile.runtime.engine_config import EngineConfig
+from oscar_compile.runtime.worker.cuda_graphs import DecodeGraphs
 
 SPEC = CompressionSpec.from_dict({
     "kv_cache": {"bits": 2, "group_size": 16, "sink_tokens": 4, "recent_tokens": 8, "page_size": 4},
@@ -30,7 +30,7 @@ class ReplayInPython:
 
 def _capture_in_python(graphs: DecodeGraphs):
     def capture(size, layout):
-        from oscar_compile.runtime.runner import Batch
+        from oscar_compile.runtime.worker.runner import Batch
 
         padding = Batch(seq_ids=[], token_ids=[], positions=[], cache_lens=[], history_lens=[], window_tables=[],
                         quant_tables=[], context_token_ids=[], layout=layout)

@@ -15,11 +15,11 @@ import pytest
 import torch
 from runtime_fakes import IdentityCache, run_scheduler
 
-from oscar_compile.runtime.block_manager import BlockManager
-from oscar_compile.runtime.page_plan import CacheLayout
-from oscar_compile.runtime.sampling_params import SamplingParams
-from oscar_compile.runtime.scheduler import Scheduler
-from oscar_compile.runtime.sequence import Sequence
+from oscar_compile.runtime.core.page_manager import BlockManager
+from oscar_compile.runtime.core.page_plan import CacheLayout
+from oscar_compile.runtime.core.sampling_params import SamplingParams
+from oscar_compile.runtime.core.scheduler import Scheduler
+from oscar_compile.runtime.core.sequence import Sequence
 
 cache_write_ref = pytest.importorskip("oscar_compile.kernels.cache_write_ref").cache_write_ref
 gather_cached = pytest.importorskip("oscar_compile.kernels.attention_ref").gather_cached

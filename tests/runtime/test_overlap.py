@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from oscar_compile import CompressionSpec, apply, calibrate
-from oscar_compile.runtime.compressed_runner import compressed_layout, runner_factory
-from oscar_compile.runtime.loader import EngineConfig, build_engine
-from oscar_compile.runtime.sampling_params import SamplingParams
+from oscar_compile.runtime.core.sampling_params import SamplingParams
+from oscar_compile.runtime.engine_config import EngineConfig, build_engine
+from oscar_compile.runtime.worker.compressed_runner import compressed_layout, runner_factory
 
 INT2 = CompressionSpec.from_dict({
     "kv_cache": {"bits": 2, "group_size": 16, "sink_tokens": 4, "recent_tokens": 8, "page_size": 4},

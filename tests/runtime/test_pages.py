@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from oscar_compile.runtime.page_plan import GIB, CacheLayout, LayerFormat, plan_pages
+from oscar_compile.runtime.core.page_plan import GIB, CacheLayout, LayerFormat, plan_pages
 
 QWEN3_8B = dict(num_layers=36, num_kv_heads=8, head_dim=128)
 

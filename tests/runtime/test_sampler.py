@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from oscar_compile.runtime.core.sampling_params import RequestError, SamplingParams
 from oscar_compile.runtime.detokenizer import IncrementalDetokenizer
-from oscar_compile.runtime.sampler import Sampler, filtered_probs
-from oscar_compile.runtime.sampling_params import RequestError, SamplingParams
+from oscar_compile.runtime.worker.sampler import Sampler, filtered_probs
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -7,11 +7,11 @@ import random
 import pytest
 from runtime_fakes import IdentityCache, check_page_invariants, run_scheduler
 
-from oscar_compile.runtime.block_manager import BlockManager
-from oscar_compile.runtime.page_plan import CacheLayout
-from oscar_compile.runtime.sampling_params import SamplingParams
-from oscar_compile.runtime.scheduler import Scheduler
-from oscar_compile.runtime.sequence import FinishReason, Sequence, SequenceStatus
+from oscar_compile.runtime.core.page_manager import BlockManager
+from oscar_compile.runtime.core.page_plan import CacheLayout
+from oscar_compile.runtime.core.sampling_params import SamplingParams
+from oscar_compile.runtime.core.scheduler import Scheduler
+from oscar_compile.runtime.core.sequence import FinishReason, Sequence, SequenceStatus
 
 P = 16
 

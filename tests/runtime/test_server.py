@@ -12,10 +12,10 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from oscar_compile.runtime.async_engine import AsyncEngine  # noqa: E402
+from oscar_compile.runtime.core.sampling_params import SamplingParams  # noqa: E402
+from oscar_compile.runtime.engine_config import EngineConfig, build_engine  # noqa: E402
 from oscar_compile.runtime.llm import LLM  # noqa: E402
-from oscar_compile.runtime.loader import EngineConfig, build_engine  # noqa: E402
-from oscar_compile.runtime.sampling_params import SamplingParams  # noqa: E402
-from oscar_compile.runtime.server import create_app  # noqa: E402
+from oscar_compile.runtime.server.app import create_app  # noqa: E402
 from server_http import get, post, running, wait_idle  # noqa: E402
 
 MODEL = "tiny"
@@ -107,7 +107,7 @@ def test_many_concurrent_clients(client):
      "messages.0.role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function"}]}, 400, "tools"),
-    # refused as OpenAI / vLLM refuse them (openai_schema.py says where each bound comes from)
+    # refused as OpenAI / vLLM refuse them (server/protocol.py says where each bound comes from)
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 600}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
@@ -253,7 +253,7 @@ def test_default_serve_answers_with_the_bundled_model_in_int2():
     """No --model: the bundled model with its shipped OSCAR INT2 rotations, over HTTP, gives what
     the offline API gives with the same spec and rotations (greedy; the prompt fits one chunk)."""
     from oscar_compile.runtime import serve
-    from oscar_compile.runtime.loader import resolve_model_dir
+    from oscar_compile.runtime.engine_config import resolve_model_dir
     from oscar_compile.spec import CompressionSpec
 
     args = serve.parse_args(["--device", "cpu", "--kv-memory", "0.05"])

@@ -11,11 +11,12 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from oscar_compile.runtime import gate, serve  # noqa: E402
+from oscar_compile.runtime import serve  # noqa: E402
 from oscar_compile.runtime.async_engine import AsyncEngine  # noqa: E402
-from oscar_compile.runtime.loader import EngineConfig, build_engine  # noqa: E402
-from oscar_compile.runtime.server import create_app  # noqa: E402
-from oscar_compile.runtime.server_config import ServerConfig  # noqa: E402
+from oscar_compile.runtime.engine_config import EngineConfig, build_engine  # noqa: E402
+from oscar_compile.runtime.server import gate  # noqa: E402
+from oscar_compile.runtime.server.app import create_app  # noqa: E402
+from oscar_compile.runtime.server.server_config import ServerConfig  # noqa: E402
 from server_http import running  # noqa: E402
 
 MODEL = "tiny"
@@ -146,7 +147,7 @@ def test_main_logs_the_exposure_warning(model_dir, monkeypatch, caplog):
     """Up to the point where uvicorn would start: the warning is logged before serving."""
     import uvicorn
 
-    from oscar_compile.runtime import shutdown
+    from oscar_compile.runtime.server import shutdown
 
     monkeypatch.delenv("OSCAR_API_KEY", raising=False)
     served = []

@@ -17,9 +17,9 @@ pytest.importorskip("uvicorn")
 
 from fuzz_bodies import ROUTES, BodyFuzzer, Case  # noqa: E402
 from oscar_compile.runtime.async_engine import AsyncEngine  # noqa: E402
-from oscar_compile.runtime.loader import EngineConfig, build_engine  # noqa: E402
-from oscar_compile.runtime.server import create_app  # noqa: E402
-from oscar_compile.runtime.server_config import ServerConfig  # noqa: E402
+from oscar_compile.runtime.engine_config import EngineConfig, build_engine  # noqa: E402
+from oscar_compile.runtime.server.app import create_app  # noqa: E402
+from oscar_compile.runtime.server.server_config import ServerConfig  # noqa: E402
 from server_http import post, running, wait_idle  # noqa: E402
 
 MODEL = "tiny"

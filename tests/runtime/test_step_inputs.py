@@ -1,10 +1,10 @@
 """Step inputs: the incremental page-table mirror and the packed per-step tensors."""
 import torch
 
-from oscar_compile.runtime.cuda_graphs import graph_batch_sizes
-from oscar_compile.runtime.page_plan import CacheLayout
-from oscar_compile.runtime.runner import Batch
-from oscar_compile.runtime.step_inputs import StepInputs, TableMirror
+from oscar_compile.runtime.core.page_plan import CacheLayout
+from oscar_compile.runtime.worker.cuda_graphs import graph_batch_sizes
+from oscar_compile.runtime.worker.runner import Batch
+from oscar_compile.runtime.worker.step_inputs import StepInputs, TableMirror
 
 CPU = torch.device("cpu")
 

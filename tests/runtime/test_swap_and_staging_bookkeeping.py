@@ -7,12 +7,12 @@ import random
 
 from runtime_fakes import IdentityCache, run_scheduler
 
-from oscar_compile.runtime.block_manager import BlockManager
-from oscar_compile.runtime.page_plan import CacheLayout
-from oscar_compile.runtime.sampling_params import SamplingParams
-from oscar_compile.runtime.scheduler import Scheduler
-from oscar_compile.runtime.sequence import Sequence, SequenceStatus
-from oscar_compile.runtime.swap_space import ALIGN, SwapSpace
+from oscar_compile.runtime.core.page_manager import BlockManager
+from oscar_compile.runtime.core.page_plan import CacheLayout
+from oscar_compile.runtime.core.sampling_params import SamplingParams
+from oscar_compile.runtime.core.scheduler import Scheduler
+from oscar_compile.runtime.core.sequence import Sequence, SequenceStatus
+from oscar_compile.runtime.core.swap_space import ALIGN, SwapSpace
 
 P = 16
 LAYOUT = CacheLayout(num_layers=1, num_kv_heads=1, head_dim=16, group_size=16, page_size=P, sink=16, recent=32)

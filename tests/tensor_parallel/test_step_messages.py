@@ -4,8 +4,8 @@ from __future__ import annotations
 import pickle
 
 from oscar_compile.cache.layout import CacheLayout
-from oscar_compile.runtime.runner import Batch
-from oscar_compile.runtime.tensor_parallel import StepDecoder, StepEncoder
+from oscar_compile.runtime.worker.runner import Batch
+from oscar_compile.runtime.worker.tp_runner import StepDecoder, StepEncoder
 
 LAYOUT = CacheLayout.bf16(2, 1, 16, page_size=4)
 

@@ -221,7 +221,7 @@ def _load_but_rank_1_exits(model_dir):
 def test_a_rank_that_dies_while_starting_fails_the_start_at_once():
     from functools import partial
 
-    from oscar_compile.runtime.tensor_parallel import TensorParallelError
+    from oscar_compile.runtime.worker.tp_runner import TensorParallelError
     from oscar_compile.tensor_parallel.launch import RankSetup, TensorParallelGroup, free_port, join_group
 
     # before it checks in: rank 0 stops waiting for it as soon as its process has ended
@@ -235,7 +235,7 @@ def test_a_rank_that_dies_while_starting_fails_the_start_at_once():
     group = TensorParallelGroup(setup, 2)
     try:
         model, _, config, make_runner = group.prepare()
-        from oscar_compile.runtime.loader import build_engine
+        from oscar_compile.runtime.engine_config import build_engine
 
         with pytest.raises(TensorParallelError, match="rank 1 .* exited with code 3"):
             build_engine(model, None, config, make_runner=make_runner)

@@ -14,13 +14,13 @@ from typing import Callable
 import torch
 
 from oscar_compile.loading import BUNDLED_MODEL_DIR, load_model, resolve_device, resolve_model_dir  # noqa: F401
-from oscar_compile.runtime.block_manager import BlockManager
+from oscar_compile.runtime.core.page_manager import BlockManager
 from oscar_compile.runtime.engine import LLMEngine
-from oscar_compile.runtime.page_pool import PagePool
+from oscar_compile.runtime.core.page_pool import PagePool
 from oscar_compile.cache.layout import CacheLayout
-from oscar_compile.runtime.page_plan import GIB, plan_pages
-from oscar_compile.runtime.runner import ModelRunner, RecomputeRunner
-from oscar_compile.runtime.swap_space import SwapSpace
+from oscar_compile.runtime.core.page_plan import GIB, plan_pages
+from oscar_compile.runtime.worker.runner import ModelRunner, RecomputeRunner
+from oscar_compile.runtime.core.swap_space import SwapSpace
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class EngineConfig:
     num_quant_pages: int | None = None
     cuda_graphs: bool = True  # replay captured CUDA graphs for decode steps (compressed runner on a GPU)
     overlap_steps: bool = True  # host work of step n while step n + 1 runs (engine.py; compressed runner)
-    # full-precision staging of prompts prefilled in chunks (block_manager, "Deferred demotion"), on
+    # full-precision staging of prompts prefilled in chunks (page_manager, "Deferred demotion"), on
     # top of the KV budget: None = room for the history of one prompt of the context length; 0 = off
     # (later chunks then read earlier ones back quantized). num_staging_pages overrides it (tests).
     prefill_staging_memory_gb: float | None = None

@@ -29,7 +29,7 @@ class Batch:
     - ``cache_lens[i]``: L, tokens already in the cache for sequence i;
     - ``history_lens[i]``: h, history tokens held before the step (positions ``[S0, S0 + h)``);
       the recent ring holds positions ``[S0 + h, L)`` (when ``L > S0``). Equals ``max(0, L - W - S0)`` except right
-      after a prefix-cache hit, when the ring starts empty (see block_manager);
+      after a prefix-cache hit, when the ring starts empty (see page_manager);
     - ``window_tables[i]``: ``(S0 + W) / P`` window page ids (sink pages, then the ring);
     - ``quant_tables[i]``: quant page ids, already long enough for the history after the step;
     - ``context_token_ids[i]``: the sequence's full token list, read-only; the first
@@ -41,7 +41,7 @@ class Batch:
       previous step sampled and the host has not read yet: ``token_ids`` holds a placeholder and
       the runner takes the token from row ``pending_src[j]`` of that step's sampled ids (its
       ``run(batch, pending_tokens)``). Only runners with ``supports_pending_tokens`` get them.
-    - ``staging_tables[i]``: staging page ids of a staged sequence (block_manager, "Deferred
+    - ``staging_tables[i]``: staging page ids of a staged sequence (page_manager, "Deferred
       demotion"), ``[]`` for the others; the whole field is ``()`` when no row is staged. A staged
       row keeps its history rows in full precision in those pages (its quant table is allocated
       alongside); ``staging_ends`` lists the rows whose chunk caches their last known token: after
@@ -86,9 +86,9 @@ class ModelRunner(Protocol):
 
     ``supports_history_hits``: True if the runner honours ``Batch.history_lens`` when it is larger
     than ``max(0, L - W - S0)`` (ring starting empty after a prefix hit); if False or absent,
-    prefix hits stop at the sink (see block_manager).
+    prefix hits stop at the sink (see page_manager).
 
-    ``swap(swap_out, swap_in)`` (lists of ``block_manager.SwapCopy``) copies page contents to host
+    ``swap(swap_out, swap_in)`` (lists of ``page_manager.SwapCopy``) copies page contents to host
     swap space and back, queued before the next ``run``; the engine calls it only when the block
     manager has swap space (runners with ``supports_swapping``).
     """

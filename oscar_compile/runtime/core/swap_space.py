@@ -1,7 +1,7 @@
 """Host swap space bookkeeping: contiguous byte ranges of one host arena, first fit.
 
 A preempted sequence's pages (window pages, then history pages, every layer) are copied into one
-contiguous range of a pinned host buffer that the runner owns (runtime/swapper.py), and back into
+contiguous range of a pinned host buffer that the runner owns (runtime/worker/swapper.py), and back into
 fresh device pages before it runs again. A contiguous range makes each copy one slice per pool
 tensor instead of a scatter, so both directions stay asynchronous. This module only decides where
 ranges go; it holds no tensors (tested on any machine).

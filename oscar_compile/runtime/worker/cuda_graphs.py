@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from oscar_compile.runtime.runner import Batch
+from oscar_compile.runtime.worker.runner import Batch
 
 _log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Copies of page contents between the device pools and host swap space (block_manager, "Swapping").
+"""Copies of page contents between the device pools and host swap space (page_manager, "Swapping").
 
 The host side is one byte arena (pinned on CUDA, so copies are asynchronous DMA); a swapped-out
 sequence owns a contiguous range of it (swap_space.py decides where). Inside a range the bytes of
@@ -18,7 +18,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from oscar_compile.runtime.block_manager import SwapCopy
+from oscar_compile.runtime.core.page_manager import SwapCopy
 
 
 def page_bytes(tensors: Seq[torch.Tensor]) -> int:

@@ -11,7 +11,7 @@ import enum
 import itertools
 from typing import Any
 
-from oscar_compile.runtime.sampling_params import SamplingParams
+from oscar_compile.runtime.core.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -44,7 +44,7 @@ class Sequence:
     ``num_committed_blocks`` blocks have final content in the cache and are registered for reuse.
     ``staging_pages`` (non-empty only while a prompt is prefilled in several chunks) is the
     sequence's table of full-precision staging pages: its history rows wait there, unquantized,
-    until the last prompt chunk (deferred demotion, see block_manager). ``swap`` is where its
+    until the last prompt chunk (deferred demotion, see page_manager). ``swap`` is where its
     pages sit in host swap space while it is swapped out: ``(offset, num_window, num_quant)``.
     ``num_pending`` tokens (0 or 1 between steps) were sampled on the device and not yet read by
     the host (overlapped steps, see engine.py): they follow ``token_ids`` and the next step may

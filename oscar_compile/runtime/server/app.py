@@ -11,7 +11,7 @@ connection, hand-rolled chunked encoding and offers no reliable disconnect signa
 Every error answers with the OpenAI body ``{"error": {"message", "type", "param", "code"}}``.
 What may come in is decided in layers, cheapest first: the API key and the body size in ASGI
 middleware (gate.py), then whether the server admits requests at all (admission.py: draining, a
-full queue), then the body's fields (openai_schema.py), then what needs the tokenized prompt (its
+full queue), then the body's fields (protocol.py), then what needs the tokenized prompt (its
 length against the context, ``max_tokens``). Tokenizing and the chat template run on one worker
 thread, so a long prompt does not stall the event loop that serves every other client.
 """
@@ -32,15 +32,16 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from oscar_compile.kernels import jit_watch
-from oscar_compile.runtime.admission import Admission, Refused
-from oscar_compile.runtime.async_engine import AsyncEngine, EngineDeadError
-from oscar_compile.runtime.gate import ApiKeyGate, BodyLimit
-from oscar_compile.runtime.metrics import render_metrics
-from oscar_compile.runtime.openai_schema import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest,
-                                            CompletionRequest)
-from oscar_compile.runtime.responses import Choice, Formatter, error_body, sse
-from oscar_compile.runtime.sampling_params import RequestError, SamplingParams
-from oscar_compile.runtime.server_config import ServerConfig
+from oscar_compile.runtime.async_engine import AsyncEngine
+from oscar_compile.runtime.core.errors import EngineDeadError
+from oscar_compile.runtime.core.sampling_params import RequestError, SamplingParams
+from oscar_compile.runtime.server.admission import Admission, Refused
+from oscar_compile.runtime.server.gate import ApiKeyGate, BodyLimit
+from oscar_compile.runtime.server.metrics import render_metrics
+from oscar_compile.runtime.server.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest,
+                                                   CompletionRequest)
+from oscar_compile.runtime.server.responses import Choice, Formatter, error_body, sse
+from oscar_compile.runtime.server.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.5

@@ -7,14 +7,14 @@ arrival order while budget, sequence slots and pages allow; the head of the queu
 skipped, so no request starves (FCFS).
 
 When a running sequence needs a page and none is left, the newest running sequence is preempted
-and goes back to the front of the queue. With host swap space (block_manager, "Swapping") its
+and goes back to the front of the queue. With host swap space (page_manager, "Swapping") its
 pages are swapped out and swapped back in before it runs again: exact, and cheap next to
 recomputing a long context. Without room there (or while it is still staged) its pages are freed
 and it is recomputed (its tokens are kept; its finished history blocks stay in the prefix cache
 until evicted). The oldest sequence is never preempted for a newer one, and ``add`` refuses a
 request that could not fit the pools even alone, so every request finishes.
 
-A prompt that needs several chunks is admitted with its staging pages (block_manager, "Deferred
+A prompt that needs several chunks is admitted with its staging pages (page_manager, "Deferred
 demotion") or waits at the head of the queue until they are free; one whose history the staging
 pool could never hold is admitted only when the step's budget takes the whole prompt at once.
 
@@ -28,8 +28,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from oscar_compile.runtime.block_manager import BlockManager, SwapCopy
-from oscar_compile.runtime.sequence import FinishReason, Sequence, SequenceStatus
+from oscar_compile.runtime.core.page_manager import BlockManager, SwapCopy
+from oscar_compile.runtime.core.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from typing import Any, Callable, Sequence as Seq
 import torch
 import torch.distributed as dist
 
-from oscar_compile.runtime.async_engine import EngineDeadError
-from oscar_compile.runtime.runner import Batch
+from oscar_compile.runtime.core.errors import EngineDeadError
+from oscar_compile.runtime.worker.runner import Batch
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import hmac
 import json
 from typing import Any, Awaitable, Callable
 
-from oscar_compile.runtime.responses import error_body
+from oscar_compile.runtime.server.responses import error_body
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

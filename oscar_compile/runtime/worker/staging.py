@@ -1,6 +1,6 @@
 """Deferred demotion on the runner side: staged rows attend to a full-precision history.
 
-A staged sequence (block_manager, "Deferred demotion") is prefilling a prompt in several chunks.
+A staged sequence (page_manager, "Deferred demotion") is prefilling a prompt in several chunks.
 ``generate()`` computes the whole prompt at once, every token attending to every earlier one in
 full precision, and only then quantizes the history. To match it, a staged row keeps its history
 rows unquantized in *staging pages* (16-bit history rows, one pool pair per layer) while it
@@ -31,7 +31,7 @@ from oscar_compile.kernels.pools import FULL_PRECISION_BITS, allocate_pools
 from oscar_compile.cache import nodes
 from oscar_compile.cache.layout import LayerCache
 from oscar_compile.cache.layout import CacheLayout
-from oscar_compile.runtime.runner import Batch
+from oscar_compile.runtime.worker.runner import Batch
 
 
 @dataclass(frozen=True)

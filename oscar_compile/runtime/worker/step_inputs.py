@@ -21,7 +21,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from oscar_compile.runtime.runner import Batch
+from oscar_compile.runtime.worker.runner import Batch
 
 
 def _pinned(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

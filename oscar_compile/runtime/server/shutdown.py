@@ -15,7 +15,7 @@ import signal
 
 import uvicorn
 
-from oscar_compile.runtime.admission import Admission
+from oscar_compile.runtime.server.admission import Admission
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ import logging
 import time
 from typing import Callable
 
-from oscar_compile.runtime.async_engine import AsyncEngine, EngineDeadError
+from oscar_compile.runtime.async_engine import AsyncEngine
+from oscar_compile.runtime.core.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 _POLL_S = 0.05

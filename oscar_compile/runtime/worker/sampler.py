@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oscar_compile.runtime.sampling_params import SamplingParams
+from oscar_compile.runtime.core.sampling_params import SamplingParams
 
 
 @dataclass

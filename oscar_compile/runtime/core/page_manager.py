@@ -63,10 +63,10 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 
-from oscar_compile.runtime.page_pool import PagePool
+from oscar_compile.runtime.core.page_pool import PagePool
 from oscar_compile.cache.layout import CacheLayout
-from oscar_compile.runtime.sequence import Sequence
-from oscar_compile.runtime.swap_space import SwapSpace
+from oscar_compile.runtime.core.sequence import Sequence
+from oscar_compile.runtime.core.swap_space import SwapSpace
 
 _ROOT_HASH = b""
 

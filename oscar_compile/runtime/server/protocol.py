@@ -23,7 +23,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from oscar_compile.runtime.sampling_params import MAX_LOGPROBS, RequestError, SamplingParams
+from oscar_compile.runtime.core.sampling_params import MAX_LOGPROBS, RequestError, SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy completions API default
 MAX_STOP_SEQUENCES = 4  # OpenAI: "up to 4 sequences"

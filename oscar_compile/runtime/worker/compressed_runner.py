@@ -8,7 +8,7 @@ the history INT-b or, for a layer kept at 16 bits beside INT-b ones, 16-bit rows
 a bigger pool row); in the BF16 mode (nothing quantized: no windows) the runtime's quant pages
 hold full-precision rows and the quant table is a plain page table (``oscar::attention_bf16``).
 On CUDA the ops run the Triton kernels, on CPU their references; decode steps replay CUDA
-graphs (:mod:`oscar_compile.runtime.cuda_graphs`).
+graphs (:mod:`oscar_compile.runtime.worker.cuda_graphs`).
 
 Every pool has one extra *scratch* page (the last id) that no sequence owns: the padding rows of
 a graph replay write and read only there, and so do the prefill-shaped steps that compile the
@@ -27,10 +27,10 @@ import torch
 from oscar_compile.kernels.pools import allocate_pools
 from oscar_compile.cache.hf_cache import OscarCache
 from oscar_compile.cache.layout import CacheLayout, LayerCache
-from oscar_compile.runtime.runner import Batch
-from oscar_compile.runtime.staging import StagedStep, allocate_staging_pools, layer_op_constants
-from oscar_compile.runtime.step_inputs import StepInputs
-from oscar_compile.runtime.swapper import HostSwap
+from oscar_compile.runtime.worker.runner import Batch
+from oscar_compile.runtime.worker.staging import StagedStep, allocate_staging_pools, layer_op_constants
+from oscar_compile.runtime.worker.step_inputs import StepInputs
+from oscar_compile.runtime.worker.swapper import HostSwap
 
 # an attention implementation name with no registered mask function: create_causal_mask returns None
 _NO_MASK_IMPLEMENTATION = "oscar_paged"
@@ -77,7 +77,7 @@ class CompressedRunner:
     sequences on CUDA (captured here, once per padded batch size).
     """
 
-    supports_history_hits = True  # the INT-b ops get Batch.history_lens (see block_manager)
+    supports_history_hits = True  # the INT-b ops get Batch.history_lens (see page_manager)
     supports_pending_tokens = True  # run(batch, pending_tokens): overlapped engine steps
     supports_staging = True  # staged rows: deferred demotion (staging.py)
     supports_swapping = True  # swap(swap_out, swap_in) to host swap space (swapper.py)
@@ -113,7 +113,7 @@ class CompressedRunner:
         self.forward_started: torch.cuda.Event | None = None
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
-            from oscar_compile.runtime.cuda_graphs import DecodeGraphs
+            from oscar_compile.runtime.worker.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, min(max_graph_batch, max_num_seqs))
             self.graphs.capture_all(layout)
@@ -160,7 +160,7 @@ class CompressedRunner:
         return swapper
 
     def swap(self, swap_out: list, swap_in: list) -> None:
-        """Copy pages to host swap space and back (block_manager.SwapCopy lists), before the next run."""
+        """Copy pages to host swap space and back (page_manager.SwapCopy lists), before the next run."""
         if self.swapper is None:
             raise RuntimeError("this runner was built without swap space")
         self.swapper.swap(swap_out, swap_in)

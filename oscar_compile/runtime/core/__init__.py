@@ -1,0 +1,1 @@
+"""Bookkeeping without tensors: sequences, scheduler, pages, swap, staging. Imports only ``cache``."""

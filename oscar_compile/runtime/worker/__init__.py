@@ -1,0 +1,1 @@
+"""The device side: runners, step inputs, CUDA graphs, sampler, swapper, TP runner. Imports ``core`` types."""
