@@ -2,8 +2,9 @@
 
 Runs the same engine as the server, synchronously, so offline results and served results agree.
 It sits at the top of the package beside :func:`~oscar_compile.compress.compress` (as nano-vllm
-keeps ``llm.py`` at the top): it assembles a loaded model, the compression and the runtime, which
-know nothing of each other. ``oscar_compile.runtime.LLM`` stays the name users import.
+keeps ``llm.py`` at the top): :func:`oscar_compile.assembly.assemble` puts together a loaded
+model, the compression and the runtime, which know nothing of each other, as it does for the
+server. ``oscar_compile.runtime.LLM`` stays the name users import.
 """
 
 from __future__ import annotations
@@ -13,12 +14,10 @@ from pathlib import Path
 
 import torch
 
-from oscar_compile.checkpoint import compression_of
-from oscar_compile.compress import compress
-from oscar_compile.loading import load_model, resolve_device, resolve_model_dir
+from oscar_compile.assembly import assemble
 from oscar_compile.runtime.core.sampling_params import SamplingParams
 from oscar_compile.runtime.engine import LLMEngine, TokenLogprob
-from oscar_compile.runtime.engine_config import EngineConfig, build_engine
+from oscar_compile.runtime.engine_config import EngineConfig
 
 
 @dataclass
@@ -49,52 +48,12 @@ class LLM:
     def __init__(self, model: str | Path | torch.nn.Module | None = None, spec=None, rotations=None,
                  tokenizer=None, device: str = "auto", dtype: torch.dtype | None = None,
                  config: EngineConfig | None = None, make_runner=None, tensor_parallel_size: int = 1):
-        if rotations is not None and spec is None:
-            raise ValueError("rotations were given without the spec they are applied with")
-        self.tensor_parallel = None
-        if tensor_parallel_size != 1:
-            self._start_tensor_parallel(model, spec, rotations, tokenizer, device, dtype, config, make_runner,
-                                        tensor_parallel_size)
-            return
-        values_folded = False
-        if isinstance(model, torch.nn.Module):
-            if tokenizer is None:
-                raise ValueError("tokenizer is required when model is an nn.Module")
-        else:
-            model_dir = resolve_model_dir(model)
-            compression = compression_of(model_dir)
-            if compression is not None:
-                if spec is not None or rotations is not None:
-                    raise ValueError(f"{model_dir} is a compressed checkpoint: it brings its own spec and rotations "
-                                     "(give neither)")
-                spec, values_folded = compression.spec, True
-            model, loaded_tokenizer = load_model(model_dir, resolve_device(device), dtype)
-            tokenizer = tokenizer or loaded_tokenizer
-            if compression is not None:
-                rotations = compression.load_rotations(model)
-        if spec is not None:
-            config, make_runner = compress(model, spec, rotations, config, values_folded=values_folded)
-        self.model = model
-        self.tokenizer = tokenizer
-        self.engine: LLMEngine = build_engine(model, tokenizer, config, make_runner=make_runner)
-
-    def _start_tensor_parallel(self, model, spec, rotations, tokenizer, device, dtype, config, make_runner,
-                               world_size: int) -> None:
-        from oscar_compile.tensor_parallel import launch
-
-        if isinstance(model, torch.nn.Module) or make_runner is not None:
-            raise ValueError("tensor_parallel_size > 1 loads the model in every rank: pass a model directory "
-                             "(not a loaded model or a make_runner)")
-        model_dir = resolve_model_dir(model)
-        if compression_of(model_dir) is not None:
-            raise ValueError(f"{model_dir} is a compressed checkpoint, whose value rotations are already folded "
-                             "into the weights; tensor_parallel_size > 1 splits a plain model: pass the source "
-                             "model with its spec and rotations")
-        if spec is None:
-            raise ValueError("tensor_parallel_size > 1 serves through the paged runtime: pass a spec "
-                             "(specs/bf16.yaml for no compression)")
-        self.tensor_parallel, self.model, self.tokenizer, self.engine = launch.start_engine(
-            model_dir, spec, rotations, config, world_size, resolve_device(device), dtype, tokenizer)
+        built = assemble(model, spec, rotations, tokenizer=tokenizer, device=device, dtype=dtype, config=config,
+                         make_runner=make_runner, tensor_parallel_size=tensor_parallel_size)
+        self.model = built.model
+        self.tokenizer = built.tokenizer
+        self.engine: LLMEngine = built.engine
+        self.tensor_parallel = built.tensor_parallel
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (nothing to do on one device)."""

@@ -85,11 +85,12 @@ def build_model(shape: str, mode: str, max_len: int, device: torch.device, fuse:
     """A random-weight Qwen3 of ``shape``, rewritten for ``mode``; returns (model, layout).
     ``prepare(model)`` runs before the rewrite (serve_tp.py keeps a rank's slice there)."""
     from oscar_compile.calibration import calibrate
+    from oscar_compile.spec_fit import fit_spec_to_model
 
     model = random_model(shape, max_len, device)
     if prepare is not None:
         prepare(model)
-    spec = mode_spec(shape, mode)
+    spec = fit_spec_to_model(mode_spec(shape, mode), model)  # once: calibrate, apply and the layout take it
     apply(model, spec, calibrate(model, spec), fuse=fuse)
     return model, compressed_layout(model, spec)
 

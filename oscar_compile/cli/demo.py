@@ -63,6 +63,7 @@ def run_demo(args) -> int:
     from ..calibration.tokens import make_batches
     from ..passes import apply
     from ..spec import CompressionSpec, shipped_spec
+    from ..spec_fit import fit_spec_to_model
 
     spec = CompressionSpec.from_yaml(args.spec) if args.spec else shipped_spec("oscar-int2")
     if args.tiny:
@@ -70,6 +71,7 @@ def run_demo(args) -> int:
     num_tokens = args.calib_tokens or spec.calibration.num_tokens
     model, tokenizer, calib, prompt_ids = (_tiny_setup if args.tiny else _model_setup)(args)
     spec = spec.model_copy(update={"calibration": spec.calibration.model_copy(update={"num_tokens": num_tokens, "seq_len": min(spec.calibration.seq_len, 1024)})})
+    spec = fit_spec_to_model(spec, model)  # once: calibrate and apply take it as fitted
     bos = getattr(tokenizer, "bos_token_id", None)
     start = time.perf_counter()
     rot = calibrate(model, spec, make_batches(calib.to(model.device), spec.calibration, bos), progress=True)

@@ -32,9 +32,12 @@ def _checkpoint_dtype(model_dir: Path) -> str | None:
 
 def cmd_export(args) -> int:
     from ..loading import load_model, resolve_model_dir
+    from ..spec import CompressionSpec
+    from ..spec_fit import fit_spec_to_model_dir
 
     model_dir = resolve_model_dir(args.model)
-    spec, rotations = _spec_and_rotations(args, model_dir)
+    spec_path, rotations = _spec_and_rotations(args, model_dir)
+    spec = fit_spec_to_model_dir(CompressionSpec.from_yaml(spec_path), model_dir)  # the one fit, before loading
     if args.format == "hf":
         from ..checkpoint import save_compressed
 
@@ -42,10 +45,8 @@ def cmd_export(args) -> int:
         model, tokenizer = load_model(model_dir, "cpu", dtype, tokenizer_required=False)
         if rotations is None:
             from ..calibration import calibrate
-            from ..spec import CompressionSpec
-            from ..spec_fit import fit_spec_to_model
 
-            rotations = calibrate(model, fit_spec_to_model(CompressionSpec.from_yaml(spec), model))  # data-free only
+            rotations = calibrate(model, spec)  # data-free only
         out = save_compressed(model, spec, rotations, args.out, tokenizer=tokenizer)
         print(f"wrote {out}: compressed Hugging Face checkpoint ({dtype} weights, R_V folded)")
         return 0

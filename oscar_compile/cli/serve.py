@@ -6,6 +6,9 @@ the default spec is ``specs/bf16.yaml`` (the same paged runtime, no compression)
 ``--spec`` says otherwise; ``--rotations`` defaults to ``<model>/rotations/<spec name>.safetensors``
 when that file exists.
 
+This module parses the flags; ``oscar_compile.assembly`` assembles the model, its compression
+and the runtime (``build_app``), as it does for ``LLM``.
+
 The server binds 127.0.0.1 unless told otherwise; binding another address without an API key
 (``--api-key`` or ``OSCAR_API_KEY``) logs a warning. SIGTERM / SIGINT drain it (runtime/server/shutdown.py).
 """
@@ -113,55 +116,13 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 
 
 def build_app(args: argparse.Namespace):
-    """Load the model and return (FastAPI app, served model name)."""
+    """Load the model and return (FastAPI app, served model name): ``oscar_compile.assembly.build_app``."""
     server = server_config(args)  # refuse bad flags before loading anything
-    from oscar_compile.runtime.async_engine import AsyncEngine
-    from oscar_compile.loading import load_model, resolve_device, resolve_model_dir
-    from oscar_compile.runtime.engine_config import build_engine
-    from oscar_compile.runtime.server.app import create_app
+    from oscar_compile.assembly import build_app as assemble_app
 
-    from oscar_compile.compress import compress
-
-    from oscar_compile.spec import CompressionSpec
-    from oscar_compile.spec_fit import fit_spec_to_model_dir
-
-    from oscar_compile.checkpoint import compression_of
-
-    model_dir = resolve_model_dir(args.model)
-    device = resolve_device(args.device)
-    config = engine_config(args)
-    compressed = compression_of(model_dir)  # a compressed checkpoint brings its spec and rotations
-    if compressed is not None:
-        if args.spec or args.rotations:
-            raise ValueError(f"{model_dir} is a compressed checkpoint: it brings its own spec and rotations "
-                             "(drop --spec / --rotations)")
-        if args.tensor_parallel_size != 1:
-            raise ValueError(f"{model_dir} is a compressed checkpoint, whose value rotations are already folded "
-                             "into the weights; --tensor-parallel-size splits a plain model: serve the source "
-                             "model with --spec / --rotations")
-        spec_path, spec = f"{model_dir} (compressed checkpoint)", fit_spec_to_model_dir(compressed.spec, model_dir)
-    else:
-        spec_path, rotations = compression_for(args, model_dir)
-        spec = fit_spec_to_model_dir(CompressionSpec.from_yaml(spec_path), model_dir)  # the check calibrate runs
-    group = None
-    if args.tensor_parallel_size != 1:  # rank 0 here, the other ranks spawned (tensor_parallel/launch.py)
-        from oscar_compile.tensor_parallel import launch
-
-        group, model, tokenizer, engine = launch.start_engine(model_dir, spec, rotations, config,
-                                                             args.tensor_parallel_size, device)
-    else:
-        model, tokenizer = load_model(model_dir, device)
-        if compressed is not None:
-            rotations = compressed.load_rotations(model)
-        config, make_runner = compress(model, spec, rotations, config, values_folded=compressed is not None)
-        engine = build_engine(model, tokenizer, config, make_runner=make_runner)
-    label = compressed.rotations_path if compressed is not None else rotations
-    name = args.served_model_name or model_dir.name
-    logger.info("serving %s from %s on %s with %s (rotations: %s, tensor-parallel size %d)", name, model_dir, device,
-                spec_path, label, args.tensor_parallel_size)
-    app = create_app(AsyncEngine(engine), name, server)
-    app.state.tensor_parallel = group  # the other ranks: serve() stops them after the server
-    return app, name
+    return assemble_app(args.model, args.spec, args.rotations, server=server, config=engine_config(args),
+                        device=args.device, served_model_name=args.served_model_name,
+                        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def engine_config(args: argparse.Namespace):
@@ -176,16 +137,9 @@ def engine_config(args: argparse.Namespace):
 
 def compression_for(args: argparse.Namespace, model_dir):
     """(spec path, rotations path or None) the server compresses the model with."""
-    from oscar_compile.spec import specs_dir
+    from oscar_compile.assembly import default_compression
 
-    spec = args.spec or str(specs_dir() / ("oscar-int2.yaml" if args.model is None else "bf16.yaml"))
-    rotations = args.rotations
-    if rotations is None:
-        from pathlib import Path
-
-        shipped = Path(model_dir) / "rotations" / f"{Path(spec).stem}.safetensors"
-        rotations = str(shipped) if shipped.is_file() else None
-    return spec, rotations
+    return default_compression(model_dir, args.spec, args.rotations, bundled=args.model is None)
 
 
 def main(argv: list[str] | None = None) -> int:

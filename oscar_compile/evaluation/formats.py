@@ -18,7 +18,7 @@ import yaml
 
 from ..quant import bits_per_element
 from ..spec import CompressionSpec, KVCacheSpec, LayerSpec, shipped_spec
-from ..spec_fit import fit_spec
+from ..spec_fit import FittedSpec, fit_spec
 
 UPGRADE_BITS = (4, 16)
 
@@ -51,14 +51,15 @@ def _name(kv: KVCacheSpec) -> str:
     return "bf16" if kv.bits == 16 else f"int{kv.bits}-g{kv.group_size}"
 
 
-def layer_formats(spec: CompressionSpec, index: int, head_dim: int, num_layers: int,
+def layer_formats(spec: FittedSpec, index: int, head_dim: int, num_layers: int,
                   upgrade_bits: Sequence[int] = UPGRADE_BITS, group_sizes: Sequence[int] = ()) -> list[Format]:
     """The base format of layer ``index`` first, then every format with more bits or smaller groups.
 
-    ``group_sizes``: extra group sizes at the base bits (each must divide ``head_dim``), e.g. 64
-    and 32 for INT2 at 2.5 and 3.0 bits per element with fp16 scale and zero.
+    ``spec``: fitted to the model (``sweep.plan`` fits it). ``group_sizes``: extra group sizes at
+    the base bits (each must divide ``head_dim``), e.g. 64 and 32 for INT2 at 2.5 and 3.0 bits
+    per element with fp16 scale and zero.
     """
-    base = fit_spec(spec, head_dim, num_layers).for_layer(index, num_layers)
+    base = spec.for_layer(index, num_layers)
     kv = base.kv_cache
     out = [Format(_name(kv), kv.bits, kv.group_size, row_bits(head_dim, kv))]
     if kv.bits == 16:
@@ -84,7 +85,8 @@ def layer_formats(spec: CompressionSpec, index: int, head_dim: int, num_layers: 
 def with_formats(base: CompressionSpec, chosen: dict[int, Format]) -> CompressionSpec:
     """``base`` plus one override per distinct non-base format, naming the layers that take it.
 
-    Appended after the base spec's own overrides, so they win (later overrides win).
+    Appended after the base spec's own overrides, so they win (later overrides win). A new spec:
+    fitted here, to the model ``base`` was fitted to, when ``base`` is a :class:`FittedSpec`.
     """
     data = base.model_dump(mode="json", exclude_none=True)
     # keyed by the override itself, not the format's name: two layers whose base formats differ
@@ -98,7 +100,11 @@ def with_formats(base: CompressionSpec, chosen: dict[int, Format]) -> Compressio
             groups.setdefault(key, []).append(index)
             overrides[key] = fmt.override
     data["layers"] = data.get("layers", []) + [{"match": groups[key], **overrides[key]} for key in groups]
-    return CompressionSpec.from_dict(data, source="mixed-precision spec")
+    mixed = CompressionSpec.from_dict(data, source="mixed-precision spec")
+    if isinstance(base, FittedSpec):
+        facts = base.fitted_to
+        return fit_spec(mixed, facts.head_dim, facts.num_layers, facts.model)
+    return mixed
 
 
 def with_format(base: CompressionSpec, index: int, fmt: Format) -> CompressionSpec:
@@ -113,9 +119,8 @@ def spec_yaml(spec: CompressionSpec, header: Sequence[str] = ()) -> str:
     return "".join(f"# {line}\n" if line else "#\n" for line in header) + body
 
 
-def resolved_layers(spec: CompressionSpec, head_dim: int, num_layers: int) -> list[LayerSpec]:
-    fitted = fit_spec(spec, head_dim, num_layers)
-    return [fitted.for_layer(i, num_layers) for i in range(num_layers)]
+def resolved_layers(spec: FittedSpec, num_layers: int) -> list[LayerSpec]:
+    return [spec.for_layer(i, num_layers) for i in range(num_layers)]
 
 
 __all__ = ["Format", "UPGRADE_BITS", "layer_formats", "resolved_layers", "row_bits", "spec_yaml", "with_format",

@@ -7,6 +7,7 @@ the model), otherwise from ``calibrate()`` on the calibration split with the spe
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Callable, Optional
@@ -91,9 +92,10 @@ def method_quantizers(model: nn.Module, method: Method, rotations_dir: Optional[
     device = next(model.parameters()).device
     if method.kivi is not None:
         return [KiviQuantizer(method.kivi, fp.head_dim) for _ in range(fp.num_layers)], "none (KIVI)"
-    spec = fit_spec(method.spec, fp.head_dim, fp.num_layers, fp.architecture)
+    spec = fit_spec(method.spec, fp.head_dim, fp.num_layers, fp.architecture)  # the eval's one fit per method
     layers = [spec.for_layer(i, fp.num_layers) for i in range(fp.num_layers)]
     if not any(layer.quantized for layer in layers):
         return [None] * fp.num_layers, "none (16-bit cache)"
+    method = dataclasses.replace(method, spec=spec)  # calibrate takes it as fitted
     rot, source = method_rotations(model, method, rotations_dir, calib_tokens, bos, save_dir, progress, max_tokens)
     return spec_quantizers(layers, rot, fp.head_dim, device), source

@@ -19,6 +19,7 @@ the knapsack breaks ties by cost, then by layer order.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import time
@@ -31,6 +32,7 @@ import torch
 
 from ..architectures import ModelFingerprint
 from ..loading import load_model, resolve_device
+from ..spec_fit import fit_spec
 from .allocation import BudgetError, Choice, allocate, budget_units
 from .formats import UPGRADE_BITS, Format, layer_formats, resolved_layers, with_format, with_formats
 from .heldout import bos_id, read_tokens, resolve_paths
@@ -94,12 +96,13 @@ def plan(spec_name: str, budget, head_dim: int, num_layers: int, upgrade_bits=UP
          group_sizes: Sequence[int] = ()) -> tuple[Method, list[list[Format]], int, int]:
     """(method, formats per layer, floor, budget) in bits per row summed over layers; checks the budget.
 
-    Raises :class:`BudgetError` when the budget is below the base formats' cost (the 2-bit codes
+    The method's spec comes back fitted to the model (the sweep's one fit). Raises :class:`BudgetError` when the budget is below the base formats' cost (the 2-bit codes
     plus their scales, for an INT2 spec), before any model is loaded.
     """
     method = resolve_method(spec_name)
     if method.spec is None:
         raise ValueError(f"{spec_name}: the sweep starts from a compression spec, not the KIVI baseline")
+    method = dataclasses.replace(method, spec=fit_spec(method.spec, head_dim, num_layers))
     formats = [layer_formats(method.spec, i, head_dim, num_layers, upgrade_bits, group_sizes) for i in range(num_layers)]
     if all(f[0].bits == 16 for f in formats):
         raise ValueError(f"{spec_name} quantizes no layer: there is nothing to allocate")
@@ -153,7 +156,7 @@ def measure(cfg: SweepConfig, budgets: Sequence) -> Sensitivity:
     device = next(model.parameters()).device
 
     def quantizers(spec, only: slice = slice(None)):
-        layers = resolved_layers(spec, fp.head_dim, fp.num_layers)[only]
+        layers = resolved_layers(spec, fp.num_layers)[only]
         return spec_quantizers(layers, rotations, fp.head_dim, device)
 
     base = quantizers(method.spec)
