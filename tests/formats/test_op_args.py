@@ -127,3 +127,12 @@ def test_op_call_binds_keywords_and_positions_alike():
     assert torch.equal(torch.ops.oscar.rotate(x, rot=rot, mean=mean), want)
     assert torch.equal(torch.ops.oscar.rotate(**RotateArgs(x=x, rot=rot, mean=mean)._asdict()), want)
     assert CacheWriteArgs._fields[-1] == "history_lens"  # the documented trailing addition
+
+
+def test_pool_names_are_the_cache_pools_fields():
+    """``POOLS`` (formats cannot import the kernels) names the pools as ``CachePools`` does."""
+    from oscar_compile.formats.op_args import POOLS
+    from oscar_compile.kernels.pools import CachePools
+
+    assert POOLS == CachePools._fields
+    assert CacheWriteArgs._fields[6:14] == POOLS == AttentionArgs._fields[7:15]
