@@ -43,8 +43,8 @@ import torch
 from torch import Tensor
 
 from oscar_compile.formats.op_args import (
-    AttentionArgs, AttentionBf16Args, CacheWriteArgs, CacheWriteBf16Args, RmsNormArgs, RopeArgs, RotateArgs, SiluMulArgs,
-    op_schema)
+    AttentionArgs, AttentionBf16Args, CacheWriteArgs, CacheWriteBf16Args, RmsNormArgs, RopeArgs, RotateArgs,
+    SiluMulArgs, op_schema)
 from oscar_compile.kernels.attention_bf16_ref import attention_bf16_ref, cache_write_bf16_ref
 from oscar_compile.kernels.attention_ref import attention_ref
 from oscar_compile.kernels.cache_write_ref import cache_write_ref
