@@ -21,6 +21,8 @@ import os
 
 import torch
 
+from oscar_compile.formats.op_args import AttentionArgs
+
 ENV = "OSCAR_ATTENTION_KERNEL"
 CHOICES = ("auto", "gluon", "triton")
 _log = logging.getLogger(__name__)
@@ -79,24 +81,23 @@ def choose_attention_kernel(q: torch.Tensor, k: torch.Tensor, k_win: torch.Tenso
     return "gluon", "sm_90"
 
 
-def attention_cuda(*args):
-    """``oscar::attention`` on CUDA (positional arguments as the op receives them)."""
-    q, k, k_win, k_codes, k_scale = args[0], args[1], args[7], args[9], args[10]
-    bits, group_size, cache_lens = args[18], args[19], args[4]
-    kernel, why = choose_attention_kernel(q, k, k_win, k_codes, k_scale, bits, group_size,
-                                          cache_lens.shape[0], window_table=args[5], quant_table=args[6])
+def attention_cuda(a: AttentionArgs):
+    """``oscar::attention`` on CUDA, its arguments bound by name."""
+    kernel, why = choose_attention_kernel(a.q, a.k, a.k_win, a.k_codes, a.k_scale, a.bits, a.group_size,
+                                          a.cache_lens.shape[0], window_table=a.window_table,
+                                          quant_table=a.quant_table)
     note_choice(kernel, why)
     if kernel == "gluon":
         from oscar_compile.kernels.attention_gluon import attention_gluon
 
-        return attention_gluon(*args)
+        return attention_gluon(**a._asdict())
     if kernel == "extend":
         from oscar_compile.kernels.attention_extend_triton import attention_extend_triton
 
-        return attention_extend_triton(*args)
+        return attention_extend_triton(**a._asdict())
     from oscar_compile.kernels.attention_triton import attention_triton
 
-    return attention_triton(*args)
+    return attention_triton(**a._asdict())
 
 
 def note_choice(kernel: str, why: str) -> None:

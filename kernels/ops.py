@@ -1,6 +1,8 @@
 """The ``oscar::`` custom ops: one registration per kernel, plain-torch reference everywhere, Triton on CUDA.
 
-Signatures follow docs/cache-format.md. Each op is a ``torch.library.custom_op`` with a fake
+Signatures follow docs/cache-format.md; each op's arguments are named, in order, by its definition
+in ``oscar_compile/formats/op_args.py`` (the schema is derived from it, and every implementation
+binds its arguments by name). Each op is a ``torch.library.custom_op`` with a fake
 (meta) implementation so ``torch.compile(fullgraph=True)`` traces through it. The default
 implementation (CPU and any device without a kernel) is the ``*_ref`` module; on CUDA the Triton
 wrapper runs when Triton is importable, else the reference. ``oscar::attention`` on sm_90 runs
@@ -40,6 +42,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from oscar_compile.formats.op_args import (
+    AttentionArgs, AttentionBf16Args, CacheWriteArgs, CacheWriteBf16Args, RmsNormArgs, RopeArgs, RotateArgs,
+    SiluMulArgs, op_schema)
 from oscar_compile.kernels.attention_bf16_ref import attention_bf16_ref, cache_write_bf16_ref
 from oscar_compile.kernels.attention_ref import attention_ref
 from oscar_compile.kernels.cache_write_ref import cache_write_ref
@@ -47,7 +52,12 @@ from oscar_compile.kernels.elementwise_ref import rms_norm_ref, rope_ref, silu_m
 from oscar_compile.kernels.pools import CachePools, allocate_pools  # noqa: F401  (re-export)
 from oscar_compile.kernels.rotate_ref import rotate_ref
 
-_POOLS = ("k_win", "v_win", "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+
+def _register(definition: type):
+    """``torch.library.custom_op`` for the op of ``definition`` (oscar_compile/formats/op_args.py),
+    with the schema derived from it: the implementations below take ``*args, **kwargs`` and bind
+    them by name, ``definition(*args, **kwargs)``."""
+    return torch.library.custom_op(definition.OP, mutates_args=definition.MUTATES, schema=op_schema(definition))
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,37 +81,34 @@ def _rotate_tokens_ref(k: Tensor, rot: Tensor, mean: Optional[Tensor]) -> Tensor
 
 
 # ---------------------------------------------------------------- oscar::rotate
-@torch.library.custom_op("oscar::rotate", mutates_args=())
-def rotate(x: Tensor, rot: Tensor, mean: Optional[Tensor] = None) -> Tensor:
+@_register(RotateArgs)
+def rotate(*args, **kwargs) -> Tensor:
     """(x - mean[h // g]) @ rot[h // g]; x: [B, H, T, D], rot: [H_r, D, D] f32, mean: [H_r, D] f32.
 
     One batched float32 matmul on every device, no Triton kernel: with ``apply(fuse=True)`` (the
     default) the key and query rotation runs inside ``oscar::rope`` instead."""
-    return rotate_ref(x, rot, mean)
+    return rotate_ref(**RotateArgs(*args, **kwargs)._asdict())
 
 
 @rotate.register_fake
-def _(x, rot, mean=None):
-    return torch.empty_like(x)
+def _(*args, **kwargs):
+    return torch.empty_like(RotateArgs(*args, **kwargs).x)
 
 
 # ---------------------------------------------------------------- oscar::cache_write
-@torch.library.custom_op("oscar::cache_write", mutates_args=_POOLS)
-def cache_write(
-    k: Tensor, v: Tensor, cu_seqlens: Tensor, cache_lens: Tensor,
-    window_table: Tensor, quant_table: Tensor,
-    k_win: Tensor, v_win: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor,
-    v_codes: Tensor, v_scale: Tensor, v_zero: Tensor,
-    sink: int, recent: int, bits: int, group_size: int, clip_k: float, clip_v: float,
-    rot_k: Optional[Tensor] = None, mean_k: Optional[Tensor] = None,
-    history_lens: Optional[Tensor] = None,
-) -> None:
+def _cache_write_ref(a: CacheWriteArgs) -> None:
+    """The reference write; with ``rot_k``, k is rotated first (the reference takes rotated keys)."""
+    if a.rot_k is not None:
+        a = a._replace(k=_rotate_tokens_ref(a.k, a.rot_k, a.mean_k))
+    fields = a._asdict()
+    del fields["rot_k"], fields["mean_k"]
+    cache_write_ref(**fields)
+
+
+@_register(CacheWriteArgs)
+def cache_write(*args, **kwargs) -> None:
     """Write new tokens k, v: [N, H_kv, D] into the pools (see cache_write_ref for the rules)."""
-    if rot_k is not None:
-        k = _rotate_tokens_ref(k, rot_k, mean_k)
-    cache_write_ref(k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
-                    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                    sink, recent, bits, group_size, clip_k, clip_v, history_lens)
+    _cache_write_ref(CacheWriteArgs(*args, **kwargs))
 
 
 @cache_write.register_fake
@@ -110,148 +117,135 @@ def _(*args, **kwargs):
 
 
 @cache_write.register_kernel("cuda")
-def _(k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win, k_codes, k_scale,
-      k_zero, v_codes, v_scale, v_zero, sink, recent, bits, group_size, clip_k, clip_v,
-      rot_k=None, mean_k=None, history_lens=None):
-    args = (k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win, k_codes,
-            k_scale, k_zero, v_codes, v_scale, v_zero, sink, recent, bits, group_size, clip_k, clip_v)
+def _(*args, **kwargs):
+    a = CacheWriteArgs(*args, **kwargs)
     impl = _triton_impl("cache_write_triton", "cache_write_triton")
-    head_dim = k.shape[-1]
+    head_dim = a.k.shape[-1]
     if impl is not None and not head_dim & (head_dim - 1):  # the kernel tiles D: a power of two
-        return impl(*args, rot_k=rot_k, mean_k=mean_k, history_lens=history_lens)
+        return impl(**a._asdict())
     # other head dims (80, 96, ...) take the reference, as oscar::attention does (attention_triton)
-    if rot_k is not None:
-        k = _rotate_tokens_ref(k, rot_k, mean_k)
-    cache_write_ref(k, *args[1:], history_lens=history_lens)
+    _cache_write_ref(a)
 
 
 # ---------------------------------------------------------------- oscar::attention
-@torch.library.custom_op("oscar::attention", mutates_args=())
-def attention(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cache_lens: Tensor,
-    window_table: Tensor, quant_table: Tensor,
-    k_win: Tensor, v_win: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor,
-    v_codes: Tensor, v_scale: Tensor, v_zero: Tensor,
-    scale: float, sink: int, recent: int, bits: int, group_size: int,
-    history_lens: Optional[Tensor] = None,
-) -> Tensor:
+@_register(AttentionArgs)
+def attention(*args, **kwargs) -> Tensor:
     """New tokens q: [N, H_q, D] attend to the cache plus their own chunk, causally -> [N, H_q, D]."""
-    return attention_ref(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
-                         k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                         scale, sink, recent, bits, group_size, history_lens)
+    return attention_ref(**AttentionArgs(*args, **kwargs)._asdict())
 
 
 @attention.register_fake
-def _(q, *args):
-    return torch.empty_like(q)
+def _(*args, **kwargs):
+    return torch.empty_like(AttentionArgs(*args, **kwargs).q)
 
 
 @attention.register_kernel("cuda")
-def _(*args):  # positional, as the dispatcher passes them (history_lens only when given)
+def _(*args, **kwargs):  # as the dispatcher passes them (history_lens only when given)
+    a = AttentionArgs(*args, **kwargs)
     # the Gluon Hopper kernel or the Triton one: kernels/attention_dispatch.py chooses
     impl = _triton_impl("attention_dispatch", "attention_cuda")
     if impl is not None:
-        return impl(*args)
-    return attention_ref(*args)
+        return impl(a)
+    return attention_ref(**a._asdict())
 
 
 # ---------------------------------------------------------------- full-precision paged cache
-@torch.library.custom_op("oscar::cache_write_bf16", mutates_args=("k_pages", "v_pages"))
-def cache_write_bf16(
-    k: Tensor, v: Tensor, cu_seqlens: Tensor, cache_lens: Tensor, page_table: Tensor,
-    k_pages: Tensor, v_pages: Tensor,
-) -> None:
+@_register(CacheWriteBf16Args)
+def cache_write_bf16(*args, **kwargs) -> None:
     """Scatter new tokens into full-precision pages (one Triton launch on CUDA)."""
-    cache_write_bf16_ref(k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages)
+    cache_write_bf16_ref(**CacheWriteBf16Args(*args, **kwargs)._asdict())
 
 
 @cache_write_bf16.register_fake
-def _(*args):
+def _(*args, **kwargs):
     return None
 
 
 @cache_write_bf16.register_kernel("cuda")
-def _(*args):
+def _(*args, **kwargs):
+    fields = CacheWriteBf16Args(*args, **kwargs)._asdict()
     impl = _triton_impl("attention_bf16_triton", "cache_write_bf16_triton")
-    return impl(*args) if impl is not None else cache_write_bf16_ref(*args)
+    return impl(**fields) if impl is not None else cache_write_bf16_ref(**fields)
 
 
-@torch.library.custom_op("oscar::attention_bf16", mutates_args=())
-def attention_bf16(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cache_lens: Tensor, page_table: Tensor,
-    k_pages: Tensor, v_pages: Tensor, scale: float,
-) -> Tensor:
+@_register(AttentionBf16Args)
+def attention_bf16(*args, **kwargs) -> Tensor:
     """New tokens attend to full-precision pages plus their own chunk, causally -> [N, H_q, D]."""
-    return attention_bf16_ref(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, v_pages, scale)
+    return attention_bf16_ref(**AttentionBf16Args(*args, **kwargs)._asdict())
 
 
 @attention_bf16.register_fake
-def _(q, *args):
-    return torch.empty_like(q)
+def _(*args, **kwargs):
+    return torch.empty_like(AttentionBf16Args(*args, **kwargs).q)
 
 
 @attention_bf16.register_kernel("cuda")
-def _(*args):
+def _(*args, **kwargs):
+    fields = AttentionBf16Args(*args, **kwargs)._asdict()
     impl = _triton_impl("attention_bf16_triton", "attention_bf16_triton")
     if impl is not None:
-        return impl(*args)
-    return attention_bf16_ref(*args)
+        return impl(**fields)
+    return attention_bf16_ref(**fields)
 
 
 # ---------------------------------------------------------------- fused per-layer elementwise ops
-@torch.library.custom_op("oscar::rms_norm", mutates_args=())
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+@_register(RmsNormArgs)
+def rms_norm(*args, **kwargs) -> Tensor:
     """Llama / Qwen RMSNorm over the last dimension (elementwise_ref.rms_norm_ref)."""
-    return rms_norm_ref(x, weight, eps)
+    return rms_norm_ref(**RmsNormArgs(*args, **kwargs)._asdict())
 
 
 @rms_norm.register_fake
-def _(x, weight, eps):
-    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+def _(*args, **kwargs):
+    a = RmsNormArgs(*args, **kwargs)
+    return a.x.new_empty(a.x.shape, dtype=torch.promote_types(a.x.dtype, a.weight.dtype))
 
 
 @rms_norm.register_kernel("cuda")
-def _(x, weight, eps):
+def _(*args, **kwargs):
+    fields = RmsNormArgs(*args, **kwargs)._asdict()
     impl = _triton_impl("elementwise_triton", "rms_norm_triton")
-    return impl(x, weight, eps) if impl is not None else rms_norm_ref(x, weight, eps)
+    return impl(**fields) if impl is not None else rms_norm_ref(**fields)
 
 
-@torch.library.custom_op("oscar::rope", mutates_args=())
-def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
-         rot: Optional[Tensor] = None, mean: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+@_register(RopeArgs)
+def rope(*args, **kwargs) -> tuple[Tensor, Tensor]:
     """Rotate-half RoPE of q [B, H_q, T, D] and k [B, H_kv, T, D], then (with ``rot``) ``oscar::rotate``
     of both, keys centred by ``mean``. Outputs are stored [B, T, H, D] (elementwise_ref.rope_ref)."""
-    return rope_ref(q, k, cos, sin, rot, mean)
+    return rope_ref(**RopeArgs(*args, **kwargs)._asdict())
 
 
 @rope.register_fake
-def _(q, k, cos, sin, rot=None, mean=None):
-    B, H_q, T, D = q.shape
-    dtype = torch.promote_types(cos.dtype, sin.dtype)  # as the reference's products promote
-    return (q.new_empty(B, T, H_q, D, dtype=torch.promote_types(q.dtype, dtype)).transpose(1, 2),
-            k.new_empty(B, T, k.shape[1], D, dtype=torch.promote_types(k.dtype, dtype)).transpose(1, 2))
+def _(*args, **kwargs):
+    a = RopeArgs(*args, **kwargs)
+    B, H_q, T, D = a.q.shape
+    dtype = torch.promote_types(a.cos.dtype, a.sin.dtype)  # as the reference's products promote
+    return (a.q.new_empty(B, T, H_q, D, dtype=torch.promote_types(a.q.dtype, dtype)).transpose(1, 2),
+            a.k.new_empty(B, T, a.k.shape[1], D, dtype=torch.promote_types(a.k.dtype, dtype)).transpose(1, 2))
 
 
 @rope.register_kernel("cuda")
-def _(q, k, cos, sin, rot=None, mean=None):
+def _(*args, **kwargs):
+    a = RopeArgs(*args, **kwargs)
     impl = _triton_impl("elementwise_triton", "rope_triton")
-    if impl is not None and _triton_impl("elementwise_triton", "rope_supported")(q, k, cos, sin):
-        return impl(q, k, cos, sin, rot, mean)
-    return rope_ref(q, k, cos, sin, rot, mean)
+    if impl is not None and _triton_impl("elementwise_triton", "rope_supported")(a.q, a.k, a.cos, a.sin):
+        return impl(**a._asdict())
+    return rope_ref(**a._asdict())
 
 
-@torch.library.custom_op("oscar::silu_mul", mutates_args=())
-def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+@_register(SiluMulArgs)
+def silu_mul(*args, **kwargs) -> Tensor:
     """The gated MLP's ``silu(gate) * up``."""
-    return silu_mul_ref(gate, up)
+    return silu_mul_ref(**SiluMulArgs(*args, **kwargs)._asdict())
 
 
 @silu_mul.register_fake
-def _(gate, up):
-    return torch.empty_like(gate)
+def _(*args, **kwargs):
+    return torch.empty_like(SiluMulArgs(*args, **kwargs).gate)
 
 
 @silu_mul.register_kernel("cuda")
-def _(gate, up):
+def _(*args, **kwargs):
+    fields = SiluMulArgs(*args, **kwargs)._asdict()
     impl = _triton_impl("elementwise_triton", "silu_mul_triton")
-    return impl(gate, up) if impl is not None else silu_mul_ref(gate, up)
+    return impl(**fields) if impl is not None else silu_mul_ref(**fields)

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from oscar_compile.formats.op_args import CacheWriteArgs
 from oscar_compile.kernels.cache_write_ref import cache_write_ref
 from oscar_compile.kernels.pools import (
     CachePools,
@@ -158,9 +159,9 @@ def _write_streams(case: CacheCase, write: Callable, start: list[int], step: int
 def with_standard_history_lens(write: Callable) -> Callable:
     """``write`` given ``history_lens`` = the standard max(0, L - W - S0) explicitly (changes nothing)."""
 
-    def call(k, v, cu_seqlens, cache_lens, *rest, **kwargs):
-        sink, recent = rest[10], rest[11]  # after the two tables and the eight pools
-        h = (cache_lens - recent - sink).clamp_min(0).to(torch.int32)
-        return write(k, v, cu_seqlens, cache_lens, *rest, history_lens=h, **kwargs)
+    def call(*args, **kwargs):
+        a = CacheWriteArgs(*args, **kwargs)  # the oscar::cache_write arguments, by name
+        h = (a.cache_lens - a.recent - a.sink).clamp_min(0).to(torch.int32)
+        return write(*args, history_lens=h, **kwargs)
 
     return call

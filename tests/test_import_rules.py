@@ -5,7 +5,10 @@
 - ``runtime`` does not import ``passes`` (the graph-to-cache contract lives in ``cache``);
 - ``kernels`` imports none of ``runtime``, ``passes`` or ``evaluation``;
 - inside ``runtime``, imports go one way between its rooms: server -> engine (the modules at
-  ``runtime/``) -> core / worker, worker -> core for types; ``core`` imports no torch.
+  ``runtime/``) -> core / worker, worker -> core for types; ``core`` imports no torch;
+- ``formats`` (below the kernels) imports nothing of the package but ``formats``;
+- no ``args[...]`` / ``node.args[...]`` read of an ``oscar::`` op's arguments, by index or by
+  slice, outside ``formats/op_args.py``, which names them (and no kernel wrapper handed ``*args``).
 
 A package's ``__init__`` counts as importing nothing but what it names itself; ``import a.b.c``
 depends on ``a.b.c`` only, not on every package above it.
@@ -120,8 +123,8 @@ COMPAT_SHIMS = {f"{PACKAGE}.runtime.llm", f"{PACKAGE}.runtime.serve"}
 def test_runtime_and_cache_reach_only_below_themselves():
     graph = _graph()
     allowed = {
-        "runtime": ("runtime", "cache", "kernels", "loading"),
-        "cache": ("cache", "kernels", "quant"),
+        "runtime": ("runtime", "cache", "formats", "kernels", "loading"),
+        "cache": ("cache", "formats", "kernels", "quant"),
     }
     for layer, below in allowed.items():
         prefixes = tuple(f"{PACKAGE}.{b}" for b in below)
@@ -160,3 +163,87 @@ def test_runtime_core_imports_no_torch():
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("torch", "triton", "numpy")]
     assert found == []
+
+
+def test_formats_sit_below_everything():
+    edges = _edges_between(_graph(), f"{PACKAGE}.formats", (PACKAGE,))
+    assert [e for e in edges if not e.split(" -> ")[1].startswith(f"{PACKAGE}.formats")] == []
+
+
+# Reads of ``args[...]`` / ``x.args[...]`` / a ``*varargs[...]`` that are not an oscar:: op's arguments: (file name, the
+# expression as written) -> why. Keyed by file name, not path, so moving a file keeps its entries.
+UNRELATED_ARGS_READS = {
+    ("apply.py", "args[0]"): "the HF model forward's input_ids",
+    ("backend.py", "sdpa.args[:3]"): "torch SDPA's q, k, v",
+    ("backend.py", "sdpa.args[3:]"): "torch SDPA's remaining arguments, passed on unchanged",
+    ("merge_projections.py", "n.args[0]"): "a Linear call's input",
+    ("sites.py", "user.args[1]"): "operator.getitem's index",
+    ("sites.py", "node.args[0]"): "Cache.update's call_method receiver",
+    ("sites.py", "update.args[2]"): "HF Cache.update's value_states",
+    ("sites.py", "attention.args[2]"): "the HF attention function's value",
+    ("swap_attention.py", "u.args[1]"): "operator.getitem's index",
+    ("staging.py", "node.args[1]"): "cache.nodes.layer_inputs' layer index (a graph node, not an oscar:: op)",
+    ("graphs.py", "cache_flat[i * n:(i + 1) * n]"): "the ONNX graph's flat cache inputs, one layer's at a time",
+}
+OP_ARGS_MODULE = ROOT / PACKAGE / "formats" / "op_args.py"
+# a call forwarding ``*args`` whole: an op's arguments go to a definition, others are named here
+FORWARDS_ALLOWED = {
+    ("jit_watch.py", "before"): "Triton's compile hook, chained",
+    ("jit_watch.py", "after"): "Triton's compile hook, chained",
+    ("testing.py", "write"): "a test's write call passed on as it came, with history_lens added",
+}
+
+
+def _package_sources() -> list[Path]:
+    """Every source file of the package (kernels read once, from the top-level folder)."""
+    return sorted(_modules().values())
+
+
+def _is_args(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "args") or (isinstance(node, ast.Attribute)
+                                                                   and node.attr == "args")
+
+
+def _varargs_names(tree: ast.AST) -> dict[ast.AST, str]:
+    """Each ``*name`` parameter's uses: the Name nodes inside its function that read it."""
+    uses = {}
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and fn.args.vararg:
+            name = fn.args.vararg.arg
+            uses.update({n: name for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name})
+    return uses
+
+
+def _positional_args_reads(path: Path) -> list[str]:
+    """``args[...]`` / ``x.args[...]`` / ``rest[...]`` (of a ``*rest`` parameter) reads in a file
+    that are not allow-listed, as ``file:line: expr``."""
+    source = path.read_text()
+    tree = ast.parse(source)
+    varargs = _varargs_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and (_is_args(node.value) or node.value in varargs):
+            text = ast.get_source_segment(source, node)
+            if (path.name, text) not in UNRELATED_ARGS_READS:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text}")
+        elif isinstance(node, ast.Call) and any(isinstance(a, ast.Starred) and _is_args(a.value) for a in node.args):
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+            if not name.endswith("Args") and (path.name, name) not in FORWARDS_ALLOWED and "kernels" in path.parts:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}(*args)")
+    return found
+
+
+def test_op_arguments_are_read_by_name():
+    """An op's arguments are bound through its definition (formats/op_args.py), never counted: one
+    added argument would shift every index silently."""
+    reads = [r for path in _package_sources() if path != OP_ARGS_MODULE for r in _positional_args_reads(path)]
+    assert reads == []
+
+
+def test_allow_listed_args_reads_still_exist():
+    """A stale allow-list entry would let a new read of the same text through unseen."""
+    sources: dict[str, str] = {}
+    for path in _package_sources():
+        sources[path.name] = sources.get(path.name, "") + path.read_text()
+    stale = [key for key in UNRELATED_ARGS_READS if key[1] not in sources.get(key[0], "")]
+    assert stale == []

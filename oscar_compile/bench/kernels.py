@@ -33,6 +33,7 @@ from oscar_compile.bench.extend import EXTEND_SHAPES, bench_extend
 from oscar_compile.bench.kernel_setup import (  # noqa: F401  (re-exported for the prototypes in docs/findings.md)
     BITS, D, GROUP, H_KV, H_Q, HBM_BYTES_PER_S, LAYERS, P, RECENT, SINK, graph_time_us, make_tables, num_buffers,
     quantized_bytes, quantized_layer, rel_err)
+from oscar_compile.formats.op_args import POOLS, CacheWriteArgs
 from oscar_compile.kernels import ops
 from oscar_compile.kernels.cache_write_triton import cache_write_triton
 
@@ -224,15 +225,42 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     return out
 
 
-def decode_write_inputs(B: int, dev, ctx: int = 4096):
-    """(k, v, args after k, v) of a decode step's cache write for B sequences of ctx tokens: the
-    ring is full, so every step also demotes (quantizes) one token per sequence."""
-    pools, (wt, qt) = quantized_layer(B, ctx + 1, torch.float16, dev)
+def write_args(k, v, cu, lens, tables, pools) -> CacheWriteArgs:
+    """The ``oscar::cache_write`` arguments of the benchmark layer (clip ratios 0.96 / 0.92)."""
+    wt, qt = tables
+    return CacheWriteArgs(k=k, v=v, cu_seqlens=cu, cache_lens=lens, window_table=wt, quant_table=qt,
+                          **dict(zip(POOLS, pools)), sink=SINK, recent=RECENT, bits=BITS, group_size=GROUP,
+                          clip_k=0.96, clip_v=0.92)
+
+
+def pools_of(a: CacheWriteArgs) -> tuple:
+    """The eight pools of a write, in ``POOLS`` order."""
+    return tuple(getattr(a, name) for name in POOLS)
+
+
+def on_cpu(a: CacheWriteArgs) -> CacheWriteArgs:
+    """The same write with every tensor on the CPU (the reference's oracle run)."""
+    return a._replace(**{name: x.cpu() for name, x in a._asdict().items() if isinstance(x, torch.Tensor)})
+
+
+def reference_write(a: CacheWriteArgs) -> None:
+    """``cache_write_ref`` of a write without a key rotation (the reference takes no rot_k / mean_k)."""
+    from oscar_compile.kernels.cache_write_ref import cache_write_ref
+
+    fields = a._asdict()
+    del fields["rot_k"], fields["mean_k"]
+    cache_write_ref(**fields)
+
+
+def decode_write_inputs(B: int, dev, ctx: int = 4096) -> CacheWriteArgs:
+    """The cache write of a decode step for B sequences of ctx tokens: the ring is full, so every
+    step also demotes (quantizes) one token per sequence."""
+    pools, tables = quantized_layer(B, ctx + 1, torch.float16, dev)
     k = torch.randn(B, H_KV, D, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
     cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
     lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
-    return k, v, (cu, lens, wt, qt, *pools, SINK, RECENT, BITS, GROUP, 0.96, 0.92)
+    return write_args(k, v, cu, lens, tables, pools)
 
 
 def bench_write_variants() -> list[dict]:
@@ -240,12 +268,12 @@ def bench_write_variants() -> list[dict]:
     dev = torch.device("cuda")
     out = []
     for B in (1, 8, 64):
-        k, v, args = decode_write_inputs(B, dev)
+        a = decode_write_inputs(B, dev)
         for block_t in (1, 4, 8):
             for num_warps in (1, 2, 4):
                 kw = dict(block_t=block_t, num_warps=num_warps)
                 try:
-                    t = graph_time_us([lambda: cache_write_triton(k, v, *args, **kw)] * LAYERS)
+                    t = graph_time_us([lambda: cache_write_triton(**a._asdict(), **kw)] * LAYERS)
                     out.append({"batch": B, **kw, "us_per_layer": t})
                 except Exception as e:
                     out.append({"batch": B, **kw, "error": repr(e)[:300]})
@@ -255,40 +283,37 @@ def bench_write_variants() -> list[dict]:
 def bench_write(check: bool) -> dict:
     """Cache write: µs per layer per decode step vs batch (plain, and with the key rotation the op
     does first when given one); prefill tokens/s."""
-    from oscar_compile.kernels.cache_write_ref import cache_write_ref
-
     dev = torch.device("cuda")
     res = {"decode": [], "prefill": []}
     rot = torch.linalg.qr(torch.randn(H_KV, D, D, device=dev, dtype=torch.float64))[0].float()
     mean = torch.randn(H_KV, D, device=dev)
     for B in (1, 8, 32, 64):
-        k, v, args = decode_write_inputs(B, dev)
-        pools = args[4:12]
-        t = graph_time_us([lambda: ops.cache_write(k, v, *args)] * LAYERS)
-        tr = graph_time_us([lambda: ops.cache_write(k, v, *args, rot_k=rot, mean_k=mean)] * LAYERS)
+        a = decode_write_inputs(B, dev)
+        t = graph_time_us([lambda: ops.cache_write(*a)] * LAYERS)
+        tr = graph_time_us([lambda: ops.cache_write(*a._replace(rot_k=rot, mean_k=mean))] * LAYERS)
         entry = {"batch": B, "us_per_layer": t, "us_per_layer_with_rotation": tr}
         if check:  # the oracle is the CPU reference (see tests/kernels/test_cache_write_triton.py)
-            ref = [x.cpu() for x in pools]
-            cache_write_ref(k.cpu(), v.cpu(), *(a.cpu() for a in args[:4]), *ref, *args[12:])
-            cache_write_triton(k, v, *args)
-            entry["bitwise_equal"] = all(torch.equal(a.cpu(), b) for a, b in zip(pools, ref))
+            ref = on_cpu(a)
+            reference_write(ref)
+            cache_write_triton(**a._asdict())
+            entry["bitwise_equal"] = all(torch.equal(x.cpu(), y) for x, y in zip(pools_of(a), pools_of(ref)))
         res["decode"].append(entry)
     for B, T in ((1, 32768), (8, 4096)):
         N = B * T
-        pools, (wt, qt) = quantized_layer(B, T, torch.float16, dev)
+        pools, tables = quantized_layer(B, T, torch.float16, dev)
         k = torch.randn(N, H_KV, D, device=dev, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         cu = torch.arange(B + 1, device=dev, dtype=torch.int32) * T
         lens = torch.zeros(B, device=dev, dtype=torch.int32)
-        args = (cu, lens, wt, qt, *pools, SINK, RECENT, BITS, GROUP, 0.96, 0.92)
-        t = graph_time_us([lambda: ops.cache_write(k, v, *args)], reps=10)
+        a = write_args(k, v, cu, lens, tables, pools)
+        t = graph_time_us([lambda: ops.cache_write(*a)], reps=10)
         entry = {"batch": B, "tokens": N, "us": t, "tokens_per_s": N / (t * 1e-6)}
-        if check and N <= 32768:
-            ref = [torch.zeros_like(x, device="cpu") for x in pools]
-            got = [torch.zeros_like(x) for x in pools]
-            cache_write_ref(k.cpu(), v.cpu(), *(a.cpu() for a in args[:4]), *ref, *args[12:])
-            cache_write_triton(k, v, *args[:4], *got, *args[12:])
-            entry["bitwise_equal"] = all(torch.equal(a.cpu(), b) for a, b in zip(got, ref))
+        if check and N <= 32768:  # both from zeroed pools
+            ref = on_cpu(a)._replace(**{name: torch.zeros_like(x, device="cpu") for name, x in zip(POOLS, pools)})
+            got = a._replace(**{name: torch.zeros_like(x) for name, x in zip(POOLS, pools)})
+            reference_write(ref)
+            cache_write_triton(**got._asdict())
+            entry["bitwise_equal"] = all(torch.equal(x.cpu(), y) for x, y in zip(pools_of(got), pools_of(ref)))
         res["prefill"].append(entry)
     return res
 

@@ -23,6 +23,7 @@ from ..artifact import Rotations
 from ..spec import CompressionSpec
 from ..cache import contract, nodes
 from ..cache.layout import LayerCache
+from ..formats.op_args import AttentionArgs, RotateArgs, node_args, op_of
 
 logger = logging.getLogger(__name__)
 _SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
@@ -76,26 +77,26 @@ class OscarBackend:
             rv = self._buffer(gm, f"oscar_rot_v_{i}", rot.v[i])
             rv_t = self._buffer(gm, f"oscar_rot_v_t_{i}", rot.v[i].transpose(1, 2))
             mu = self._buffer(gm, f"oscar_k_mean_{i}", mean) if mean is not None else None
-            q2 = g.call_function(torch.ops.oscar.rotate.default, (q, rk, None))
-            k2 = g.call_function(torch.ops.oscar.rotate.default, (k, rk, mu))
-            v2 = g.call_function(torch.ops.oscar.rotate.default, (v, rv, None))
+            rotate = op_of(RotateArgs)
+            q2 = g.call_function(rotate, tuple(RotateArgs(x=q, rot=rk, mean=None)))
+            k2 = g.call_function(rotate, tuple(RotateArgs(x=k, rot=rk, mean=mu)))
+            v2 = g.call_function(rotate, tuple(RotateArgs(x=v, rot=rv, mean=None)))
             if layer.quantized:
                 out = self._oscar_attention(g, layer, q2, k2, v2, float(scale))
             else:
                 out = g.call_function(sdpa.target, (q2, k2, v2, *sdpa.args[3:]), dict(sdpa.kwargs))
-            back = g.call_function(torch.ops.oscar.rotate.default, (out, rv_t, None))
+            back = g.call_function(rotate, tuple(RotateArgs(x=out, rot=rv_t, mean=None)))
         sdpa.replace_all_uses_with(back)
         g.erase_node(sdpa)
 
     def _oscar_attention(self, g: torch.fx.Graph, layer, q, k, v, scale: float) -> torch.fx.Node:
         kv = layer.kv_cache
         inputs = g.call_function(nodes.layer_inputs, (None, layer.index, q, k, v), LayerCache.of(layer).as_kwargs())
-        num_read = len(contract.QKV_INPUTS) + len(contract.WINDOWED_CACHE_INPUTS)  # up to write_cu
-        parts = [g.call_function(operator.getitem, (inputs, j)) for j in range(num_read)]
-        out = g.call_function(
-            torch.ops.oscar.attention.default,
-            (*parts, scale, kv.sink_tokens, kv.recent_tokens, kv.bits, kv.group_size),
-        )
+        names = (*contract.QKV_INPUTS, *contract.WINDOWED_CACHE_INPUTS)  # the items up to write_cu
+        parts = {name: g.call_function(operator.getitem, (inputs, j)) for j, name in enumerate(names)}
+        args, kwargs = node_args(AttentionArgs(**parts, scale=scale, sink=kv.sink_tokens, recent=kv.recent_tokens,
+                                               bits=kv.bits, group_size=kv.group_size))
+        out = g.call_function(op_of(AttentionArgs), args, kwargs)
         full = g.call_function(nodes.layer_outputs, (None, layer.index, out, q))  # [B, T, H, D]
         return g.call_method("transpose", (full, 1, 2))  # SDPA's layout [B, H, T, D]
 

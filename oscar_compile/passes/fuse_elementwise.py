@@ -22,6 +22,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..formats.op_args import RopeArgs, op_of
 from ..kernels.elementwise_ref import rms_norm_ref, rope_ref
 from .merge_projections import merge_gate_up
 from .sites import AttentionSite
@@ -172,7 +173,8 @@ def fuse_rope(graph: torch.fx.Graph, site: AttentionSite, rotate: bool, has_mean
     with graph.inserting_before(rope):
         rot = graph.get_attr("oscar_rot_k") if rotate else None
         mean = graph.get_attr("oscar_k_mean") if has_mean else None
-        fused = graph.call_function(torch.ops.oscar.rope.default, (*rope.args, rot, mean))
+        q, k, cos, sin = rope.args  # apply_rotary_pos_emb's
+        fused = graph.call_function(op_of(RopeArgs), tuple(RopeArgs(q=q, k=k, cos=cos, sin=sin, rot=rot, mean=mean)))
     rope.replace_all_uses_with(fused)
     graph.erase_node(rope)
     site.rope = fused

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.fx
 
+from ..formats.op_args import RotateArgs, op_of
 from .sites import AttentionSite
 
 
@@ -20,15 +21,15 @@ def _replace_uses_after(node: torch.fx.Node, new: torch.fx.Node) -> None:
 
 def insert_key_rotation(graph: torch.fx.Graph, site: AttentionSite, has_mean: bool) -> None:
     """Rotate site.query / site.key with the module buffers ``oscar_rot_k`` (and ``oscar_k_mean``)."""
-    rotate = torch.ops.oscar.rotate.default
+    rotate = op_of(RotateArgs)
     with graph.inserting_after(site.key):
         rot = graph.get_attr("oscar_rot_k")
     with graph.inserting_after(rot):
         mean: Optional[torch.fx.Node] = graph.get_attr("oscar_k_mean") if has_mean else None
     with graph.inserting_after(mean if mean is not None else rot):
-        key = graph.call_function(rotate, (site.key, rot, mean))
+        key = graph.call_function(rotate, tuple(RotateArgs(x=site.key, rot=rot, mean=mean)))
     with graph.inserting_after(key):
-        query = graph.call_function(rotate, (site.query, rot, None))
+        query = graph.call_function(rotate, tuple(RotateArgs(x=site.query, rot=rot, mean=None)))
     _replace_uses_after(site.key, key)
     _replace_uses_after(site.query, query)
     site.key, site.query = key, query

@@ -16,6 +16,8 @@ import torch.fx
 
 from ..cache import contract, nodes
 from ..cache.layout import LayerCache
+from ..formats.op_args import (AttentionArgs, AttentionBf16Args, CacheWriteArgs, CacheWriteBf16Args, node_args,
+                               op_of)
 from ..spec import LayerSpec
 from .sites import AttentionSite
 
@@ -39,12 +41,19 @@ def _erase_with_getitems(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
 
 
 def _op_calls(layer: LayerSpec, cache: LayerCache, scale: float) -> tuple:
-    """(attention op, its trailing constants, write op, its constants) of a layer."""
+    """(attention op's definition, its constants, write op's definition, its constants) of a layer."""
     if cache.full_precision_pages:
-        return torch.ops.oscar.attention_bf16.default, (scale,), torch.ops.oscar.cache_write_bf16.default, ()
-    window, quant = (cache.sink, cache.recent), (cache.bits, cache.group_size)
-    return (torch.ops.oscar.attention.default, (scale, *window, *quant),
-            torch.ops.oscar.cache_write.default, (*window, *quant, layer.key.clip_ratio, layer.value.clip_ratio))
+        return AttentionBf16Args, dict(scale=scale), CacheWriteBf16Args, {}
+    window = dict(sink=cache.sink, recent=cache.recent, bits=cache.bits, group_size=cache.group_size)
+    return (AttentionArgs, dict(scale=scale, **window),
+            CacheWriteArgs, dict(window, clip_k=layer.key.clip_ratio, clip_v=layer.value.clip_ratio))
+
+
+def _call(graph: torch.fx.Graph, definition: type, inputs: dict, **constants) -> torch.fx.Node:
+    """A node calling the op of ``definition``: its tensors from ``inputs`` by name, then ``constants``."""
+    tensors = {name: node for name, node in inputs.items() if name in definition._fields}
+    args, kwargs = node_args(definition(**tensors, **constants))
+    return graph.call_function(op_of(definition), args, kwargs)
 
 
 def swap_in_oscar_attention(graph: torch.fx.Graph, site: AttentionSite, layer: LayerSpec, scale: float) -> str:
@@ -57,14 +66,10 @@ def swap_in_oscar_attention(graph: torch.fx.Graph, site: AttentionSite, layer: L
     names = contract.layer_input_names(cache)
     items = _getitems(graph, inputs, len(names))
     part = dict(zip(names, items))
-    q, k, v, cu = (part[n] for n in contract.QKV_INPUTS)
-    cache_args = [part[n] for n in contract.cache_input_names(cache)]
-    write_cu = part["write_cu"]
-    extra = {"history_lens": part["history_lens"]} if "history_lens" in part else {}
     with graph.inserting_after(items[-1]):
-        out = graph.call_function(attention_op, (q, k, v, cu, *cache_args, *attention_consts), extra)
-    with graph.inserting_after(out):
-        write = graph.call_function(write_op, (k, v, write_cu, *cache_args, *write_consts), extra)
+        out = _call(graph, attention_op, part, **attention_consts)
+    with graph.inserting_after(out):  # the write's cu_seqlens: write_cu (all zeros when nothing is kept)
+        write = _call(graph, write_op, {**part, "cu_seqlens": part["write_cu"]}, **write_consts)
     with graph.inserting_after(write):
         full = graph.call_function(nodes.layer_outputs, (site.cache, layer.index, out, site.query))
     output = next(u for u in site.attention.users if u.target is operator.getitem and u.args[1] == 0)
@@ -72,4 +77,4 @@ def swap_in_oscar_attention(graph: torch.fx.Graph, site: AttentionSite, layer: L
     _erase_with_getitems(graph, site.attention)
     if site.cache_update is not None:
         _erase_with_getitems(graph, site.cache_update)
-    return f"oscar::{attention_op._schema.name.split('::')[1]}"
+    return attention_op.OP

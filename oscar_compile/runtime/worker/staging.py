@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from oscar_compile.formats.op_args import POOLS, AttentionArgs, CacheWriteArgs, bind_node
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, allocate_pools
 from oscar_compile.cache import nodes
 from oscar_compile.cache.layout import LayerCache
@@ -57,11 +58,12 @@ def layer_op_constants(model: torch.nn.Module) -> dict[int, OpConstants]:
             if node.target is nodes.layer_inputs:
                 index, layer = node.args[1], LayerCache(**node.kwargs)
             elif node.target is torch.ops.oscar.attention.default:
-                scale = float(node.args[-5])  # (scale, sink, recent, bits, group_size) end its args
+                scale = float(bind_node(AttentionArgs, node).scale)
             elif node.target is torch.ops.oscar.cache_write.default:
-                clips = node.args[-2:]  # (..., clip_k, clip_v)
+                write = bind_node(CacheWriteArgs, node)
+                clips = (float(write.clip_k), float(write.clip_v))
         if index is not None and scale is not None and clips is not None:
-            found[index] = OpConstants(layer, scale, float(clips[0]), float(clips[1]))
+            found[index] = OpConstants(layer, scale, *clips)
     return found
 
 
@@ -161,12 +163,15 @@ class StagedStep:
             q_s, k_s, v_s = q, k, v
         else:
             q_s, k_s, v_s = (x.index_select(0, self.tok_s) for x in (q, k, v))
-        tables = (self.cu_s, self.cache_lens_s, self.window_s, self.staging_s, k_win, v_win, *stage)
+        # the staged rows' history is the staging pools (16-bit rows; empty scale / zero pools)
+        shared = dict(cu_seqlens=self.cu_s, cache_lens=self.cache_lens_s, window_table=self.window_s,
+                      quant_table=self.staging_s, k_win=k_win, v_win=v_win,
+                      **dict(zip(POOLS[2:], stage)),
+                      sink=c.layer.sink, recent=c.layer.recent, bits=FULL_PRECISION_BITS,
+                      group_size=c.layer.group_size, history_lens=self.history_lens_s)
         self._staged_out[layer_idx] = torch.ops.oscar.attention(
-            q_s, k_s, v_s, *tables, c.scale, c.layer.sink, c.layer.recent, FULL_PRECISION_BITS, c.layer.group_size,
-            history_lens=self.history_lens_s)
-        torch.ops.oscar.cache_write(k_s, v_s, *tables, c.layer.sink, c.layer.recent, FULL_PRECISION_BITS, c.layer.group_size,
-                                    c.clip_k, c.clip_v, history_lens=self.history_lens_s)
+            *AttentionArgs(q=q_s, k=k_s, v=v_s, scale=c.scale, **shared))
+        torch.ops.oscar.cache_write(*CacheWriteArgs(k=k_s, v=v_s, clip_k=c.clip_k, clip_v=c.clip_v, **shared))
         if self.num_end_rows:
             self._quantize_staged(c, stage, pools)
         rest = self.rest
@@ -186,8 +191,10 @@ class StagedStep:
             return pool.index_select(0, self.end_pages).transpose(1, 2).reshape(-1, H, D).index_select(0, self.end_rows)
 
         k_rows, v_rows = rows(stage[0]), rows(stage[3])
-        torch.ops.oscar.cache_write(k_rows, v_rows, self.end_cu, self.end_lens, self.end_window, self.end_quant,
-                                    *pools, c.layer.sink, 0, c.layer.bits, c.layer.group_size, c.clip_k, c.clip_v)
+        torch.ops.oscar.cache_write(*CacheWriteArgs(
+            k=k_rows, v=v_rows, cu_seqlens=self.end_cu, cache_lens=self.end_lens, window_table=self.end_window,
+            quant_table=self.end_quant, **dict(zip(POOLS, pools)), sink=c.layer.sink, recent=0, bits=c.layer.bits,
+            group_size=c.layer.group_size, clip_k=c.clip_k, clip_v=c.clip_v))
 
     def merge(self, layer_idx: int, out: torch.Tensor) -> torch.Tensor:
         """The layer's output for every token, batch order: [N, H_q, D]."""
