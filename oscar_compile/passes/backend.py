@@ -22,7 +22,7 @@ import torch.fx
 from ..artifact import Rotations
 from ..spec import CompressionSpec
 from ..cache import contract, nodes
-from ..cache.layout import LayerCache
+from ..formats.cache import LayerFormat
 
 logger = logging.getLogger(__name__)
 _SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
@@ -89,7 +89,7 @@ class OscarBackend:
 
     def _oscar_attention(self, g: torch.fx.Graph, layer, q, k, v, scale: float) -> torch.fx.Node:
         kv = layer.kv_cache
-        inputs = g.call_function(nodes.layer_inputs, (None, layer.index, q, k, v), LayerCache.of(layer).as_kwargs())
+        inputs = g.call_function(nodes.layer_inputs, (None, layer.index, q, k, v), LayerFormat.of(layer).as_kwargs())
         num_read = len(contract.QKV_INPUTS) + len(contract.WINDOWED_CACHE_INPUTS)  # up to write_cu
         parts = [g.call_function(operator.getitem, (inputs, j)) for j in range(num_read)]
         out = g.call_function(

@@ -64,7 +64,7 @@ from array import array
 from dataclasses import dataclass
 
 from oscar_compile.runtime.page_pool import PagePool
-from oscar_compile.cache.layout import CacheLayout
+from oscar_compile.formats.cache import CacheLayout
 from oscar_compile.runtime.sequence import Sequence
 from oscar_compile.runtime.swap_space import SwapSpace
 

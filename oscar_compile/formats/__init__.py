@@ -1,0 +1,1 @@
+"""Formats below the kernels: the paged cache's layout and the named arguments of every oscar:: op."""
