@@ -75,7 +75,9 @@ class LayerFormat:
 
     - ``sink``, ``recent``: the full-precision windows ``S0`` and ``W`` (tokens, multiples of
       ``page_size``); both 0 when nothing in the model is quantized (:func:`has_windows`);
-    - ``page_size``: tokens per page ``P``;
+    - ``page_size``: tokens per page ``P``, the spec's ``kv_cache.page_size``: the one source of the
+      page size (the HF cache's layers, the runtime's pools and its page bookkeeping read it from
+      here; the engine config carries none);
     - ``bits``: 2 or 4 (INT-b codes with a scale / zero per group of ``group_size`` channels,
       stored as ``scale_dtype``), or 16 (history rows kept as they are).
     """
