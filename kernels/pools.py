@@ -23,8 +23,8 @@ from typing import NamedTuple
 
 import torch
 
-from oscar_compile.cache.layout import FULL_PRECISION_BITS, check_windows, num_pages_for
-from oscar_compile.cache.layout import num_history_tokens as _num_history_tokens
+from oscar_compile.formats.cache import FULL_PRECISION_BITS, LayerFormat, check_windows, num_pages_for
+from oscar_compile.formats.cache import num_history_tokens as _num_history_tokens
 from oscar_compile.quant import SUPPORTED_BITS, scale_dtype_of
 
 
@@ -89,6 +89,16 @@ def allocate_pools(
     )
 
 
+def allocate_layer_pools(fmt: LayerFormat, num_quant_pages: int, num_window_pages: int, num_kv_heads: int,
+                         head_dim: int, window_dtype: torch.dtype = torch.bfloat16,
+                         device: str | torch.device = "cpu") -> CachePools:
+    """:func:`allocate_pools` for one layer of the cache format: its page size, bits, group size and
+    scale dtype from ``fmt`` (the HF cache and the runtime allocate a layer this way; the kernels'
+    tests and benchmarks, which sweep the plain numbers, call :func:`allocate_pools`)."""
+    return allocate_pools(num_quant_pages, num_window_pages, num_kv_heads, fmt.page_size, head_dim, fmt.bits,
+                          fmt.group_size, fmt.scale_dtype, window_dtype, device)
+
+
 def attention_output_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pools, history_lens,
                          num_seqs: int, allocate: bool = True) -> torch.Tensor | None:
     """The empty output [N, H_q, D] (q's dtype) of an attention kernel call, after checking what
@@ -107,7 +117,7 @@ def attention_output_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool
 
 
 def check_window_config(sink: int, recent: int, page_size: int) -> None:
-    """S0 and W must be non-negative multiples of P (``oscar_compile.cache.layout.check_windows``)."""
+    """S0 and W must be non-negative multiples of P (``oscar_compile.formats.cache.check_windows``)."""
     check_windows(sink, recent, page_size)
 
 

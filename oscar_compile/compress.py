@@ -49,5 +49,5 @@ def compress(model: torch.nn.Module, spec, rotations, config: EngineConfig | Non
         rotations = Rotations.load(rotations, model)
     apply(model, spec, rotations, values_folded=values_folded)
     layout = compressed_layout(model, spec)
-    config = dataclasses.replace(config or EngineConfig(), layout=layout, page_size=layout.page_size)
+    config = dataclasses.replace(config or EngineConfig(), layout=layout)
     return config, runner_factory(model, layout, config)

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from .cache.layout import SCALE_DTYPE_BYTES
+from .formats.cache import SCALE_DTYPE_BYTES
 
 SUPPORTED_BITS = (2, 4)
 ZERO_POINT_FLOOR = 2.0**-10  # scale >= this times the group's largest magnitude: |zero| <= 2^10
-_SCALE_DTYPES = {name: getattr(torch, name) for name in SCALE_DTYPE_BYTES}  # the names of cache.layout
+_SCALE_DTYPES = {name: getattr(torch, name) for name in SCALE_DTYPE_BYTES}  # the names of formats.cache
 
 
 def scale_dtype_of(name: str | torch.dtype) -> torch.dtype:

@@ -64,3 +64,20 @@ def test_python_m_forms_still_run():
     for module in ("oscar_compile.cli", "oscar_compile.runtime.serve"):
         done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "usage:" in done.stdout, done.stderr
+
+
+def test_python_m_evaluation_is_the_eval_command(capsys):
+    """``python -m oscar_compile.evaluation`` runs ``oscar-compile eval`` without the top-level CLI
+    (which sits above the evaluation): same usage, same status 2 and one line for a user error."""
+    from oscar_compile.evaluation.command import main as eval_main
+
+    helps = []
+    for run in (lambda: main(["eval", "--help"]), lambda: eval_main(["--help"])):
+        with pytest.raises(SystemExit) as exit_info:
+            run()
+        assert exit_info.value.code == 0
+        helps.append(capsys.readouterr().out)
+    assert helps[0] == helps[1] and helps[0].startswith("usage: oscar-compile eval")
+    assert main(["eval", "--model", "/nonexistent"]) == eval_main(["--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == err[1] and err[0].startswith("oscar-compile eval: error:")

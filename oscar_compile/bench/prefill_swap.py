@@ -37,7 +37,7 @@ def make_engine(model, layout, max_len: int, budget: int, staging: bool, swap_by
     config = EngineConfig(num_window_pages=num_window, num_quant_pages=num_quant + 1, max_num_seqs=1,
                           max_num_batched_tokens=budget, max_model_len=max_len, cuda_graphs=False,
                           enable_prefix_caching=False, prefill_staging_memory_gb=None if staging else 0,
-                          swap_space_gb=swap_bytes / 1024**3, layout=layout, page_size=layout.page_size)
+                          swap_space_gb=swap_bytes / 1024**3, layout=layout)
     vocab = model.config.get_text_config().vocab_size
     return build_engine(model, SpelledIdTokenizer(vocab), config, make_runner=runner_factory(model, layout, config))
 

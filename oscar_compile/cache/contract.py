@@ -18,8 +18,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..formats.cache import LayerFormat
 from ..kernels.pools import CachePools
-from .layout import LayerCache
 
 QKV_INPUTS = ("q", "k", "v", "cu_seqlens")  # q: [N, H_q, D]; k, v: [N, H_kv, D]; cu_seqlens: [B + 1] int32
 # the cache tensors of each layer kind, in the oscar:: ops' argument order
@@ -27,12 +27,12 @@ FULL_PRECISION_CACHE_INPUTS = ("cache_lens", "page_table", "k_pages", "v_pages")
 WINDOWED_CACHE_INPUTS = ("cache_lens", "window_table", "quant_table", *CachePools._fields)
 
 
-def cache_input_names(layer: LayerCache) -> tuple[str, ...]:
+def cache_input_names(layer: LayerFormat) -> tuple[str, ...]:
     """The cache tensors the ops of ``layer`` read and write."""
     return FULL_PRECISION_CACHE_INPUTS if layer.full_precision_pages else WINDOWED_CACHE_INPUTS
 
 
-def layer_input_names(layer: LayerCache) -> tuple[str, ...]:
+def layer_input_names(layer: LayerFormat) -> tuple[str, ...]:
     """The items of :meth:`PagedAttentionCache.oscar_layer_inputs`, in order.
 
     ``write_cu`` is ``cu_seqlens`` when there is a cache to write, all zeros when nothing is
@@ -48,7 +48,7 @@ class PagedAttentionCache(Protocol):
     """A cache the rewritten attention graphs can run on."""
 
     def oscar_layer_inputs(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           layer: LayerCache) -> tuple:
+                           layer: LayerFormat) -> tuple:
         """The op inputs of :func:`layer_input_names` for the new tokens of this forward
         (q: [B, H_q, T, D]; k, v: [B, H_kv, T, D], rotated), pages reserved for them."""
         ...

@@ -7,7 +7,7 @@ without windows. The rewritten attention graphs read and write it through
 ``oscar::attention`` / ``oscar::cache_write``, by the contract of ``oscar_compile.cache.contract``
 (its two graph nodes turn the padded ``[B, H, T, D]`` tensors HF uses into the flat token lists
 the ops take, and back); each layer's pools are allocated from its
-:class:`~oscar_compile.cache.layout.LayerCache`.
+:class:`~oscar_compile.formats.cache.LayerFormat`, which also gives its page size.
 
 Left padding: each forward tells the cache which new tokens are real (``begin_step``, called by
 a pre-hook on the model with its 2-D attention mask); pad tokens are never cached, so every row's
@@ -20,10 +20,9 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from ..kernels.pools import allocate_pools, num_quant_pages_needed, num_window_pages_per_seq
-from ..quant import scale_dtype_of
+from ..formats.cache import LayerFormat
+from ..kernels.pools import allocate_layer_pools, num_quant_pages_needed, num_window_pages_per_seq
 from .contract import PagedAttentionCache
-from .layout import LayerCache
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -33,14 +32,18 @@ class _PagedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, page_size: int):
+    def __init__(self, fmt: LayerFormat):
         super().__init__()
-        self.page_size = page_size
+        self.format = fmt
         self.num_positions = 0  # positions seen, pads included (what HF's masks count)
         self.cache_lens: Optional[torch.Tensor] = None  # [B] int32 real tokens cached per row
 
     def update(self, key_states, value_states, *args, **kwargs):
         raise NotImplementedError("an oscar cache layer is written by the oscar:: cache-write ops, not Cache.update")
+
+    @property
+    def page_size(self) -> int:
+        return self.format.page_size
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.num_positions + query_length, 0
@@ -80,10 +83,8 @@ class OscarLayer(_PagedLayer):
     """A layer with windows: window ring + history pages per batch row (docs/cache-format.md);
     the history is quantized, or kept at 16 bits (``bits = 16``)."""
 
-    def __init__(self, sink: int, recent: int, page_size: int, bits: int, group_size: int, scale_dtype: str):
-        super().__init__(page_size)
-        self.sink, self.recent = sink, recent
-        self.bits, self.group_size, self.scale_dtype = bits, group_size, scale_dtype_of(scale_dtype)
+    def __init__(self, fmt: LayerFormat):
+        super().__init__(fmt)
         self.pools = None
         self.window_table: Optional[torch.Tensor] = None  # [B, (S0 + W) / P] int32
         self.page_table: Optional[torch.Tensor] = None  # the history (quant) table [B, pages per row]
@@ -91,12 +92,12 @@ class OscarLayer(_PagedLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H_kv, _, D = key_states.shape
         device = key_states.device
-        per_row = num_window_pages_per_seq(self.sink, self.recent, self.page_size)
+        fmt = self.format
+        per_row = num_window_pages_per_seq(fmt.sink, fmt.recent, fmt.page_size)
         self.window_table = torch.arange(B * per_row, dtype=torch.int32, device=device).reshape(B, per_row)
         self.page_table = torch.zeros(B, 0, dtype=torch.int32, device=device)
         self.cache_lens = torch.zeros(B, dtype=torch.int32, device=device)
-        self.pools = allocate_pools(0, max(1, B * per_row), H_kv, self.page_size, D, self.bits, self.group_size,
-                                    self.scale_dtype, key_states.dtype, device)
+        self.pools = allocate_layer_pools(fmt, 0, max(1, B * per_row), H_kv, D, key_states.dtype, device)
         self.is_initialized = True
 
     def reset(self) -> None:
@@ -104,13 +105,13 @@ class OscarLayer(_PagedLayer):
         self.pools = self.window_table = self.page_table = None
 
     def _pages_needed(self, cache_len: int) -> int:
-        return num_quant_pages_needed(cache_len, self.sink, self.recent, self.page_size)
+        return num_quant_pages_needed(cache_len, self.format.sink, self.format.recent, self.page_size)
 
     def _grow(self, num_rows: int, num_new_pages: int) -> int:
         first = self.pools.k_codes.shape[0]
         win = self.pools.k_win
-        extra = allocate_pools(num_rows * num_new_pages, 0, win.shape[1], self.page_size, win.shape[3],
-                               self.bits, self.group_size, self.scale_dtype, win.dtype, win.device)
+        extra = allocate_layer_pools(self.format, num_rows * num_new_pages, 0, win.shape[1], win.shape[3],
+                                     win.dtype, win.device)
         self.pools = type(self.pools)(*(
             old if name in ("k_win", "v_win") else torch.cat([old, new])
             for name, old, new in zip(self.pools._fields, self.pools, extra)
@@ -125,8 +126,8 @@ class OscarLayer(_PagedLayer):
 class FullPrecisionLayer(_PagedLayer):
     """A 16-bit layer without windows: every token in full-precision pages (``oscar::*_bf16``)."""
 
-    def __init__(self, page_size: int):
-        super().__init__(page_size)
+    def __init__(self, fmt: LayerFormat):
+        super().__init__(fmt)
         self.k_pages = self.v_pages = self.page_table = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -157,10 +158,8 @@ class FullPrecisionLayer(_PagedLayer):
         return (self.cache_lens, self.page_table, self.k_pages, self.v_pages)
 
 
-def _new_layer(layer: LayerCache) -> _PagedLayer:
-    if layer.full_precision_pages:
-        return FullPrecisionLayer(layer.page_size)
-    return OscarLayer(layer.sink, layer.recent, layer.page_size, layer.bits, layer.group_size, layer.scale_dtype)
+def _new_layer(layer: LayerFormat) -> _PagedLayer:
+    return FullPrecisionLayer(layer) if layer.full_precision_pages else OscarLayer(layer)
 
 
 class OscarCache(Cache, PagedAttentionCache):
@@ -171,7 +170,7 @@ class OscarCache(Cache, PagedAttentionCache):
     the same two over its own pages.
     """
 
-    def __init__(self, layers: list[Optional[LayerCache]]):
+    def __init__(self, layers: list[Optional[LayerFormat]]):
         """``layers[i]``: the pools of layer i; None gives a placeholder ``DynamicLayer`` (a cache
         that keeps its pages itself, as the runtime's StepCache)."""
         layers = [DynamicLayer() if g is None else _new_layer(g) for g in layers]
@@ -192,7 +191,7 @@ class OscarCache(Cache, PagedAttentionCache):
             return torch.ones(B, T, dtype=torch.bool, device=q.device)
         return mask.to(q.device)
 
-    def oscar_layer_inputs(self, layer_idx: int, q, k, v, layer: LayerCache) -> tuple:
+    def oscar_layer_inputs(self, layer_idx: int, q, k, v, layer: LayerFormat) -> tuple:
         state = self.layers[layer_idx]
         if not state.is_initialized:
             state.lazy_initialization(k, v)
@@ -229,7 +228,7 @@ def _unflatten(mask: torch.Tensor, out: torch.Tensor, q: torch.Tensor) -> torch.
     return full
 
 
-def uncached_layer_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerCache) -> tuple:
+def uncached_layer_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerFormat) -> tuple:
     """The op inputs of a forward without a cache: attention within the chunk only, nothing kept."""
     B, _, T, _ = q.shape
     mask = torch.ones(B, T, dtype=torch.bool, device=q.device)

@@ -12,20 +12,20 @@ from typing import Optional
 
 import torch
 
+from ..formats.cache import LayerFormat
 from .contract import PagedAttentionCache
 from .hf_cache import uncached_layer_inputs, uncached_layer_outputs
-from .layout import LayerCache
 
 
 def layer_inputs(cache: Optional[object], layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  **layer_fields) -> tuple:
     """Graph node: the op inputs for the new tokens (see ``contract.layer_input_names``).
 
-    ``layer_fields`` are the :class:`LayerCache` of the layer, as keyword constants of the node.
+    ``layer_fields`` are the :class:`LayerFormat` of the layer, as keyword constants of the node.
     Without a paged cache (a forward with ``use_cache=False``) the chunk attends within itself
     and nothing is kept: a throwaway HF layer provides the pools.
     """
-    layer = LayerCache(**layer_fields)
+    layer = LayerFormat(**layer_fields)
     if isinstance(cache, PagedAttentionCache):
         return cache.oscar_layer_inputs(layer_idx, q, k, v, layer)
     return uncached_layer_inputs(q, k, v, layer)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from .eval import add_device_options
+from ..evaluation.command import add_device_options
 
 HELP = "find per-layer KV precisions (INT2 / INT4 / 16-bit) that fit a bit budget with the least error"
 DESCRIPTION = HELP + """.

@@ -1,6 +1,6 @@
 """``python -m oscar_compile.evaluation --model DIR --specs ...``: the ``oscar-compile eval`` command."""
 import sys
 
-from ..cli import main
+from .command import main
 
-sys.exit(main(["eval", *sys.argv[1:]]))
+sys.exit(main(sys.argv[1:]))

@@ -23,7 +23,7 @@ from torch import nn
 from ..architectures import ModelFingerprint, attention_modules
 from ..artifact import COMPRESSED_CONFIG_KEY, ArtifactError, Rotations
 from ..cache.hf_cache import OscarCache
-from ..cache.layout import LayerCache, has_windows
+from ..formats.cache import LayerFormat, has_windows
 from ..quant import bits_per_element
 from ..spec import CompressionSpec, LayerSpec
 from ..spec_fit import fit_spec
@@ -167,7 +167,7 @@ def resolve_layers(spec: CompressionSpec, num_layers: int) -> list[LayerSpec]:
 
 def _install_cache_hook(model: nn.Module, layers: list[LayerSpec]) -> None:
     """Give the model an OscarCache whenever it is asked to cache and was given none (or an empty HF one)."""
-    caches = [LayerCache.of(l) for l in layers]
+    caches = [LayerFormat.of(l) for l in layers]
     # transformers renamed past_key_values to cache (5.2x); use whichever this version's forward takes
     default_key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 

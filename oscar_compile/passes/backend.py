@@ -22,7 +22,7 @@ import torch.fx
 from ..artifact import Rotations
 from ..spec import CompressionSpec
 from ..cache import contract, nodes
-from ..cache.layout import LayerCache
+from ..formats.cache import LayerFormat
 from ..formats.op_args import AttentionArgs, RotateArgs, node_args, op_of
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class OscarBackend:
 
     def _oscar_attention(self, g: torch.fx.Graph, layer, q, k, v, scale: float) -> torch.fx.Node:
         kv = layer.kv_cache
-        inputs = g.call_function(nodes.layer_inputs, (None, layer.index, q, k, v), LayerCache.of(layer).as_kwargs())
+        inputs = g.call_function(nodes.layer_inputs, (None, layer.index, q, k, v), LayerFormat.of(layer).as_kwargs())
         names = (*contract.QKV_INPUTS, *contract.WINDOWED_CACHE_INPUTS)  # the items up to write_cu
         parts = {name: g.call_function(operator.getitem, (inputs, j)) for j, name in enumerate(names)}
         args, kwargs = node_args(AttentionArgs(**parts, scale=scale, sink=kv.sink_tokens, recent=kv.recent_tokens,

@@ -15,7 +15,7 @@ import torch
 import torch.fx
 
 from ..cache import contract, nodes
-from ..cache.layout import LayerCache
+from ..formats.cache import LayerFormat
 from ..formats.op_args import (AttentionArgs, AttentionBf16Args, CacheWriteArgs, CacheWriteBf16Args, node_args,
                                op_of)
 from ..spec import LayerSpec
@@ -40,7 +40,7 @@ def _erase_with_getitems(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     graph.erase_node(node)
 
 
-def _op_calls(layer: LayerSpec, cache: LayerCache, scale: float) -> tuple:
+def _op_calls(layer: LayerSpec, cache: LayerFormat, scale: float) -> tuple:
     """(attention op's definition, its constants, write op's definition, its constants) of a layer."""
     if cache.full_precision_pages:
         return AttentionBf16Args, dict(scale=scale), CacheWriteBf16Args, {}
@@ -58,7 +58,7 @@ def _call(graph: torch.fx.Graph, definition: type, inputs: dict, **constants) ->
 
 def swap_in_oscar_attention(graph: torch.fx.Graph, site: AttentionSite, layer: LayerSpec, scale: float) -> str:
     """Replace cache update + attention by the paged oscar ops; returns the attention op's name."""
-    cache = LayerCache.of(layer)
+    cache = LayerFormat.of(layer)
     attention_op, attention_consts, write_op, write_consts = _op_calls(layer, cache, scale)
     with graph.inserting_before(site.attention):
         inputs = graph.call_function(nodes.layer_inputs,

@@ -16,8 +16,8 @@ import torch
 from oscar_compile.loading import BUNDLED_MODEL_DIR, load_model, resolve_device, resolve_model_dir  # noqa: F401
 from oscar_compile.runtime.core.page_manager import BlockManager
 from oscar_compile.runtime.engine import LLMEngine
+from oscar_compile.formats.cache import CacheLayout
 from oscar_compile.runtime.core.page_pool import PagePool
-from oscar_compile.cache.layout import CacheLayout
 from oscar_compile.runtime.core.page_plan import GIB, plan_pages
 from oscar_compile.runtime.worker.runner import ModelRunner, RecomputeRunner
 from oscar_compile.runtime.core.swap_space import SwapSpace
@@ -31,10 +31,14 @@ _GPU_KV_FRACTION = 0.5  # share of the GPU memory left free after the weights
 
 @dataclass
 class EngineConfig:
-    """Serving knobs. Page counts, when both given, override the memory budget (tests use it)."""
+    """Serving knobs. Page counts, when both given, override the memory budget (tests use it).
+
+    The page size is the cache format's (``layout.page_size``, from the spec's
+    ``kv_cache.page_size``), not a knob here: the windows are whole pages of it and the graphs
+    were rewritten for it. Without a ``layout`` the engine keeps every token in 16-bit pages of
+    ``CacheLayout.bf16``'s default size."""
 
     kv_memory_gb: float | None = None
-    page_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -62,7 +66,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -117,7 +121,7 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
         text_config.num_hidden_layers,
         getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads,
         getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads,
-        page_size=config.page_size, dtype_bytes=_DTYPE_BYTES.get(model.dtype, 2))
+        dtype_bytes=_DTYPE_BYTES.get(model.dtype, 2))
     max_model_len = config.max_model_len or text_config.max_position_embeddings
     if config.num_window_pages is not None:
         num_window, num_quant = config.num_window_pages, config.num_quant_pages

@@ -21,7 +21,7 @@ LAYOUTS = [dict(sink=16, recent=32), dict(sink=0, recent=0), dict(sink=32, recen
 
 
 def make_layout(**kwargs) -> CacheLayout:
-    return CacheLayout(num_layers=2, num_kv_heads=2, head_dim=16, page_size=P, group_size=16, **kwargs)
+    return CacheLayout.uniform(num_layers=2, num_kv_heads=2, head_dim=16, page_size=P, group_size=16, **kwargs)
 
 
 def make_bm(num_window=40, num_quant=80, **kwargs) -> BlockManager:

@@ -85,8 +85,8 @@ class KernelCache:
 @pytest.mark.parametrize("history_hits", [False, True])
 def test_reference_cache_write_reads_back_every_token(sink, recent, num_quant, history_hits):
     rng = random.Random(sink * 7 + recent + num_quant)
-    layout = CacheLayout(num_layers=1, num_kv_heads=1, head_dim=D, group_size=D, page_size=P,
-                         sink=sink, recent=recent)
+    layout = CacheLayout.uniform(num_layers=1, num_kv_heads=1, head_dim=D, group_size=D, page_size=P,
+                                 sink=sink, recent=recent)
     bm = BlockManager(layout, 6 * max(1, (sink + recent) // P), num_quant, history_hits=history_hits)
     scheduler = Scheduler(bm, max_num_seqs=5, max_num_batched_tokens=rng.choice([9, 50]))
     stem = [rng.randrange(40) for _ in range(90)]
@@ -103,8 +103,8 @@ def test_reference_cache_write_reads_back_every_token(sink, recent, num_quant, h
 def test_history_hits_need_history_lens(standard_only):
     """After a hit past the sink the ring is empty: given history_lens the op leaves the shared
     history alone; without it, it demotes stale ring slots into the shared pages."""
-    layout = CacheLayout(num_layers=1, num_kv_heads=1, head_dim=D, group_size=D, page_size=P,
-                         sink=16, recent=32)
+    layout = CacheLayout.uniform(num_layers=1, num_kv_heads=1, head_dim=D, group_size=D, page_size=P,
+                                 sink=16, recent=32)
     bm = BlockManager(layout, 6, 20, history_hits=True)
     cache = KernelCache(bm, standard_only)
     a, b = Sequence(list(range(100))), Sequence(list(range(100)) + [3] * 40)

@@ -43,7 +43,7 @@ def compressed(tiny_model):
 def _engine(compressed, tokenizer, overlap: bool, **config):
     model, spec = compressed
     layout = compressed_layout(model, spec)
-    cfg = EngineConfig(layout=layout, page_size=layout.page_size, overlap_steps=overlap, **config)
+    cfg = EngineConfig(layout=layout, overlap_steps=overlap, **config)
     engine = build_engine(model, tokenizer, cfg, make_runner=runner_factory(model, layout, cfg))
     assert engine.overlap is overlap
     engine.pending_steps = 0

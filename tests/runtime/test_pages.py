@@ -11,16 +11,16 @@ QWEN3_8B = dict(num_layers=36, num_kv_heads=8, head_dim=128)
 
 def test_bytes_per_token_match_the_perf_notes():
     # PERF_NOTES: Qwen3-8B is 147,456 B of KV per token in BF16 and 20,736 B in INT2 (fp16 s/z).
-    layout = CacheLayout(**QWEN3_8B)
+    layout = CacheLayout.uniform(**QWEN3_8B)
     assert layout.window_page_bytes == 147_456 * layout.page_size
     assert layout.quant_page_bytes == 20_736 * layout.page_size
-    fp32 = CacheLayout(**QWEN3_8B, scale_dtype="float32")
+    fp32 = CacheLayout.uniform(**QWEN3_8B, scale_dtype="float32")
     assert fp32.quant_page_bytes == 36 * 8 * 80 * 16  # K + V: 80 B per KV head per token
 
 
 def test_sixteen_bit_layers_store_history_in_full_precision():
-    base = CacheLayout(**QWEN3_8B)
-    mixed = CacheLayout(**QWEN3_8B, full_precision_layers=(0, 35))
+    base = CacheLayout.uniform(**QWEN3_8B)
+    mixed = CacheLayout.uniform(**QWEN3_8B, full_precision_layers=(0, 35))
     per_layer_int2 = 2 * 8 * 16 * (32 + 4)
     per_layer_bf16 = 2 * 8 * 16 * 256
     assert mixed.quant_page_bytes - base.quant_page_bytes == 2 * (per_layer_bf16 - per_layer_int2)
@@ -44,12 +44,12 @@ def test_bf16_mode_has_no_windows_and_full_precision_pages():
 ])
 def test_layout_rejects_bad_values_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        CacheLayout(**{**QWEN3_8B, **kwargs})
+        CacheLayout.uniform(**{**QWEN3_8B, **kwargs})
 
 
 @pytest.mark.parametrize("L, expected", [(0, 0), (64, 0), (320, 0), (321, 1), (336, 16), (337, 17)])
 def test_history_is_positions_s0_to_l_minus_w(L, expected):
-    layout = CacheLayout(**QWEN3_8B)  # S0 = 64, W = 256
+    layout = CacheLayout.uniform(**QWEN3_8B)  # S0 = 64, W = 256
     assert layout.num_history_tokens(L) == expected
     assert layout.num_pages_for_seq(L) == (20, -(-expected // 16))
 
@@ -57,7 +57,7 @@ def test_history_is_positions_s0_to_l_minus_w(L, expected):
 def test_history_rule_agrees_with_the_kernels_pool_helpers():
     pools = pytest.importorskip("oscar_compile.kernels.pools")
     for sink, recent in [(0, 0), (16, 32), (64, 256), (32, 0)]:
-        layout = CacheLayout(**QWEN3_8B, sink=sink, recent=recent)
+        layout = CacheLayout.uniform(**QWEN3_8B, sink=sink, recent=recent)
         for L in range(0, 700, 7):
             assert layout.num_history_tokens(L) == pools.num_history_tokens(L, sink, recent)
             assert (layout.num_quant_pages_for(layout.num_history_tokens(L))
@@ -81,7 +81,7 @@ def test_from_spec_resolves_layer_overrides():
 
 
 def test_plan_pages_balances_windows_and_history_at_the_expected_length():
-    layout = CacheLayout(**QWEN3_8B)
+    layout = CacheLayout.uniform(**QWEN3_8B)
     budget = 40 * GIB
     plan = plan_pages(layout, budget, max_num_seqs=1000, expected_seq_len=32_768)
     num_window, num_quant = layout.num_pages_for_seq(32_768)
@@ -93,7 +93,7 @@ def test_plan_pages_balances_windows_and_history_at_the_expected_length():
 
 
 def test_plan_pages_caps_sequences_and_refuses_tiny_budgets():
-    layout = CacheLayout(**QWEN3_8B)
+    layout = CacheLayout.uniform(**QWEN3_8B)
     plan = plan_pages(layout, 40 * GIB, max_num_seqs=4, expected_seq_len=1024)
     assert plan.num_window_pages == 4 * 20
     with pytest.raises(ValueError, match="windows of one sequence"):

@@ -17,8 +17,8 @@ P = 16
 
 
 def make_scheduler(num_window=60, num_quant=200, sink=16, recent=32, prefix=True, **kwargs):
-    layout = CacheLayout(num_layers=1, num_kv_heads=1, head_dim=16, group_size=16, page_size=P,
-                         sink=sink, recent=recent)
+    layout = CacheLayout.uniform(num_layers=1, num_kv_heads=1, head_dim=16, group_size=16, page_size=P,
+                                 sink=sink, recent=recent)
     bm = BlockManager(layout, num_window, num_quant, enable_prefix_caching=prefix, history_hits=True)
     return Scheduler(bm, **kwargs)
 

@@ -15,7 +15,7 @@ from oscar_compile.runtime.core.sequence import Sequence, SequenceStatus
 from oscar_compile.runtime.core.swap_space import ALIGN, SwapSpace
 
 P = 16
-LAYOUT = CacheLayout(num_layers=1, num_kv_heads=1, head_dim=16, group_size=16, page_size=P, sink=16, recent=32)
+LAYOUT = CacheLayout.uniform(num_layers=1, num_kv_heads=1, head_dim=16, group_size=16, page_size=P, sink=16, recent=32)
 
 
 def make(num_window=60, num_quant=200, staging=0, swap_bytes=0, **kwargs) -> Scheduler:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pickle
 
-from oscar_compile.cache.layout import CacheLayout
+from oscar_compile.formats.cache import CacheLayout
 from oscar_compile.runtime.worker.runner import Batch
 from oscar_compile.runtime.worker.tp_runner import StepDecoder, StepEncoder
 

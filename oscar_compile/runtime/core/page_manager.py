@@ -63,8 +63,8 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 
+from oscar_compile.formats.cache import CacheLayout
 from oscar_compile.runtime.core.page_pool import PagePool
-from oscar_compile.cache.layout import CacheLayout
 from oscar_compile.runtime.core.sequence import Sequence
 from oscar_compile.runtime.core.swap_space import SwapSpace
 

@@ -10,7 +10,7 @@ The cache (docs/cache-format.md) has two kinds of pages, each a fixed pool share
   a quant page is bigger than ``P`` INT-b tokens when such layers exist; the page ids stay the same
   for every layer, only the per-layer pool dtype differs.
 
-What a page holds and costs is :class:`~oscar_compile.cache.layout.CacheLayout` (re-exported
+What a page holds and costs is :class:`~oscar_compile.formats.cache.CacheLayout` (re-exported
 here, where the runtime always found it); this module only splits a budget between the kinds.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from oscar_compile.cache.layout import SCALE_DTYPE_BYTES, CacheLayout, LayerFormat  # noqa: F401  (re-exported)
+from oscar_compile.formats.cache import SCALE_DTYPE_BYTES, CacheLayout, LayerFormat  # noqa: F401  (re-exported)
 
 GIB = 1024**3
 

@@ -24,9 +24,9 @@ import math
 
 import torch
 
-from oscar_compile.kernels.pools import allocate_pools
+from oscar_compile.kernels.pools import allocate_layer_pools
 from oscar_compile.cache.hf_cache import OscarCache
-from oscar_compile.cache.layout import CacheLayout, LayerCache
+from oscar_compile.formats.cache import CacheLayout, LayerFormat
 from oscar_compile.runtime.worker.runner import Batch
 from oscar_compile.runtime.worker.staging import StagedStep, allocate_staging_pools, layer_op_constants
 from oscar_compile.runtime.worker.step_inputs import StepInputs
@@ -52,7 +52,7 @@ class StepCache(OscarCache):
     def begin_step(self, attention_mask, num_new: int) -> None:  # the runner packs tokens itself
         pass
 
-    def oscar_layer_inputs(self, layer_idx: int, q, k, v, layer: LayerCache) -> tuple:
+    def oscar_layer_inputs(self, layer_idx: int, q, k, v, layer: LayerFormat) -> tuple:
         flat = [x[0].transpose(0, 1) for x in (q, k, v)]  # [1, H, N, D] -> [N, H, D]
         pools = self.runner.pools[layer_idx]
         if layer.full_precision_pages:  # the quant table is a table of every token
@@ -63,7 +63,7 @@ class StepCache(OscarCache):
                 self.history_lens)
 
     def oscar_layer_outputs(self, layer_idx: int, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        if self.staged is not None and not self.runner.layout.layer_cache(layer_idx).full_precision_pages:
+        if self.staged is not None and not self.runner.layout.format_of(layer_idx).full_precision_pages:
             out = self.staged.merge(layer_idx, out)
         return out.unsqueeze(0)  # [N, H, D] -> [1, N, H, D]
 
@@ -122,12 +122,11 @@ class CompressedRunner:
 
     def _layer_pools(self, layout: CacheLayout, layer: int, num_window: int, num_quant: int, dtype) -> tuple:
         fmt = layout.format_of(layer)
-        H, P, D = layout.num_kv_heads, layout.page_size, layout.head_dim
-        if layout.layer_cache(layer).full_precision_pages:
+        H, P, D = layout.num_kv_heads, fmt.page_size, layout.head_dim
+        if fmt.full_precision_pages:
             pages = torch.zeros(num_quant, H, P, D, dtype=dtype, device=self.device)
             return pages, torch.zeros_like(pages)
-        return tuple(allocate_pools(num_quant, num_window, H, P, D, fmt.bits, fmt.group_size,
-                                    fmt.scale_dtype, dtype, self.device))
+        return tuple(allocate_layer_pools(fmt, num_quant, num_window, H, D, dtype, self.device))
 
     def _init_staging(self, layout: CacheLayout, num_pages: int, dtype) -> None:
         """Staging pools (16-bit history rows, one extra scratch page) for the INT-b layers."""
@@ -138,7 +137,7 @@ class CompressedRunner:
             return
         self.op_constants = layer_op_constants(self.model)
         for i in range(self.num_layers):
-            if not layout.layer_cache(i).full_precision_pages:
+            if not layout.format_of(i).full_precision_pages:
                 if i not in self.op_constants:
                     raise ValueError(f"layer {i}: no oscar::attention / cache_write call found in its graph")
                 self.staging_pools[i] = allocate_staging_pools(layout, num_pages + 1, dtype, self.device)
@@ -146,7 +145,7 @@ class CompressedRunner:
     def _host_swap(self, layout: CacheLayout, num_bytes: int) -> HostSwap:
         window, quant = [], []
         for i, pools in enumerate(self.pools):
-            if layout.layer_cache(i).full_precision_pages:
+            if layout.format_of(i).full_precision_pages:
                 quant += pools
             else:
                 window += pools[:2]
@@ -324,5 +323,5 @@ def compressed_layout(model: torch.nn.Module, spec) -> CacheLayout:
     layout = CacheLayout.from_spec(spec, config, dtype_bytes=dtype_bytes)
     if layout.is_full_precision:
         return CacheLayout.bf16(layout.num_layers, layout.num_kv_heads, layout.head_dim,
-                                page_size=spec.kv_cache.page_size, dtype_bytes=dtype_bytes)
+                                page_size=layout.page_size, dtype_bytes=dtype_bytes)
     return layout

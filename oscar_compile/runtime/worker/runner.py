@@ -17,7 +17,7 @@ from typing import Protocol, Sequence as Seq, runtime_checkable
 
 import torch
 
-from oscar_compile.cache.layout import CacheLayout
+from oscar_compile.formats.cache import CacheLayout
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,7 @@ import torch
 from oscar_compile.formats.op_args import POOLS, AttentionArgs, CacheWriteArgs, bind_node
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, allocate_pools
 from oscar_compile.cache import nodes
-from oscar_compile.cache.layout import LayerCache
-from oscar_compile.cache.layout import CacheLayout
+from oscar_compile.formats.cache import CacheLayout, LayerFormat
 from oscar_compile.runtime.worker.runner import Batch
 
 
@@ -40,7 +39,7 @@ class OpConstants:
     """What a layer's graph passes its INT-b ops besides tensors: the layer's cache (the keyword
     constants of its ``layer_inputs`` node), the attention scale and the write's clip ratios."""
 
-    layer: LayerCache
+    layer: LayerFormat
     scale: float
     clip_k: float
     clip_v: float
@@ -56,7 +55,7 @@ def layer_op_constants(model: torch.nn.Module) -> dict[int, OpConstants]:
         index = layer = scale = clips = None
         for node in graph.graph.nodes:
             if node.target is nodes.layer_inputs:
-                index, layer = node.args[1], LayerCache(**node.kwargs)
+                index, layer = node.args[1], LayerFormat(**node.kwargs)
             elif node.target is torch.ops.oscar.attention.default:
                 scale = float(bind_node(AttentionArgs, node).scale)
             elif node.target is torch.ops.oscar.cache_write.default:

@@ -1,10 +1,14 @@
-"""The cache's shape, described once: typed, torch-free, at the bottom of the tree.
+"""The cache's format, described once: typed, torch-free, below ``quant`` and the kernels.
 
-Everything that allocates, addresses or sizes the paged KV cache reads it from here: the spec
-resolves to it (:meth:`CacheLayout.from_spec`, :meth:`LayerCache.of`), the graph passes hand a
-:class:`LayerCache` to the cache contract (``oscar_compile.cache.contract``), the HF cache and
-the runtime's pools are allocated from it, and the runtime's page planner sizes pages with it.
-The rules that used to be repeated in several modules are written here once:
+Everything that allocates, addresses or sizes the paged KV cache reads it from here. The spec
+(``oscar_compile.spec.KVCacheSpec``, the user-facing YAML model) resolves to one
+:class:`LayerFormat` per layer (:meth:`LayerFormat.of`, :meth:`CacheLayout.from_spec`); the graph
+passes hand a layer's format to the cache contract (``oscar_compile.cache.contract``), the HF
+cache and the runtime's pools are allocated from it, and the runtime's page planner sizes pages
+with the model's :class:`CacheLayout`. It sits below the kernels and the reference quantizer
+(which read its constants) and below ``cache/`` (the contract and the HF cache, which use the
+kernels): a module here imports nothing of the package. The rules that used to be repeated in
+several modules are written here once:
 
 - the windows (sink ``S0`` and recent ``W``) are multiples of the page size ``P``;
 - a quantized layer's ``group_size`` divides ``head_dim`` and its rows are whole bytes;
@@ -21,7 +25,7 @@ Plain integers and strings only, so the bookkeeping tests run anywhere (docs/cac
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 FULL_PRECISION_BITS = 16  # history rows kept as they are: no codes, no scale / zero
 SCALE_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}  # the spec's scale_dtype choices
@@ -60,25 +64,37 @@ def has_windows(bits_per_layer) -> bool:
 
 
 @dataclass(frozen=True)
-class LayerCache:
-    """The pools of one layer: windows, page size and how its history is stored.
+class LayerFormat:
+    """The cache format of one layer: windows, page size and how its history is stored.
 
-    What a rewritten attention graph hands the cache contract (as keyword constants of its
-    ``layer_inputs`` node, :meth:`as_kwargs`), and what the HF cache allocates a layer from.
+    The one per-layer description of the cache, derived from the spec once (:meth:`of`, or
+    :meth:`CacheLayout.from_spec` for every layer): what a rewritten attention graph hands the
+    cache contract (as keyword constants of its ``layer_inputs`` node, :meth:`as_kwargs`), what
+    the HF cache allocates a layer from, and what the runtime's pools and page sizes are made of
+    (:meth:`CacheLayout.format_of`). The defaults are the spec's (``KVCacheSpec``).
+
+    - ``sink``, ``recent``: the full-precision windows ``S0`` and ``W`` (tokens, multiples of
+      ``page_size``); both 0 when nothing in the model is quantized (:func:`has_windows`);
+    - ``page_size``: tokens per page ``P``, the spec's ``kv_cache.page_size``: the one source of the
+      page size (the HF cache's layers, the runtime's pools and its page bookkeeping read it from
+      here; the engine config carries none);
+    - ``bits``: 2 or 4 (INT-b codes with a scale / zero per group of ``group_size`` channels,
+      stored as ``scale_dtype``), or 16 (history rows kept as they are).
     """
 
-    sink: int
-    recent: int
-    page_size: int
-    bits: int
-    group_size: int
-    scale_dtype: str
+    sink: int = 64
+    recent: int = 256
+    page_size: int = 16
+    bits: int = 2
+    group_size: int = 128
+    scale_dtype: str = "float16"
 
     @classmethod
-    def of(cls, layer_spec) -> "LayerCache":
+    def of(cls, layer_spec) -> "LayerFormat":
         """From a resolved ``oscar_compile.spec.LayerSpec`` (windows already resolved by apply)."""
         kv = layer_spec.kv_cache
-        return cls(kv.sink_tokens, kv.recent_tokens, kv.page_size, kv.bits, kv.group_size, kv.scale_dtype)
+        return cls(sink=kv.sink_tokens, recent=kv.recent_tokens, page_size=kv.page_size, bits=kv.bits,
+                   group_size=kv.group_size, scale_dtype=kv.scale_dtype)
 
     @property
     def full_precision_pages(self) -> bool:
@@ -86,63 +102,54 @@ class LayerCache:
         windows. A 16-bit layer with windows takes the INT-b ops with bits = 16."""
         return self.bits == FULL_PRECISION_BITS and self.sink == 0 and self.recent == 0
 
+    def history_row_bytes(self, head_dim: int, dtype_bytes: int) -> int:
+        """Bytes of one history token of one KV head, K or V."""
+        if self.bits == FULL_PRECISION_BITS:
+            return head_dim * dtype_bytes
+        num_groups = head_dim // self.group_size
+        return head_dim * self.bits // 8 + 2 * num_groups * scale_dtype_bytes(self.scale_dtype)
+
     def as_kwargs(self) -> dict:
         return asdict(self)
 
 
 @dataclass(frozen=True)
-class LayerFormat:
-    """How one layer stores its history: INT-b codes with scale/zero per group, or 16-bit rows."""
-
-    bits: int = 2
-    group_size: int = 128
-    scale_dtype: str = "float16"
-
-    def history_row_bytes(self, head_dim: int, dtype_bytes: int) -> int:
-        """Bytes of one token of one KV head, K or V."""
-        if self.bits == 16:
-            return head_dim * dtype_bytes
-        num_groups = head_dim // self.group_size
-        return head_dim * self.bits // 8 + 2 * num_groups * scale_dtype_bytes(self.scale_dtype)
-
-
-@dataclass(frozen=True)
 class CacheLayout:
-    """Shape of the cache of one model: what a page holds and how many bytes it costs.
+    """The cache of one model: its geometry and one :class:`LayerFormat` per layer.
 
-    ``bits`` / ``group_size`` / ``scale_dtype`` describe every layer's history unless
-    ``layer_formats`` (one per layer) says otherwise; ``full_precision_layers`` is the shorthand
-    for layers kept at 16 bits. Sink and recent windows are the same for every layer: the page
-    tables are shared by all layers.
+    Not a second description of a layer's format (``layer_formats`` holds them): what it adds is
+    what no single layer knows. The KV heads, ``head_dim`` and the model dtype's size turn the
+    formats into page bytes (:attr:`window_page_bytes`, :attr:`quant_page_bytes`), which the
+    page planner and the host swap space need for the model as a whole. And the page tables are
+    shared by all layers (page ``i`` of a kind is row ``i`` of that kind's pool in every layer),
+    so every layer has the same windows and page size: checked here, and read as
+    :attr:`sink`, :attr:`recent` and :attr:`page_size`. :meth:`uniform` builds the common case
+    (one format for every layer, some kept at 16 bits).
     """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    page_size: int = 16
-    sink: int = 64
-    recent: int = 256
-    bits: int = 2
-    group_size: int = 128
-    scale_dtype: str = "float16"
+    layer_formats: tuple[LayerFormat, ...]
     dtype_bytes: int = 2
-    full_precision_layers: tuple[int, ...] = field(default_factory=tuple)
-    layer_formats: tuple[LayerFormat, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "dtype_bytes"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        check_windows(self.sink, self.recent, self.page_size)
-        bad = [i for i in self.full_precision_layers if not 0 <= i < self.num_layers]
-        if bad:
-            raise ValueError(f"full_precision_layers out of range [0, {self.num_layers}): {bad}")
-        if self.layer_formats and len(self.layer_formats) != self.num_layers:
+        if len(self.layer_formats) != self.num_layers:
             raise ValueError(
                 f"layer_formats needs one entry per layer ({self.num_layers}), got {len(self.layer_formats)}"
             )
-        for layer in range(self.num_layers):
-            self._check_format(layer, self.format_of(layer))
+        for layer, fmt in enumerate(self.layer_formats):
+            if fmt.page_size < 1:
+                raise ValueError(f"layer {layer}: page_size must be >= 1, got {fmt.page_size}")
+            check_windows(fmt.sink, fmt.recent, fmt.page_size)
+            self._check_format(layer, fmt)
+        shared = {(f.sink, f.recent, f.page_size) for f in self.layer_formats}
+        if len(shared) > 1:
+            raise ValueError(f"every layer needs the same (sink, recent, page_size): the page tables are shared "
+                             f"by all layers, got {sorted(shared)}")
 
     def _check_format(self, layer: int, fmt: LayerFormat) -> None:
         if fmt.bits not in (2, 4, 16):
@@ -162,31 +169,44 @@ class CacheLayout:
             )
 
     def format_of(self, layer: int) -> LayerFormat:
-        if self.layer_formats:
-            return self.layer_formats[layer]
-        if layer in self.full_precision_layers:
-            return LayerFormat(bits=16)
-        return LayerFormat(self.bits, self.group_size, self.scale_dtype)
+        """The format of layer ``layer``'s pools (its windows are every layer's)."""
+        return self.layer_formats[layer]
+
+    @classmethod
+    def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int = 16, sink: int = 64,
+                recent: int = 256, bits: int = 2, group_size: int = 128, scale_dtype: str = "float16",
+                dtype_bytes: int = 2, full_precision_layers: tuple[int, ...] = ()) -> "CacheLayout":
+        """Every layer in one format, but ``full_precision_layers``, whose history stays at 16 bits."""
+        bad = [i for i in full_precision_layers if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"full_precision_layers out of range [0, {num_layers}): {bad}")
+        fmt = LayerFormat(sink=sink, recent=recent, page_size=page_size, bits=bits, group_size=group_size,
+                          scale_dtype=scale_dtype)
+        kept = LayerFormat(sink=sink, recent=recent, page_size=page_size, bits=FULL_PRECISION_BITS,
+                           group_size=group_size, scale_dtype=scale_dtype)
+        formats = tuple(kept if i in full_precision_layers else fmt for i in range(max(num_layers, 0)))
+        return cls(num_layers, num_kv_heads, head_dim, formats, dtype_bytes)
 
     @classmethod
     def bf16(cls, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int = 16,
              dtype_bytes: int = 2) -> "CacheLayout":
         """The full-precision baseline: no windows, every token in a 16-bit page."""
-        return cls(num_layers, num_kv_heads, head_dim, page_size=page_size, sink=0, recent=0,
-                   bits=16, dtype_bytes=dtype_bytes)
+        return cls.uniform(num_layers, num_kv_heads, head_dim, page_size=page_size, sink=0, recent=0,
+                           bits=FULL_PRECISION_BITS, dtype_bytes=dtype_bytes)
 
     @classmethod
     def from_hf_config(cls, config, **kwargs) -> "CacheLayout":
-        """Read layers, KV heads and head_dim from a Hugging Face config (text part)."""
+        """:meth:`uniform`, reading layers, KV heads and head_dim from a Hugging Face config (text part)."""
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        return cls(config.num_hidden_layers, num_kv_heads, head_dim, **kwargs)
+        return cls.uniform(config.num_hidden_layers, num_kv_heads, head_dim, **kwargs)
 
     @classmethod
     def from_spec(cls, spec, config, dtype_bytes: int = 2) -> "CacheLayout":
-        """The layout an ``oscar_compile.spec.CompressionSpec`` asks for, per layer resolved."""
+        """The layout an ``oscar_compile.spec.CompressionSpec`` asks for, per layer resolved (the
+        windows as ``apply`` resolves them: dropped when nothing is quantized)."""
         base = cls.from_hf_config(config, dtype_bytes=dtype_bytes, bits=16, sink=0, recent=0)
         kv = spec.kv_cache
         layers = [spec.for_layer(i, base.num_layers).kv_cache for i in range(base.num_layers)]
@@ -195,22 +215,27 @@ class CacheLayout:
             raise NotImplementedError(
                 "per-layer sink/recent windows: the paged runtime shares one page table across layers"
             )
-        formats = tuple(LayerFormat(c.bits, c.group_size, c.scale_dtype) for c in layers)
         sink, recent = (kv.sink_tokens, kv.recent_tokens) if quantized else (0, 0)
-        return cls(base.num_layers, base.num_kv_heads, base.head_dim, page_size=kv.page_size,
-                   sink=sink, recent=recent, bits=kv.bits,
-                   group_size=kv.group_size, scale_dtype=kv.scale_dtype, dtype_bytes=dtype_bytes,
-                   layer_formats=formats)
+        formats = tuple(LayerFormat(sink=sink, recent=recent, page_size=kv.page_size, bits=c.bits,
+                                    group_size=c.group_size, scale_dtype=c.scale_dtype) for c in layers)
+        return cls(base.num_layers, base.num_kv_heads, base.head_dim, formats, dtype_bytes)
 
-    def layer_cache(self, layer: int) -> "LayerCache":
-        """What layer ``layer``'s pools look like (the windows are shared by every layer)."""
-        fmt = self.format_of(layer)
-        return LayerCache(self.sink, self.recent, self.page_size, fmt.bits, fmt.group_size, fmt.scale_dtype)
+    @property
+    def sink(self) -> int:
+        return self.layer_formats[0].sink
+
+    @property
+    def recent(self) -> int:
+        return self.layer_formats[0].recent
+
+    @property
+    def page_size(self) -> int:
+        return self.layer_formats[0].page_size
 
     @property
     def is_full_precision(self) -> bool:
         """Every layer keeps its history at 16 bits (nothing is quantized)."""
-        return all(self.format_of(layer).bits == 16 for layer in range(self.num_layers))
+        return all(fmt.bits == FULL_PRECISION_BITS for fmt in self.layer_formats)
 
     @property
     def num_window_pages_per_seq(self) -> int:
@@ -229,8 +254,7 @@ class CacheLayout:
     @property
     def quant_page_bytes(self) -> int:
         """K and V, all layers, ``P`` history tokens: codes + scale + zero, or 16-bit rows."""
-        row_bytes = sum(self.format_of(layer).history_row_bytes(self.head_dim, self.dtype_bytes)
-                        for layer in range(self.num_layers))
+        row_bytes = sum(fmt.history_row_bytes(self.head_dim, self.dtype_bytes) for fmt in self.layer_formats)
         return 2 * self.num_kv_heads * self.page_size * row_bytes
 
     def num_history_tokens(self, num_cached_tokens: int, history_floor: int = 0) -> int:
