@@ -202,7 +202,7 @@ def _graph_covers(runner: CompressedRunner, batch: Batch) -> bool:
 
 def decode_rows(model, layout, shape: str, mode: str, contexts: list[int], reps: int) -> list[dict]:
     rows = []
-    fused = bool(getattr(model, "_oscar_compile_report").fused)
+    fused = bool(model._oscar_compile_report.fused)
     for context in contexts:
         batch, num_window, num_quant = decode_batch(layout, 1, context)
         runner = _runner(model, layout, batch, num_window, num_quant, context, graphs=True)

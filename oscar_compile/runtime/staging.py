@@ -180,7 +180,7 @@ class StagedStep:
     def _quantize_staged(self, c: OpConstants, stage: tuple, pools: tuple) -> None:
         """Staged history rows of the ending rows -> their quant pages: positions ``[S0, S0 + h)``
         written at once after the sink (L = S0, W = 0: straight into history rows 0..h-1)."""
-        H, P, D = self.layout.num_kv_heads, self.layout.page_size, self.layout.head_dim
+        H, D = self.layout.num_kv_heads, self.layout.head_dim
 
         def rows(pool):  # [n_pages, H, P, D] -> [n_pages * P, H, D] -> the kept rows
             return pool.index_select(0, self.end_pages).transpose(1, 2).reshape(-1, H, D).index_select(0, self.end_rows)

@@ -6,11 +6,12 @@ import pytest
 
 from oscar_compile.evaluation import evaluate
 from oscar_compile.cli import main as cli_main
+from oscar_compile.evaluation.fixtures import write_tiny_model_dir
 
 
 def main(argv):
     return cli_main(["eval", *argv])
-from oscar_compile.evaluation.fixtures import write_tiny_model_dir
+
 
 WINDOWS = {"kv_cache": "{bits: 2, group_size: 128, sink_tokens: 16, recent_tokens: 32}",
            "calibration": "{num_tokens: 1024, seq_len: 256}"}
