@@ -163,7 +163,7 @@ def bench_gluon_variants(ctx: int, B: int) -> list[dict]:
     planned = plan
     for kw in sweep:
         try:
-            t = graph_time_us([lambda p=p, tb=tb: attention_gluon(
+            t = graph_time_us([lambda p=p, tb=tb, kw=kw: attention_gluon(
                 q, kn, kn, cu, lens, *tb, *p, D ** -0.5, SINK, RECENT, BITS, GROUP, **kw)
                 for p, tb in layers])
             out.append({"context": ctx, "batch": B, **kw, "planned": kw == {"maxnreg": MAXNREG, "nsplit": planned[0],
@@ -203,7 +203,7 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
                 kw = dict(block_n=block_n, block_w=block_w, nsplit=nsplit, win_splits=win_splits)
                 is_plan = nsplit == planned and win_splits == planned_win and block_w == 32
                 try:
-                    t = graph_time_us([lambda p=p, tb=tb: attention_triton(
+                    t = graph_time_us([lambda p=p, tb=tb, kw=kw: attention_triton(
                         q, kn, kn, cu, lens, *tb, *p, D ** -0.5, SINK, RECENT, BITS, GROUP, **kw)
                         for p, tb in layers])
                     out.append({"context": ctx, "batch": B, **kw, "planned": is_plan, "us": t,
@@ -215,7 +215,7 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     pl = [torch.randn(B * H_Q * ns, device=dev) for _ in layers]
     res = torch.empty(B, H_Q, D, device=dev, dtype=torch.bfloat16)
     for block_d in (D, 32):
-        t = graph_time_us([lambda a=a, b=b: merge_partials(a, b, res, ns, block_d=block_d)
+        t = graph_time_us([lambda a=a, b=b, block_d=block_d: merge_partials(a, b, res, ns, block_d=block_d)
                            for a, b in zip(po, pl)])
         out.append({"context": ctx, "batch": B, "merge_only": True, "partials": ns,
                     "block_d": block_d, "us": t})
@@ -245,7 +245,8 @@ def bench_write_variants() -> list[dict]:
             for num_warps in (1, 2, 4):
                 kw = dict(block_t=block_t, num_warps=num_warps)
                 try:
-                    t = graph_time_us([lambda: cache_write_triton(k, v, *args, **kw)] * LAYERS)
+                    t = graph_time_us([lambda k=k, v=v, args=args, kw=kw: cache_write_triton(k, v, *args, **kw)]
+                                      * LAYERS)
                     out.append({"batch": B, **kw, "us_per_layer": t})
                 except Exception as e:
                     out.append({"batch": B, **kw, "error": repr(e)[:300]})
@@ -264,8 +265,8 @@ def bench_write(check: bool) -> dict:
     for B in (1, 8, 32, 64):
         k, v, args = decode_write_inputs(B, dev)
         pools = args[4:12]
-        t = graph_time_us([lambda: ops.cache_write(k, v, *args)] * LAYERS)
-        tr = graph_time_us([lambda: ops.cache_write(k, v, *args, rot_k=rot, mean_k=mean)] * LAYERS)
+        t = graph_time_us([lambda k=k, v=v, args=args: ops.cache_write(k, v, *args)] * LAYERS)
+        tr = graph_time_us([lambda k=k, v=v, args=args: ops.cache_write(k, v, *args, rot_k=rot, mean_k=mean)] * LAYERS)
         entry = {"batch": B, "us_per_layer": t, "us_per_layer_with_rotation": tr}
         if check:  # the oracle is the CPU reference (see tests/kernels/test_cache_write_triton.py)
             ref = [x.cpu() for x in pools]
@@ -281,7 +282,7 @@ def bench_write(check: bool) -> dict:
         cu = torch.arange(B + 1, device=dev, dtype=torch.int32) * T
         lens = torch.zeros(B, device=dev, dtype=torch.int32)
         args = (cu, lens, wt, qt, *pools, SINK, RECENT, BITS, GROUP, 0.96, 0.92)
-        t = graph_time_us([lambda: ops.cache_write(k, v, *args)], reps=10)
+        t = graph_time_us([lambda k=k, v=v, args=args: ops.cache_write(k, v, *args)], reps=10)
         entry = {"batch": B, "tokens": N, "us": t, "tokens_per_s": N / (t * 1e-6)}
         if check and N <= 32768:
             ref = [torch.zeros_like(x, device="cpu") for x in pools]

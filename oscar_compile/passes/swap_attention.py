@@ -31,9 +31,12 @@ def _getitems(graph: torch.fx.Graph, node: torch.fx.Node, count: int) -> list[to
 def _erase_with_getitems(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     for user in list(node.users):
         if user.op == "call_function" and user.target is operator.getitem:
+            def drop(n, user=user):  # the getitem about to be erased -> None
+                return None if n is user else n
+
             for downstream in list(user.users):  # e.g. the attention weights in the output tuple
-                downstream.args = torch.fx.node.map_arg(downstream.args, lambda n: None if n is user else n)
-                downstream.kwargs = torch.fx.node.map_arg(downstream.kwargs, lambda n: None if n is user else n)
+                downstream.args = torch.fx.node.map_arg(downstream.args, drop)
+                downstream.kwargs = torch.fx.node.map_arg(downstream.kwargs, drop)
             graph.erase_node(user)
     graph.erase_node(node)
 
