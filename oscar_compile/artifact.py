@@ -185,7 +185,8 @@ def export_reference(rot: Rotations, k_path: Union[str, Path], v_path: Union[str
     if format_version is None:
         format_version = 1 if _heads_equal(rot.k) and _heads_equal(rot.v) else 2
     if format_version not in REFERENCE_FORMAT_VERSIONS:
-        raise ArtifactError(f"reference format_version must be one of {REFERENCE_FORMAT_VERSIONS}, got {format_version}")
+        raise ArtifactError(f"reference format_version must be one of {REFERENCE_FORMAT_VERSIONS}, "
+                            f"got {format_version}")
     if format_version == 1 and not (_heads_equal(rot.k) and _heads_equal(rot.v)):
         raise ArtifactError("reference format_version 1 holds one rotation per layer, but these rotations "
                             "differ per KV head: export format_version 2")

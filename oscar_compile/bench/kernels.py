@@ -15,7 +15,8 @@ Part ``extend`` (module bench.extend) times a chunked-prefill step (2048 new tok
 after a cached prefix) for the paged BF16 kernel, the fused INT2 kernel and the extend path (the
 history dequantized once, then the paged BF16 kernel), with the INT2 paths' errors. Parts
 ``variants`` and ``write-variants`` sweep the launch knobs (history splits, window programs,
-window block, merge; rows per program, warps) that the kernels' defaults come from; ``gluon-variants`` the Gluon kernel's history splits and window programs.
+window block, merge; rows per program, warps) that the kernels' defaults come from;
+``gluon-variants`` the Gluon kernel's history splits and window programs.
 Prints a table; writes everything to JSON.
 """
 from __future__ import annotations
@@ -88,7 +89,8 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
     if gluon_runs():
         from oscar_compile.kernels.attention_gluon import attention_gluon
 
-        kernels += [(attention_gluon, torch.float16, "gluon_fp16", 2), (attention_gluon, torch.float32, "gluon_fp32", 2),
+        kernels += [(attention_gluon, torch.float16, "gluon_fp16", 2),
+                    (attention_gluon, torch.float32, "gluon_fp32", 2),
                     (attention_gluon, torch.float16, "gluon_int4_fp16", 4)]
     for kernel, sdt, tag, bits in kernels:
         nbytes = quantized_bytes(B, ctx, sdt, bits)
@@ -324,7 +326,8 @@ def print_table(rows: list[dict], write: dict) -> None:
         print("write part failed:", write["error"])
     hdr = (f"{'ctx':>6} {'B':>3} {'sdpa_us':>8} {'bf16pg':>7} | {'triton':>7} {'%HBM':>5} {'x_sdpa':>6} "
            f"{'err':>7} | {'gluon':>7} {'%HBM':>5} {'x_sdpa':>6} {'err':>7} {'x_trit':>6} | "
-           f"{'gl_fp32s':>8} {'x_sdpa':>6} | {'tri_int4':>8} {'x_sdpa':>6} {'gl_int4':>7} {'%HBM':>5} {'x_sdpa':>6} {'err':>7}")
+           f"{'gl_fp32s':>8} {'x_sdpa':>6} | {'tri_int4':>8} {'x_sdpa':>6} {'gl_int4':>7} {'%HBM':>5} "
+           f"{'x_sdpa':>6} {'err':>7}")
     print(hdr)
     nan = float("nan")
     for r in rows:
@@ -335,7 +338,8 @@ def print_table(rows: list[dict], write: dict) -> None:
               f"{r.get('gluon_fp16_rel_err', nan):>7.1e} "
               f"{r['int2_fp16_us'] / r.get('gluon_fp16_us', nan):>6.2f} | "
               f"{r.get('gluon_fp32_us', nan):>8.1f} {r.get('gluon_fp32_speedup_vs_sdpa', nan):>6.2f} | "
-              f"{r['int4_fp16_us']:>8.1f} {r['int4_fp16_speedup_vs_sdpa']:>6.2f} {r.get('gluon_int4_fp16_us', nan):>7.1f} "
+              f"{r['int4_fp16_us']:>8.1f} {r['int4_fp16_speedup_vs_sdpa']:>6.2f} "
+              f"{r.get('gluon_int4_fp16_us', nan):>7.1f} "
               f"{r.get('gluon_int4_fp16_pct_hbm', nan):>5.1f} {r.get('gluon_int4_fp16_speedup_vs_sdpa', nan):>6.2f} "
               f"{r.get('gluon_int4_fp16_rel_err', nan):>7.1e}")
     print("write, decode step (µs per layer):", [(w["batch"], round(w["us_per_layer"], 2),

@@ -143,7 +143,8 @@ def run(args) -> dict:
             f"exported_state_at_{last['cache_tokens']}_tokens": round(last["cache_bytes"] / last["cache_tokens"], 1),
             "windows_dtype": m["window_dtype"],
             "exported_state_by_context": {str(c): round(state_per_token(c, window_row), 1) for c in (512, 4096, 32768)},
-            "same_with_bf16_windows": {str(c): round(state_per_token(c, 2 * H * D * 2 * L), 1) for c in (512, 4096, 32768)},
+            "same_with_bf16_windows": {str(c): round(state_per_token(c, 2 * H * D * 2 * L), 1)
+                                       for c in (512, 4096, 32768)},
         },
         "decode_tokens_per_s": {"onnxruntime_cpu": round(num_decoded / onnx_decode_s, 1),
                                 "pytorch_cpu": round(num_decoded / torch_decode_s, 1)},

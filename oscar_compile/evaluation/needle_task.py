@@ -130,7 +130,8 @@ def accuracy_by_length(cells: list[dict]) -> dict[int, float]:
 
 
 def pad_id(tokenizer, model) -> int:
-    for cand in (getattr(tokenizer, "pad_token_id", None), model.config.pad_token_id, getattr(tokenizer, "eos_token_id", None)):
+    for cand in (getattr(tokenizer, "pad_token_id", None), model.config.pad_token_id,
+                 getattr(tokenizer, "eos_token_id", None)):
         if isinstance(cand, int):
             return cand
     return 0

@@ -8,7 +8,8 @@ from pathlib import Path
 from .layer_metrics import METRIC_TITLES, METRICS
 
 logger = logging.getLogger(__name__)
-MISSING = "matplotlib is not installed: plots skipped (pip install matplotlib); results.md and results.json are complete"
+MISSING = ("matplotlib is not installed: plots skipped (pip install matplotlib); "
+           "results.md and results.json are complete")
 
 
 def _pyplot():
@@ -48,7 +49,8 @@ def _by_context(plt, results: dict):
     needle = results.get("needle", {}).get("by_length")
     if not panels and not needle:
         return None
-    fig, axes = plt.subplots(1, len(panels) + bool(needle), figsize=(5 * (len(panels) + bool(needle)), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels) + bool(needle), figsize=(5 * (len(panels) + bool(needle)), 4),
+                             squeeze=False)
     for ax, (task, key, label) in zip(axes[0], panels):
         contexts = [c for c in results[task] if c.isdigit()]
         for name in results["methods"]:
