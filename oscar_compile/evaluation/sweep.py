@@ -81,7 +81,8 @@ class SweepConfig:
         except ValueError:
             raise ValueError(f"the budget must be a positive number of bits per element, got {self.budget!r}") from None
         if not 0 < self.scored_tokens < self.context:
-            raise ValueError(f"scored_tokens ({self.scored_tokens}) must lie between 1 and context - 1 ({self.context - 1})")
+            raise ValueError(f"scored_tokens ({self.scored_tokens}) must lie between 1 and context - 1 "
+                             f"({self.context - 1})")
         for name in ("num_windows", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -100,7 +101,8 @@ def plan(spec_name: str, budget, head_dim: int, num_layers: int, upgrade_bits=UP
     method = resolve_method(spec_name)
     if method.spec is None:
         raise ValueError(f"{spec_name}: the sweep starts from a compression spec, not the KIVI baseline")
-    formats = [layer_formats(method.spec, i, head_dim, num_layers, upgrade_bits, group_sizes) for i in range(num_layers)]
+    formats = [layer_formats(method.spec, i, head_dim, num_layers, upgrade_bits, group_sizes)
+               for i in range(num_layers)]
     if all(f[0].bits == 16 for f in formats):
         raise ValueError(f"{spec_name} quantizes no layer: there is nothing to allocate")
     floor = sum(f[0].cost for f in formats)
@@ -189,7 +191,8 @@ def choose(sens: Sensitivity, budget) -> dict:
     units = budget_units(budget, fp["head_dim"], fp["num_layers"])
     if units < sens.floor:
         raise BudgetError(f"budget {budget} is below the floor of {sens.floor / row:g} bits per element")
-    table = [[Choice(fmt.cost, sens.gains(i, j)) for j, fmt in enumerate(layer)] for i, layer in enumerate(sens.formats)]
+    table = [[Choice(fmt.cost, sens.gains(i, j)) for j, fmt in enumerate(layer)]
+             for i, layer in enumerate(sens.formats)]
     picked = allocate(table, units)
     mixed = with_formats(sens.method.spec, {i: sens.formats[i][j] for i, j in enumerate(picked)})
     cfg = sens.cfg

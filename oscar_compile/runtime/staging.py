@@ -165,8 +165,8 @@ class StagedStep:
         self._staged_out[layer_idx] = torch.ops.oscar.attention(
             q_s, k_s, v_s, *tables, c.scale, c.layer.sink, c.layer.recent, FULL_PRECISION_BITS, c.layer.group_size,
             history_lens=self.history_lens_s)
-        torch.ops.oscar.cache_write(k_s, v_s, *tables, c.layer.sink, c.layer.recent, FULL_PRECISION_BITS, c.layer.group_size,
-                                    c.clip_k, c.clip_v, history_lens=self.history_lens_s)
+        torch.ops.oscar.cache_write(k_s, v_s, *tables, c.layer.sink, c.layer.recent, FULL_PRECISION_BITS,
+                                    c.layer.group_size, c.clip_k, c.clip_v, history_lens=self.history_lens_s)
         if self.num_end_rows:
             self._quantize_staged(c, stage, pools)
         rest = self.rest
