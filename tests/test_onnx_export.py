@@ -142,7 +142,8 @@ def test_refusals(setup, tmp_path):
     for i, bad in enumerate([SPEC_YAML + "layers: [{match: [0], kv_cache: {bits: 16}}]\n",  # per-layer formats
                              SPEC_YAML.replace("float16", "bfloat16")]):  # numpy holds no bf16 scales
         (tmp_path / f"spec{i}.yaml").write_text(bad)
-        assert main(["export", "--format", "onnx", "--model", str(root / "model"), "--spec", str(tmp_path / f"spec{i}.yaml"),
+        assert main(["export", "--format", "onnx", "--model", str(root / "model"),
+                     "--spec", str(tmp_path / f"spec{i}.yaml"),
                      "--rotations", str(root / "rot.safetensors"), "--out", str(tmp_path / f"out{i}")]) == 2
     # a compressed checkpoint has R_V folded already: exporting it would fold it a second time
     from oscar_compile import save_compressed

@@ -19,7 +19,8 @@ WINDOWS = {"kv_cache": "{bits: 2, group_size: 128, sink_tokens: 16, recent_token
 
 def _spec(path, rotation, clip_k=0.96, clip_v=0.92):
     path.write_text(f"version: 1\nkv_cache: {WINDOWS['kv_cache']}\ncalibration: {WINDOWS['calibration']}\n"
-                    f"key: {{rotation: {rotation}, clip_ratio: {clip_k}}}\nvalue: {{rotation: {rotation}, clip_ratio: {clip_v}}}\n")
+                    f"key: {{rotation: {rotation}, clip_ratio: {clip_k}}}\n"
+                    f"value: {{rotation: {rotation}, clip_ratio: {clip_v}}}\n")
     return str(path)
 
 

@@ -183,7 +183,8 @@ def test_bad_inputs_get_clear_errors(tiny, tmp_path, capsys):
     base = ["sweep", "--model", str(model), "--spec", str(root / "base.yaml"), *ARGS]
     assert cli_main([*base, "--budget", "2.0", "--out", str(tmp_path / "x.yaml")]) == 2
     assert "below what base costs at its cheapest: 2.25 bits per element" in capsys.readouterr().err
-    assert cli_main([*base, "--budget", "2.5", "--data", str(model / "calib.bin"), "--out", str(tmp_path / "x.yaml")]) == 2
+    assert cli_main([*base, "--budget", "2.5", "--data", str(model / "calib.bin"),
+                     "--out", str(tmp_path / "x.yaml")]) == 2
     assert "are the same file" in capsys.readouterr().err
     assert cli_main([*base, "--budget", "2.5", "3", "--out", str(tmp_path / "x.yaml")]) == 2
     assert "{budget}" in capsys.readouterr().err

@@ -155,7 +155,8 @@ def _full_precision_pages(case, room: int, page_size: int = 16):
     per_seq = [-(-(L + room) // page_size) for L in lens]
     table = torch.zeros(len(lens), max(per_seq), dtype=torch.int32)
     shape = (sum(per_seq), *case.pools.k_win.shape[1:])
-    k_pages, v_pages = torch.zeros(shape, dtype=case.pools.k_win.dtype), torch.zeros(shape, dtype=case.pools.k_win.dtype)
+    k_pages = torch.zeros(shape, dtype=case.pools.k_win.dtype)
+    v_pages = torch.zeros(shape, dtype=case.pools.k_win.dtype)
     first = 0
     for i, L in enumerate(lens):
         table[i, :per_seq[i]] = torch.arange(first, first + per_seq[i])

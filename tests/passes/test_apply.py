@@ -41,7 +41,8 @@ def _calibration_batches(vocab=128):
 
 @pytest.mark.parametrize("arch, heads, kv_heads, head_dim, bias", MODELS, ids=lambda x: str(x))
 @pytest.mark.parametrize("rotation, granularity, center", ROTATIONS, ids=lambda x: str(x))
-def test_rotations_without_quantization_reproduce_the_logits(arch, heads, kv_heads, head_dim, bias, rotation, granularity, center):
+def test_rotations_without_quantization_reproduce_the_logits(arch, heads, kv_heads, head_dim, bias, rotation,
+                                                             granularity, center):
     model = tiny_model(arch, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, attention_bias=bias)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(7))
     reference = model(ids).logits
@@ -110,7 +111,8 @@ def test_layers_overridden_to_16_bits_keep_their_weights_and_full_precision():
         attn, old = model.model.layers[i].self_attn, before.model.layers[i].self_attn
         assert "overridden to 16 bits" in report.layers[i].notes[-1]
         assert torch.equal(attn.v_proj.weight, old.v_proj.weight) and torch.equal(attn.o_proj.weight, old.o_proj.weight)
-    assert not torch.equal(model.model.layers[1].self_attn.v_proj.weight, before.model.layers[1].self_attn.v_proj.weight)
+    assert not torch.equal(model.model.layers[1].self_attn.v_proj.weight,
+                           before.model.layers[1].self_attn.v_proj.weight)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(7))  # 24 < sink + recent
     with torch.no_grad():
         assert (model(ids).logits - before(ids).logits).abs().max() <= 1e-4

@@ -64,7 +64,8 @@ def test_merged_projections_keep_the_parameters_as_views():
         assert linear.weight.data_ptr() == w[start].data_ptr() and linear.bias.data_ptr() == b[start:].data_ptr()
     assert mlp.up_proj.weight.data_ptr() == mlp.oscar_gate_up_weight[mlp.gate_proj.out_features].data_ptr()
     code = attn.oscar_graph.code
-    assert "linear(hidden_states, oscar_qkv_weight" in code and code.count("torch.narrow") == 3 and "self.q_proj(" not in code
+    assert ("linear(hidden_states, oscar_qkv_weight" in code and code.count("torch.narrow") == 3
+            and "self.q_proj(" not in code)
 
 
 class OffsetRMSNorm(nn.Module):

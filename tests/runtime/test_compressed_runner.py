@@ -19,7 +19,8 @@ SPEC = CompressionSpec.from_dict({
 @pytest.fixture(scope="module")
 def setup(tokenizer, tiny_model):
     model = tiny_model
-    rot = calibrate(model, SPEC, [torch.randint(0, len(tokenizer), (2, 48), generator=torch.Generator().manual_seed(0))])
+    rot = calibrate(model, SPEC, [torch.randint(0, len(tokenizer), (2, 48),
+                                               generator=torch.Generator().manual_seed(0))])
     return tokenizer, model, rot
 
 
@@ -86,7 +87,8 @@ def test_mixed_16_bit_and_int2_layers_equal_generate(setup, name):
 
     tokenizer, model, _ = setup
     spec = CompressionSpec.from_dict(MIXED_SPECS[name])
-    rot = calibrate(model, spec, [torch.randint(0, len(tokenizer), (2, 48), generator=torch.Generator().manual_seed(0))])
+    rot = calibrate(model, spec, [torch.randint(0, len(tokenizer), (2, 48),
+                                               generator=torch.Generator().manual_seed(0))])
     config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=256)
     llm = LLM(copy.deepcopy(model), spec=spec, rotations=rot, tokenizer=tokenizer, config=config)
     prompts = _prompts(len(tokenizer), [19, 6, 33], seed=4)
@@ -115,7 +117,8 @@ def test_prefix_hits_past_the_sink_keep_a_16_bit_layer_exact(setup):
     standard, as in the INT2 hit test above) stay the original model's."""
     tokenizer, model, _ = setup
     spec = CompressionSpec.from_dict(MIXED_SPECS["override"])
-    rot = calibrate(model, spec, [torch.randint(0, len(tokenizer), (2, 48), generator=torch.Generator().manual_seed(0))])
+    rot = calibrate(model, spec, [torch.randint(0, len(tokenizer), (2, 48),
+                                               generator=torch.Generator().manual_seed(0))])
     shared = _prompts(len(tokenizer), [40], seed=7)[0]
     first, second = [shared + tail for tail in _prompts(len(tokenizer), [6, 11], seed=107)]
     config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=5)
