@@ -153,7 +153,8 @@ def main() -> None:
         w.close()
     (out / "stats.json").write_text(json.dumps(stats, indent=1))
     (out / "distributions.json").write_text(json.dumps(
-        {"python": sys.version.split()[0], "docs": str(DOCS_DIR), "distributions": installed_distributions()}, indent=1))
+        {"python": sys.version.split()[0], "docs": str(DOCS_DIR), "distributions": installed_distributions()},
+        indent=1))
     for k, v in stats.items():
         print(k, v)
     print("total train MB", sum(v["bytes_train"] for v in stats.values()) / 1e6,
