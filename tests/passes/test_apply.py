@@ -138,10 +138,10 @@ def test_nothing_quantized_drops_the_windows():
     from oscar_compile.passes.apply import resolve_layers
 
     plain = resolve_layers(_spec(16), 3)
-    assert all((l.kv_cache.sink_tokens, l.kv_cache.recent_tokens) == (0, 0) for l in plain)
+    assert all((layer.kv_cache.sink_tokens, layer.kv_cache.recent_tokens) == (0, 0) for layer in plain)
     mixed = resolve_layers(_spec(16, layers=[{"match": [1], "kv_cache": {"bits": 2}}]), 3)
-    assert all((l.kv_cache.sink_tokens, l.kv_cache.recent_tokens) == (16, 16) for l in mixed)
-    assert [l.key.rotation for l in mixed] == ["oscar"] * 3  # not overridden to 16 bits: rotated
+    assert all((layer.kv_cache.sink_tokens, layer.kv_cache.recent_tokens) == (16, 16) for layer in mixed)
+    assert [layer.key.rotation for layer in mixed] == ["oscar"] * 3  # not overridden to 16 bits: rotated
 
 
 def test_refusals():
