@@ -69,7 +69,7 @@ class Rotations:
             raise ArtifactError(
                 f"artifact holds {len(self.k)} key / {len(self.v)} value layers, fingerprint says {fp.num_layers}"
             )
-        for i, (rk, rv) in enumerate(zip(self.k, self.v)):
+        for i, (rk, rv) in enumerate(zip(self.k, self.v, strict=True)):
             for name, r in (("k", rk), ("v", rv)):
                 if tuple(r.shape) != expected:
                     raise ArtifactError(f"layers.{i}.{name}: shape {tuple(r.shape)}, expected {expected}")
@@ -160,7 +160,7 @@ REFERENCE_FORMAT_VERSIONS = (1, 2)
 def _reference_payload(rots: list[torch.Tensor], eigvals: list[Optional[torch.Tensor]], objective: str,
                        format_version: int) -> dict:
     layers = {}
-    for i, (r, ev) in enumerate(zip(rots, eigvals)):
+    for i, (r, ev) in enumerate(zip(rots, eigvals, strict=True)):
         shared = format_version == 1  # checked by export_reference: every head holds the same rotation
         entry = {"layer_id": i, "rotation": (r[0] if shared else r).clone().contiguous()}
         if ev is not None:
@@ -235,7 +235,7 @@ def import_reference(
     k, k_ev = _read_reference(k_path, fingerprint)
     v, v_ev = _read_reference(v_path, fingerprint)
     extras = []
-    for kev, vev in zip(k_ev, v_ev):
+    for kev, vev in zip(k_ev, v_ev, strict=True):
         e = {}
         if kev is not None:
             e["k_eigenvalues"] = kev

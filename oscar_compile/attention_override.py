@@ -74,7 +74,7 @@ def override_attention(model: nn.Module, fn: LayerFunction) -> Iterator[None]:
             cfg._attn_implementation = IMPLEMENTATION
         yield
     finally:
-        for cfg, name in zip(configs, saved):
+        for cfg, name in zip(configs, saved, strict=True):
             cfg._attn_implementation = name
         for m in modules:
             _active.pop(id(m), None)

@@ -111,7 +111,7 @@ def needle_accuracy(model, tok, haystack: np.ndarray, length: int, n: int, *, se
             a = len(s.answer_ids)
             ok.append(pred[r, s.length - 1:s.length - 1 + a].tolist() == s.answer_ids)
     by_bin = [[] for _ in range(bins)]
-    for s, good in zip(samples, ok):
+    for s, good in zip(samples, ok, strict=True):
         by_bin[min(int(s.depth * bins), bins - 1)].append(good)
     return {"length": length, "n": n, "fmt": fmt, "distractors": n_distractors,
             "accuracy": float(np.mean(ok)),

@@ -218,7 +218,7 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     res = torch.empty(B, H_Q, D, device=dev, dtype=torch.bfloat16)
     for block_d in (D, 32):
         t = graph_time_us([lambda a=a, b=b, block_d=block_d: merge_partials(a, b, res, ns, block_d=block_d)
-                           for a, b in zip(po, pl)])
+                           for a, b in zip(po, pl, strict=True)])
         out.append({"context": ctx, "batch": B, "merge_only": True, "partials": ns,
                     "block_d": block_d, "us": t})
     del layers
@@ -274,7 +274,7 @@ def bench_write(check: bool) -> dict:
             ref = [x.cpu() for x in pools]
             cache_write_ref(k.cpu(), v.cpu(), *(a.cpu() for a in args[:4]), *ref, *args[12:])
             cache_write_triton(k, v, *args)
-            entry["bitwise_equal"] = all(torch.equal(a.cpu(), b) for a, b in zip(pools, ref))
+            entry["bitwise_equal"] = all(torch.equal(a.cpu(), b) for a, b in zip(pools, ref, strict=True))
         res["decode"].append(entry)
     for B, T in ((1, 32768), (8, 4096)):
         N = B * T
@@ -291,7 +291,7 @@ def bench_write(check: bool) -> dict:
             got = [torch.zeros_like(x) for x in pools]
             cache_write_ref(k.cpu(), v.cpu(), *(a.cpu() for a in args[:4]), *ref, *args[12:])
             cache_write_triton(k, v, *args[:4], *got, *args[12:])
-            entry["bitwise_equal"] = all(torch.equal(a.cpu(), b) for a, b in zip(got, ref))
+            entry["bitwise_equal"] = all(torch.equal(a.cpu(), b) for a, b in zip(got, ref, strict=True))
         res["prefill"].append(entry)
     return res
 

@@ -113,7 +113,8 @@ def run(args) -> dict:
         num_decoded += len(reference) - 1
         torch_logits = _torch_teacher_forced(model, prompt, reference)
         rows.append({"prompt_len": len(prompt), "tokens_equal": tokens == reference,
-                     "first_mismatch": next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None),
+                     "first_mismatch": next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=True))
+                                             if a != b), None),
                      "max_abs_logit_diff": float(np.abs(onnx_logits - torch_logits).max()),
                      "logit_scale": float(np.abs(torch_logits).max()), "cache_tokens": cache.length,
                      "cache_bytes": cache.nbytes(), "history_tokens": cache.layers[0].num_history})

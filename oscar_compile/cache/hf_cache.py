@@ -113,7 +113,7 @@ class OscarLayer(_PagedLayer):
                                self.bits, self.group_size, self.scale_dtype, win.dtype, win.device)
         self.pools = type(self.pools)(*(
             old if name in ("k_win", "v_win") else torch.cat([old, new])
-            for name, old, new in zip(self.pools._fields, self.pools, extra)
+            for name, old, new in zip(self.pools._fields, self.pools, extra, strict=True)
         ))
         return first
 

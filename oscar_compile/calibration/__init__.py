@@ -167,7 +167,7 @@ def calibrate(
         finally:
             model.train(was_training)
         logger.info("calibrated on %d tokens", stats[0].num_tokens)
-    solved = [solve_layer(layer, s, fp) for layer, s in zip(layers, stats)]
+    solved = [solve_layer(layer, s, fp) for layer, s in zip(layers, stats, strict=True)]
     if any(_uses_optr(layer) for layer in layers):
         _refine_with_optr(model, spec, layers, solved, traces, progress)
     return Rotations(

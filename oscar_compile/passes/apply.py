@@ -214,7 +214,8 @@ def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: b
     fp = ModelFingerprint.of(model)
     spec = fit_spec(spec, fp.head_dim, fp.num_layers, fp.architecture)  # before any rewrite
     layers = resolve_layers(spec, fp.num_layers)
-    reports = [_rewrite_layer(attn, layer, rotations, fp, fuse, values_folded) for layer, attn in zip(layers, modules)]
+    reports = [_rewrite_layer(attn, layer, rotations, fp, fuse, values_folded)
+               for layer, attn in zip(layers, modules, strict=True)]
     _install_cache_hook(model, layers)
     fused = {}
     if fuse:

@@ -72,7 +72,7 @@ def merge_qkv(owners: list[nn.Module], graph: torch.fx.Graph) -> bool:
         b = graph.get_attr("oscar_qkv_bias") if bias is not None else None
         qkv = graph.call_function(F.linear, (inputs.pop(), w, b))
     offset = 0
-    for name, linear in zip(QKV, linears):
+    for name, linear in zip(QKV, linears, strict=True):
         with graph.inserting_after(qkv):
             part = graph.call_function(torch.narrow, (qkv, -1, offset, linear.out_features))
         nodes[name].replace_all_uses_with(part)

@@ -59,7 +59,7 @@ def swap_in_oscar_attention(graph: torch.fx.Graph, site: AttentionSite, layer: L
                                      (site.cache, layer.index, site.query, site.key, site.value), cache.as_kwargs())
     names = contract.layer_input_names(cache)
     items = _getitems(graph, inputs, len(names))
-    part = dict(zip(names, items))
+    part = dict(zip(names, items, strict=True))
     q, k, v, cu = (part[n] for n in contract.QKV_INPUTS)
     cache_args = [part[n] for n in contract.cache_input_names(cache)]
     write_cu = part["write_cu"]

@@ -275,7 +275,7 @@ def _without_hf_masks(config):
     try:
         yield
     finally:
-        for c, value in zip(configs, saved):
+        for c, value in zip(configs, saved, strict=True):
             c._attn_implementation_internal = value
 
 

@@ -123,12 +123,12 @@ class StagedStep:
         if ends:
             P, S0 = layout.page_size, layout.sink
             hist = [final_history(i) for i in ends]
-            pages = [batch.staging_tables[i][:layout.num_quant_pages_for(h)] for i, h in zip(ends, hist)]
-            if any(len(p) * P < h for p, h in zip(pages, hist)):
+            pages = [batch.staging_tables[i][:layout.num_quant_pages_for(h)] for i, h in zip(ends, hist, strict=True)]
+            if any(len(p) * P < h for p, h in zip(pages, hist, strict=True)):
                 raise RuntimeError("a staged sequence's staging table is shorter than its history")
             self.end_pages = torch.tensor([p for row in pages for p in row], dtype=torch.int64, device=device)
             offset, keep = 0, []
-            for row, h in zip(pages, hist):
+            for row, h in zip(pages, hist, strict=True):
                 keep += range(offset, offset + h)
                 offset += len(row) * P
             self.end_rows = torch.tensor(keep, dtype=torch.int64, device=device)

@@ -65,7 +65,7 @@ def test_folding_identity(granularity):
     spec = _spec(2, "oscar", granularity, head_dim=16)
     apply(model, spec, calibrate(model, spec, _calibration_batches()))
     D, g = 16, 4
-    for new, old in zip(model.model.layers, before.model.layers):
+    for new, old in zip(model.model.layers, before.model.layers, strict=True):
         wv, wv0 = new.self_attn.v_proj.weight.double(), old.self_attn.v_proj.weight.double()
         wo, wo0 = new.self_attn.o_proj.weight.double(), old.self_attn.o_proj.weight.double()
         bv, bv0 = new.self_attn.v_proj.bias.double(), old.self_attn.v_proj.bias.double()

@@ -45,6 +45,6 @@ def test_two_gpus_generate_what_one_generates(model_dir, mode):
              tensor_parallel_size=2) as two:
         assert two.engine.runner.local.graphs is not None  # decode steps replayed CUDA graphs, all-reduce inside
         got = [o.token_ids for o in two.generate(prompts, params)]
-    for i, (a, b) in enumerate(zip(expected, got)):
-        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+        first = next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
         assert first is None, f"prompt {i}: the split model diverges at token {first}"
