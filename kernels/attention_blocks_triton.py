@@ -84,13 +84,13 @@ def plane_factor(E):
 
 
 @triton.jit
-def pick4(I: tl.constexpr, x0, x1, x2, x3):
-    """x_I for a compile-time I (Triton has no run-time indexing of a tuple of tensors)."""
-    if I == 0:
+def pick4(IDX: tl.constexpr, x0, x1, x2, x3):
+    """x_IDX for a compile-time IDX (Triton has no run-time indexing of a tuple of tensors)."""
+    if IDX == 0:
         out = x0
-    elif I == 1:
+    elif IDX == 1:
         out = x1
-    elif I == 2:
+    elif IDX == 2:
         out = x2
     else:
         out = x3

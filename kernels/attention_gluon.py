@@ -252,7 +252,8 @@ def _decode_kernel(
     hok = head < G_Q
     m_rows = gl.arange(0, D, layout=gl.SliceLayout(1, mma))
     q_smem_h = gl.allocate_shared_memory(gl.float16, [NH, D], gl.NVMMASharedLayout.get_default_for([NH, D], gl.float16))
-    p_smem_h = gl.allocate_shared_memory(gl.float16, [TILE, NH], gl.NVMMASharedLayout.get_default_for([TILE, NH], gl.float16))
+    p_smem_h = gl.allocate_shared_memory(gl.float16, [TILE, NH],
+                                         gl.NVMMASharedLayout.get_default_for([TILE, NH], gl.float16))
     wdt: gl.constexpr = kwin_ptr.dtype.element_ty
     q_smem_w = gl.allocate_shared_memory(wdt, [NH, D], gl.NVMMASharedLayout.get_default_for([NH, D], wdt))
     kv_smem = gl.allocate_shared_memory(wdt, [TILE, D], gl.NVMMASharedLayout.get_default_for([TILE, D], wdt))

@@ -316,7 +316,8 @@ def _copy_step(kbuf, vbuf, sbuf, stage, page, blk, live, kvh, kc_ptr, ks_ptr, kz
     col = gl.arange(0, WP, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, s4))))
     x = gl.arange(0, X, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s4))))
     bb = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s5)))))
-    ee = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, vcl))))))
+    ee = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
+        3, gl.SliceLayout(4, vcl))))))
     v5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(vbase, 0), 2), 3), 4)  # [1, 4, 1, 1, 1]
     t5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(t, 0), 1), 3), 4)  # [1, 1, 4, 1, 1]
     c5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(col, 0), 1), 2), 4)  # [1, 1, 1, WP, 1]

@@ -111,7 +111,7 @@ def cache_write_ref(
     lens = cache_lens.tolist()
     hists = history_lens_of(cache_lens, history_lens, sink, recent)
     dev = k_win.device
-    for i, (L, h) in enumerate(zip(lens, hists)):
+    for i, (L, h) in enumerate(zip(lens, hists, strict=True)):
         T = cu[i + 1] - cu[i]
         if T == 0:
             continue

@@ -30,7 +30,7 @@ except Exception as exc:  # noqa: BLE001 - any failure means "no Gluon here"
     GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
     gluon = gl = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = _cp_async = None
 
-thread_barrier = None if gl is None else getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")
+thread_barrier = None if gl is None else getattr(gl, "barrier", None) or gl.thread_barrier
 async_copy = None if _cp_async is None else (getattr(_cp_async, "async_load", None)
                                              or _cp_async.async_copy_global_to_shared)
 commit_group = None if _cp_async is None else _cp_async.commit_group

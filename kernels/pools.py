@@ -148,7 +148,7 @@ def history_lens_of(cache_lens: torch.Tensor, history_lens: torch.Tensor | None,
     given = history_lens.tolist()
     if len(given) != len(lens):
         raise ValueError(f"history_lens has {len(given)} entries for {len(lens)} sequences")
-    for i, (L, h, lo) in enumerate(zip(lens, given, derived)):
+    for i, (L, h, lo) in enumerate(zip(lens, given, derived, strict=True)):
         if not lo <= h <= max(0, L - sink):
             raise ValueError(f"sequence {i}: history_lens {h} outside [{lo}, {max(0, L - sink)}] "
                              f"for cache_lens {L}, sink {sink}, recent {recent}")

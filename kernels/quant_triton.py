@@ -5,11 +5,11 @@ Exactness is the point: codes, scales and zeros written by a kernel must equal w
 rounding per torch op:
 - clip threshold: the order statistics of |x| along D at the indices
   ``lo = int(rho * (D - 1))`` and ``hi = min(lo + 1, D - 1)`` (picked by the wrapper in Python,
-  double precision, as quant.py does; selected by bisection on the bit patterns), then ``lo_v + frac * (hi_v - lo_v)`` with frac rounded to
-  float32, a separate multiply and add (the kernel is compiled with ``enable_fp_fusion=False``,
-  so no FMA contraction changes the rounding);
-- ``s = max((max - min) / qmax, max(|min|, |max|) * 2^-10)`` and ``z = -min / s`` with correctly rounded division (``div_rn``;
-  Triton's default float division is approximate), s = 1 where max == min;
+  double precision, as quant.py does; selected by bisection on the bit patterns), then
+  ``lo_v + frac * (hi_v - lo_v)`` with frac rounded to float32, a separate multiply and add (the
+  kernel is compiled with ``enable_fp_fusion=False``, so no FMA contraction changes the rounding);
+- ``s = max((max - min) / qmax, max(|min|, |max|) * 2^-10)`` and ``z = -min / s`` with correctly
+  rounded division (``div_rn``; Triton's default float division is approximate), s = 1 where max == min;
 - scale/zero rounded to the scale dtype (round to nearest even), codes computed from the rounded
   values: ``rint(div_rn(x, s) + z)`` (round half to even, like ``torch.round``, by the 1.5 * 2^23 trick), clamped.
 - planar packing: byte j of a row holds code j + i * D / n at bit offset b * i.

@@ -102,11 +102,11 @@ def build_case(
     """
     gen = torch.Generator().manual_seed(seed)
     B, H, D = len(cache_lens), num_kv_heads, head_dim
-    if hits is not None and any(not 0 <= R <= L for R, L in zip(hits, cache_lens)):
+    if hits is not None and any(not 0 <= R <= L for R, L in zip(hits, cache_lens, strict=True)):
         raise ValueError(f"hits {hits} must lie in [0, cache_lens {cache_lens}]")
     floors = [max(0, R - sink) for R in hits or [0] * B]
     # room for max(floor, L - W - S0) history tokens: a floor counts like S0 + W + floor tokens
-    room = [max(L + extra_tokens, sink + recent + f) for L, f in zip(cache_lens, floors)]
+    room = [max(L + extra_tokens, sink + recent + f) for L, f in zip(cache_lens, floors, strict=True)]
     wt, qt, n_w, n_q = make_tables(room, sink, recent, page_size, gen)
     pools = allocate_pools(n_q, n_w, H, page_size, D, bits, group_size, scale_dtype, window_dtype, device)
     keys = [random_kv(L, H, D, gen, window_dtype, device) for L in cache_lens]
@@ -114,14 +114,14 @@ def build_case(
     wt, qt = wt.to(device), qt.to(device)
     history_lens = None
     if hits is not None:
-        h = [max(f, L - recent - sink, 0) for f, L in zip(floors, cache_lens)]
+        h = [max(f, L - recent - sink, 0) for f, L in zip(floors, cache_lens, strict=True)]
         history_lens = torch.tensor(h, dtype=torch.int32, device=device)
     case = CacheCase(pools, wt, qt, torch.tensor(cache_lens, dtype=torch.int32, device=device),
                      keys, values, sink, recent, bits, group_size, clip_k, clip_v, history_lens)
     if hits is None:
         _write_streams(case, write, [0] * B, chunk, recent)
         return case
-    start = [min(sink + f, L) for f, L in zip(floors, cache_lens)]
+    start = [min(sink + f, L) for f, L in zip(floors, cache_lens, strict=True)]
     _write_streams(case, write, [0] * B, None, 0, stop=start)  # sink + shared history, no ring
     for i in range(B):  # stale ring slots (pages a previous owner left behind)
         ring = wt[i, sink // page_size:].long()
@@ -140,20 +140,20 @@ def _write_streams(case: CacheCase, write: Callable, start: list[int], step: int
     stop = [len(x) for x in case.keys] if stop is None else stop
     done = list(start)
     step = step or max(stop + [1])
-    while any(d < L for d, L in zip(done, stop)):
-        take = [min(step, L - d) for d, L in zip(done, stop)]
+    while any(d < L for d, L in zip(done, stop, strict=True)):
+        take = [min(step, L - d) for d, L in zip(done, stop, strict=True)]
         ks = [case.keys[i][done[i]:done[i] + take[i]] for i in range(B)]
         vs = [case.values[i][done[i]:done[i] + take[i]] for i in range(B)]
         cu = torch.tensor([0] + take, dtype=torch.int32).cumsum(0).to(torch.int32)
         lens = torch.tensor(done, dtype=torch.int32)
         extra = {}
         if floors is not None:
-            h = [max(f, d - recent - sink) for f, d in zip(floors, done)]
+            h = [max(f, d - recent - sink) for f, d in zip(floors, done, strict=True)]
             extra["history_lens"] = torch.tensor(h, dtype=torch.int32, device=device)
         write(torch.cat(ks), torch.cat(vs), cu.to(device), lens.to(device), case.window_table,
               case.quant_table, *case.pools, sink, recent, case.bits, case.group_size, case.clip_k,
               case.clip_v, **extra)
-        done = [d + t for d, t in zip(done, take)]
+        done = [d + t for d, t in zip(done, take, strict=True)]
 
 
 def with_standard_history_lens(write: Callable) -> Callable:

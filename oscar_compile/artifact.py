@@ -69,7 +69,7 @@ class Rotations:
             raise ArtifactError(
                 f"artifact holds {len(self.k)} key / {len(self.v)} value layers, fingerprint says {fp.num_layers}"
             )
-        for i, (rk, rv) in enumerate(zip(self.k, self.v)):
+        for i, (rk, rv) in enumerate(zip(self.k, self.v, strict=True)):
             for name, r in (("k", rk), ("v", rv)):
                 if tuple(r.shape) != expected:
                     raise ArtifactError(f"layers.{i}.{name}: shape {tuple(r.shape)}, expected {expected}")
@@ -160,7 +160,7 @@ REFERENCE_FORMAT_VERSIONS = (1, 2)
 def _reference_payload(rots: list[torch.Tensor], eigvals: list[Optional[torch.Tensor]], objective: str,
                        format_version: int) -> dict:
     layers = {}
-    for i, (r, ev) in enumerate(zip(rots, eigvals)):
+    for i, (r, ev) in enumerate(zip(rots, eigvals, strict=True)):
         shared = format_version == 1  # checked by export_reference: every head holds the same rotation
         entry = {"layer_id": i, "rotation": (r[0] if shared else r).clone().contiguous()}
         if ev is not None:
@@ -185,7 +185,8 @@ def export_reference(rot: Rotations, k_path: Union[str, Path], v_path: Union[str
     if format_version is None:
         format_version = 1 if _heads_equal(rot.k) and _heads_equal(rot.v) else 2
     if format_version not in REFERENCE_FORMAT_VERSIONS:
-        raise ArtifactError(f"reference format_version must be one of {REFERENCE_FORMAT_VERSIONS}, got {format_version}")
+        raise ArtifactError(f"reference format_version must be one of {REFERENCE_FORMAT_VERSIONS}, "
+                            f"got {format_version}")
     if format_version == 1 and not (_heads_equal(rot.k) and _heads_equal(rot.v)):
         raise ArtifactError("reference format_version 1 holds one rotation per layer, but these rotations "
                             "differ per KV head: export format_version 2")
@@ -234,7 +235,7 @@ def import_reference(
     k, k_ev = _read_reference(k_path, fingerprint)
     v, v_ev = _read_reference(v_path, fingerprint)
     extras = []
-    for kev, vev in zip(k_ev, v_ev):
+    for kev, vev in zip(k_ev, v_ev, strict=True):
         e = {}
         if kev is not None:
             e["k_eigenvalues"] = kev

@@ -41,7 +41,8 @@ def _dispatch(module: nn.Module, query, key, value, attention_mask, **kwargs):
         raise RuntimeError(f"{IMPLEMENTATION} attention called outside override_attention()")
     layer, fn, inner_name = entry
     inner = ALL_ATTENTION_FUNCTIONS.get_interface(inner_name, _eager_fallback())
-    return fn(layer, module, query, key, value, kwargs, lambda: inner(module, query, key, value, attention_mask, **kwargs))
+    return fn(layer, module, query, key, value, kwargs,
+              lambda: inner(module, query, key, value, attention_mask, **kwargs))
 
 
 AttentionInterface.register(IMPLEMENTATION, _dispatch)
@@ -73,7 +74,7 @@ def override_attention(model: nn.Module, fn: LayerFunction) -> Iterator[None]:
             cfg._attn_implementation = IMPLEMENTATION
         yield
     finally:
-        for cfg, name in zip(configs, saved):
+        for cfg, name in zip(configs, saved, strict=True):
             cfg._attn_implementation = name
         for m in modules:
             _active.pop(id(m), None)

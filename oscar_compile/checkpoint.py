@@ -131,7 +131,7 @@ def _folded_state_dict(model: torch.nn.Module, spec: CompressionSpec, rotations:
     state = dict(model.state_dict())
     names = {id(m): n for n, m in model.named_modules()}
     fp = ModelFingerprint.of(model)
-    for layer, attn in zip(resolve_layers(spec, fp.num_layers), attention_modules(model)):
+    for layer, attn in zip(resolve_layers(spec, fp.num_layers), attention_modules(model), strict=True):
         if layer.value.rotation == "none":
             continue
         prefix = names[id(attn)]

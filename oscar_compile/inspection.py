@@ -52,9 +52,11 @@ def format_health(rot: Rotations) -> str:
     fp = rot.fingerprint
     spec = rot.spec
     head = [
-        f"{fp.architecture}: {fp.num_layers} layers, {fp.num_heads} query / {fp.num_kv_heads} KV heads, head_dim {fp.head_dim}",
+        f"{fp.architecture}: {fp.num_layers} layers, {fp.num_heads} query / {fp.num_kv_heads} KV heads, "
+        f"head_dim {fp.head_dim}",
         f"key: {spec.key.rotation} {spec.key.granularity} clip {spec.key.clip_ratio} center {spec.key.center}; "
-        f"value: {spec.value.rotation} {spec.value.granularity} clip {spec.value.clip_ratio} target {spec.value.target}; "
+        f"value: {spec.value.rotation} {spec.value.granularity} clip {spec.value.clip_ratio} "
+        f"target {spec.value.target}; "
         f"calibrated on {rot.num_tokens} tokens",
         "",
         f"{'layer':>5} {'kind':>4} {'eig max/mean':>12} {'importance before':>17} {'after':>7} {'|RtR-I|':>9}",

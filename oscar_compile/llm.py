@@ -75,11 +75,11 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         all_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        for ids, p in zip(all_ids, params):  # refuse the batch before queueing any of it
+        for ids, p in zip(all_ids, params, strict=True):  # refuse the batch before queueing any of it
             self.engine.validate_request(ids, p)
         outputs: dict[str, CompletionOutput] = {}
         order = []
-        for ids, p in zip(all_ids, params):
+        for ids, p in zip(all_ids, params, strict=True):
             seq = self.engine.add_request(ids, p)
             outputs[seq.request_id] = CompletionOutput(prompt_token_ids=ids)
             order.append(seq.request_id)

@@ -106,7 +106,7 @@ def oscar_rotation(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d = cov.shape[-1]
     h = hadamard(d).double()
     flat_vals, flat_u = eigvals.reshape(-1, d), u.reshape(-1, d, d)
-    rots = [fu @ h @ bit_reversal_permutation(fv).double() for fv, fu in zip(flat_vals, flat_u)]
+    rots = [fu @ h @ bit_reversal_permutation(fv).double() for fv, fu in zip(flat_vals, flat_u, strict=True)]
     r = torch.stack(rots).reshape(cov.shape)
     return r.to(torch.float32), eigvals.to(torch.float32)
 

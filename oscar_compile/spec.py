@@ -145,7 +145,8 @@ class CompressionSpec(_Strict):
             try:
                 _merge(self.kv_cache, override.kv_cache)
             except ValidationError as err:
-                raise ValueError(f"layers[{i}].kv_cache does not combine with kv_cache: {err.errors()[0]['msg']}") from None
+                raise ValueError(f"layers[{i}].kv_cache does not combine with kv_cache: "
+                                 f"{err.errors()[0]['msg']}") from None
         return self
 
     # -- loading ---------------------------------------------------------------------------
@@ -227,7 +228,8 @@ def _allowed_fields(loc: tuple) -> list[str]:
             return []
         ann = field.annotation
         for candidate in (ann, *getattr(ann, "__args__", ())):
-            inner = getattr(candidate, "__args__", (candidate,))[0] if getattr(candidate, "__origin__", None) is list else candidate
+            is_list = getattr(candidate, "__origin__", None) is list
+            inner = getattr(candidate, "__args__", (candidate,))[0] if is_list else candidate
             if isinstance(inner, type) and issubclass(inner, BaseModel):
                 model = inner
                 break

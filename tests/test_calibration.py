@@ -65,7 +65,8 @@ def test_calibration_end_to_end_leaves_outputs_unchanged(arch, granularity):
     model = tiny_model(arch, num_heads=4, num_kv_heads=2, head_dim=32)
     ids = torch.randint(0, 128, (2, 16))
     before = model(ids).logits
-    spec = CompressionSpec.from_dict({**SPEC, "key": {"granularity": granularity}, "value": {"granularity": granularity}})
+    spec = CompressionSpec.from_dict({**SPEC, "key": {"granularity": granularity},
+                                      "value": {"granularity": granularity}})
     rot = calibrate(model, spec, _batches())
     assert torch.equal(model(ids).logits, before)
     assert model.config._attn_implementation == "sdpa"
@@ -90,7 +91,8 @@ def test_padding_mask_excludes_tokens():
 
 def test_data_free_rotations_and_input_errors():
     model = tiny_model("qwen3", head_dim=16)
-    spec = CompressionSpec.from_dict({"kv_cache": {"group_size": 16}, "key": {"rotation": "hadamard"}, "value": {"rotation": "none"}})
+    spec = CompressionSpec.from_dict({"kv_cache": {"group_size": 16}, "key": {"rotation": "hadamard"},
+                                      "value": {"rotation": "none"}})
     rot = calibrate(model, spec)
     assert torch.equal(rot.v[0][0], torch.eye(16)) and rot.num_tokens == 0 and rot.k_mean[0] is None
     oscar = CompressionSpec.from_dict({"kv_cache": {"group_size": 16}})

@@ -24,7 +24,7 @@ def test_calibration_on_gpu_matches_cpu():
     batches = [_ids((2, 64), 0)]
     cpu = calibrate(model, SPEC, batches)
     gpu = calibrate(copy.deepcopy(model).cuda(), SPEC, [b.cuda() for b in batches])
-    for a, b in zip(cpu.extras, gpu.extras):
+    for a, b in zip(cpu.extras, gpu.extras, strict=True):
         assert torch.allclose(a["k_cov"], b["k_cov"], rtol=1e-4, atol=1e-5)
         assert torch.allclose(a["v_cov"], b["v_cov"], rtol=1e-4, atol=1e-5)
 
@@ -85,7 +85,7 @@ def test_cache_write_compiles_and_matches_the_reference_for_every_batch_shape(ba
     on = [x.cuda() for x in (k, v, cu, lens, wt, qt)]
     torch.ops.oscar.cache_write(*on, *gpu, S0, W, 2, 64, 0.95, 0.95,
                                 history_lens=None if hist is None else hist.cuda())
-    for a, b in zip(gpu, ref):
+    for a, b in zip(gpu, ref, strict=True):
         assert torch.equal(a.cpu(), b)
 
 

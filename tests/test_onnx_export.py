@@ -84,7 +84,7 @@ def test_quantize_graph_equals_the_reference_quantizer_bitwise(setup):
     got = session.run(None, {"k": k.numpy(), "v": v.numpy()})
     want = [*quant.quantize(k, 2, 32, spec.key.clip_ratio, "float16"), *quant.quantize(v, 2, 32, spec.value.clip_ratio,
                                                                                    "float16")]
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g.dtype == w.numpy().dtype and np.array_equal(g, w.numpy())
 
 
@@ -97,18 +97,18 @@ def test_onnx_reference_evaluator_agrees_with_onnx_runtime(setup):
     feeds = {"k": k, "v": -k}
     ref = ReferenceEvaluator(str(root / "onnx" / "quantize.onnx")).run(None, feeds)
     got = ort.InferenceSession(str(root / "onnx" / "quantize.onnx")).run(None, feeds)
-    for r, g in zip(ref, got):
+    for r, g in zip(ref, got, strict=True):
         assert np.array_equal(r, g)
     gen = OnnxGenerator(root / "onnx")
     cache = gen.new_cache()
     gen.step(_prompt(2)[:56], cache)  # 16 sink, 8 history, 32 recent
     step_feeds = {"input_ids": np.array([[7, 8]]), "position_ids": np.array([[56, 57]])}
     step_feeds.update(zip(gen.manifest["step"]["inputs"][2:], [np.ascontiguousarray(a) for layer in cache.layers
-                                                               for a in layer.inputs()]))
+                                                               for a in layer.inputs()], strict=True))
     ref = ReferenceEvaluator(str(root / "onnx" / "step.onnx")).run(None, step_feeds)
     got = gen.step_session.run(None, step_feeds)
     assert cache.layers[0].num_history == 8
-    for r, g in zip(ref, got):
+    for r, g in zip(ref, got, strict=True):
         assert np.abs(r - g).max() < LOGIT_TOLERANCE
 
 
@@ -142,7 +142,8 @@ def test_refusals(setup, tmp_path):
     for i, bad in enumerate([SPEC_YAML + "layers: [{match: [0], kv_cache: {bits: 16}}]\n",  # per-layer formats
                              SPEC_YAML.replace("float16", "bfloat16")]):  # numpy holds no bf16 scales
         (tmp_path / f"spec{i}.yaml").write_text(bad)
-        assert main(["export", "--format", "onnx", "--model", str(root / "model"), "--spec", str(tmp_path / f"spec{i}.yaml"),
+        assert main(["export", "--format", "onnx", "--model", str(root / "model"),
+                     "--spec", str(tmp_path / f"spec{i}.yaml"),
                      "--rotations", str(root / "rot.safetensors"), "--out", str(tmp_path / f"out{i}")]) == 2
     # a compressed checkpoint has R_V folded already: exporting it would fold it a second time
     from oscar_compile import save_compressed

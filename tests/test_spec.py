@@ -22,10 +22,13 @@ def test_every_shipped_spec_loads_and_round_trips(path):
 
 def test_paper_recipe_values():
     s = shipped_spec("oscar-int2")
-    assert (s.kv_cache.bits, s.kv_cache.group_size, s.kv_cache.sink_tokens, s.kv_cache.recent_tokens) == (2, 128, 64, 256)
-    assert (s.key.rotation, s.key.clip_ratio, s.value.clip_ratio, s.value.target) == ("oscar", 0.96, 0.92, "score_weighted")
+    assert (s.kv_cache.bits, s.kv_cache.group_size, s.kv_cache.sink_tokens, s.kv_cache.recent_tokens) == (
+        2, 128, 64, 256)
+    assert (s.key.rotation, s.key.clip_ratio, s.value.clip_ratio, s.value.target) == (
+        "oscar", 0.96, 0.92, "score_weighted")
     naive = shipped_spec("naive-int2")
-    assert naive.key.rotation == naive.value.rotation == "none" and naive.key.clip_ratio == naive.value.clip_ratio == 1.0
+    assert naive.key.rotation == naive.value.rotation == "none"
+    assert naive.key.clip_ratio == naive.value.clip_ratio == 1.0
 
 
 @pytest.mark.parametrize(

@@ -69,7 +69,7 @@ def looks_like_prose_or_code(text: str) -> bool:
     lines = text.splitlines()
     if not lines:
         return False
-    long_lines = sum(1 for l in lines if len(l) > 300)
+    long_lines = sum(1 for line in lines if len(line) > 300)
     if long_lines > 0.02 * len(lines) + 1:
         return False
     letters = sum(c.isalpha() for c in text)
@@ -84,7 +84,7 @@ def looks_like_prose_or_code(text: str) -> bool:
 
 
 def shingles(text: str) -> set[int]:
-    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     out = set()
     for i in range(max(1, len(lines) - SHINGLE_LINES + 1)):
         h = hashlib.blake2b("\n".join(lines[i:i + SHINGLE_LINES]).encode(), digest_size=8).digest()
@@ -153,7 +153,8 @@ def main() -> None:
         w.close()
     (out / "stats.json").write_text(json.dumps(stats, indent=1))
     (out / "distributions.json").write_text(json.dumps(
-        {"python": sys.version.split()[0], "docs": str(DOCS_DIR), "distributions": installed_distributions()}, indent=1))
+        {"python": sys.version.split()[0], "docs": str(DOCS_DIR), "distributions": installed_distributions()},
+        indent=1))
     for k, v in stats.items():
         print(k, v)
     print("total train MB", sum(v["bytes_train"] for v in stats.values()) / 1e6,

@@ -74,7 +74,7 @@ def main() -> None:
         stream.tofile(out / f"{split}.u16")
         n_bytes = sum(len(d["text"].encode()) for d in docs)
         by_source: dict[str, int] = {}
-        for d, c in zip(docs, counts):
+        for d, c in zip(docs, counts, strict=True):
             by_source[d["source"]] = by_source.get(d["source"], 0) + c
         meta[split] = {"docs": len(docs), "tokens": int(stream.size), "text_bytes": n_bytes,
                        "bytes_per_token": n_bytes / stream.size, "tokens_by_source": by_source}

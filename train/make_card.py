@@ -83,11 +83,13 @@ def card(out: Path) -> str:
     w("| | |\n|---|---|")
     w("| class | `Qwen3ForCausalLM` (`model_type: qwen3`), tied input/output embeddings |")
     w(f"| parameters | {tl['params']:,} ({2 * tl['params'] / 1e6:.1f} MB in bf16) |")
-    w(f"| layers / hidden / MLP | {cfg['num_hidden_layers']} / {cfg['hidden_size']} / {cfg['intermediate_size']} (SwiGLU) |")
+    w(f"| layers / hidden / MLP | {cfg['num_hidden_layers']} / {cfg['hidden_size']} / {cfg['intermediate_size']} "
+      f"(SwiGLU) |")
     w(f"| attention | {cfg['num_attention_heads']} query heads, {cfg['num_key_value_heads']} KV heads "
       f"(GQA ratio {cfg['num_attention_heads'] // cfg['num_key_value_heads']}), head_dim {cfg['head_dim']}, "
       f"per-head q/k RMSNorm (Qwen3), no biases |")
-    w(f"| position | RoPE (rotate-half), theta {cfg['rope_theta']:.0e}, max_position_embeddings {cfg['max_position_embeddings']} "
+    w(f"| position | RoPE (rotate-half), theta {cfg['rope_theta']:.0e}, "
+      f"max_position_embeddings {cfg['max_position_embeddings']} "
       f"(= trained context) |")
     w(f"| vocabulary | {cfg['vocab_size']} byte-level BPE; `<|endoftext|>`=0 (eos/pad), `<|startoftext|>`=1 (bos), "
       f"`<|im_start|>`=2, `<|im_end|>`=3 |")
@@ -118,30 +120,37 @@ def card(out: Path) -> str:
     w("| source | files kept | near/exact dups dropped | train tokens | held-out tokens |\n|---|---|---|---|---|")
     for src in ("pydocs", "stdlib", "site-py", "site-doc"):
         f = filt[src]
-        w(f"| {src} | {f['kept']:,} | {f['near_dup']:,} / {f['exact_dup']:,} | {tr['tokens_by_source'].get(src, 0):,} | "
+        w(f"| {src} | {f['kept']:,} | {f['near_dup']:,} / {f['exact_dup']:,} | "
+          f"{tr['tokens_by_source'].get(src, 0):,} | "
           f"{ho['tokens_by_source'].get(src, 0):,} |")
     w(f"| **total** | {tr['docs'] + ho['docs']:,} | | **{tr['tokens']:,}** ({tr['text_bytes'] / 1e6:.0f} MB, "
       f"{tr['bytes_per_token']:.2f} B/token) | **{ho['tokens']:,}** |\n")
     w("Shipped token files (uint16 little-endian token ids, documents separated by `<|endoftext|>`, no BOS):\n")
     w(f"* `heldout.bin`: the first {prov['tokens']['heldout_bin']['tokens']:,} tokens of the held-out split "
-      f"(held-out documents shuffled with seed {prov['tokens']['seed']}); never trained on. All held-out figures below use it.")
+      f"(held-out documents shuffled with seed {prov['tokens']['seed']}); never trained on. "
+      "All held-out figures below use it.")
     w(f"* `calib.bin`: {prov['tokens']['calib_bin']['tokens']:,} tokens of {prov['tokens']['calib_bin']['docs']} whole "
-      f"training documents drawn with seed {prov['tokens']['seed'] + 1} (the model has trained on these; for calibration).\n")
+      f"training documents drawn with seed {prov['tokens']['seed'] + 1} "
+      "(the model has trained on these; for calibration).\n")
 
     w("## Training\n")
     w(f"`train/train.py` on one {tl['device']} (torch {tl['torch']}, transformers {tl['transformers']}), "
       f"bf16 autocast with fp32 master weights, flash SDPA, regional `torch.compile` of the decoder layer.\n")
     w("| | |\n|---|---|")
-    w(f"| windows | {a['batch']} x {a['seq']} tokens a step ({a['batch'] * a['seq']:,}); each window `<|startoftext|>` + "
+    w(f"| windows | {a['batch']} x {a['seq']} tokens a step ({a['batch'] * a['seq']:,}); "
+      "each window `<|startoftext|>` + "
       f"{a['seq']} tokens from a random offset of the training stream |")
     w(f"| needle documents | {a['needle_frac']:.0%} of windows start with a synthetic needle document "
-      f"(`oscar_compile/data/needle.py`; prompt length uniform 128..{a['seq'] - 23}, haystack from the training stream, "
+      f"(`oscar_compile/data/needle.py`; prompt length uniform 128..{a['seq'] - 23}, "
+      "haystack from the training stream, "
       f"plain or chat layout 50/50, 0-3 distractor facts), the rest of the window BOS + text; "
       f"{tl['needle_docs']:,} in all |")
     w(f"| optimiser | AdamW (0.9, 0.95), weight decay {a['wd']} on matrices, clip {a['clip']}, peak lr {a['lr']}, "
       f"{a['warmup']} warmup steps, cosine to {a['min_lr_frac']:.0%} over wall-clock time |")
-    w(f"| steps / tokens | {tl['steps']:,} steps, {tl['tokens'] / 1e6:.0f}M tokens = {tl['epochs']:.1f} passes over the training split |")
-    w(f"| time | {tl['train_seconds_after_compile']:.0f} s of steps after a {tl['wall_seconds_total_at_save'] - tl['train_seconds_after_compile'] - 1:.0f} s "
+    w(f"| steps / tokens | {tl['steps']:,} steps, {tl['tokens'] / 1e6:.0f}M tokens = {tl['epochs']:.1f} "
+      "passes over the training split |")
+    w(f"| time | {tl['train_seconds_after_compile']:.0f} s of steps after a "
+      f"{tl['wall_seconds_total_at_save'] - tl['train_seconds_after_compile'] - 1:.0f} s "
       f"start (data load + compile); {tps / 1e6:.2f}M tokens/s |")
     w(f"| loss | train {first_loss:.2f} (step 25) -> {final_train_loss:.2f} (last 100 steps) |\n")
 
@@ -153,11 +162,13 @@ def card(out: Path) -> str:
     w("| context C | windows | tokens | perplexity | bits/byte |\n|---|---|---|---|---|")
     for r in (p, p512):
         w(f"| {r['ctx']} | {r['windows']} | {r['tokens']:,} | **{r['ppl']:.3f}** | **{r['bits_per_byte']:.4f}** |")
-    w(f"| 512, first 4 windows only (what `tests/test_bundled_model.py` recomputes) | 4 | {ts['tokens']:,} | {ts['ppl']:.3f} | {ts['bits_per_byte']:.4f} |\n")
+    w(f"| 512, first 4 windows only (what `tests/test_bundled_model.py` recomputes) | 4 | {ts['tokens']:,} | "
+      f"{ts['ppl']:.3f} | {ts['bits_per_byte']:.4f} |\n")
 
     w("Needle in a haystack (`oscar_compile/data/needle.py` on `heldout.bin`, random depth per sample, "
       "correct = greedy continuation reproduces every answer token):\n")
-    w("| length | layout | distractors | samples | accuracy | by depth 0-20/20-40/40-60/60-80/80-100% |\n|---|---|---|---|---|---|")
+    w("| length | layout | distractors | samples | accuracy | by depth 0-20/20-40/40-60/60-80/80-100% |\n"
+      "|---|---|---|---|---|---|")
     for r in ev["needle"]:
         w(f"| {r['length']} | {r['fmt']} | {r['distractors']} | {r['n']} | **{r['accuracy']:.3f}** | "
           f"{' / '.join(fmt_acc(x) for x in r['accuracy_by_depth_bin'])} |")
@@ -170,10 +181,12 @@ def card(out: Path) -> str:
         w("* **key outlier ratio**: post-RoPE keys as the cache stores them; per KV head m[c] = mean over tokens of "
           "|k[c]|, ratio = max_c m[c] / mean_c m[c]; the layer's figure is the max over its KV heads (mean over heads "
           "in brackets). Same definition for values.")
-        w("* **first-token mass**: attention probability on position 0, mean over all query heads and query positions > 64.")
+        w("* **first-token mass**: attention probability on position 0, mean over all query heads and "
+          "query positions > 64.")
         w("* **BOS activation ratio**: max |hidden| at position 0 over the median (over positions) of max |hidden|, "
           "residual stream after the layer.\n")
-        w("| layer | key outlier ratio (mean over heads) | head, channel | value outlier ratio | first-token mass | BOS activation ratio |\n|---|---|---|---|---|---|")
+        w("| layer | key outlier ratio (mean over heads) | head, channel | value outlier ratio | first-token mass "
+          "| BOS activation ratio |\n|---|---|---|---|---|---|")
         for r in ks["layers"]:
             w(f"| {r['layer']} | {r['key_outlier_ratio']:.2f} ({r['key_outlier_ratio_mean_over_heads']:.2f}) | "
               f"{r['key_outlier_head']}, {r['key_outlier_channel']} | {r['value_outlier_ratio']:.2f} | "
@@ -184,14 +197,17 @@ def card(out: Path) -> str:
         w(f"What this model has, honestly: keys are moderately anisotropic (per-layer max channel "
           f"{min(kr):.1f}-{max(kr):.1f}x the channel mean; values are flatter), and the residual stream carries a "
           f"large activation on the BOS token in the middle layers, but there is **no strong attention sink**: at most "
-          f"{max(sinks):.3f} of the attention goes to the first token (large pretrained LLMs typically put a large share, often most, of it there in most layers past the first two, "
-          f"the StreamingLLM observation). Compression methods that rely on or are hurt by a sink token will look milder here than on "
+          f"{max(sinks):.3f} of the attention goes to the first token (large pretrained LLMs typically put a large "
+          f"share, often most, of it there in most layers past the first two, "
+          f"the StreamingLLM observation). Compression methods that rely on or are hurt by a sink token will look "
+          f"milder here than on "
           f"large models.\n")
 
     w("## Reproduce\n")
     w("See `train/README.md` for the exact commands (corpus, tokenizer, token files, the GPU command, this card).\n")
     w("## Limitations\n")
-    w(f"* Tiny and code-heavy: about {tr['tokens_by_source'].get('site-py', 0) / tr['tokens']:.0%} of training tokens are "
+    w(f"* Tiny and code-heavy: about {tr['tokens_by_source'].get('site-py', 0) / tr['tokens']:.0%} "
+      "of training tokens are "
       "Python source; prose is Python documentation. Greedy generation repeats itself quickly.")
     w(f"* {tl['epochs']:.1f} passes over a {tr['tokens'] / 1e6:.0f}M-token corpus: the gap between train loss "
       f"({final_train_loss:.2f}) and held-out loss ({p['nll']:.2f} nats/token) shows some memorisation.")
@@ -203,7 +219,8 @@ def card(out: Path) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run", default=None, help="train.py --out folder (shards + meta.tar); omit to only rewrite the card")
+    ap.add_argument("--run", default=None,
+                    help="train.py --out folder (shards + meta.tar); omit to only rewrite the card")
     ap.add_argument("--work", default=".work")
     ap.add_argument("--out", default="oscar_compile/bundled/oscar-tiny-qwen3")
     args = ap.parse_args()

@@ -79,7 +79,8 @@ def heldout_ppl(model, ids: np.ndarray, bos: int, ctx: int, n_windows: int | Non
         rows = [np.concatenate([[bos], ids[j * step:(j + 1) * step]]) for j in range(i, min(n, i + batch))]
         x = torch.from_numpy(np.stack(rows).astype(np.int64)).to(dev)
         logits = model(x[:, :-1]).logits.float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1), reduction="sum")
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1),
+                                                 reduction="sum")
         nll += loss.item()
         count += x[:, 1:].numel()
         if tbytes is not None:
@@ -110,7 +111,7 @@ def needle_accuracy(model, tok, haystack: np.ndarray, length: int, n: int, *, se
             a = len(s.answer_ids)
             ok.append(pred[r, s.length - 1:s.length - 1 + a].tolist() == s.answer_ids)
     by_bin = [[] for _ in range(bins)]
-    for s, good in zip(samples, ok):
+    for s, good in zip(samples, ok, strict=True):
         by_bin[min(int(s.depth * bins), bins - 1)].append(good)
     return {"length": length, "n": n, "fmt": fmt, "distractors": n_distractors,
             "accuracy": float(np.mean(ok)),
@@ -146,7 +147,8 @@ def kv_stats(model_dir: str, device: str, ids: np.ndarray, bos: int, ctx: int = 
         x = torch.from_numpy(np.concatenate([[bos], ids[j * step:(j + 1) * step]]).astype(np.int64))[None].to(device)
         out = model(x, use_cache=True, output_attentions=True, output_hidden_states=True)
         for i in range(L):
-            k, v = _layer_keys_values(out["cache"] if "cache" in out else out.past_key_values, i)        # [1, kv, T, d], post-RoPE
+            # [1, kv, T, d], post-RoPE
+            k, v = _layer_keys_values(out["cache"] if "cache" in out else out.past_key_values, i)
             kabs[i] = kabs[i] + k[0].float().abs().mean(1)             # [kv, d]
             vabs[i] = vabs[i] + v[0].float().abs().mean(1)
             a = out.attentions[i][0].float()                           # [H, T, T]

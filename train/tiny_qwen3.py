@@ -55,7 +55,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(cfg: TinyQwen3Config, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device=device) / cfg.head_dim))
+    inv = 1.0 / (cfg.rope_theta
+                 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device=device) / cfg.head_dim))
     pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device=device)
     freqs = torch.outer(pos, inv)
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -147,7 +148,8 @@ class TinyQwen3(nn.Module):
         std = 0.02
         for name, p in self.named_parameters():
             if p.dim() == 2:
-                s = std / math.sqrt(2 * self.cfg.num_hidden_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+                residual_out = name.endswith(("o_proj.weight", "down_proj.weight"))
+                s = std / math.sqrt(2 * self.cfg.num_hidden_layers) if residual_out else std
                 nn.init.normal_(p, mean=0.0, std=s)
 
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:

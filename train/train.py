@@ -240,16 +240,16 @@ def main() -> None:
                 last_t, last_tokens = t_clock, tokens
                 continue
             if step % 25 == 0 or args.smoke:
-                l = (loss_acc / (25 if not args.smoke else 1)).item()
+                avg_loss = (loss_acc / (25 if not args.smoke else 1)).item()
                 loss_acc.zero_()
                 t = time.time()
                 tps = (tokens - last_tokens) / (t - last_t)
                 last_t, last_tokens = t, tokens
-                hist.append({"step": step, "loss": l, "lr": lr, "gnorm": float(gnorm), "tokens": tokens,
+                hist.append({"step": step, "loss": avg_loss, "lr": lr, "gnorm": float(gnorm), "tokens": tokens,
                              "tok_per_s": tps, "t": t - T_START})
-                log(f"step {step} loss {l:.4f} lr {lr:.2e} gnorm {float(gnorm):.2f} tok/s {tps / 1e3:.0f}k "
+                log(f"step {step} loss {avg_loss:.4f} lr {lr:.2e} gnorm {float(gnorm):.2f} tok/s {tps / 1e3:.0f}k "
                     f"tokens {tokens / 1e6:.1f}M epochs {tokens / stream.size:.2f} q={maker.q.qsize()}")
-                if not math.isfinite(l):
+                if not math.isfinite(avg_loss):
                     log("non-finite loss: stopping")
                     break
     finally:

@@ -137,13 +137,15 @@ def run_runtime(model, spec, prompts, output_len: int, kv_memory_gb: float, max_
 
     batch, prompt_len = len(prompts), len(prompts[0])
     vocab = model.config.get_text_config().vocab_size
-    config = EngineConfig(kv_memory_gb=kv_memory_gb, max_num_seqs=max(batch, 1), max_num_batched_tokens=max_batched_tokens,
+    config = EngineConfig(kv_memory_gb=kv_memory_gb, max_num_seqs=max(batch, 1),
+                          max_num_batched_tokens=max_batched_tokens,
                           max_model_len=prompt_len + output_len + 1, expected_seq_len=prompt_len + output_len,
                           overlap_steps=overlap)
     llm = LLM(model, spec=spec, tokenizer=SpelledIdTokenizer(vocab), config=config)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     # compile the kernels and capture the decode graph of this batch size, on other tokens (no prefix hits)
-    llm.generate(_warmup_prompts(batch, prompt_len, vocab), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    llm.generate(_warmup_prompts(batch, prompt_len, vocab),
+                 SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     clock = _StepClock(llm.engine)
     _sync()
     start = time.perf_counter()

@@ -15,7 +15,8 @@ Part ``extend`` (module bench.extend) times a chunked-prefill step (2048 new tok
 after a cached prefix) for the paged BF16 kernel, the fused INT2 kernel and the extend path (the
 history dequantized once, then the paged BF16 kernel), with the INT2 paths' errors. Parts
 ``variants`` and ``write-variants`` sweep the launch knobs (history splits, window programs,
-window block, merge; rows per program, warps) that the kernels' defaults come from; ``gluon-variants`` the Gluon kernel's history splits and window programs.
+window block, merge; rows per program, warps) that the kernels' defaults come from;
+``gluon-variants`` the Gluon kernel's history splits and window programs.
 Prints a table; writes everything to JSON.
 """
 from __future__ import annotations
@@ -89,7 +90,8 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
     if gluon_runs():
         from oscar_compile.kernels.attention_gluon import attention_gluon
 
-        kernels += [(attention_gluon, torch.float16, "gluon_fp16", 2), (attention_gluon, torch.float32, "gluon_fp32", 2),
+        kernels += [(attention_gluon, torch.float16, "gluon_fp16", 2),
+                    (attention_gluon, torch.float32, "gluon_fp32", 2),
                     (attention_gluon, torch.float16, "gluon_int4_fp16", 4)]
     for kernel, sdt, tag, bits in kernels:
         nbytes = quantized_bytes(B, ctx, sdt, bits)
@@ -164,7 +166,7 @@ def bench_gluon_variants(ctx: int, B: int) -> list[dict]:
     planned = plan
     for kw in sweep:
         try:
-            t = graph_time_us([lambda p=p, tb=tb: attention_gluon(
+            t = graph_time_us([lambda p=p, tb=tb, kw=kw: attention_gluon(
                 q, kn, kn, cu, lens, *tb, *p, D ** -0.5, SINK, RECENT, BITS, GROUP, **kw)
                 for p, tb in layers])
             out.append({"context": ctx, "batch": B, **kw, "planned": kw == {"maxnreg": MAXNREG, "nsplit": planned[0],
@@ -204,7 +206,7 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
                 kw = dict(block_n=block_n, block_w=block_w, nsplit=nsplit, win_splits=win_splits)
                 is_plan = nsplit == planned and win_splits == planned_win and block_w == 32
                 try:
-                    t = graph_time_us([lambda p=p, tb=tb: attention_triton(
+                    t = graph_time_us([lambda p=p, tb=tb, kw=kw: attention_triton(
                         q, kn, kn, cu, lens, *tb, *p, D ** -0.5, SINK, RECENT, BITS, GROUP, **kw)
                         for p, tb in layers])
                     out.append({"context": ctx, "batch": B, **kw, "planned": is_plan, "us": t,
@@ -216,8 +218,8 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     pl = [torch.randn(B * H_Q * ns, device=dev) for _ in layers]
     res = torch.empty(B, H_Q, D, device=dev, dtype=torch.bfloat16)
     for block_d in (D, 32):
-        t = graph_time_us([lambda a=a, b=b: merge_partials(a, b, res, ns, block_d=block_d)
-                           for a, b in zip(po, pl)])
+        t = graph_time_us([lambda a=a, b=b, block_d=block_d: merge_partials(a, b, res, ns, block_d=block_d)
+                           for a, b in zip(po, pl, strict=True)])
         out.append({"context": ctx, "batch": B, "merge_only": True, "partials": ns,
                     "block_d": block_d, "us": t})
     del layers
@@ -348,7 +350,8 @@ def print_table(rows: list[dict], write: dict) -> None:
         print("write part failed:", write["error"])
     hdr = (f"{'ctx':>6} {'B':>3} {'sdpa_us':>8} {'bf16pg':>7} | {'triton':>7} {'%HBM':>5} {'x_sdpa':>6} "
            f"{'err':>7} | {'gluon':>7} {'%HBM':>5} {'x_sdpa':>6} {'err':>7} {'x_trit':>6} | "
-           f"{'gl_fp32s':>8} {'x_sdpa':>6} | {'tri_int4':>8} {'x_sdpa':>6} {'gl_int4':>7} {'%HBM':>5} {'x_sdpa':>6} {'err':>7}")
+           f"{'gl_fp32s':>8} {'x_sdpa':>6} | {'tri_int4':>8} {'x_sdpa':>6} {'gl_int4':>7} {'%HBM':>5} "
+           f"{'x_sdpa':>6} {'err':>7}")
     print(hdr)
     nan = float("nan")
     for r in rows:
@@ -359,7 +362,8 @@ def print_table(rows: list[dict], write: dict) -> None:
               f"{r.get('gluon_fp16_rel_err', nan):>7.1e} "
               f"{r['int2_fp16_us'] / r.get('gluon_fp16_us', nan):>6.2f} | "
               f"{r.get('gluon_fp32_us', nan):>8.1f} {r.get('gluon_fp32_speedup_vs_sdpa', nan):>6.2f} | "
-              f"{r['int4_fp16_us']:>8.1f} {r['int4_fp16_speedup_vs_sdpa']:>6.2f} {r.get('gluon_int4_fp16_us', nan):>7.1f} "
+              f"{r['int4_fp16_us']:>8.1f} {r['int4_fp16_speedup_vs_sdpa']:>6.2f} "
+              f"{r.get('gluon_int4_fp16_us', nan):>7.1f} "
               f"{r.get('gluon_int4_fp16_pct_hbm', nan):>5.1f} {r.get('gluon_int4_fp16_speedup_vs_sdpa', nan):>6.2f} "
               f"{r.get('gluon_int4_fp16_rel_err', nan):>7.1e}")
     print("write, decode step (µs per layer):", [(w["batch"], round(w["us_per_layer"], 2),

@@ -38,7 +38,7 @@ class RequestRecord:
         return self.event_times[0] - self.start if self.event_times else None
 
     def inter_token_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.event_times, self.event_times[1:])]
+        return [b - a for a, b in zip(self.event_times, self.event_times[1:], strict=False)]
 
 
 class _Reply:

@@ -72,6 +72,6 @@ def table(levels: list[dict]) -> str:
             str(level["preemptions"]), f"{level['pages_in_use']['window']} / {level['pages_in_use']['quant']}",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

@@ -113,7 +113,8 @@ def run(args) -> dict:
         num_decoded += len(reference) - 1
         torch_logits = _torch_teacher_forced(model, prompt, reference)
         rows.append({"prompt_len": len(prompt), "tokens_equal": tokens == reference,
-                     "first_mismatch": next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None),
+                     "first_mismatch": next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=True))
+                                             if a != b), None),
                      "max_abs_logit_diff": float(np.abs(onnx_logits - torch_logits).max()),
                      "logit_scale": float(np.abs(torch_logits).max()), "cache_tokens": cache.length,
                      "cache_bytes": cache.nbytes(), "history_tokens": cache.layers[0].num_history})
@@ -143,7 +144,8 @@ def run(args) -> dict:
             f"exported_state_at_{last['cache_tokens']}_tokens": round(last["cache_bytes"] / last["cache_tokens"], 1),
             "windows_dtype": m["window_dtype"],
             "exported_state_by_context": {str(c): round(state_per_token(c, window_row), 1) for c in (512, 4096, 32768)},
-            "same_with_bf16_windows": {str(c): round(state_per_token(c, 2 * H * D * 2 * L), 1) for c in (512, 4096, 32768)},
+            "same_with_bf16_windows": {str(c): round(state_per_token(c, 2 * H * D * 2 * L), 1)
+                                       for c in (512, 4096, 32768)},
         },
         "decode_tokens_per_s": {"onnxruntime_cpu": round(num_decoded / onnx_decode_s, 1),
                                 "pytorch_cpu": round(num_decoded / torch_decode_s, 1)},

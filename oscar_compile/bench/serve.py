@@ -1,4 +1,4 @@
-"""Serving benchmark of the runtime (docs/design.md §8.3): decode steps, capacity, end-to-end generation; INT2 vs BF16 mode.
+"""Serving benchmark of the runtime (docs/design.md §8.3): decode steps, capacity, end-to-end generation; INT2 vs BF16.
 
     python -m oscar_compile.bench.serve [--shapes 8b 4b] [--contexts 8192 32768 131072]
         [--capacity-contexts 32768 100000] [--kv-memory GiB]
@@ -77,7 +77,8 @@ def random_model(shape: str, max_len: int, device: torch.device, seed: int = 0):
 def mode_spec(shape: str, mode: str):
     spec = shipped_spec(MODES[mode])
     if shape == "tiny":  # windows that fit the smoke run's short contexts
-        spec = spec.model_copy(update={"kv_cache": spec.kv_cache.model_copy(update={"sink_tokens": 16, "recent_tokens": 32})})
+        spec = spec.model_copy(update={"kv_cache": spec.kv_cache.model_copy(update={"sink_tokens": 16,
+                                                                                      "recent_tokens": 32})})
     return spec
 
 
@@ -203,7 +204,7 @@ def _graph_covers(runner: CompressedRunner, batch: Batch) -> bool:
 
 def decode_rows(model, layout, shape: str, mode: str, contexts: list[int], reps: int) -> list[dict]:
     rows = []
-    fused = bool(getattr(model, "_oscar_compile_report").fused)
+    fused = bool(model._oscar_compile_report.fused)
     for context in contexts:
         batch, num_window, num_quant = decode_batch(layout, 1, context)
         runner = _runner(model, layout, batch, num_window, num_quant, context, graphs=True)
@@ -330,7 +331,8 @@ def _prefill_swap_parts(args, device: torch.device, result: dict) -> None:
 
     shape = args.shapes[0]
     parts = [p for p in ("ttft", "swap") if p in args.parts]
-    max_len = max(([max(args.ttft_contexts)] if "ttft" in parts else []) + ([args.swap_context] if "swap" in parts else [])) + 1
+    max_len = max(([max(args.ttft_contexts)] if "ttft" in parts else [])
+                  + ([args.swap_context] if "swap" in parts else [])) + 1
     model, layout = build_model(shape, "int2", max_len, device)
     vocab = model.config.vocab_size
     if "ttft" in parts:
@@ -381,13 +383,16 @@ def print_tables(result: dict) -> None:
           "gemm attn write rot norm allred other")
     for r in result["decode"]:
         b = r["breakdown"]
-        print(f"{r['shape']:>5} {r['mode']:>5} {r.get('tensor_parallel_size', 1):>2} {'yes' if r['fused'] else 'no':>5} "
+        print(f"{r['shape']:>5} {r['mode']:>5} {r.get('tensor_parallel_size', 1):>2} "
+              f"{'yes' if r['fused'] else 'no':>5} "
               f"{r['context']:>8} {r['step_ms']:>9.2f} {r['tokens_per_s']:>8.1f}  {b['gemm']:.2f} {b['attention']:.2f} "
-              f"{b['cache_write']:.2f} {b['rotation']:.2f} {b['norm_act']:.2f} {b['all_reduce']:>6.2f} {b['other']:.2f}")
+              f"{b['cache_write']:.2f} {b['rotation']:.2f} {b['norm_act']:.2f} {b['all_reduce']:>6.2f} "
+              f"{b['other']:.2f}")
     if result["capacity"]:
         print(f"\n{'shape':>5} {'mode':>5} {'tp':>2} {'context':>8} {'max seqs':>8} {'tok/s':>9}")
     for c in result["capacity"]:
-        print(f"{c['shape']:>5} {c['mode']:>5} {c.get('tensor_parallel_size', 1):>2} {c['context']:>8} {c['max_seqs']:>8} "
+        print(f"{c['shape']:>5} {c['mode']:>5} {c.get('tensor_parallel_size', 1):>2} {c['context']:>8} "
+              f"{c['max_seqs']:>8} "
               f"{c.get('tokens_per_s', 0):>9.1f}")
     if result.get("ttft") or result.get("swap"):
         from oscar_compile.bench.prefill_swap import print_tables as print_prefill_swap
@@ -399,7 +404,8 @@ def print_tables(result: dict) -> None:
         note = e.get("error") or e.get("skipped") or ""
         host = e.get("host_share_of_decode_step")
         print(f"{e['system']:>16} {e['batch']:>5} {e.get('tokens_per_s') or 0:>9.1f} "
-              f"{e.get('per_user_tokens_per_s') or 0:>10.1f} {100 * host if host is not None else float('nan'):>6.1f}  {note}")
+              f"{e.get('per_user_tokens_per_s') or 0:>10.1f} "
+              f"{100 * host if host is not None else float('nan'):>6.1f}  {note}")
 
 
 def main(argv=None) -> int:
@@ -407,7 +413,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="+", default=["8b", "4b"], choices=sorted(SHAPES))
     parser.add_argument("--contexts", nargs="*", type=int, default=[8192, 32768, 131072])
     parser.add_argument("--capacity-contexts", nargs="*", type=int, default=[32768, 100000])
-    parser.add_argument("--kv-memory", type=float, default=None, help="KV budget in GiB (default: 85%% of free GPU memory)")
+    parser.add_argument("--kv-memory", type=float, default=None,
+                        help="KV budget in GiB (default: 85%% of free GPU memory)")
     parser.add_argument("--e2e-batches", nargs="*", type=int, default=[], help="end-to-end runs (e.g. 1 16 64)")
     parser.add_argument("--e2e-prompt", type=int, default=8192, help="prompt tokens of the end-to-end runs")
     parser.add_argument("--e2e-output", type=int, default=1024, help="generated tokens of the end-to-end runs")
@@ -416,7 +423,8 @@ def main(argv=None) -> int:
                         help="seconds one system may spend before it skips its remaining batch sizes")
     parser.add_argument("--e2e-systems", nargs="+",
                         choices=("oscar-int2", "oscar-bf16", "hf-cb", "oscar-int2-sync", "oscar-bf16-sync"),
-                        help="end-to-end systems to run (default: oscar-int2 oscar-bf16 hf-cb; *-sync: overlapped steps off)")
+                        help="end-to-end systems to run "
+                             "(default: oscar-int2 oscar-bf16 hf-cb; *-sync: overlapped steps off)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill token budget per step (e2e)")
     parser.add_argument("--compare-unfused", action="store_true",
                         help="also time decode steps of models rewritten without the fused elementwise ops")
@@ -424,14 +432,16 @@ def main(argv=None) -> int:
                         choices=("decode", "capacity", "e2e", "ttft", "swap"), help="sections to run")
     parser.add_argument("--ttft-contexts", nargs="+", type=int, default=[32768, 131072],
                         help="prompt lengths of the TTFT rows (--parts ttft)")
-    parser.add_argument("--swap-context", type=int, default=100000, help="sequence length of the swap row (--parts swap)")
+    parser.add_argument("--swap-context", type=int, default=100000,
+                        help="sequence length of the swap row (--parts swap)")
     parser.add_argument("--tensor-parallel-size", nargs="+", type=int, default=[1], metavar="N",
                         help="decode and capacity rows with the model split over N GPUs (e.g. 1 2: side by side)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
-    args.command = "python -m oscar_compile.bench.serve " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    args.command = "python -m oscar_compile.bench.serve " + " ".join(
+        argv if argv is not None else __import__("sys").argv[1:])
     if any(n != 1 for n in args.tensor_parallel_size) and (set(args.parts) & {"ttft", "swap"} or args.e2e_batches):
         parser.error("--tensor-parallel-size above 1 runs the decode and capacity parts only")
     print_tables(run(args))

@@ -114,7 +114,7 @@ class OscarLayer(_PagedLayer):
                                      win.dtype, win.device)
         self.pools = type(self.pools)(*(
             old if name in ("k_win", "v_win") else torch.cat([old, new])
-            for name, old, new in zip(self.pools._fields, self.pools, extra)
+            for name, old, new in zip(self.pools._fields, self.pools, extra, strict=True)
         ))
         return first
 

@@ -56,7 +56,7 @@ def _refine_with_optr(model, spec: CompressionSpec, layers, solved, traces, prog
     from .optr import LayerTraces, refine_layer
 
     modules = attention_modules(model)
-    todo = [i for i, l in enumerate(layers) if _uses_optr(l)]
+    todo = [i for i, layer in enumerate(layers) if _uses_optr(layer)]
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -137,10 +137,10 @@ def calibrate(
     spec = fit_spec(spec, fp.head_dim, fp.num_layers, fp.architecture)  # before any work
     layers = [spec.for_layer(i, fp.num_layers) for i in range(fp.num_layers)]
     stats = [LayerStats(fp.num_kv_heads, fp.head_dim) for _ in layers]
-    if any(_needs_data(l) for l in layers):
+    if any(_needs_data(layer) for layer in layers):
         if batches is None:
             raise ValueError("this spec calibrates from data (oscar rotation or key centring): pass batches")
-        if isinstance(batches, collections.abc.Iterator) and any(_needs_value_pass(l) for l in layers):
+        if isinstance(batches, collections.abc.Iterator) and any(_needs_value_pass(layer) for layer in layers):
             raise TypeError(
                 "score-weighted value calibration reads the data twice: pass a list (or another "
                 "re-iterable) of batches, not a one-shot iterator/generator"
@@ -149,7 +149,7 @@ def calibrate(
         model.eval()
         token_mask: list = [None]
 
-        traces = {i: [] for i, l in enumerate(layers) if _uses_optr(l)}
+        traces = {i: [] for i, layer in enumerate(layers) if _uses_optr(layer)}
 
         def first_pass(layer, q, k, v, out):
             stats[layer].add(q, k, out, token_mask[0])
@@ -162,13 +162,13 @@ def calibrate(
 
         try:
             _run_pass(model, batches, first_pass, token_mask, progress, "calibrate: queries, keys")
-            if any(_needs_value_pass(l) for l in layers):
+            if any(_needs_value_pass(layer) for layer in layers):
                 _run_pass(model, batches, value_pass, token_mask, progress, "calibrate: score-weighted values")
         finally:
             model.train(was_training)
         logger.info("calibrated on %d tokens", stats[0].num_tokens)
-    solved = [solve_layer(l, s, fp) for l, s in zip(layers, stats)]
-    if any(_uses_optr(l) for l in layers):
+    solved = [solve_layer(layer, s, fp) for layer, s in zip(layers, stats, strict=True)]
+    if any(_uses_optr(layer) for layer in layers):
         _refine_with_optr(model, spec, layers, solved, traces, progress)
     return Rotations(
         spec=spec,

@@ -42,13 +42,15 @@ def load_tokens(path: str | Path, tokenizer=None, max_tokens: Optional[int] = No
     return tokens if max_tokens is None else tokens[:max_tokens]
 
 
-def make_batches(tokens: torch.Tensor, calibration: CalibrationSpec, bos_token_id: Optional[int] = None) -> list[torch.Tensor]:
+def make_batches(tokens: torch.Tensor, calibration: CalibrationSpec,
+                 bos_token_id: Optional[int] = None) -> list[torch.Tensor]:
     """Cut ``tokens`` into [batch_size, seq_len] batches (a BOS in front of each window when given)."""
     body = calibration.seq_len - (bos_token_id is not None)
     num_windows = min(len(tokens), calibration.num_tokens) // body
     if num_windows == 0:
         raise ValueError(
-            f"not enough calibration tokens: {len(tokens)} available, one window needs {body} (seq_len {calibration.seq_len})"
+            f"not enough calibration tokens: {len(tokens)} available, one window needs {body} "
+            f"(seq_len {calibration.seq_len})"
         )
     windows = tokens[: num_windows * body].reshape(num_windows, body)
     if bos_token_id is not None:

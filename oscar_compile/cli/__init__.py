@@ -18,7 +18,8 @@ logger = logging.getLogger("oscar_compile")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oscar-compile",
-                                     description="KV-cache compression for Hugging Face LLMs: every command, one subcommand each")
+                                     description="KV-cache compression for Hugging Face LLMs: "
+                                                 "every command, one subcommand each")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     calibrate.add_parsers(sub)
@@ -33,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, NotImplementedError) as err:

@@ -10,7 +10,8 @@ def cmd_calibrate(args) -> int:
 
     spec = CompressionSpec.from_yaml(args.spec)
     if args.num_tokens:
-        spec = spec.model_copy(update={"calibration": spec.calibration.model_copy(update={"num_tokens": args.num_tokens})})
+        spec = spec.model_copy(
+            update={"calibration": spec.calibration.model_copy(update={"num_tokens": args.num_tokens})})
     spec = fit_spec_to_model_dir(spec, args.model)  # the check `serve` runs too, before loading weights
     model, tokenizer = load_model(args.model, args.device, args.dtype, tokenizer_required=False)
     tokens = load_tokens(args.data, tokenizer, max_tokens=spec.calibration.num_tokens)

@@ -50,7 +50,8 @@ def _model_setup(args):
     model, tokenizer = load_model(model_dir, args.device, tokenizer_required=False)
     calib_file = model_dir / "calib.bin"
     if not calib_file.is_file():
-        raise FileNotFoundError(f"{calib_file} not found: the demo calibrates on the model's shipped calibration tokens")
+        raise FileNotFoundError(f"{calib_file} not found: "
+                                "the demo calibrates on the model's shipped calibration tokens")
     calib = load_tokens(calib_file)
     prompt_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"].to(model.device)
     return model, tokenizer, calib, prompt_ids
@@ -67,7 +68,8 @@ def run_demo(args) -> int:
 
     spec = CompressionSpec.from_yaml(args.spec) if args.spec else shipped_spec("oscar-int2")
     if args.tiny:
-        spec = spec.model_copy(update={"kv_cache": spec.kv_cache.model_copy(update={"group_size": 64, "sink_tokens": 16, "recent_tokens": 64})})
+        spec = spec.model_copy(update={"kv_cache": spec.kv_cache.model_copy(
+            update={"group_size": 64, "sink_tokens": 16, "recent_tokens": 64})})
     num_tokens = args.calib_tokens or spec.calibration.num_tokens
     model, tokenizer, calib, prompt_ids = (_tiny_setup if args.tiny else _model_setup)(args)
     spec = spec.model_copy(update={"calibration": spec.calibration.model_copy(update={"num_tokens": num_tokens, "seq_len": min(spec.calibration.seq_len, 1024)})})
@@ -88,7 +90,8 @@ def run_demo(args) -> int:
         ref = baseline.generate(prompt_ids, **gen)[0, prompt_ids.shape[1]:]
         out = model.generate(prompt_ids, **gen)[0, prompt_ids.shape[1]:]
     agree = float((ref == out).float().mean()) if len(ref) == len(out) else float("nan")
-    decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: " ".join(map(str, ids.tolist())))
+    decode = ((lambda ids: tokenizer.decode(ids)) if tokenizer is not None
+              else (lambda ids: " ".join(map(str, ids.tolist()))))
     print(f"\nprompt: {args.prompt if tokenizer is not None else f'{prompt_ids.shape[1]} random tokens'}")
     print(f"bf16      : {decode(ref)}")
     print(f"compressed: {decode(out)}")

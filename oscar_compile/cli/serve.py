@@ -58,7 +58,8 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
                              "the shared prefix quantized), or the sink only (a hit computes what a miss does)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="launch decode steps eagerly (no CUDA graphs)")
     parser.add_argument("--no-overlap", action="store_true",
-                        help="run one step at a time (by default a step's host work overlaps the next step on the device)")
+                        help="run one step at a time "
+                             "(by default a step's host work overlaps the next step on the device)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="split the model over N processes, one per GPU (gloo on CPU): attention heads, KV "
                              "heads (each rank holds its own KV heads' pages) and MLP columns; N must divide the "

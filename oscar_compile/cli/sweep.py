@@ -26,7 +26,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("sweep", help=HELP, description=DESCRIPTION, epilog=EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="Hugging Face model directory (default: the bundled oscar-tiny-qwen3)")
-    p.add_argument("--spec", default="oscar-int2", help="base spec: a .yaml file or a shipped name (default: %(default)s)")
+    p.add_argument("--spec", default="oscar-int2",
+                   help="base spec: a .yaml file or a shipped name (default: %(default)s)")
     p.add_argument("--budget", required=True, nargs="+", metavar="BITS",
                    help="average bits per element of the history, asymptotic (e.g. 2.5); several budgets share "
                         "one measurement")
@@ -34,9 +35,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "With several budgets it must contain {budget}, e.g. mixed-{budget}.yaml")
     p.add_argument("--data", default=None, help="held-out tokens/text (default: <model>/heldout.bin)")
     p.add_argument("--calib", default=None, help="calibration tokens/text (default: <model>/calib.bin)")
-    p.add_argument("--rotations-dir", default=None, help="folder with <spec name>.safetensors to use instead of calibrating")
-    p.add_argument("--context", type=int, default=4096, help="window length in tokens, BOS included (default: %(default)s)")
-    p.add_argument("--scored-tokens", type=int, default=256, help="continuation tokens scored per window (default: %(default)s)")
+    p.add_argument("--rotations-dir", default=None,
+                   help="folder with <spec name>.safetensors to use instead of calibrating")
+    p.add_argument("--context", type=int, default=4096,
+                   help="window length in tokens, BOS included (default: %(default)s)")
+    p.add_argument("--scored-tokens", type=int, default=256,
+                   help="continuation tokens scored per window (default: %(default)s)")
     p.add_argument("--num-windows", type=int, default=8, help="held-out windows (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward (default: %(default)s)")
     p.add_argument("--bits", nargs="+", type=int, default=[4, 16], choices=(4, 16), dest="upgrade_bits",

@@ -74,10 +74,10 @@ def allocate(choices: Sequence[Sequence[Choice]], budget: int) -> list[int]:
     top = max(v for v in best if v != NEG)
     c = next(c for c, v in enumerate(best) if v == top)  # the cheapest total reaching the best gain
     chosen = [0] * len(choices)
-    for l in range(len(choices) - 1, -1, -1):
-        j = picks[l][c]
-        chosen[l] = j
-        c -= choices[l][j].cost // unit
+    for li in range(len(choices) - 1, -1, -1):
+        j = picks[li][c]
+        chosen[li] = j
+        c -= choices[li][j].cost // unit
     return chosen
 
 

@@ -67,7 +67,8 @@ class EvalConfig:
         shortest = min(self.contexts)
         for task, name in (("perplexity", "ppl_tokens"), ("agreement", "gen_tokens")):
             if task in self.tasks and getattr(self, name) >= shortest:
-                raise ValueError(f"{name} ({getattr(self, name)}) must be shorter than the shortest context ({shortest})")
+                raise ValueError(f"{name} ({getattr(self, name)}) must be shorter than the shortest context "
+                                 f"({shortest})")
         if "layers" in self.tasks and self.metric_queries >= self.layers_context:
             raise ValueError(f"metric_queries ({self.metric_queries}) must be shorter than the metrics context "
                              f"({self.layers_context})")

@@ -15,10 +15,9 @@ from typing import Optional
 import torch
 
 from ..calibration.tokens import load_tokens
+from ..loading import BUNDLED_MODEL_DIR as BUNDLED_MODEL
 
 logger = logging.getLogger(__name__)
-
-from ..loading import BUNDLED_MODEL_DIR as BUNDLED_MODEL
 
 
 def resolve_paths(model: Optional[str | Path], data: Optional[str | Path],

@@ -135,7 +135,7 @@ class LayerMetrics:
             sim = [simulated_layer(qz, starts) for qz in quantizers]
             with attention_override(self.model, sim), capture_hidden(self.model, positions, hidden):
                 self.model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
-            for sums, h, h_ref in zip(self.sums[name], hidden, ref):
+            for sums, h, h_ref in zip(self.sums[name], hidden, ref, strict=True):
                 sums.add(h_err=(h - h_ref).square().sum(), h_ref=h_ref.square().sum())
 
     def results(self) -> dict[str, list[dict[str, float]]]:

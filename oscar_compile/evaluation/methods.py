@@ -110,7 +110,7 @@ def resolve_methods(names: Sequence[str]) -> list[Method]:
     """Resolve every name; refuse duplicates (results are keyed by method name)."""
     methods = [resolve_method(n) for n in names]
     seen: dict[str, str] = {}
-    for m, n in zip(methods, names):
+    for m, n in zip(methods, names, strict=True):
         if m.name in seen:
             raise ValueError(f"two methods are named {m.name!r} ({seen[m.name]} and {n}); rename one file")
         seen[m.name] = n

@@ -86,7 +86,7 @@ def _correct(logits: torch.Tensor, cases: list[NeedleCase], first: int) -> list[
     """logits: [B, K, V] for positions first.. ; row r is right iff its answer tokens are the argmax."""
     pred = logits.argmax(-1).tolist()
     out = []
-    for row, c in zip(pred, cases):
+    for row, c in zip(pred, cases, strict=True):
         a, offset = c.sample.answer_ids, c.sample.length - 1 - first
         out.append(row[offset : offset + len(a)] == list(a))
     return out
@@ -111,7 +111,7 @@ def needle_accuracy(model: nn.Module, methods: dict[str, Quantizers], cases: lis
         for name, quantizers in methods.items():
             logits = simulated_logits(model, quantizers, ids, starts, logits_to_keep=ids.shape[1] - first,
                                       label=name)
-            for c, ok in zip(chunk, _correct(logits, chunk, first)):
+            for c, ok in zip(chunk, _correct(logits, chunk, first), strict=True):
                 cell = cells[name].setdefault((c.sample.length, c.depth), [0, 0])
                 cell[0] += ok
                 cell[1] += 1
@@ -130,7 +130,8 @@ def accuracy_by_length(cells: list[dict]) -> dict[int, float]:
 
 
 def pad_id(tokenizer, model) -> int:
-    for cand in (getattr(tokenizer, "pad_token_id", None), model.config.pad_token_id, getattr(tokenizer, "eos_token_id", None)):
+    for cand in (getattr(tokenizer, "pad_token_id", None), model.config.pad_token_id,
+                 getattr(tokenizer, "eos_token_id", None)):
         if isinstance(cand, int):
             return cand
     return 0

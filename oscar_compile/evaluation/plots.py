@@ -8,7 +8,8 @@ from pathlib import Path
 from .layer_metrics import METRIC_TITLES, METRICS
 
 logger = logging.getLogger(__name__)
-MISSING = "matplotlib is not installed: plots skipped (pip install matplotlib); results.md and results.json are complete"
+MISSING = ("matplotlib is not installed: plots skipped (pip install matplotlib); "
+           "results.md and results.json are complete")
 
 
 def _pyplot():
@@ -48,8 +49,9 @@ def _by_context(plt, results: dict):
     needle = results.get("needle", {}).get("by_length")
     if not panels and not needle:
         return None
-    fig, axes = plt.subplots(1, len(panels) + bool(needle), figsize=(5 * (len(panels) + bool(needle)), 4), squeeze=False)
-    for ax, (task, key, label) in zip(axes[0], panels):
+    fig, axes = plt.subplots(1, len(panels) + bool(needle), figsize=(5 * (len(panels) + bool(needle)), 4),
+                             squeeze=False)
+    for ax, (task, key, label) in zip(axes[0], panels, strict=False):  # the last axis may be the needle panel
         contexts = [c for c in results[task] if c.isdigit()]
         for name in results["methods"]:
             ax.plot([int(c) for c in contexts], [results[task][c][name][key] for c in contexts], marker="o", label=name)
@@ -74,7 +76,7 @@ def _layers(plt, results: dict):
     if not per_method:
         return None
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    for ax, metric in zip(axes.flat, METRICS):
+    for ax, metric in zip(axes.flat, METRICS, strict=True):
         for name, layers in per_method.items():
             values = [layer[metric] for layer in layers]
             if any(v > 0 for v in values):
@@ -98,7 +100,7 @@ def _needle(plt, results: dict):
     rows = (n + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False)
     image = None
-    for ax, (name, method_cells) in zip(axes.flat, cells.items()):
+    for ax, (name, method_cells) in zip(axes.flat, cells.items(), strict=False):  # spare axes: turned off below
         grid = [[float("nan")] * len(lengths) for _ in depths]
         for c in method_cells:
             grid[depths.index(c["depth"])][lengths.index(c["length"])] = c["correct"] / c["total"]

@@ -68,7 +68,8 @@ def run(model_dir: str | None, spec_name: str, prefix: int, continuation: int, n
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m oscar_compile.evaluation.prefix_hits", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m oscar_compile.evaluation.prefix_hits",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="model directory (default: the bundled model)")
     parser.add_argument("--spec", default="oscar-int2", help="shipped spec with a rotation file beside the model")
     parser.add_argument("--prefix", type=int, default=1024)

@@ -65,8 +65,9 @@ def _relative_ppl(results: dict, ref: str) -> list[str]:
     contexts = [k for k in results["perplexity"] if k.isdigit()]
     rows = []
     for n in results["methods"]:
-        rows.append([f"`{n}`"] + [f"{100 * (results['perplexity'][c][n]['ppl'] / results['perplexity'][c][ref]['ppl'] - 1):+.2f}"
-                                  for c in contexts])
+        rows.append([f"`{n}`"] + [
+            f"{100 * (results['perplexity'][c][n]['ppl'] / results['perplexity'][c][ref]['ppl'] - 1):+.2f}"
+            for c in contexts])
     return _table(["method"] + [f"C={c}" for c in contexts], rows)
 
 
@@ -105,12 +106,14 @@ def markdown(results: dict) -> str:
     """The human-readable report: settings line, method list, then one table per metric."""
     s = results["settings"]
     lines = ["# KV-cache compression: side-by-side evaluation", "",
-             f"Model `{results['model']}` ({results['fingerprint']['architecture']}, {results['fingerprint']['num_layers']} "
-             f"layers, head_dim {results['fingerprint']['head_dim']}), {results['dtype']} on {results['device']}; "
+             f"Model `{results['model']}` ({results['fingerprint']['architecture']}, "
+             f"{results['fingerprint']['num_layers']} layers, head_dim {results['fingerprint']['head_dim']}), "
+             f"{results['dtype']} on {results['device']}; "
              f"held-out `{results['data']}`, calibration `{results['calib']}`; {s['num_samples']} windows per context; "
              f"{results['date']}; {results.get('runtime_s', 0):.0f} s.", "", "## Methods", ""]
     lines += _table(["method", "what", "rotations"],
-                    [[f"`{n}`", m["description"], m["rotations"]] for n, m in results["methods"].items()], numeric=False) + [""]
+                    [[f"`{n}`", m["description"], m["rotations"]] for n, m in results["methods"].items()],
+                    numeric=False) + [""]
     lines += _summary(results) + _needle(results) + _layers(results)
     if results.get("plots"):
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in results["plots"]] + [""]

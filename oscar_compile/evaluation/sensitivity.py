@@ -64,7 +64,7 @@ def reference_logprobs(model: nn.Module, windows: torch.Tensor, scored_tokens: i
 def reference_nll(reference: Sequence[torch.Tensor], windows: torch.Tensor, batch_size: int) -> float:
     """BF16's mean NLL of the scored continuation, from :func:`reference_logprobs` (no forward)."""
     total, count = 0.0, 0
-    for ids, ref_logp in zip(windows.split(batch_size), reference):
+    for ids, ref_logp in zip(windows.split(batch_size), reference, strict=True):
         targets = ids[:, ids.shape[1] - ref_logp.shape[1]:].to(ref_logp.device)  # [B, M]
         total += float(-ref_logp.gather(-1, targets[..., None]).double().sum())
         count += targets.numel()
@@ -93,7 +93,7 @@ def continuation_divergence(model: nn.Module, probes: Mapping[Hashable, Probe], 
         bar = tqdm(total=len(chunks) * len(probes), desc=desc, unit="forward")
     count = 0
     with torch.inference_mode():
-        for ids, ref_logp in zip(chunks, reference):
+        for ids, ref_logp in zip(chunks, reference, strict=True):
             ids = ids.to(device)
             targets = ids[:, C - scored_tokens:]  # [B, M]
             for key, probe in probes.items():

@@ -83,7 +83,8 @@ def simulated_layer(quantizer: Optional[LayerQuantizer], starts: torch.Tensor) -
             return run_inner()
         T = k.shape[2]
         if T != starts.shape[-1]:
-            raise ValueError(f"the schedule covers {starts.shape[-1]} positions, the forward has {T} (no KV cache here)")
+            raise ValueError(f"the schedule covers {starts.shape[-1]} positions, the forward has {T} "
+                             "(no KV cache here)")
         # starts[t] <= t and every rule keeps p < starts[t]: the masks never reach past the diagonal
         key_mask, value_mask = quantizer.bounds(starts.to(q.device)).masks(T)
         if not bool(key_mask.any() | value_mask.any()):

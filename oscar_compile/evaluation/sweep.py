@@ -83,7 +83,8 @@ class SweepConfig:
         except ValueError:
             raise ValueError(f"the budget must be a positive number of bits per element, got {self.budget!r}") from None
         if not 0 < self.scored_tokens < self.context:
-            raise ValueError(f"scored_tokens ({self.scored_tokens}) must lie between 1 and context - 1 ({self.context - 1})")
+            raise ValueError(f"scored_tokens ({self.scored_tokens}) must lie between 1 and context - 1 "
+                             f"({self.context - 1})")
         for name in ("num_windows", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -192,7 +193,8 @@ def choose(sens: Sensitivity, budget) -> dict:
     units = budget_units(budget, fp["head_dim"], fp["num_layers"])
     if units < sens.floor:
         raise BudgetError(f"budget {budget} is below the floor of {sens.floor / row:g} bits per element")
-    table = [[Choice(fmt.cost, sens.gains(i, j)) for j, fmt in enumerate(layer)] for i, layer in enumerate(sens.formats)]
+    table = [[Choice(fmt.cost, sens.gains(i, j)) for j, fmt in enumerate(layer)]
+             for i, layer in enumerate(sens.formats)]
     picked = allocate(table, units)
     mixed = with_formats(sens.method.spec, {i: sens.formats[i][j] for i, j in enumerate(picked)})
     cfg = sens.cfg

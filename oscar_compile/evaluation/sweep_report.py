@@ -54,7 +54,8 @@ def write_sweep_outputs(results: dict, out: Path) -> list[str]:
     b, c = results["budget"], results["chosen"]
     header = [f"Mixed-precision spec from `oscar-compile sweep` on top of {results['base']['name']} "
               f"({results['base']['source']}),",
-              f"budget {b['bits_per_element']:g} bits per element (asymptotic); this spec: {c['bits_per_element']:.4g}.",
+              f"budget {b['bits_per_element']:g} bits per element (asymptotic); "
+              f"this spec: {c['bits_per_element']:.4g}.",
               f"Continuation KL to BF16 on {results['windows']['count']} held-out windows of "
               f"{results['windows']['context']} tokens: base {results['base']['kl']:.4g}, this spec {c['kl']:.4g}.",
               "Load it like any spec: apply, eval --specs, serve --spec (calibrate rotations for it as usual)."]

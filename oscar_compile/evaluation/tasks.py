@@ -54,9 +54,11 @@ def perplexity(model: nn.Module, methods: dict[str, Quantizers], windows: torch.
         for name, quantizers in methods.items():
             logits = simulated_logits(model, quantizers, ids, starts, logits_to_keep=ppl_tokens + 1,
                                       label=name)[:, :-1]
-            nll[name] += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"))
+            nll[name] += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                               reduction="sum"))
         count += targets.numel()
-    return {name: {"ppl": math.exp(total / count), "nll": total / count, "tokens": count} for name, total in nll.items()}
+    return {name: {"ppl": math.exp(total / count), "nll": total / count, "tokens": count}
+            for name, total in nll.items()}
 
 
 def greedy_reference(model: nn.Module, prompts: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -175,7 +175,7 @@ class OnnxGenerator:
                  "position_ids": np.arange(cache.length, cache.length + T, dtype=np.int64).reshape(1, T)}
         names = m["step"]["inputs"][2:]
         arrays = [a for layer in cache.layers for a in layer.inputs()]
-        feeds.update({name: np.ascontiguousarray(a) for name, a in zip(names, arrays)})
+        feeds.update({name: np.ascontiguousarray(a) for name, a in zip(names, arrays, strict=True)})
         logits, *new_kv = self.step_session.run(None, feeds)
         self._write(cache, new_kv)
         return logits[0]
@@ -190,9 +190,9 @@ class OnnxGenerator:
             return
         k = np.stack([t for ks, _ in demoted for t in ks])  # [n, H, D]: every layer's demotions at once
         v = np.stack([t for _, vs in demoted for t in vs])
-        quantized = dict(zip(m["quantize"]["outputs"], self.quantize_session.run(None, {"k": k, "v": v})))
+        quantized = dict(zip(m["quantize"]["outputs"], self.quantize_session.run(None, {"k": k, "v": v}), strict=True))
         start = 0
-        for layer, n in zip(cache.layers, counts):
+        for layer, n in zip(cache.layers, counts, strict=True):
             for name, rows in quantized.items():
                 layer.history[f"hist_{name}"].extend(rows[start:start + n])
             start += n

@@ -54,7 +54,8 @@ def uniform_layer(spec: CompressionSpec, num_layers: int):
         raise NotImplementedError(f"the ONNX driver holds scales in numpy, which has no {first.kv_cache.scale_dtype}: "
                                   "export a spec with kv_cache.scale_dtype float16 or float32")
     if first.kv_cache.bits not in (2, 4):
-        raise NotImplementedError(f"the ONNX export quantizes the history (bits 2 or 4), got bits {first.kv_cache.bits}")
+        raise NotImplementedError(f"the ONNX export quantizes the history (bits 2 or 4), "
+                                  f"got bits {first.kv_cache.bits}")
     return first
 
 
@@ -150,7 +151,8 @@ def export_onnx(model_dir: Union[str, Path], spec: Union[CompressionSpec, str, P
         step = StepGraph(model, rot_k, means, kv.bits, kv.group_size).eval()
         T = torch.export.Dim("num_new", min=1)
         ids = torch.randint(0, fp_vocab(model), (1, 3))
-        _export(step, (ids, torch.arange(9, 12).view(1, 3), *_example_cache(fp.num_layers, fp.num_kv_heads, fp.head_dim, layer)),
+        _export(step, (ids, torch.arange(9, 12).view(1, 3),
+                       *_example_cache(fp.num_layers, fp.num_kv_heads, fp.head_dim, layer)),
                 out_dir / "step.onnx", ["input_ids", "position_ids", *cache_input_names(fp.num_layers)],
                 ["logits", *new_kv_output_names(fp.num_layers)],
                 ({1: T}, {1: T}, tuple(_dynamic_cache_shapes(fp.num_layers))))  # *cache: one nested tuple
@@ -159,13 +161,15 @@ def export_onnx(model_dir: Union[str, Path], spec: Union[CompressionSpec, str, P
                                  kv.scale_dtype).eval()
         n = torch.export.Dim("num_tokens", min=1)
         x = torch.randn(2, fp.num_kv_heads, fp.head_dim)
-        _export(quantize, (x, x.clone()), out_dir / "quantize.onnx", ["k", "v"], list(QUANTIZE_OUTPUTS), ({0: n}, {0: n}))
+        _export(quantize, (x, x.clone()), out_dir / "quantize.onnx", ["k", "v"], list(QUANTIZE_OUTPUTS),
+                ({0: n}, {0: n}))
         steps.update()
     steps.close()
     _write_manifest(out_dir, model, tokenizer, fp, layer)
     write_tokenizer(model_dir, out_dir, tokenizer)
     size = sum(p.stat().st_size for p in out_dir.glob("*.onnx"))
-    return f"wrote {out_dir}: step.onnx + quantize.onnx ({size / 2**20:.1f} MiB), {fp.num_layers} layers, INT{kv.bits} history"
+    return (f"wrote {out_dir}: step.onnx + quantize.onnx ({size / 2**20:.1f} MiB), {fp.num_layers} layers, "
+            f"INT{kv.bits} history")
 
 
 def fp_vocab(model) -> int:
@@ -179,7 +183,8 @@ def _write_manifest(out_dir: Path, model, tokenizer, fp: ModelFingerprint, layer
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__, "opset": OPSET,
         "num_layers": fp.num_layers, "num_kv_heads": fp.num_kv_heads, "head_dim": fp.head_dim,
-        "vocab_size": fp_vocab(model), "max_position_embeddings": model.config.get_text_config().max_position_embeddings,
+        "vocab_size": fp_vocab(model),
+        "max_position_embeddings": model.config.get_text_config().max_position_embeddings,
         "bits": kv.bits, "group_size": kv.group_size, "scale_dtype": kv.scale_dtype,
         "sink_tokens": kv.sink_tokens, "recent_tokens": kv.recent_tokens, "window_dtype": "float32",
         "clip_k": layer.key.clip_ratio, "clip_v": layer.value.clip_ratio,

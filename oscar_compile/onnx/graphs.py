@@ -65,7 +65,7 @@ class StepGraph(nn.Module):
         self.model = model
         self.num_layers = len(rot_k)
         self.bits, self.group_size = bits, group_size
-        for i, (r, mu) in enumerate(zip(rot_k, k_mean)):
+        for i, (r, mu) in enumerate(zip(rot_k, k_mean, strict=True)):
             self.register_buffer(f"rot_k_{i}", r.float().contiguous())  # [H_kv, D, D]
             self.register_buffer(f"k_mean_{i}", (mu if mu is not None else torch.zeros(r.shape[:2])).float())
 

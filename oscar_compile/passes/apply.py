@@ -167,7 +167,7 @@ def resolve_layers(spec: CompressionSpec, num_layers: int) -> list[LayerSpec]:
 
 def _install_cache_hook(model: nn.Module, layers: list[LayerSpec]) -> None:
     """Give the model an OscarCache whenever it is asked to cache and was given none (or an empty HF one)."""
-    caches = [LayerFormat.of(l) for l in layers]
+    caches = [LayerFormat.of(layer) for layer in layers]
     # transformers renamed past_key_values to cache (5.2x); use whichever this version's forward takes
     default_key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -214,7 +214,8 @@ def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: b
     fp = ModelFingerprint.of(model)
     spec = fit_spec(spec, fp.head_dim, fp.num_layers, fp.architecture)  # before any rewrite
     layers = resolve_layers(spec, fp.num_layers)
-    reports = [_rewrite_layer(attn, layer, rotations, fp, fuse, values_folded) for layer, attn in zip(layers, modules)]
+    reports = [_rewrite_layer(attn, layer, rotations, fp, fuse, values_folded)
+               for layer, attn in zip(layers, modules, strict=True)]
     _install_cache_hook(model, layers)
     fused = {}
     if fuse:
@@ -223,5 +224,5 @@ def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: b
                  "qkv_gemm": sum(r.qkv_merged for r in reports), "gate_up_gemm": gate_up}
     report = ApplyReport(fp, reports, spec, fused)
     setattr(model, _APPLIED, report)
-    logger.info("oscar_compile rewrote %d layers, %d quantized", len(reports), sum(l.quantized for l in layers))
+    logger.info("oscar_compile rewrote %d layers, %d quantized", len(reports), sum(layer.quantized for layer in layers))
     return report

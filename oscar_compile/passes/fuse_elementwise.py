@@ -158,7 +158,7 @@ def _rope_matches(rope_fn: Callable) -> bool:
         except Exception:
             return False
         want = rope_ref(q, k, cos, sin)
-        if not (isinstance(got, tuple) and len(got) == 2 and all(_same(g, w) for g, w in zip(got, want))):
+        if not (isinstance(got, tuple) and len(got) == 2 and all(_same(g, w) for g, w in zip(got, want, strict=True))):
             return False
     return True
 

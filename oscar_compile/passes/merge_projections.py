@@ -26,23 +26,23 @@ def concat_linears(linears: list[nn.Linear]) -> Optional[tuple[torch.Tensor, Opt
     """(weight, bias) of the stacked outputs, re-pointing each Linear to its slice; None when they
     cannot share one product (different inputs, dtypes or devices, or bias on some only)."""
     first = linears[0]
-    if any(type(l) is not nn.Linear or not l.weight.is_floating_point()  # not e.g. a quantized Linear subclass
-           or (l.in_features, l.weight.dtype, l.weight.device) != (first.in_features, first.weight.dtype,
-                                                                   first.weight.device)
-           for l in linears):
+    if any(type(lin) is not nn.Linear or not lin.weight.is_floating_point()  # not e.g. a quantized Linear subclass
+           or (lin.in_features, lin.weight.dtype, lin.weight.device) != (first.in_features, first.weight.dtype,
+                                                                         first.weight.device)
+           for lin in linears):
         return None
-    biased = [l.bias is not None for l in linears]
+    biased = [lin.bias is not None for lin in linears]
     if any(biased) != all(biased):
         return None
     with torch.no_grad():
-        weight = torch.cat([l.weight for l in linears])
-        bias = torch.cat([l.bias for l in linears]) if all(biased) else None
+        weight = torch.cat([lin.weight for lin in linears])
+        bias = torch.cat([lin.bias for lin in linears]) if all(biased) else None
     offset = 0
-    for l in linears:
-        n = l.out_features
-        l.weight = nn.Parameter(weight[offset:offset + n], requires_grad=l.weight.requires_grad)
+    for lin in linears:
+        n = lin.out_features
+        lin.weight = nn.Parameter(weight[offset:offset + n], requires_grad=lin.weight.requires_grad)
         if bias is not None:
-            l.bias = nn.Parameter(bias[offset:offset + n], requires_grad=l.bias.requires_grad)
+            lin.bias = nn.Parameter(bias[offset:offset + n], requires_grad=lin.bias.requires_grad)
         offset += n
     return weight, bias
 
@@ -72,7 +72,7 @@ def merge_qkv(owners: list[nn.Module], graph: torch.fx.Graph) -> bool:
         b = graph.get_attr("oscar_qkv_bias") if bias is not None else None
         qkv = graph.call_function(F.linear, (inputs.pop(), w, b))
     offset = 0
-    for name, linear in zip(QKV, linears):
+    for name, linear in zip(QKV, linears, strict=True):
         with graph.inserting_after(qkv):
             part = graph.call_function(torch.narrow, (qkv, -1, offset, linear.out_features))
         nodes[name].replace_all_uses_with(part)
@@ -84,7 +84,7 @@ def merge_qkv(owners: list[nn.Module], graph: torch.fx.Graph) -> bool:
 def merge_gate_up(mlp: nn.Module) -> bool:
     """Give ``mlp`` the buffer ``oscar_gate_up_weight`` ([gate | up] rows, no bias); False if not possible."""
     linears = [mlp.gate_proj, mlp.up_proj]
-    if any(l.bias is not None for l in linears) or linears[0].out_features != linears[1].out_features:
+    if any(lin.bias is not None for lin in linears) or linears[0].out_features != linears[1].out_features:
         return False
     merged = concat_linears(linears)
     if merged is None:

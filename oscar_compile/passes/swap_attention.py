@@ -33,9 +33,12 @@ def _getitems(graph: torch.fx.Graph, node: torch.fx.Node, count: int) -> list[to
 def _erase_with_getitems(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     for user in list(node.users):
         if user.op == "call_function" and user.target is operator.getitem:
+            def drop(n, user=user):  # the getitem about to be erased -> None
+                return None if n is user else n
+
             for downstream in list(user.users):  # e.g. the attention weights in the output tuple
-                downstream.args = torch.fx.node.map_arg(downstream.args, lambda n: None if n is user else n)
-                downstream.kwargs = torch.fx.node.map_arg(downstream.kwargs, lambda n: None if n is user else n)
+                downstream.args = torch.fx.node.map_arg(downstream.args, drop)
+                downstream.kwargs = torch.fx.node.map_arg(downstream.kwargs, drop)
             graph.erase_node(user)
     graph.erase_node(node)
 
@@ -65,7 +68,7 @@ def swap_in_oscar_attention(graph: torch.fx.Graph, site: AttentionSite, layer: L
                                      (site.cache, layer.index, site.query, site.key, site.value), cache.as_kwargs())
     names = contract.layer_input_names(cache)
     items = _getitems(graph, inputs, len(names))
-    part = dict(zip(names, items))
+    part = dict(zip(names, items, strict=True))
     with graph.inserting_after(items[-1]):
         out = _call(graph, attention_op, part, **attention_consts)
     with graph.inserting_after(out):  # the write's cu_seqlens: write_cu (all zeros when nothing is kept)

@@ -178,7 +178,7 @@ class LLMEngine:
         batch = self._build_batch(out, pending_src)
         tokens = self._in_flight.sample.token_ids if batch.pending_rows else None
         logits = self.runner.run(batch, tokens) if tokens is not None else self.runner.run(batch)
-        rows = [i for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens))
+        rows = [i for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens, strict=True))
                 if seq.num_cached_tokens + n == seq.num_tokens + seq.num_pending]
         if not rows:
             return None
@@ -212,7 +212,7 @@ class LLMEngine:
             "seq_ids", "token_ids", "positions", "cache_lens", "history_lens",
             "window_tables", "quant_tables", "context_token_ids", "pending_rows", "pending_src",
             "staging_tables", "staging_ends")}
-        for row, (seq, num_new) in enumerate(zip(out.seqs, out.num_new_tokens)):
+        for row, (seq, num_new) in enumerate(zip(out.seqs, out.num_new_tokens, strict=True)):
             L = seq.num_cached_tokens
             ids = seq.token_ids[L:L + num_new]
             if len(ids) < num_new:  # the pending token: one, sampled by the step in flight

@@ -139,7 +139,8 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
                                  num_staging_pages=num_staging, swap_space=swap if swap.num_bytes else None)
     if runner is None:
         runner = make_runner(block_manager) if make_runner is not None else RecomputeRunner(model)
-    block_manager.history_hits = config.prefix_hits == "history" and bool(getattr(runner, "supports_history_hits", False))
+    block_manager.history_hits = (config.prefix_hits == "history"
+                                  and bool(getattr(runner, "supports_history_hits", False)))
     if not getattr(runner, "supports_staging", False):  # e.g. the exact RecomputeRunner: nothing to stage
         block_manager.staging_pool = PagePool("staging", 0)
     if not getattr(runner, "supports_swapping", False):

@@ -6,11 +6,12 @@ import pytest
 
 from oscar_compile.evaluation import evaluate
 from oscar_compile.cli import main as cli_main
+from oscar_compile.evaluation.fixtures import write_tiny_model_dir
 
 
 def main(argv):
     return cli_main(["eval", *argv])
-from oscar_compile.evaluation.fixtures import write_tiny_model_dir
+
 
 WINDOWS = {"kv_cache": "{bits: 2, group_size: 128, sink_tokens: 16, recent_tokens: 32}",
            "calibration": "{num_tokens: 1024, seq_len: 256}"}
@@ -18,7 +19,8 @@ WINDOWS = {"kv_cache": "{bits: 2, group_size: 128, sink_tokens: 16, recent_token
 
 def _spec(path, rotation, clip_k=0.96, clip_v=0.92):
     path.write_text(f"version: 1\nkv_cache: {WINDOWS['kv_cache']}\ncalibration: {WINDOWS['calibration']}\n"
-                    f"key: {{rotation: {rotation}, clip_ratio: {clip_k}}}\nvalue: {{rotation: {rotation}, clip_ratio: {clip_v}}}\n")
+                    f"key: {{rotation: {rotation}, clip_ratio: {clip_k}}}\n"
+                    f"value: {{rotation: {rotation}, clip_ratio: {clip_v}}}\n")
     return str(path)
 
 

@@ -84,7 +84,10 @@ def test_four_copy_attention_equals_the_explicit_mixture():
     quant = KiviQuantizer(KiviConfig(group_size=4, residual=8), head_dim=D)
     mk, mv = quant.bounds(cache_starts(T, prefill=5)).masks(T)
     out = mixed_attention(q, k, v, kq, vq, mk, mv, D**-0.5)
-    rep = lambda x: x.repeat_interleave(H_q // H_kv, 1)
+
+    def rep(x):
+        return x.repeat_interleave(H_q // H_kv, 1)
+
     s = torch.where(mk[:, None], q @ rep(kq).transpose(-1, -2), q @ rep(k).transpose(-1, -2)) * D**-0.5
     s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
     p = s.softmax(-1)

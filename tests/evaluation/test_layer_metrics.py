@@ -42,7 +42,7 @@ def test_quantized_methods_are_positive(results, method):
 
 
 def test_int4_is_closer_than_naive_int2(results):
-    for a, b in zip(results["oscar-int4"], results["naive-int2"]):
+    for a, b in zip(results["oscar-int4"], results["naive-int2"], strict=True):
         assert all(a[m] < b[m] for m in METRICS)
 
 

@@ -23,7 +23,7 @@ from oscar_compile.spec import CompressionSpec, shipped_spec
 def _brute_force(choices, budget):
     best = None
     for combo in itertools.product(*[range(len(layer)) for layer in choices]):
-        picked = [choices[l][j] for l, j in enumerate(combo)]
+        picked = [choices[li][j] for li, j in enumerate(combo)]
         if any(c.gain is None for c in picked) or sum(c.cost for c in picked) > budget:
             continue
         gain = sum(c.gain for c in picked)
@@ -45,9 +45,9 @@ def test_knapsack_is_optimal_and_never_over_budget(seed):
     floor = sum(layer[0].cost for layer in choices)
     budget = floor + rng.randint(0, 2000)
     picked = allocate(choices, budget)
-    assert sum(choices[l][j].cost for l, j in enumerate(picked)) <= budget
-    assert all(choices[l][j].gain is not None for l, j in enumerate(picked))
-    assert sum(choices[l][j].gain for l, j in enumerate(picked)) == pytest.approx(_brute_force(choices, budget))
+    assert sum(choices[li][j].cost for li, j in enumerate(picked)) <= budget
+    assert all(choices[li][j].gain is not None for li, j in enumerate(picked))
+    assert sum(choices[li][j].gain for li, j in enumerate(picked)) == pytest.approx(_brute_force(choices, budget))
 
 
 def test_knapsack_beats_greedy_by_gain_per_bit():
@@ -79,7 +79,7 @@ def test_format_costs_are_the_eval_reports_asymptotic_bits():
     mixed_method = type(method)("mixed", "test", spec=mixed)
     assert mixed_method.bits_per_element(128, 8, None) * 128 * 8 == sum(chosen[i].cost for i in range(8))
     layers = [mixed.for_layer(i, 8) for i in range(8)]
-    assert [l.kv_cache.bits for l in layers] == [2, 2, 4, 2, 2, 2, 2, 2]
+    assert [layer.kv_cache.bits for layer in layers] == [2, 2, 4, 2, 2, 2, 2, 2]
     assert layers[2].key.clip_ratio == 0.99 and layers[5].kv_cache.group_size == 64
 
 
@@ -183,7 +183,8 @@ def test_bad_inputs_get_clear_errors(tiny, tmp_path, capsys):
     base = ["sweep", "--model", str(model), "--spec", str(root / "base.yaml"), *ARGS]
     assert cli_main([*base, "--budget", "2.0", "--out", str(tmp_path / "x.yaml")]) == 2
     assert "below what base costs at its cheapest: 2.25 bits per element" in capsys.readouterr().err
-    assert cli_main([*base, "--budget", "2.5", "--data", str(model / "calib.bin"), "--out", str(tmp_path / "x.yaml")]) == 2
+    assert cli_main([*base, "--budget", "2.5", "--data", str(model / "calib.bin"),
+                     "--out", str(tmp_path / "x.yaml")]) == 2
     assert "are the same file" in capsys.readouterr().err
     assert cli_main([*base, "--budget", "2.5", "3", "--out", str(tmp_path / "x.yaml")]) == 2
     assert "{budget}" in capsys.readouterr().err

@@ -69,7 +69,7 @@ def test_dequantize_is_the_reference_bitwise(tdevice, lens, hits, sink, recent, 
         page, row = want[2][i, pos // P].long(), pos % P
         for out in (got, moved) if i else (got,):
             page_got = out[2][i, pos // P].long()
-            for g, w in zip(out[:2], want[:2]):
+            for g, w in zip(out[:2], want[:2], strict=True):
                 assert torch.equal(g[page_got, :, row], w[page, :, row]), (i, L)
 
 
@@ -80,7 +80,7 @@ def test_reference_pages_hold_the_written_tokens_in_order(lens, hits, sink, rece
     k_pages, v_pages, table = dequantize_cache_ref(*_dequant_args(case))
     hists = case.history_lens.tolist() if case.history_lens is not None else [
         max(0, L - sink - recent) for L in lens]
-    for i, (L, h) in enumerate(zip(lens, hists)):
+    for i, (L, h) in enumerate(zip(lens, hists, strict=True)):
         pos = torch.arange(L)
         hist = (pos >= sink) & (pos < sink + h)
         for pages, stream in ((k_pages, case.keys[i]), (v_pages, case.values[i])):

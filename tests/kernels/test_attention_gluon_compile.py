@@ -41,7 +41,7 @@ def test_kernel_compiles_for_sm90_with_register_fragments():
     res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(CONFIGS)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    for (head_dim, _, _, _), got in zip(CONFIGS, json.loads(res.stdout.strip().splitlines()[-1])):
+    for (head_dim, _, _, _), got in zip(CONFIGS, json.loads(res.stdout.strip().splitlines()[-1]), strict=True):
         # per history tile the key dot (D / 16 k-steps) and the value dot (D / 16 more)
         assert got["wgmma"] >= 2 * head_dim // 16
         assert not got["local"] and got["shared"] <= 227 * 1024

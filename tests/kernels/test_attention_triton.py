@@ -237,7 +237,7 @@ def test_bf16_paged_matches_reference(tdevice, monkeypatch, chunk_lens, H_q, H_k
 
     gen = torch.Generator().manual_seed(7)
     lens, P = [0, 21, 64], 16
-    need = [-(-(L + t) // P) for L, t in zip(lens, chunk_lens)]
+    need = [-(-(L + t) // P) for L, t in zip(lens, chunk_lens, strict=True)]
     perm = torch.randperm(sum(need) + 1, generator=gen).to(torch.int32)
     table = torch.zeros(len(lens), max(need), dtype=torch.int32)
     at = 0
@@ -273,7 +273,7 @@ def test_bf16_cache_write_is_the_reference_scatter(tdevice, dtype, H_kv, D):
 
     gen = torch.Generator().manual_seed(11)
     P, cached, chunks = 16, [0, 15, 40, 3], [17, 1, 0, 30]
-    need = [-(-(L + t) // P) for L, t in zip(cached, chunks)]
+    need = [-(-(L + t) // P) for L, t in zip(cached, chunks, strict=True)]
     perm = torch.randperm(sum(need) + 2, generator=gen).to(torch.int32)
     table = torch.full((4, max(need)), -1, dtype=torch.int32)
     at = 0
@@ -289,12 +289,12 @@ def test_bf16_cache_write_is_the_reference_scatter(tdevice, dtype, H_kv, D):
     want = [p.clone() for p in pages]
     cache_write_bf16_ref(*args, *want)
     cache_write_bf16_triton(*args, *pages)
-    assert all(torch.equal(a, b) for a, b in zip(pages, want))
+    assert all(torch.equal(a, b) for a, b in zip(pages, want, strict=True))
     # an all-zero write range (a forward without a cache) writes nothing, whatever k and v hold
     nothing = (k, v, torch.zeros_like(args[2]), *args[3:])
     cache_write_bf16_ref(*nothing, *want)
     cache_write_bf16_triton(*nothing, *pages)
-    assert all(torch.equal(a, b) for a, b in zip(pages, want))
+    assert all(torch.equal(a, b) for a, b in zip(pages, want, strict=True))
 
 
 def test_launch_plan_splits_by_whole_blocks_and_caps_split_length(monkeypatch):

@@ -34,7 +34,7 @@ def test_triton_write_matches_reference(tdevice, sink, recent, bits, sdt, D, G, 
               group_size=G, scale_dtype=sdt, seed=11, chunk=chunk)
     want = build_case(lens, write=cache_write_ref, **kw)
     got = build_case(lens, write=cache_write_triton, device=tdevice, **kw)
-    for a, b, name in zip(got.pools, want.pools, got.pools._fields):
+    for a, b, name in zip(got.pools, want.pools, got.pools._fields, strict=True):
         assert torch.equal(a.cpu(), b), name
 
 
@@ -48,7 +48,7 @@ def test_triton_write_other_window_dtypes(tdevice, window_dtype):
               window_dtype=window_dtype, seed=13, chunk=None)
     want = build_case([3, 50, 81], write=cache_write_ref, **kw)
     got = build_case([3, 50, 81], write=cache_write_triton, device=tdevice, **kw)
-    for a, b, name in zip(got.pools, want.pools, got.pools._fields):
+    for a, b, name in zip(got.pools, want.pools, got.pools._fields, strict=True):
         assert torch.equal(a.cpu(), b), name
 
 
@@ -75,7 +75,7 @@ def test_triton_write_after_prefix_hits_matches_reference(tdevice):
                       case.quant_table, *case.pools, 8, 16, 2, 32, 0.96, 0.92,
                       history_lens=case.history_lens)
                 case.append(k.to(dev), v.to(dev), cu.to(dev))
-        for a, b, name in zip(got.pools, want.pools, got.pools._fields):
+        for a, b, name in zip(got.pools, want.pools, got.pools._fields, strict=True):
             assert torch.equal(a.cpu(), b), name
 
 
@@ -87,7 +87,7 @@ def test_triton_write_standard_history_lens_change_nothing(tdevice, sink, recent
               seed=14, chunk=9, device=tdevice)
     want = build_case([5, 45], write=cache_write_triton, **kw)
     got = build_case([5, 45], write=with_standard_history_lens(cache_write_triton), **kw)
-    for a, b, name in zip(got.pools, want.pools, got.pools._fields):
+    for a, b, name in zip(got.pools, want.pools, got.pools._fields, strict=True):
         assert torch.equal(a, b), name
 
 
@@ -102,7 +102,7 @@ def test_triton_write_no_clip_and_chunked_prefill(tdevice, block_t):
     want = build_case([100, 70], write=cache_write_ref, **kw)
     got = build_case([100, 70], write=partial(cache_write_triton, block_t=block_t),
                      device=tdevice, **kw)
-    for a, b in zip(got.pools, want.pools):
+    for a, b in zip(got.pools, want.pools, strict=True):
         assert torch.equal(a.cpu(), b)
 
 
@@ -142,7 +142,7 @@ def test_triton_write_with_rotation(tdevice, fused, rot_heads):
                     *b.pools, *tail)
     a.pools = type(a.pools)(*(x.cpu() for x in a.pools))
     if not fused:
-        assert all(torch.equal(x, y) for x, y in zip(a.pools, b.pools))
+        assert all(torch.equal(x, y) for x, y in zip(a.pools, b.pools, strict=True))
         return
     for name in ("v_win", "v_codes", "v_scale", "v_zero"):
         assert torch.equal(getattr(a.pools, name), getattr(b.pools, name)), name

@@ -88,7 +88,7 @@ def test_rope_without_rotation_is_bitwise(tdevice, dtype, B, H_q, H_kv, T, D):
     if B > 1:  # positions shared by the batch: cos / sin [1, T, D], broadcast
         cos, sin = cos[:1], sin[:1]
     got, want = rope_triton(q, k, cos, sin), rope_ref(q, k, cos, sin)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g.stride() == w.stride()  # token-major storage, as the paged ops read it
         if _truncating(g):
             _loosely(g, w)
@@ -114,7 +114,7 @@ def test_rope_with_rotation(tdevice, per_head, centred, col_blocks, B, H_q, H_kv
     rot, mean = _rotations(H_kv if per_head else 1, D, tdevice)
     mean = mean if centred else None
     got_both = rope_triton(q, k, cos, sin, rot, mean, col_blocks=col_blocks)
-    for got, want in zip(got_both, rope_ref(q, k, cos, sin, rot, mean)):
+    for got, want in zip(got_both, rope_ref(q, k, cos, sin, rot, mean), strict=True):
         if dtype == torch.float32:  # float32 sums in another order: relative 1e-6, not an ulp of |x|
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
         else:

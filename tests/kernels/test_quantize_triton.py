@@ -61,7 +61,7 @@ def test_quantize_rows_match_quant(tdevice, scale_dtype, bits, group):
     _quantize_kernel[(1,)](x.to(tdevice), codes, scale, zero, R=R, D=D, BITS=bits, GROUP=group,
                            SCALE_DT=_TL_DTYPE[scale_dtype], enable_fp_fusion=False)
     want = quant.quantize(x, bits, group, clip_ratio=1.0, scale_dtype=scale_dtype)
-    for got, exp, name in zip((codes, scale, zero), want, ("codes", "scale", "zero")):
+    for got, exp, name in zip((codes, scale, zero), want, ("codes", "scale", "zero"), strict=True):
         assert torch.equal(got.cpu(), exp), name
 
 

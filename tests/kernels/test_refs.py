@@ -86,7 +86,7 @@ def test_bulk_write_equals_token_by_token(sink, recent, bits, sdt, chunk):
               group_size=32, scale_dtype=sdt, seed=3)
     bulk = build_case(lens, **kw)
     step = build_case(lens, chunk=chunk, **kw)
-    for a, b, name in zip(bulk.pools, step.pools, bulk.pools._fields):
+    for a, b, name in zip(bulk.pools, step.pools, bulk.pools._fields, strict=True):
         assert torch.equal(a, b), name
 
 
@@ -155,7 +155,8 @@ def _full_precision_pages(case, room: int, page_size: int = 16):
     per_seq = [-(-(L + room) // page_size) for L in lens]
     table = torch.zeros(len(lens), max(per_seq), dtype=torch.int32)
     shape = (sum(per_seq), *case.pools.k_win.shape[1:])
-    k_pages, v_pages = torch.zeros(shape, dtype=case.pools.k_win.dtype), torch.zeros(shape, dtype=case.pools.k_win.dtype)
+    k_pages = torch.zeros(shape, dtype=case.pools.k_win.dtype)
+    v_pages = torch.zeros(shape, dtype=case.pools.k_win.dtype)
     first = 0
     for i, L in enumerate(lens):
         table[i, :per_seq[i]] = torch.arange(first, first + per_seq[i])
@@ -217,7 +218,7 @@ def test_standard_history_lens_change_nothing(sink, recent, chunk):
               seed=3, chunk=chunk, extra_tokens=8)
     plain = build_case(lens, **kw)
     given = build_case(lens, write=with_standard_history_lens(cache_write_ref), **kw)
-    for a, b, name in zip(plain.pools, given.pools, plain.pools._fields):
+    for a, b, name in zip(plain.pools, given.pools, plain.pools._fields, strict=True):
         assert torch.equal(a, b), name
     q, k, v, cu, scale, out = run_chunk_attention(plain, [3, 1, 0, 8, 1, 2, 1], 4, seed=4)
     derived = (plain.cache_lens - recent - sink).clamp_min(0).to(torch.int32)
@@ -245,7 +246,7 @@ def test_writes_after_prefix_hits_keep_shared_history(chunk):
     S0, W, P = 16, 32, 16
     case = build_case(HIT_LENS, 2, 64, group_size=64, seed=9, chunk=chunk, extra_tokens=90, hits=HITS)
     shared = [(int(case.quant_table[i, h // P]), h % P) for i, R in enumerate(HITS) for h in range(max(0, R - S0))]
-    pages, rows = (torch.tensor(x) for x in zip(*shared))
+    pages, rows = (torch.tensor(x) for x in zip(*shared, strict=True))
     before = [pool[pages, :, rows].clone() for pool in case.pools[2:]]  # codes, scales, zeros of K, V
     steps = [[1] * 7, [40, 1, 13, 33, 2, 1, 0], [1] * 7, [9, 0, 2, 1, 20, 3, 1]]
     for step, chunk_lens in enumerate(steps):
@@ -254,7 +255,7 @@ def test_writes_after_prefix_hits_keep_shared_history(chunk):
         ops.cache_write(k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
                         S0, W, 2, 64, 0.96, 0.92, history_lens=case.history_lens)
         case.append(k, v, cu)
-    for pool, old in zip(case.pools[2:], before):
+    for pool, old in zip(case.pools[2:], before, strict=True):
         assert torch.equal(pool[pages, :, rows], old)
     q, k, v, cu, scale, out = run_chunk_attention(case, [1] * 7, 4, seed=30, q_dtype=torch.float32)
     assert_matches_dense(case, q, k, v, cu, scale, out, RTOL)  # the rows demoted last read back
@@ -292,7 +293,7 @@ def test_fused_rotation_write_matches_rotate_then_write():
                     rot_k=rot, mean_k=mean)
     rk = rotate_ref(k.transpose(0, 1)[None], rot, mean)[0].transpose(0, 1)
     ops.cache_write(rk, v, cu, b.cache_lens, b.window_table, b.quant_table, *b.pools, *tail)
-    for x, y in zip(a.pools, b.pools):
+    for x, y in zip(a.pools, b.pools, strict=True):
         assert torch.equal(x, y)
 
 

@@ -41,7 +41,8 @@ def _calibration_batches(vocab=128):
 
 @pytest.mark.parametrize("arch, heads, kv_heads, head_dim, bias", MODELS, ids=lambda x: str(x))
 @pytest.mark.parametrize("rotation, granularity, center", ROTATIONS, ids=lambda x: str(x))
-def test_rotations_without_quantization_reproduce_the_logits(arch, heads, kv_heads, head_dim, bias, rotation, granularity, center):
+def test_rotations_without_quantization_reproduce_the_logits(arch, heads, kv_heads, head_dim, bias, rotation,
+                                                             granularity, center):
     model = tiny_model(arch, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, attention_bias=bias)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(7))
     reference = model(ids).logits
@@ -64,7 +65,7 @@ def test_folding_identity(granularity):
     spec = _spec(2, "oscar", granularity, head_dim=16)
     apply(model, spec, calibrate(model, spec, _calibration_batches()))
     D, g = 16, 4
-    for new, old in zip(model.model.layers, before.model.layers):
+    for new, old in zip(model.model.layers, before.model.layers, strict=True):
         wv, wv0 = new.self_attn.v_proj.weight.double(), old.self_attn.v_proj.weight.double()
         wo, wo0 = new.self_attn.o_proj.weight.double(), old.self_attn.o_proj.weight.double()
         bv, bv0 = new.self_attn.v_proj.bias.double(), old.self_attn.v_proj.bias.double()
@@ -110,7 +111,8 @@ def test_layers_overridden_to_16_bits_keep_their_weights_and_full_precision():
         attn, old = model.model.layers[i].self_attn, before.model.layers[i].self_attn
         assert "overridden to 16 bits" in report.layers[i].notes[-1]
         assert torch.equal(attn.v_proj.weight, old.v_proj.weight) and torch.equal(attn.o_proj.weight, old.o_proj.weight)
-    assert not torch.equal(model.model.layers[1].self_attn.v_proj.weight, before.model.layers[1].self_attn.v_proj.weight)
+    assert not torch.equal(model.model.layers[1].self_attn.v_proj.weight,
+                           before.model.layers[1].self_attn.v_proj.weight)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(7))  # 24 < sink + recent
     with torch.no_grad():
         assert (model(ids).logits - before(ids).logits).abs().max() <= 1e-4
@@ -136,10 +138,10 @@ def test_nothing_quantized_drops_the_windows():
     from oscar_compile.passes.apply import resolve_layers
 
     plain = resolve_layers(_spec(16), 3)
-    assert all((l.kv_cache.sink_tokens, l.kv_cache.recent_tokens) == (0, 0) for l in plain)
+    assert all((layer.kv_cache.sink_tokens, layer.kv_cache.recent_tokens) == (0, 0) for layer in plain)
     mixed = resolve_layers(_spec(16, layers=[{"match": [1], "kv_cache": {"bits": 2}}]), 3)
-    assert all((l.kv_cache.sink_tokens, l.kv_cache.recent_tokens) == (16, 16) for l in mixed)
-    assert [l.key.rotation for l in mixed] == ["oscar"] * 3  # not overridden to 16 bits: rotated
+    assert all((layer.kv_cache.sink_tokens, layer.kv_cache.recent_tokens) == (16, 16) for layer in mixed)
+    assert [layer.key.rotation for layer in mixed] == ["oscar"] * 3  # not overridden to 16 bits: rotated
 
 
 def test_refusals():

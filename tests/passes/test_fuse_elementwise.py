@@ -60,11 +60,12 @@ def test_merged_projections_keep_the_parameters_as_views():
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     w, b = attn.oscar_qkv_weight, attn.oscar_qkv_bias
     rows = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-    for linear, start in zip((attn.q_proj, attn.k_proj, attn.v_proj), (0, rows[0], rows[0] + rows[1])):
+    for linear, start in zip((attn.q_proj, attn.k_proj, attn.v_proj), (0, rows[0], rows[0] + rows[1]), strict=True):
         assert linear.weight.data_ptr() == w[start].data_ptr() and linear.bias.data_ptr() == b[start:].data_ptr()
     assert mlp.up_proj.weight.data_ptr() == mlp.oscar_gate_up_weight[mlp.gate_proj.out_features].data_ptr()
     code = attn.oscar_graph.code
-    assert "linear(hidden_states, oscar_qkv_weight" in code and code.count("torch.narrow") == 3 and "self.q_proj(" not in code
+    assert ("linear(hidden_states, oscar_qkv_weight" in code and code.count("torch.narrow") == 3
+            and "self.q_proj(" not in code)
 
 
 class OffsetRMSNorm(nn.Module):

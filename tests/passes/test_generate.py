@@ -73,7 +73,8 @@ def setup():
     model = tiny_model("qwen3", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM, vocab_size=64, seed=3)
     spec = _spec()
     rot = calibrate(model, spec, [torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(1))])
-    compressed = tiny_model("qwen3", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM, vocab_size=64, seed=3)
+    compressed = tiny_model("qwen3", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM, vocab_size=64,
+                            seed=3)
     apply(compressed, spec, rot)
     return model, compressed, rot, spec
 
@@ -94,7 +95,8 @@ def test_batched_left_padded_generation_matches_single_rows(setup):
     long, short = torch.randint(1, 64, (1, 20), generator=g), torch.randint(1, 64, (1, 9), generator=g)
     ids = torch.cat([long, torch.cat([torch.zeros(1, 11, dtype=torch.long), short], 1)])
     mask = torch.cat([torch.ones(1, 20), torch.cat([torch.zeros(1, 11), torch.ones(1, 9)], 1)]).long()
-    batched = compressed.generate(ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+    batched = compressed.generate(ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                  pad_token_id=0)
     single_long = compressed.generate(long, max_new_tokens=16, min_new_tokens=16, do_sample=False)
     single_short = compressed.generate(short, max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert torch.equal(batched[0, 20:], single_long[0, 20:])

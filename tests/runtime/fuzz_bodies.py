@@ -69,7 +69,8 @@ class BodyFuzzer:
         if r < 0.42:
             return self.rng.choice(FLOATS)
         if r < 0.62:
-            return self.rng.choice([self.text(), self.text(), "", "5", "true", "null", "x" * self.rng.randint(1000, 20000)])
+            return self.rng.choice([self.text(), self.text(), "", "5", "true", "null",
+                                    "x" * self.rng.randint(1000, 20000)])
         if r < 0.80 and depth < 3:
             return [self.value(depth + 1) for _ in range(self.rng.choice([0, 1, 2, 5]))]
         if r < 0.88:

@@ -130,7 +130,7 @@ def run_scheduler(scheduler: Scheduler, cache: IdentityCache, vocab: int = 50,
         assert all(r < w.seq_id for r in arrivals for w in scheduler.waiting)
         stats["preempted"] += len(out.preempted)
         stats["max_batch_tokens"] = max(stats["max_batch_tokens"], out.num_batched_tokens)
-        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+        for seq, num_new in zip(out.seqs, out.num_new_tokens, strict=True):
             assert num_new >= 1
             cache.write(seq, num_new)
         scheduler.advance(out)

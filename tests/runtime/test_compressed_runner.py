@@ -19,7 +19,8 @@ SPEC = CompressionSpec.from_dict({
 @pytest.fixture(scope="module")
 def setup(tokenizer, tiny_model):
     model = tiny_model
-    rot = calibrate(model, SPEC, [torch.randint(0, len(tokenizer), (2, 48), generator=torch.Generator().manual_seed(0))])
+    rot = calibrate(model, SPEC, [torch.randint(0, len(tokenizer), (2, 48),
+                                               generator=torch.Generator().manual_seed(0))])
     return tokenizer, model, rot
 
 
@@ -45,7 +46,7 @@ def test_runtime_greedy_equals_generate_on_the_compressed_model(setup):
     prompts = _prompts(len(tokenizer), [5, 17, 30])
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params)
-    for prompt, out in zip(prompts, outputs):
+    for prompt, out in zip(prompts, outputs, strict=True):
         assert out.token_ids == _reference(model, rot, prompt, 24)
     for pool in (llm.engine.block_manager.window_pool, llm.engine.block_manager.quant_pool):
         assert pool.num_used == 0 and pool.num_free + pool.num_cached == pool.num_pages
@@ -86,14 +87,15 @@ def test_mixed_16_bit_and_int2_layers_equal_generate(setup, name):
 
     tokenizer, model, _ = setup
     spec = CompressionSpec.from_dict(MIXED_SPECS[name])
-    rot = calibrate(model, spec, [torch.randint(0, len(tokenizer), (2, 48), generator=torch.Generator().manual_seed(0))])
+    rot = calibrate(model, spec, [torch.randint(0, len(tokenizer), (2, 48),
+                                               generator=torch.Generator().manual_seed(0))])
     config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=256)
     llm = LLM(copy.deepcopy(model), spec=spec, rotations=rot, tokenizer=tokenizer, config=config)
     prompts = _prompts(len(tokenizer), [19, 6, 33], seed=4)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     ref = copy.deepcopy(model)
     apply(ref, spec, rot)
-    for prompt, out in zip(prompts, outputs):
+    for prompt, out in zip(prompts, outputs, strict=True):
         expected = ref.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
         assert out.token_ids == expected[0, len(prompt):].tolist()
     for pool in (llm.engine.block_manager.window_pool, llm.engine.block_manager.quant_pool):
@@ -115,7 +117,8 @@ def test_prefix_hits_past_the_sink_keep_a_16_bit_layer_exact(setup):
     standard, as in the INT2 hit test above) stay the original model's."""
     tokenizer, model, _ = setup
     spec = CompressionSpec.from_dict(MIXED_SPECS["override"])
-    rot = calibrate(model, spec, [torch.randint(0, len(tokenizer), (2, 48), generator=torch.Generator().manual_seed(0))])
+    rot = calibrate(model, spec, [torch.randint(0, len(tokenizer), (2, 48),
+                                               generator=torch.Generator().manual_seed(0))])
     shared = _prompts(len(tokenizer), [40], seed=7)[0]
     first, second = [shared + tail for tail in _prompts(len(tokenizer), [6, 11], seed=107)]
     config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=5)
@@ -200,8 +203,8 @@ def test_prefix_cache_hits_past_the_sink_with_the_int2_runner(setup):
         if caching:
             assert bm.num_prefix_hit_tokens == len(shared) and len(hit_pages) == 9
             assert outputs[caching].num_cached_prompt_tokens == len(shared)  # reported after the finish
-            for pools, saved in zip(runner.pools, before):  # codes, scales, zeros of every layer
-                for pool, old in zip(pools[2:], saved):
+            for pools, saved in zip(runner.pools, before, strict=True):  # codes, scales, zeros of every layer
+                for pool, old in zip(pools[2:], saved, strict=True):
                     assert torch.equal(pool[hit_pages], old)
         assert len(outputs[caching].token_ids) == 16 and outputs[caching].finish_reason == "length"
         for pool in (bm.window_pool, bm.quant_pool):
@@ -248,7 +251,7 @@ def test_mask_bypass_restores_every_config():
 
     config = LlavaConfig()
     parts = (config, config.text_config, config.vision_config)
-    for part, name in zip(parts, ("sdpa", "eager", "sdpa")):
+    for part, name in zip(parts, ("sdpa", "eager", "sdpa"), strict=True):
         part._attn_implementation_internal = name
     with _without_hf_masks(config):
         assert all(part._attn_implementation == _NO_MASK_IMPLEMENTATION for part in parts)
@@ -276,8 +279,8 @@ def test_kernel_warm_up_steps_touch_only_the_scratch_pages(setup, bf16, max_mode
     before = [[t.clone() for t in pools] for pools in runner.pools]
     runner._compile_prefill_kernels(runner.layout)
     scratch_written = False
-    for now_pools, then_pools in zip(runner.pools, before):
-        for now, then in zip(now_pools, then_pools):
+    for now_pools, then_pools in zip(runner.pools, before, strict=True):
+        for now, then in zip(now_pools, then_pools, strict=True):
             assert torch.equal(now[:-1], then[:-1])  # every page but the last (scratch) one
             scratch_written |= not torch.equal(now[-1], then[-1])
     assert scratch_written

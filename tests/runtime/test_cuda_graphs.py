@@ -94,6 +94,7 @@ def test_padded_graph_rows_leave_real_sequences_alone(tokenizer):
     _, eager = _generate(tokenizer, SPEC, prompts, cuda_graphs=False)
     # cuBLAS may pick another GEMM for 8 rows than for 5, so logits can differ in the last bits:
     # compare token agreement, not bitwise equality; corrupted pages would derail whole sequences
-    agree = sum(a == b for x, y in zip(graphed, eager) for a, b in zip(x, y)) / sum(map(len, eager))
+    agree = (sum(a == b for x, y in zip(graphed, eager, strict=True) for a, b in zip(x, y, strict=True))
+             / sum(map(len, eager)))
     assert agree > 0.9
     assert [x[:4] for x in graphed] == [y[:4] for y in eager]

@@ -45,7 +45,7 @@ def test_greedy_output_equals_hf_generate(tiny_model, tokenizer):
     llm = LLM(tiny_model, tokenizer=tokenizer, config=EngineConfig(max_num_batched_tokens=32))
     prompts = ["hello world", "The quick brown fox", "A paged KV cache stores keys", "x"]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
-    for prompt, out in zip(prompts, outputs):
+    for prompt, out in zip(prompts, outputs, strict=True):
         ids = torch.tensor([tokenizer.encode(prompt)])
         reference = tiny_model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
         assert out.token_ids == reference.tolist()
@@ -58,7 +58,7 @@ def test_many_concurrent_requests_of_mixed_lengths_complete(tiny_model, tokenize
     prompts = random_prompts(tokenizer, 40, seed=1)
     lengths = [random.Random(i).randrange(1, 20) for i in range(40)]
     outputs = run_all(engine, [(p, SamplingParams(max_tokens=n, ignore_eos=True, **GREEDY))
-                               for p, n in zip(prompts, lengths)])
+                               for p, n in zip(prompts, lengths, strict=True)])
     assert [len(o) for o in outputs] == lengths
     assert engine.stats()["num_requests_finished"] == 40
 

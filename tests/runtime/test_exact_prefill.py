@@ -105,7 +105,7 @@ def test_concurrent_requests_of_mixed_lengths_equal_generate(setup):
     prompts = _prompts(400, [15, 45, 30, 60, 9, 70], seed=2)
     llm = _llm(setup)
     tokens, _ = _run(llm, prompts)
-    for prompt, got in zip(prompts, tokens):
+    for prompt, got in zip(prompts, tokens, strict=True):
         assert got == expected(prompt)
     assert llm.engine.stats()["num_staged_prefills"] == 4  # all but 15 and 9
     _assert_all_free(llm)
@@ -125,7 +125,7 @@ def test_tight_page_budget_swaps_several_times_and_stays_exact(setup):
     assert f"\noscar_swap_preemptions_total {stats['num_swap_preemptions']}\n" in text
     assert f"\noscar_recompute_preemptions_total {stats['num_recompute_preemptions']}\n" in text
     assert '\noscar_kv_pages_used{kind="staging"} 0\n' in text and "\noscar_staging_pages_peak " in text
-    for prompt, got in zip(prompts, tokens):
+    for prompt, got in zip(prompts, tokens, strict=True):
         assert got == expected(prompt)
     _assert_all_free(llm)
 
@@ -146,7 +146,7 @@ def test_tiny_swap_space_falls_back_to_recompute(setup):
     swapped = [i for i, s in enumerate(seqs) if s.num_swaps]
     assert recomputed == [3, 5, 7] and swapped == [4, 6]  # (deterministic scheduling)
     assert stats["num_recompute_preemptions"] == 4 and stats["num_swap_preemptions"] == 3
-    for i, (prompt, got) in enumerate(zip(prompts, tokens)):
+    for i, (prompt, got) in enumerate(zip(prompts, tokens, strict=True)):
         if i not in recomputed:
             assert got == expected(prompt), i
     assert all(seqs[i].finish_reason is FinishReason.LENGTH for i in range(len(seqs)))

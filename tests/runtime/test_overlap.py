@@ -110,7 +110,7 @@ def test_overlapped_steps_give_the_outputs_of_plain_steps(compressed, tokenizer,
     overlapped_engine = _engine(compressed, tokenizer, True, **config)
     overlapped = _run(overlapped_engine, requests)
     assert _without_logprobs(overlapped) == _without_logprobs(plain)
-    for a, b in zip(overlapped, plain):  # steps batch other rows together: float rounding differs
+    for a, b in zip(overlapped, plain, strict=True):  # steps batch other rows together: float rounding differs
         assert [t for t, _ in a["logprobs"]] == [t for t, _ in b["logprobs"]]
         assert [lp for _, lp in a["logprobs"]] == pytest.approx([lp for _, lp in b["logprobs"]], abs=1e-4)
     assert overlapped_engine.pending_steps > 10  # the overlap really ran tokens from the device

@@ -36,7 +36,7 @@ def step(scheduler: Scheduler):
             s.append_token(1)
             if s.num_output_tokens >= s.params.max_tokens:
                 scheduler.finish(s, FinishReason.LENGTH)
-    return [(s.seq_id, n) for s, n in zip(out.seqs, out.num_new_tokens)], out
+    return [(s.seq_id, n) for s, n in zip(out.seqs, out.num_new_tokens, strict=True)], out
 
 
 def test_chunked_prefill_fills_the_budget_in_arrival_order():

@@ -148,7 +148,7 @@ def test_past_the_shutdown_timeout_requests_are_aborted_with_an_error_and_pages_
     outcomes = [outcome(events) for events in results]
     assert all(kind in ("completed", "error") for kind, _ in outcomes)
     assert any(kind == "error" for kind, _ in outcomes)  # 5 x 480 tokens do not finish in 0.5 s
-    for events, (kind, _) in zip(results, outcomes):
+    for events, (kind, _) in zip(results, outcomes, strict=True):
         if kind == "error":
             assert json.loads(events[-2])["error"]["type"] == "service_unavailable"
     admitted, _, finished, aborted, window_used, quant_used = final_stats(log)

@@ -114,7 +114,7 @@ class Scheduler:
     def advance(self, out: SchedulerOutput) -> None:
         """The runner has cached the step's tokens: move counters, publish finished blocks.
         Sequences that ended meanwhile (an overlapped step read their last token) are skipped."""
-        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+        for seq, num_new in zip(out.seqs, out.num_new_tokens, strict=True):
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.num_cached_tokens += num_new

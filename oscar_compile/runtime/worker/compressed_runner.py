@@ -274,7 +274,7 @@ def _without_hf_masks(config):
     try:
         yield
     finally:
-        for c, value in zip(configs, saved):
+        for c, value in zip(configs, saved, strict=True):
             c._attn_implementation_internal = value
 
 
@@ -295,7 +295,8 @@ def runner_kwargs(model: torch.nn.Module, block_manager, config=None) -> dict:
     # the engine's context limit (as build_engine sets it), within what the pools can hold:
     # it sizes the page-table mirrors, and the graphs plan their kernel splits for it
     max_model_len = getattr(config, "max_model_len", None) or model.config.get_text_config().max_position_embeddings
-    kwargs = dict(num_window_pages=block_manager.window_pool.num_pages, num_quant_pages=block_manager.quant_pool.num_pages,
+    kwargs = dict(num_window_pages=block_manager.window_pool.num_pages,
+                  num_quant_pages=block_manager.quant_pool.num_pages,
                   max_seq_len=min(max_model_len, block_manager.max_seq_len()))
     if config is not None:
         kwargs.update(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,

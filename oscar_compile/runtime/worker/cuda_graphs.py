@@ -6,11 +6,11 @@ for batch sizes 1, 2, 4, 8 and multiples of 16 up to the maximum, all of them wh
 built (``capture_all``), as serving engines do: capturing, and compiling the kernel variants a
 size needs (Triton specializes integer arguments equal to 1 and multiples of 16), then never
 stalls a running batch. (With lazy capture, an H200 end-to-end run at batch 16 spent ~11 s of a
-26 s decode phase in a few slow steps, which captures at its shrinking tail would explain.) A batch of B sequences replays the graph of the next size up, its extra
-rows being padding sequences on the scratch pages (see StepInputs). Shapes that the kernels plan their
-launches from (the number of tokens and sequences, the page-table widths) are fixed per graph;
-values (lengths, tables, tokens) are read from the static buffers at replay, and the kernels
-decide from them on the device.
+26 s decode phase in a few slow steps, which captures at its shrinking tail would explain.) A batch
+of B sequences replays the graph of the next size up, its extra rows being padding sequences on
+the scratch pages (see StepInputs). Shapes that the kernels plan their launches from (the number
+of tokens and sequences, the page-table widths) are fixed per graph; values (lengths, tables,
+tokens) are read from the static buffers at replay, and the kernels decide from them on the device.
 
 Capture runs the forward on an all-padding batch, so warming up and capturing never write to a
 page that a sequence owns (writing a real token twice would demote the wrong ring entry).

@@ -40,7 +40,7 @@ class DeviceSample:
         self._event = None
         if token_ids.is_cuda:
             self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-            for h, t in zip(self._host, tensors):
+            for h, t in zip(self._host, tensors, strict=True):
                 h.copy_(t, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
@@ -62,7 +62,7 @@ class DeviceSample:
             if not k:
                 out_top.append(None if k is None else [])
                 continue
-            out_top.append(list(zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist())))
+            out_top.append(list(zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist(), strict=True)))
         return SampleResult(ids, out_lp, out_top)
 
 
@@ -111,7 +111,7 @@ class Sampler:
     def _noise(self, probs: torch.Tensor, params: list[SamplingParams],
                seq_ids: list[int]) -> torch.Tensor:
         noise = torch.empty_like(probs).exponential_()
-        for row, (p, seq_id) in enumerate(zip(params, seq_ids)):
+        for row, (p, seq_id) in enumerate(zip(params, seq_ids, strict=True)):
             if p.seed is not None and not p.is_greedy:
                 gen = self._generator(seq_id, p.seed, probs.device)
                 noise[row].exponential_(generator=gen)

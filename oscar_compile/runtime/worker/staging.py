@@ -124,12 +124,12 @@ class StagedStep:
         if ends:
             P, S0 = layout.page_size, layout.sink
             hist = [final_history(i) for i in ends]
-            pages = [batch.staging_tables[i][:layout.num_quant_pages_for(h)] for i, h in zip(ends, hist)]
-            if any(len(p) * P < h for p, h in zip(pages, hist)):
+            pages = [batch.staging_tables[i][:layout.num_quant_pages_for(h)] for i, h in zip(ends, hist, strict=True)]
+            if any(len(p) * P < h for p, h in zip(pages, hist, strict=True)):
                 raise RuntimeError("a staged sequence's staging table is shorter than its history")
             self.end_pages = torch.tensor([p for row in pages for p in row], dtype=torch.int64, device=device)
             offset, keep = 0, []
-            for row, h in zip(pages, hist):
+            for row, h in zip(pages, hist, strict=True):
                 keep += range(offset, offset + h)
                 offset += len(row) * P
             self.end_rows = torch.tensor(keep, dtype=torch.int64, device=device)
@@ -184,7 +184,7 @@ class StagedStep:
     def _quantize_staged(self, c: OpConstants, stage: tuple, pools: tuple) -> None:
         """Staged history rows of the ending rows -> their quant pages: positions ``[S0, S0 + h)``
         written at once after the sink (L = S0, W = 0: straight into history rows 0..h-1)."""
-        H, P, D = self.layout.num_kv_heads, self.layout.page_size, self.layout.head_dim
+        H, D = self.layout.num_kv_heads, self.layout.head_dim
 
         def rows(pool):  # [n_pages, H, P, D] -> [n_pages * P, H, D] -> the kept rows
             return pool.index_select(0, self.end_pages).transpose(1, 2).reshape(-1, H, D).index_select(0, self.end_rows)

@@ -151,7 +151,8 @@ class StepDecoder:
     def decode(self, message: dict) -> Batch:
         tables = {kind: self._tables[kind].decode(message[kind]) for kind in _TABLE_KINDS if kind in message}
         staging = tuple(tables.pop("staging_tables", ()))
-        positions = [list(range(L, L + len(ids))) for L, ids in zip(message["cache_lens"], message["token_ids"])]
+        positions = [list(range(L, L + len(ids)))
+                     for L, ids in zip(message["cache_lens"], message["token_ids"], strict=True)]
         return Batch(seq_ids=message["seq_ids"], token_ids=message["token_ids"], positions=positions,
                      cache_lens=message["cache_lens"], history_lens=message["history_lens"],
                      context_token_ids=[()] * len(message["seq_ids"]), layout=self.layout,
