@@ -13,7 +13,16 @@ import triton
 import triton.language as tl
 
 from oscar_compile.kernels.attention_blocks_triton import (
-    NEG_INIT, full_block, merge_partials, page_rows, program_ids, query_rows, seq_of_program, split_range, store_rows)
+    NEG_INIT,
+    full_block,
+    merge_partials,
+    page_rows,
+    program_ids,
+    query_rows,
+    seq_of_program,
+    split_range,
+    store_rows,
+)
 from oscar_compile.kernels.attention_triton import LOG2E, check_output, dot_dtype, plan_launch, query_block_prefix
 
 

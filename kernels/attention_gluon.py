@@ -51,9 +51,6 @@ from __future__ import annotations
 import triton
 
 from oscar_compile.kernels.attention_blocks_triton import merge_partials
-from oscar_compile.kernels.attention_triton import LOG2E, MAX_SPLIT_TOKENS, plan_window_splits
-from oscar_compile.kernels.device import num_sms
-from oscar_compile.kernels.pools import attention_output_for
 from oscar_compile.kernels.attention_gluon_tiles import (
     NEG_INIT,
     TILE,
@@ -61,11 +58,11 @@ from oscar_compile.kernels.attention_gluon_tiles import (
     _allocate_history_stages,
     _block_pages,
     _copy_step,
-    _read_step,
     _kappa_channel,
     _key_operand,
     _mma_layout,
     _pow2,
+    _read_step,
     _rows_layout,
     _seq_of_token,
     _slot_ok,
@@ -73,6 +70,8 @@ from oscar_compile.kernels.attention_gluon_tiles import (
     _value_channel,
     _value_operand,
 )
+from oscar_compile.kernels.attention_triton import LOG2E, MAX_SPLIT_TOKENS, plan_window_splits
+from oscar_compile.kernels.device import num_sms
 from oscar_compile.kernels.gluon_compat import (
     fence_async_shared,
     gl,
@@ -82,6 +81,8 @@ from oscar_compile.kernels.gluon_compat import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from oscar_compile.kernels.pools import attention_output_for
+
 
 @gluon.jit
 def _history_part(q_row, sqh, qt_row, kvh, lo, hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,

@@ -27,8 +27,19 @@ import triton
 import triton.language as tl
 
 from oscar_compile.kernels.attention_blocks_triton import (
-    CODE_EXP, NEG_INIT, full_block, group_params, history_block, history_rows, merge_partials,
-    page_rows, plane_factor, program_ids, query_rows, store_rows)
+    CODE_EXP,
+    NEG_INIT,
+    full_block,
+    group_params,
+    history_block,
+    history_rows,
+    merge_partials,
+    page_rows,
+    plane_factor,
+    program_ids,
+    query_rows,
+    store_rows,
+)
 from oscar_compile.kernels.device import num_sms
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, attention_output_for
 from oscar_compile.kernels.quant_triton import interpreting

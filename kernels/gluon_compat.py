@@ -20,12 +20,12 @@ GLUON_IMPORT_ERROR: str | None = None
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp_async
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp_async
 except Exception as exc:  # noqa: BLE001 - any failure means "no Gluon here"
     GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
     gluon = gl = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = _cp_async = None

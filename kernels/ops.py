@@ -37,14 +37,21 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from typing import Optional
 
 import torch
 from torch import Tensor
 
 from oscar_compile.formats.op_args import (
-    AttentionArgs, AttentionBf16Args, CacheWriteArgs, CacheWriteBf16Args, RmsNormArgs, RopeArgs, RotateArgs,
-    SiluMulArgs, op_schema)
+    AttentionArgs,
+    AttentionBf16Args,
+    CacheWriteArgs,
+    CacheWriteBf16Args,
+    RmsNormArgs,
+    RopeArgs,
+    RotateArgs,
+    SiluMulArgs,
+    op_schema,
+)
 from oscar_compile.kernels.attention_bf16_ref import attention_bf16_ref, cache_write_bf16_ref
 from oscar_compile.kernels.attention_ref import attention_ref
 from oscar_compile.kernels.cache_write_ref import cache_write_ref
@@ -60,13 +67,13 @@ def _register(definition: type):
     return torch.library.custom_op(definition.OP, mutates_args=definition.MUTATES, schema=op_schema(definition))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_available() -> bool:
     """True when Triton can be imported (checked once, without importing it here)."""
     return importlib.util.find_spec("triton") is not None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _triton_impl(module: str, name: str):
     """The Triton wrapper ``oscar_compile.kernels.<module>.<name>``, or None without Triton / module."""
     full = f"oscar_compile.kernels.{module}"
@@ -75,7 +82,7 @@ def _triton_impl(module: str, name: str):
     return getattr(importlib.import_module(full), name)
 
 
-def _rotate_tokens_ref(k: Tensor, rot: Tensor, mean: Optional[Tensor]) -> Tensor:
+def _rotate_tokens_ref(k: Tensor, rot: Tensor, mean: Tensor | None) -> Tensor:
     # k: [N, H_kv, D] -> rotate sees [1, H_kv, N, D]
     return rotate_ref(k.transpose(0, 1).unsqueeze(0), rot, mean).squeeze(0).transpose(0, 1)
 

@@ -7,8 +7,8 @@ optionally the state after prefix-cache hits past the sink (``history_lens``).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -27,11 +27,11 @@ _LAZY = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from .artifact import ArtifactError, Rotations
-    from .checkpoint import load_compressed, save_compressed
     from .calibration import calibrate
-    from .passes import apply, backend
+    from .checkpoint import load_compressed, save_compressed
     from .compress import compress
     from .llm import LLM
+    from .passes import apply, backend
     from .runtime.core.sampling_params import SamplingParams
     from .spec import CompressionSpec, SpecError
 
@@ -42,4 +42,19 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'oscar_compile' has no attribute {name!r}")
 
 
-__all__ = sorted(_LAZY) + ["__version__"]
+# A literal list (the sorted names of _LAZY, then __version__) so that linters see the imports above used.
+__all__ = [
+    "ArtifactError",
+    "CompressionSpec",
+    "LLM",
+    "Rotations",
+    "SamplingParams",
+    "SpecError",
+    "apply",
+    "backend",
+    "calibrate",
+    "compress",
+    "load_compressed",
+    "save_compressed",
+    "__version__",
+]

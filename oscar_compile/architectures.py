@@ -70,7 +70,7 @@ class ModelFingerprint:
     head_dim: int
 
     @classmethod
-    def of(cls, model) -> "ModelFingerprint":
+    def of(cls, model) -> ModelFingerprint:
         """The fingerprint of a loaded model, or of a Hugging Face config (before loading weights)."""
         if isinstance(model, nn.Module):
             cfg, architecture = model.config, type(model).__name__
@@ -95,10 +95,10 @@ class ModelFingerprint:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "ModelFingerprint":
+    def from_json(cls, text: str) -> ModelFingerprint:
         return cls(**json.loads(text))
 
-    def differences(self, other: "ModelFingerprint") -> list[str]:
+    def differences(self, other: ModelFingerprint) -> list[str]:
         """Human-readable list of the fields that differ (empty when they match)."""
         mine, theirs = asdict(self), asdict(other)
         return [f"{k}: artifact has {mine[k]!r}, model has {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
 
 import torch
 from safetensors import safe_open
@@ -55,10 +54,10 @@ class Rotations:
         return len(self.k)
 
     @property
-    def k_mean(self) -> list[Optional[torch.Tensor]]:
+    def k_mean(self) -> list[torch.Tensor | None]:
         return [e.get("k_mean") for e in self.extras]
 
-    def extra(self, layer: int, name: str) -> Optional[torch.Tensor]:
+    def extra(self, layer: int, name: str) -> torch.Tensor | None:
         return self.extras[layer].get(name)
 
     # -- checks ----------------------------------------------------------------------------
@@ -90,7 +89,7 @@ class Rotations:
             raise ArtifactError("rotations were made for another model:\n  " + "\n  ".join(diffs))
 
     # -- I/O -------------------------------------------------------------------------------
-    def save(self, path: Union[str, Path]) -> None:
+    def save(self, path: str | Path) -> None:
         from ._version import __version__
 
         tensors = {}
@@ -110,7 +109,7 @@ class Rotations:
         save_file(tensors, str(path), metadata=metadata)
 
     @classmethod
-    def load(cls, path: Union[str, Path], model: Optional[torch.nn.Module] = None) -> "Rotations":
+    def load(cls, path: str | Path, model: torch.nn.Module | None = None) -> Rotations:
         """Read and check an artifact; with ``model``, also check it was made for that model."""
         path = Path(path)
         if not path.is_file():
@@ -157,7 +156,7 @@ class Rotations:
 REFERENCE_FORMAT_VERSIONS = (1, 2)
 
 
-def _reference_payload(rots: list[torch.Tensor], eigvals: list[Optional[torch.Tensor]], objective: str,
+def _reference_payload(rots: list[torch.Tensor], eigvals: list[torch.Tensor | None], objective: str,
                        format_version: int) -> dict:
     layers = {}
     for i, (r, ev) in enumerate(zip(rots, eigvals, strict=True)):
@@ -174,8 +173,8 @@ def _heads_equal(rots: list[torch.Tensor]) -> bool:
     return all(bool((r - r[:1]).abs().max() == 0) for r in rots)
 
 
-def export_reference(rot: Rotations, k_path: Union[str, Path], v_path: Union[str, Path],
-                     format_version: Optional[int] = None) -> None:
+def export_reference(rot: Rotations, k_path: str | Path, v_path: str | Path,
+                     format_version: int | None = None) -> None:
     """Write the key and value rotations as the reference release's two torch files.
 
     ``format_version``: 1 (one [D, D] per layer; refused when the KV heads of a layer differ), 2
@@ -196,7 +195,7 @@ def export_reference(rot: Rotations, k_path: Union[str, Path], v_path: Union[str
     torch.save(_reference_payload(rot.v, v_eig, v_objective, format_version), str(v_path))
 
 
-def _read_reference(path: Union[str, Path], fp: ModelFingerprint) -> tuple[list[torch.Tensor], list]:
+def _read_reference(path: str | Path, fp: ModelFingerprint) -> tuple[list[torch.Tensor], list]:
     try:
         payload = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises pickle / zip errors of several types
@@ -228,7 +227,7 @@ def _read_reference(path: Union[str, Path], fp: ModelFingerprint) -> tuple[list[
 
 
 def import_reference(
-    k_path: Union[str, Path], v_path: Union[str, Path], fingerprint: ModelFingerprint, spec: CompressionSpec
+    k_path: str | Path, v_path: str | Path, fingerprint: ModelFingerprint, spec: CompressionSpec
 ) -> Rotations:
     """Load the reference release's key/value rotation files (format_version 1 or 2, read with
     weights_only) into a :class:`Rotations`."""

@@ -25,7 +25,6 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
 
 import torch
 from safetensors import safe_open
@@ -59,9 +58,9 @@ class Compression:
     rotations_path: Path
     rotations_sha256: str
     library_version: str
-    dtype: Optional[str]  # the dtype the weights were written in (config.json's)
+    dtype: str | None  # the dtype the weights were written in (config.json's)
 
-    def load_rotations(self, model: Optional[torch.nn.Module] = None) -> Rotations:
+    def load_rotations(self, model: torch.nn.Module | None = None) -> Rotations:
         """The rotation file, hash-checked, then checked by :meth:`Rotations.load` (orthogonality,
         shapes and, with ``model``, the fingerprint)."""
         if not self.rotations_path.is_file():
@@ -85,7 +84,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def compression_of(model_dir: Union[str, Path]) -> Optional[Compression]:
+def compression_of(model_dir: str | Path) -> Compression | None:
     """The compression block of ``model_dir/config.json``; None for a plain Hugging Face directory."""
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
@@ -183,7 +182,7 @@ def _write_weights(out_dir: Path, plan: dict[str, list[str]], state: dict[str, t
         (out_dir / _INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def write_tokenizer(source_dir: Union[str, Path, None], out_dir: Path, tokenizer=None) -> None:
+def write_tokenizer(source_dir: str | Path | None, out_dir: Path, tokenizer=None) -> None:
     """``tokenizer.save_pretrained(out_dir)``, else a copy of the tokenizer files of ``source_dir``."""
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
@@ -196,8 +195,8 @@ def write_tokenizer(source_dir: Union[str, Path, None], out_dir: Path, tokenizer
         logger.warning("no tokenizer written: pass tokenizer= (the model's source %s has none)", source)
 
 
-def save_compressed(model: torch.nn.Module, spec: Union[CompressionSpec, str, Path],
-                    rotations: Union[Rotations, str, Path], out_dir: Union[str, Path], tokenizer=None) -> Path:
+def save_compressed(model: torch.nn.Module, spec: CompressionSpec | str | Path,
+                    rotations: Rotations | str | Path, out_dir: str | Path, tokenizer=None) -> Path:
     """Write ``model`` (as loaded, before ``apply``) compressed with ``spec`` and ``rotations`` to
     ``out_dir``, a directory ``load_compressed``, ``LLM(out_dir)`` and ``serve --model`` take as it is."""
     if hasattr(model, "_oscar_compile_report"):
@@ -235,7 +234,7 @@ def save_compressed(model: torch.nn.Module, spec: Union[CompressionSpec, str, Pa
 
 
 # -- reading ---------------------------------------------------------------------------------
-def load_compressed(model_dir: Union[str, Path], device: str = "auto", dtype=None, fuse: bool = True):
+def load_compressed(model_dir: str | Path, device: str = "auto", dtype=None, fuse: bool = True):
     """The model of a compressed checkpoint, with ``apply`` done: (model, tokenizer).
 
     ``dtype`` None loads the dtype the checkpoint was written in (its folded weights exactly).

@@ -26,15 +26,8 @@ def compress(model: torch.nn.Module, spec, rotations, config: EngineConfig | Non
 
     ``values_folded``: the model is a compressed checkpoint whose weights hold R_V already
     (``oscar_compile.checkpoint``); ``rotations`` are then its own, checked on load."""
-    import dataclasses
 
-    from oscar_compile.artifact import Rotations
-    from oscar_compile.calibration import calibrate
-    from oscar_compile.passes import apply
-    from oscar_compile.runtime.worker.compressed_runner import compressed_layout, runner_factory
-    from oscar_compile.spec import CompressionSpec
 
-    from oscar_compile.spec_fit import fit_spec_to_model
 
     if not isinstance(spec, CompressionSpec):
         spec = CompressionSpec.from_yaml(spec)

@@ -7,7 +7,6 @@ equally important to attention; Lemma 1 forces it for R = U H P.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -19,9 +18,9 @@ from .rotation_math import orthogonality_error
 class RotationHealth:
     layer: int
     kind: str  # "k" or "v"
-    eigen_spread: Optional[float]  # largest eigenvalue over the mean eigenvalue
-    importance_before: Optional[float]
-    importance_after: Optional[float]
+    eigen_spread: float | None  # largest eigenvalue over the mean eigenvalue
+    importance_before: float | None
+    importance_after: float | None
     orthogonality_error: float
 
 

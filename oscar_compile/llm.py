@@ -60,7 +60,7 @@ class LLM:
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -38,7 +38,7 @@ def _paley1(q: int) -> torch.Tensor:
     return torch.eye(q + 1, dtype=torch.float64) + s
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hadamard64(d: int) -> torch.Tensor:
     if _is_power_of_two(d):
         return _sylvester(d)

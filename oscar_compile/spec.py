@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -37,7 +37,7 @@ class KVCacheSpec(_Strict):
     page_size: int = Field(16, ge=1, le=1024, description="tokens per cache page")
 
     @model_validator(mode="after")
-    def _windows_fill_pages(self) -> "KVCacheSpec":
+    def _windows_fill_pages(self) -> KVCacheSpec:
         for name in ("sink_tokens", "recent_tokens"):
             if getattr(self, name) % self.page_size:
                 raise ValueError(
@@ -79,32 +79,32 @@ class OptRSpec(_Strict):
 
 # Overrides name a subset of fields; unset ones fall back to the top-level section.
 class KVCacheOverride(_Strict):
-    bits: Optional[Bits] = None
-    group_size: Optional[int] = Field(None, ge=1, le=1024)
-    scale_dtype: Optional[ScaleDType] = None
-    sink_tokens: Optional[int] = Field(None, ge=0)
-    recent_tokens: Optional[int] = Field(None, ge=0)
+    bits: Bits | None = None
+    group_size: int | None = Field(None, ge=1, le=1024)
+    scale_dtype: ScaleDType | None = None
+    sink_tokens: int | None = Field(None, ge=0)
+    recent_tokens: int | None = Field(None, ge=0)
 
 
 class KeyOverride(_Strict):
-    rotation: Optional[RotationMethod] = None
-    granularity: Optional[Granularity] = None
-    clip_ratio: Optional[float] = Field(None, gt=0.0, le=1.0)
-    center: Optional[bool] = None
+    rotation: RotationMethod | None = None
+    granularity: Granularity | None = None
+    clip_ratio: float | None = Field(None, gt=0.0, le=1.0)
+    center: bool | None = None
 
 
 class ValueOverride(_Strict):
-    rotation: Optional[RotationMethod] = None
-    granularity: Optional[Granularity] = None
-    clip_ratio: Optional[float] = Field(None, gt=0.0, le=1.0)
-    target: Optional[ValueTarget] = None
+    rotation: RotationMethod | None = None
+    granularity: Granularity | None = None
+    clip_ratio: float | None = Field(None, gt=0.0, le=1.0)
+    target: ValueTarget | None = None
 
 
 class LayerOverride(_Strict):
     match: list[int] = Field(description="layer indices; negative counts from the last layer")
-    kv_cache: Optional[KVCacheOverride] = None
-    key: Optional[KeyOverride] = None
-    value: Optional[ValueOverride] = None
+    kv_cache: KVCacheOverride | None = None
+    key: KeyOverride | None = None
+    value: ValueOverride | None = None
 
 
 class LayerSpec(_Strict):
@@ -121,7 +121,7 @@ class LayerSpec(_Strict):
         return self.kv_cache.bits != 16
 
 
-def _merge(base: BaseModel, override: Optional[BaseModel]) -> BaseModel:
+def _merge(base: BaseModel, override: BaseModel | None) -> BaseModel:
     if override is None:
         return base
     changes = {k: v for k, v in override.model_dump().items() if v is not None}
@@ -140,7 +140,7 @@ class CompressionSpec(_Strict):
     layers: list[LayerOverride] = []
 
     @model_validator(mode="after")
-    def _overrides_resolve(self) -> "CompressionSpec":
+    def _overrides_resolve(self) -> CompressionSpec:
         for i, override in enumerate(self.layers):
             try:
                 _merge(self.kv_cache, override.kv_cache)
@@ -151,7 +151,7 @@ class CompressionSpec(_Strict):
 
     # -- loading ---------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: Any, source: str = "spec") -> "CompressionSpec":
+    def from_dict(cls, data: Any, source: str = "spec") -> CompressionSpec:
         if not isinstance(data, dict):
             raise SpecError(f"{source}: the spec must be a mapping at the top level, got {type(data).__name__}")
         try:
@@ -160,7 +160,7 @@ class CompressionSpec(_Strict):
             raise SpecError(_format_errors(err, source)) from None
 
     @classmethod
-    def from_yaml(cls, path: Union[str, Path]) -> "CompressionSpec":
+    def from_yaml(cls, path: str | Path) -> CompressionSpec:
         path = Path(path)
         try:
             data = yaml.safe_load(path.read_text())
@@ -169,7 +169,7 @@ class CompressionSpec(_Strict):
         return cls.from_dict(data if data is not None else {}, source=str(path))
 
     @classmethod
-    def from_json(cls, text: str) -> "CompressionSpec":
+    def from_json(cls, text: str) -> CompressionSpec:
         return cls.from_dict(json.loads(text), source="json")
 
     def to_json(self) -> str:

@@ -21,7 +21,7 @@ fitted to returns it unchanged, so a door called with one does no work.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import PrivateAttr
 
@@ -38,7 +38,7 @@ class FittedTo:
 
     head_dim: int
     num_layers: int
-    model: Optional[str] = None
+    model: str | None = None
 
     def describe(self) -> str:
         return f"{self.model or 'the model'} (head_dim {self.head_dim}, {self.num_layers} layers)"
@@ -52,7 +52,7 @@ class FittedSpec(CompressionSpec):
     compares equal to a plain spec with the same fields.
     """
 
-    _fitted_to: Optional[FittedTo] = PrivateAttr(default=None)
+    _fitted_to: FittedTo | None = PrivateAttr(default=None)
 
     @property
     def fitted_to(self) -> FittedTo:
@@ -67,7 +67,7 @@ class FittedSpec(CompressionSpec):
 
     __hash__ = CompressionSpec.__hash__
 
-    def model_copy(self, *, update: Optional[dict] = None, deep: bool = False) -> CompressionSpec:
+    def model_copy(self, *, update: dict | None = None, deep: bool = False) -> CompressionSpec:
         """A copy that changes the cache settings is a new spec, to be fitted again: a plain one."""
         if update and {"kv_cache", "layers"} & set(update):
             return CompressionSpec.model_validate({**dict(self), **update})
@@ -80,7 +80,7 @@ def _cap_group(kv, head_dim: int):
     return kv.model_copy(update={"group_size": head_dim})
 
 
-def fit_spec(spec: CompressionSpec, head_dim: int, num_layers: int, model: Optional[str] = None) -> FittedSpec:
+def fit_spec(spec: CompressionSpec, head_dim: int, num_layers: int, model: str | None = None) -> FittedSpec:
     """``spec`` resolved for a model of ``num_layers`` layers with ``head_dim`` channels per head.
 
     Raises :class:`SpecDoesNotFitModel` (a ``ValueError``) naming the model and every layer that

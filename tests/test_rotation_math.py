@@ -5,8 +5,8 @@ from oscar_compile.rotation_math import (
     bit_reversal_order,
     bit_reversal_permutation,
     hadamard,
-    oscar_rotation,
     orthogonality_error,
+    oscar_rotation,
 )
 
 

@@ -35,7 +35,7 @@ def test_fitting_a_fitted_spec_to_its_model_is_a_no_op_and_to_another_an_error()
 
 def test_only_fit_spec_makes_one_and_a_copy_with_new_cache_settings_is_plain_again():
     with pytest.raises(TypeError, match="made by oscar_compile.spec_fit.fit_spec"):
-        FittedSpec().fitted_to
+        _ = FittedSpec().fitted_to
     fitted = fit_spec(shipped_spec("oscar-int2"), 64, 4)
     calibration = fitted.calibration.model_copy(update={"num_tokens": 1024})
     assert isinstance(fitted.model_copy(update={"calibration": calibration}), FittedSpec)

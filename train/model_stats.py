@@ -34,7 +34,6 @@ import numpy as np
 import torch
 
 
-
 def load_needle_module():
     """Import oscar_compile/data/needle.py by path: training must not depend on the rest of
     the package (other parts of the repo may be mid-change when the GPU run is made)."""

@@ -165,8 +165,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     log("torch", torch.__version__, "device", torch.cuda.get_device_name() if dev == "cuda" else "cpu", vars(args))
 
-    from transformers import AutoTokenizer
     import transformers
+    from transformers import AutoTokenizer
     log("transformers", transformers.__version__)
     tok = AutoTokenizer.from_pretrained(str(data / "tokenizer"))
     stream = load_stream(data)

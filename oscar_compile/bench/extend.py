@@ -18,8 +18,21 @@ from __future__ import annotations
 import torch
 
 from oscar_compile.bench.kernel_setup import (
-    BITS, D, GROUP, H_KV, H_Q, P, RECENT, SINK, graph_time_us, make_tables, num_buffers, quantized_bytes,
-    quantized_layer, rel_err)
+    BITS,
+    GROUP,
+    H_KV,
+    H_Q,
+    RECENT,
+    SINK,
+    D,
+    P,
+    graph_time_us,
+    make_tables,
+    num_buffers,
+    quantized_bytes,
+    quantized_layer,
+    rel_err,
+)
 from oscar_compile.kernels import ops
 
 # (cached, batch): chunks 2 and 4 of an 8k prompt at batch 8, one deep into a 32k prompt
@@ -47,8 +60,7 @@ def _errors(fns: dict, q, k, v, cu, lens, layer, scale, B: int) -> dict:
 def bench_extend(cached: int, B: int, chunk: int = 2048, check: bool = True, device: str = "cuda") -> dict:
     """One row: the three paths' µs per layer, tokens/s, ratios to paged BF16 and errors
     (``device`` other than CUDA: only for a smoke test of this code under the interpreter)."""
-    from oscar_compile.kernels.attention_extend_triton import (MAX_SCRATCH_BYTES, attention_extend_triton,
-                                                               scratch_bytes)
+    from oscar_compile.kernels.attention_extend_triton import MAX_SCRATCH_BYTES, attention_extend_triton, scratch_bytes
     from oscar_compile.kernels.attention_triton import attention_triton
     from oscar_compile.kernels.cache_dequant_triton import dequantize_cache_triton
 

@@ -32,11 +32,27 @@ import torch
 
 from oscar_compile.bench.extend import EXTEND_SHAPES, bench_extend
 from oscar_compile.bench.kernel_setup import (  # noqa: F401  (re-exported for the prototypes in docs/findings.md)
-    BITS, D, GROUP, H_KV, H_Q, HBM_BYTES_PER_S, LAYERS, P, RECENT, SINK, graph_time_us, make_tables, num_buffers,
-    quantized_bytes, quantized_layer, rel_err)
+    BITS,
+    GROUP,
+    H_KV,
+    H_Q,
+    HBM_BYTES_PER_S,
+    LAYERS,
+    RECENT,
+    SINK,
+    D,
+    P,
+    graph_time_us,
+    make_tables,
+    num_buffers,
+    quantized_bytes,
+    quantized_layer,
+    rel_err,
+)
 from oscar_compile.formats.op_args import POOLS, CacheWriteArgs
 from oscar_compile.kernels import ops
 from oscar_compile.kernels.cache_write_triton import cache_write_triton
+
 
 def bench_attention(ctx: int, B: int, check: bool) -> dict:
     dev = torch.device("cuda")
@@ -231,7 +247,7 @@ def write_args(k, v, cu, lens, tables, pools) -> CacheWriteArgs:
     """The ``oscar::cache_write`` arguments of the benchmark layer (clip ratios 0.96 / 0.92)."""
     wt, qt = tables
     return CacheWriteArgs(k=k, v=v, cu_seqlens=cu, cache_lens=lens, window_table=wt, quant_table=qt,
-                          **dict(zip(POOLS, pools)), sink=SINK, recent=RECENT, bits=BITS, group_size=GROUP,
+                          **dict(zip(POOLS, pools, strict=True)), sink=SINK, recent=RECENT, bits=BITS, group_size=GROUP,
                           clip_k=0.96, clip_v=0.92)
 
 
@@ -275,7 +291,7 @@ def bench_write_variants() -> list[dict]:
             for num_warps in (1, 2, 4):
                 kw = dict(block_t=block_t, num_warps=num_warps)
                 try:
-                    t = graph_time_us([lambda: cache_write_triton(**a._asdict(), **kw)] * LAYERS)
+                    t = graph_time_us([lambda a=a, kw=kw: cache_write_triton(**a._asdict(), **kw)] * LAYERS)
                     out.append({"batch": B, **kw, "us_per_layer": t})
                 except Exception as e:
                     out.append({"batch": B, **kw, "error": repr(e)[:300]})
@@ -291,14 +307,16 @@ def bench_write(check: bool) -> dict:
     mean = torch.randn(H_KV, D, device=dev)
     for B in (1, 8, 32, 64):
         a = decode_write_inputs(B, dev)
-        t = graph_time_us([lambda: ops.cache_write(*a)] * LAYERS)
-        tr = graph_time_us([lambda: ops.cache_write(*a._replace(rot_k=rot, mean_k=mean))] * LAYERS)
+        t = graph_time_us([lambda a=a: ops.cache_write(*a)] * LAYERS)
+        tr = graph_time_us([lambda a=a: ops.cache_write(*a._replace(rot_k=rot, mean_k=mean))] * LAYERS)
         entry = {"batch": B, "us_per_layer": t, "us_per_layer_with_rotation": tr}
         if check:  # the oracle is the CPU reference (see tests/kernels/test_cache_write_triton.py)
             ref = on_cpu(a)
             reference_write(ref)
             cache_write_triton(**a._asdict())
-            entry["bitwise_equal"] = all(torch.equal(x.cpu(), y) for x, y in zip(pools_of(a), pools_of(ref)))
+            entry["bitwise_equal"] = all(
+                torch.equal(x.cpu(), y) for x, y in zip(pools_of(a), pools_of(ref), strict=True)
+            )
         res["decode"].append(entry)
     for B, T in ((1, 32768), (8, 4096)):
         N = B * T
@@ -308,14 +326,18 @@ def bench_write(check: bool) -> dict:
         cu = torch.arange(B + 1, device=dev, dtype=torch.int32) * T
         lens = torch.zeros(B, device=dev, dtype=torch.int32)
         a = write_args(k, v, cu, lens, tables, pools)
-        t = graph_time_us([lambda: ops.cache_write(*a)], reps=10)
+        t = graph_time_us([lambda a=a: ops.cache_write(*a)], reps=10)
         entry = {"batch": B, "tokens": N, "us": t, "tokens_per_s": N / (t * 1e-6)}
         if check and N <= 32768:  # both from zeroed pools
-            ref = on_cpu(a)._replace(**{name: torch.zeros_like(x, device="cpu") for name, x in zip(POOLS, pools)})
-            got = a._replace(**{name: torch.zeros_like(x) for name, x in zip(POOLS, pools)})
+            ref = on_cpu(a)._replace(
+                **{name: torch.zeros_like(x, device="cpu") for name, x in zip(POOLS, pools, strict=True)}
+            )
+            got = a._replace(**{name: torch.zeros_like(x) for name, x in zip(POOLS, pools, strict=True)})
             reference_write(ref)
             cache_write_triton(**got._asdict())
-            entry["bitwise_equal"] = all(torch.equal(x.cpu(), y) for x, y in zip(pools_of(got), pools_of(ref)))
+            entry["bitwise_equal"] = all(
+                torch.equal(x.cpu(), y) for x, y in zip(pools_of(got), pools_of(ref), strict=True)
+            )
         res["prefill"].append(entry)
     return res
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

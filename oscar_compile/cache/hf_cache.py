@@ -15,8 +15,6 @@ sink, recent window and history count its own tokens only.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
@@ -36,7 +34,7 @@ class _PagedLayer(CacheLayerMixin):
         super().__init__()
         self.format = fmt
         self.num_positions = 0  # positions seen, pads included (what HF's masks count)
-        self.cache_lens: Optional[torch.Tensor] = None  # [B] int32 real tokens cached per row
+        self.cache_lens: torch.Tensor | None = None  # [B] int32 real tokens cached per row
 
     def update(self, key_states, value_states, *args, **kwargs):
         raise NotImplementedError("an oscar cache layer is written by the oscar:: cache-write ops, not Cache.update")
@@ -86,8 +84,8 @@ class OscarLayer(_PagedLayer):
     def __init__(self, fmt: LayerFormat):
         super().__init__(fmt)
         self.pools = None
-        self.window_table: Optional[torch.Tensor] = None  # [B, (S0 + W) / P] int32
-        self.page_table: Optional[torch.Tensor] = None  # the history (quant) table [B, pages per row]
+        self.window_table: torch.Tensor | None = None  # [B, (S0 + W) / P] int32
+        self.page_table: torch.Tensor | None = None  # the history (quant) table [B, pages per row]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H_kv, _, D = key_states.shape
@@ -170,14 +168,14 @@ class OscarCache(Cache, PagedAttentionCache):
     the same two over its own pages.
     """
 
-    def __init__(self, layers: list[Optional[LayerFormat]]):
+    def __init__(self, layers: list[LayerFormat | None]):
         """``layers[i]``: the pools of layer i; None gives a placeholder ``DynamicLayer`` (a cache
         that keeps its pages itself, as the runtime's StepCache)."""
         layers = [DynamicLayer() if g is None else _new_layer(g) for g in layers]
         super().__init__(layers=layers)
-        self.step_mask: Optional[torch.Tensor] = None  # [B, T] bool: the real new tokens of this forward
+        self.step_mask: torch.Tensor | None = None  # [B, T] bool: the real new tokens of this forward
 
-    def begin_step(self, attention_mask: Optional[torch.Tensor], num_new: int) -> None:
+    def begin_step(self, attention_mask: torch.Tensor | None, num_new: int) -> None:
         """Record which of the ``num_new`` tokens of the coming forward are real (not padding)."""
         self.step_mask = None if attention_mask is None else attention_mask[:, -num_new:].bool()
 

@@ -8,8 +8,6 @@ throwaway HF cache layer (``hf_cache``), which itself implements the contract.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..formats.cache import LayerFormat
@@ -17,7 +15,7 @@ from .contract import PagedAttentionCache
 from .hf_cache import uncached_layer_inputs, uncached_layer_outputs
 
 
-def layer_inputs(cache: Optional[object], layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def layer_inputs(cache: object | None, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  **layer_fields) -> tuple:
     """Graph node: the op inputs for the new tokens (see ``contract.layer_input_names``).
 
@@ -31,7 +29,7 @@ def layer_inputs(cache: Optional[object], layer_idx: int, q: torch.Tensor, k: to
     return uncached_layer_inputs(q, k, v, layer)
 
 
-def layer_outputs(cache: Optional[object], layer_idx: int, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def layer_outputs(cache: object | None, layer_idx: int, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Graph node: scatter the ops' output [N, H_q, D] back and advance the cache lengths."""
     if isinstance(cache, PagedAttentionCache):
         return cache.oscar_layer_outputs(layer_idx, out, q)

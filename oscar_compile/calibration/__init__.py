@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections.abc
 import logging
-from typing import Iterable, Optional, Union
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from .stats import LayerStats
 
 logger = logging.getLogger(__name__)
 
-Batch = Union[torch.Tensor, dict]
+Batch = torch.Tensor | dict
 
 
 def _needs_data(layer: LayerSpec) -> bool:
@@ -81,7 +81,7 @@ def _refine_with_optr(model, spec: CompressionSpec, layers, solved, traces, prog
         bar.close()
 
 
-def _unpack(batch: Batch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _unpack(batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A batch is token ids [B, T] or a dict with ``input_ids`` (and optionally ``attention_mask``)."""
     if isinstance(batch, dict):
         if "input_ids" not in batch:
@@ -123,7 +123,7 @@ def _run_pass(model, batches, callback, token_mask_box, progress, description) -
 def calibrate(
     model: nn.Module,
     spec: CompressionSpec,
-    batches: Optional[Iterable[Batch]] = None,
+    batches: Iterable[Batch] | None = None,
     progress: bool = False,
 ) -> Rotations:
     """Calibrate the rotations ``spec`` asks for on ``model`` (a supported HF causal LM).

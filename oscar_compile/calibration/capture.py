@@ -6,7 +6,7 @@ keys, the values and the attention output of every layer (see attention_override
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn

@@ -7,8 +7,6 @@ after the first (``add``) has finished C_Q.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
@@ -18,7 +16,7 @@ def _gram(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(-1, -2) @ x
 
 
-def _by_kv_head(x: torch.Tensor, num_kv_heads: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
+def _by_kv_head(x: torch.Tensor, num_kv_heads: int, mask: torch.Tensor | None) -> torch.Tensor:
     """[B, H, T, D] -> [H_kv, n, D]: every token of every query head of a KV head, masked tokens dropped."""
     B, H, T, D = x.shape
     x = x.transpose(1, 2)  # [B, T, H, D]
@@ -35,17 +33,17 @@ class LayerStats:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.num_tokens = 0
         self.gqa_ratio = 0
-        self.qq: Optional[torch.Tensor] = None  # [H_kv, D, D] sum over tokens and the g query heads
-        self.oo: Optional[torch.Tensor] = None  # same, attention outputs (the value target C_S)
-        self.k_sum: Optional[torch.Tensor] = None  # [H_kv, D]
-        self.wvv: Optional[torch.Tensor] = None  # [H_kv, D, D] sum of w_t v_t^T v_t
-        self.w_sum: Optional[torch.Tensor] = None  # [H_kv]
+        self.qq: torch.Tensor | None = None  # [H_kv, D, D] sum over tokens and the g query heads
+        self.oo: torch.Tensor | None = None  # same, attention outputs (the value target C_S)
+        self.k_sum: torch.Tensor | None = None  # [H_kv, D]
+        self.wvv: torch.Tensor | None = None  # [H_kv, D, D] sum of w_t v_t^T v_t
+        self.w_sum: torch.Tensor | None = None  # [H_kv]
 
     @staticmethod
-    def _acc(total: Optional[torch.Tensor], new: torch.Tensor) -> torch.Tensor:
+    def _acc(total: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
         return new if total is None else total + new.to(total.device)
 
-    def add(self, q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
+    def add(self, q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, mask: torch.Tensor | None) -> None:
         """q: [B, H_q, T, D], k: [B, H_kv, T, D], out: [B, T, H_q, D], mask: [B, T] bool or None."""
         self.gqa_ratio = q.shape[1] // k.shape[1]
         qs = _by_kv_head(q, self.num_kv_heads, mask)
@@ -56,7 +54,7 @@ class LayerStats:
         self.oo = self._acc(self.oo, _gram(os_))
         self.k_sum = self._acc(self.k_sum, ks.double().sum(dim=1))
 
-    def add_value_weights(self, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
+    def add_value_weights(self, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Second pass: accumulate w_t v_t^T v_t with w_t = k_t C_Q(h) k_t^T (C_Q from the first pass)."""
         ks = _by_kv_head(k, self.num_kv_heads, mask).double()  # [H_kv, n, D]
         vs = _by_kv_head(v, self.num_kv_heads, mask).double()

@@ -7,7 +7,6 @@ text. The tokens are cut into ``seq_len`` windows, ``num_tokens`` in all, ``batc
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -29,7 +28,7 @@ def read_token_file(path: Path) -> torch.Tensor:
     return tokens.long().reshape(-1)
 
 
-def load_tokens(path: str | Path, tokenizer=None, max_tokens: Optional[int] = None) -> torch.Tensor:
+def load_tokens(path: str | Path, tokenizer=None, max_tokens: int | None = None) -> torch.Tensor:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no data file at {path}")
@@ -43,7 +42,7 @@ def load_tokens(path: str | Path, tokenizer=None, max_tokens: Optional[int] = No
 
 
 def make_batches(tokens: torch.Tensor, calibration: CalibrationSpec,
-                 bos_token_id: Optional[int] = None) -> list[torch.Tensor]:
+                 bos_token_id: int | None = None) -> list[torch.Tensor]:
     """Cut ``tokens`` into [batch_size, seq_len] batches (a BOS in front of each window when given)."""
     body = calibration.seq_len - (bos_token_id is not None)
     num_windows = min(len(tokens), calibration.num_tokens) // body

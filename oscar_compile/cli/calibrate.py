@@ -1,6 +1,7 @@
 """``oscar-compile calibrate`` and ``oscar-compile inspect``: make a rotation artifact, read one back."""
 from __future__ import annotations
 
+
 def cmd_calibrate(args) -> int:
     from ..calibration import calibrate
     from ..calibration.tokens import load_tokens, make_batches

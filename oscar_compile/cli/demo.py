@@ -72,7 +72,8 @@ def run_demo(args) -> int:
             update={"group_size": 64, "sink_tokens": 16, "recent_tokens": 64})})
     num_tokens = args.calib_tokens or spec.calibration.num_tokens
     model, tokenizer, calib, prompt_ids = (_tiny_setup if args.tiny else _model_setup)(args)
-    spec = spec.model_copy(update={"calibration": spec.calibration.model_copy(update={"num_tokens": num_tokens, "seq_len": min(spec.calibration.seq_len, 1024)})})
+    spec = spec.model_copy(update={"calibration": spec.calibration.model_copy(
+        update={"num_tokens": num_tokens, "seq_len": min(spec.calibration.seq_len, 1024)})})
     spec = fit_spec_to_model(spec, model)  # once: calibrate and apply take it as fitted
     bos = getattr(tokenizer, "bos_token_id", None)
     start = time.perf_counter()

@@ -27,8 +27,9 @@ Two layouts:
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 ADJECTIVES = (
     "amber", "bold", "brisk", "calm", "crimson", "dusty", "eager", "faint", "fierce", "gentle",

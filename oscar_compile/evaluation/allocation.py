@@ -12,9 +12,9 @@ can both miss the optimum and, rounding a fractional choice, the budget. Torch-f
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Optional, Sequence
 
 
 class BudgetError(ValueError):
@@ -26,7 +26,7 @@ class Choice:
     """One format a layer may take: its integer cost and its gain (None: not measured, not allowed)."""
 
     cost: int
-    gain: Optional[float]
+    gain: float | None
 
 
 def budget_units(budget: float | str | Fraction, row_elements: int, num_layers: int) -> int:

@@ -17,7 +17,8 @@ from .names import BUILTIN_VARIANT_NAMES, DEFAULT_METHODS, NEEDLE_MODES, TASKS
 HELP = "compare KV-cache compression methods side by side on held-out data (table, JSON, plots)"
 EPILOG = f"""\
 methods (--specs): spec .yaml files (named after the file stem), shipped spec names (the stems of
-specs/*.yaml: bf16, naive-int2, hadamard-int2, oscar-int2, oscar-optr-int2, oscar-int4), built-in variants ({', '.join(BUILTIN_VARIANT_NAMES)}),
+specs/*.yaml: bf16, naive-int2, hadamard-int2, oscar-int2, oscar-optr-int2, oscar-int4), \
+built-in variants ({', '.join(BUILTIN_VARIANT_NAMES)}),
 and the KIVI-style baseline kivi-int2 / kivi-int4 with optional -g<G> (group size, default 32)
 and -r<R> (full-precision residual, default 128), e.g. kivi-int2-g128-r256.
 Default: {' '.join(DEFAULT_METHODS)}.
@@ -42,9 +43,12 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--calib", default=None, help="calibration tokens/text (default: <model>/calib.bin)")
     p.add_argument("--data", default=None, help="held-out tokens/text (default: <model>/heldout.bin)")
     p.add_argument("--out", default="eval/results/latest", help="output folder (default: %(default)s)")
-    p.add_argument("--num-samples", type=int, default=d.num_samples, help="held-out windows per context (default: %(default)s)")
-    p.add_argument("--ppl-tokens", type=int, default=d.ppl_tokens, help="scored continuation tokens (default: %(default)s)")
-    p.add_argument("--gen-tokens", type=int, default=d.gen_tokens, help="greedy tokens for agreement (default: %(default)s)")
+    p.add_argument("--num-samples", type=int, default=d.num_samples,
+                   help="held-out windows per context (default: %(default)s)")
+    p.add_argument("--ppl-tokens", type=int, default=d.ppl_tokens,
+                   help="scored continuation tokens (default: %(default)s)")
+    p.add_argument("--gen-tokens", type=int, default=d.gen_tokens,
+                   help="greedy tokens for agreement (default: %(default)s)")
     p.add_argument("--metrics-context", type=int, default=None, help="window of the per-layer metrics "
                    "(default: the largest context)")
     p.add_argument("--metric-queries", type=int, default=d.metric_queries, help="scored query positions per "

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 from .names import DEFAULT_METHODS, NEEDLE_MODES, TASKS
 
@@ -22,25 +21,25 @@ class EvalConfig:
     calib_tokens: cap on every spec's ``calibration.num_tokens`` (and seq_len), for quick runs.
     """
 
-    model: Optional[str] = None
+    model: str | None = None
     specs: tuple[str, ...] = DEFAULT_METHODS
     contexts: tuple[int, ...] = (1024, 2048, 4096)
-    rotations_dir: Optional[str] = None
-    calib: Optional[str] = None
-    data: Optional[str] = None
-    out: Optional[str] = None
+    rotations_dir: str | None = None
+    calib: str | None = None
+    data: str | None = None
+    out: str | None = None
     num_samples: int = 8
     device: str = "auto"
     dtype: str = "auto"
     ppl_tokens: int = 256
     gen_tokens: int = 64
-    metrics_context: Optional[int] = None
+    metrics_context: int | None = None
     metric_queries: int = 128
     needle_per_cell: int = 20
     needle_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     needle_mode: str = "context"
     batch_size: int = 4
-    calib_tokens: Optional[int] = None
+    calib_tokens: int | None = None
     tasks: tuple[str, ...] = TASKS
     seed: int = 0
     progress: bool = False
@@ -78,7 +77,7 @@ class EvalConfig:
         return self.metrics_context if self.metrics_context is not None else max(self.contexts)
 
     @property
-    def out_dir(self) -> Optional[Path]:
+    def out_dir(self) -> Path | None:
         return None if self.out is None else Path(self.out)
 
     def to_dict(self) -> dict:

@@ -10,9 +10,8 @@ whose rounding error is large, and a loss at INT4, whose rounding error is small
 from __future__ import annotations
 
 import json
-
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import yaml
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -20,8 +19,8 @@ from ..loading import BUNDLED_MODEL_DIR as BUNDLED_MODEL
 logger = logging.getLogger(__name__)
 
 
-def resolve_paths(model: Optional[str | Path], data: Optional[str | Path],
-                  calib: Optional[str | Path]) -> tuple[Path, Path, Path]:
+def resolve_paths(model: str | Path | None, data: str | Path | None,
+                  calib: str | Path | None) -> tuple[Path, Path, Path]:
     """(model dir, held-out file, calibration file), defaults filled from the model dir."""
     model_dir = Path(model) if model is not None else BUNDLED_MODEL
     if not model_dir.is_dir():
@@ -58,7 +57,7 @@ def check_disjoint(data: Path, calib: Path) -> None:
         )
 
 
-def bos_id(model, tokenizer) -> Optional[int]:
+def bos_id(model, tokenizer) -> int | None:
     bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
     return bos if bos is not None else getattr(model.config, "bos_token_id", None)
 
@@ -68,7 +67,7 @@ def read_tokens(path: Path, tokenizer) -> torch.Tensor:
     return load_tokens(path, tokenizer)
 
 
-def heldout_windows(tokens: torch.Tensor, length: int, num: int, bos: Optional[int]) -> torch.Tensor:
+def heldout_windows(tokens: torch.Tensor, length: int, num: int, bos: int | None) -> torch.Tensor:
     """[n, length] non-overlapping windows from the start of ``tokens``, BOS first when the model has one.
 
     Fewer than ``num`` when the file is short (logged); none at all is an error.

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -47,7 +46,7 @@ class KiviConfig:
         return f"kivi-int{self.bits}-g{self.group_size}-r{self.residual}"
 
 
-def parse_kivi_name(name: str) -> Optional[KiviConfig]:
+def parse_kivi_name(name: str) -> KiviConfig | None:
     """``kivi-int2`` / ``kivi-int4`` with optional ``-g<G>`` and ``-r<R>`` (e.g. ``kivi-int2-g128-r256``)."""
     m = _NAME.match(name)
     if m is None:
@@ -116,7 +115,7 @@ class KiviQuantizer:
         return HistoryBounds(key_lo=0, key_hi=(starts // R) * R, value_lo=0, value_hi=starts - R)
 
 
-def kivi_bits_per_element(cfg: KiviConfig, context: Optional[int] = None) -> float:
+def kivi_bits_per_element(cfg: KiviConfig, context: int | None = None) -> float:
     """Stored bits per K/V element: payload + fp16 scale/zero per group, the residual at 16 bits."""
     sdt_bits = torch.finfo(scale_dtype_of(cfg.scale_dtype)).bits
     quant_bits = cfg.bits + 2 * sdt_bits / cfg.group_size

@@ -17,8 +17,8 @@ longest. Two kinds of numbers:
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from torch import nn
 
 from ..architectures import attention_modules
 from .quantizers import LayerQuantizer, cache_starts
-from .simulate import attention_override, capture_hidden, simulated_layer, _repeat_kv
+from .simulate import _repeat_kv, attention_override, capture_hidden, simulated_layer
 
 METRICS = ("k_rel_mse", "v_rel_mse", "qk_mse", "attn_kl", "attn_out_rel_err", "hidden_rel_err")
 METRIC_TITLES = {  # how the report and the plots title each metric
@@ -102,7 +102,7 @@ def _isolated(sums: LayerSums, quantizer: LayerQuantizer, o_proj: nn.Linear, q, 
 class LayerMetrics:
     """Accumulates the per-layer metrics of several methods over batches of held-out windows."""
 
-    def __init__(self, model: nn.Module, methods: dict[str, Sequence[Optional[LayerQuantizer]]], num_scored: int):
+    def __init__(self, model: nn.Module, methods: dict[str, Sequence[LayerQuantizer | None]], num_scored: int):
         self.model, self.methods, self.num_scored = model, methods, num_scored
         self.num_layers = len(attention_modules(model))
         self.sums = {name: [LayerSums() for _ in range(self.num_layers)] for name in methods}

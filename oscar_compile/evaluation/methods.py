@@ -7,9 +7,9 @@ A method name given to ``--specs`` resolves, in order, to: an existing ``.yaml``
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 from ..quant import bits_per_element
 from ..spec import CompressionSpec, shipped_spec, specs_dir
@@ -49,8 +49,8 @@ class Method:
 
     name: str
     source: str  # a file path, "shipped", "built-in"
-    spec: Optional[CompressionSpec] = None
-    kivi: Optional[KiviConfig] = None
+    spec: CompressionSpec | None = None
+    kivi: KiviConfig | None = None
     description: str = ""
 
     @property
@@ -58,7 +58,7 @@ class Method:
         """No quantized layer at all: the BF16 baseline every other method is compared with."""
         return self.spec is not None and self.spec.kv_cache.bits == 16 and not self.spec.layers
 
-    def bits_per_element(self, head_dim: int, num_layers: int, context: Optional[int]) -> float:
+    def bits_per_element(self, head_dim: int, num_layers: int, context: int | None) -> float:
         """Average stored bits per K/V element over layers at ``context`` tokens (None: asymptotic)."""
         if self.kivi is not None:
             return kivi_bits_per_element(self.kivi, context)

@@ -47,8 +47,8 @@ def continuation_nll(model, windows: torch.Tensor, prefix: int, split: bool) -> 
 def run(model_dir: str | None, spec_name: str, prefix: int, continuation: int, num_windows: int) -> dict:
     from oscar_compile.artifact import Rotations
     from oscar_compile.evaluation.heldout import heldout_windows, read_tokens
-    from oscar_compile.passes import apply
     from oscar_compile.loading import load_model, resolve_model_dir
+    from oscar_compile.passes import apply
     from oscar_compile.spec import shipped_spec
 
     path = resolve_model_dir(model_dir)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -46,7 +46,7 @@ def _check_artifact_spec(path: Path, method: Method, rot: Rotations) -> None:
                            path, section, a.model_dump(), method.name, section, b.model_dump())
 
 
-def capped_spec(spec: CompressionSpec, max_tokens: Optional[int]) -> CompressionSpec:
+def capped_spec(spec: CompressionSpec, max_tokens: int | None) -> CompressionSpec:
     """The spec with ``calibration.num_tokens`` (and ``seq_len``) capped at ``max_tokens``."""
     cal = spec.calibration
     if max_tokens is None or cal.num_tokens <= max_tokens:
@@ -55,9 +55,9 @@ def capped_spec(spec: CompressionSpec, max_tokens: Optional[int]) -> Compression
     return spec.model_copy(update={"calibration": cal})
 
 
-def method_rotations(model: nn.Module, method: Method, rotations_dir: Optional[Path],
-                     calib_tokens: Callable[[], torch.Tensor], bos: Optional[int], save_dir: Optional[Path],
-                     progress: bool = False, max_tokens: Optional[int] = None) -> tuple[Rotations, str]:
+def method_rotations(model: nn.Module, method: Method, rotations_dir: Path | None,
+                     calib_tokens: Callable[[], torch.Tensor], bos: int | None, save_dir: Path | None,
+                     progress: bool = False, max_tokens: int | None = None) -> tuple[Rotations, str]:
     """(rotations, where they came from) for a spec method."""
     if rotations_dir is not None:
         path = rotations_dir / f"{method.name}.safetensors"
@@ -83,10 +83,10 @@ def method_rotations(model: nn.Module, method: Method, rotations_dir: Optional[P
     return rot, source
 
 
-def method_quantizers(model: nn.Module, method: Method, rotations_dir: Optional[Path],
-                      calib_tokens: Callable[[], torch.Tensor], bos: Optional[int], save_dir: Optional[Path],
-                      progress: bool = False, max_tokens: Optional[int] = None
-                      ) -> tuple[list[Optional[LayerQuantizer]], str]:
+def method_quantizers(model: nn.Module, method: Method, rotations_dir: Path | None,
+                      calib_tokens: Callable[[], torch.Tensor], bos: int | None, save_dir: Path | None,
+                      progress: bool = False, max_tokens: int | None = None
+                      ) -> tuple[list[LayerQuantizer | None], str]:
     """(one quantizer or None per layer, a note on the rotations) for any method."""
     fp = ModelFingerprint.of(model)
     device = next(model.parameters()).device

@@ -13,7 +13,7 @@ every score of a query shifts by one constant, as in the rewritten model (docs/d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Protocol
 
 import torch
 
@@ -76,14 +76,14 @@ class SpecQuantizer:
     rot_k, rot_v: [H_kv, D, D] float32 orthogonal; mean: [H_kv, D] or None (no centring).
     """
 
-    def __init__(self, layer: LayerSpec, rot_k: torch.Tensor, rot_v: torch.Tensor, mean: Optional[torch.Tensor]):
+    def __init__(self, layer: LayerSpec, rot_k: torch.Tensor, rot_v: torch.Tensor, mean: torch.Tensor | None):
         kv = layer.kv_cache
         self.bits, self.group_size, self.scale_dtype = kv.bits, kv.group_size, kv.scale_dtype
         self.sink, self.recent = kv.sink_tokens, kv.recent_tokens
         self.clip_k, self.clip_v = layer.key.clip_ratio, layer.value.clip_ratio
         self.rot_k, self.rot_v, self.mean = rot_k.float(), rot_v.float(), None if mean is None else mean.float()
 
-    def to(self, device: torch.device) -> "SpecQuantizer":
+    def to(self, device: torch.device) -> SpecQuantizer:
         self.rot_k, self.rot_v = self.rot_k.to(device), self.rot_v.to(device)
         self.mean = None if self.mean is None else self.mean.to(device)
         return self
@@ -107,9 +107,9 @@ class SpecQuantizer:
 
 
 def spec_quantizers(layers: list[LayerSpec], rotations: Rotations, head_dim: int,
-                    device: torch.device) -> list[Optional[SpecQuantizer]]:
+                    device: torch.device) -> list[SpecQuantizer | None]:
     """One quantizer per layer (None where the layer keeps a 16-bit cache)."""
-    out: list[Optional[SpecQuantizer]] = []
+    out: list[SpecQuantizer | None] = []
     for layer in layers:
         if not layer.quantized:
             out.append(None)

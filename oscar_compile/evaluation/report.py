@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from .layer_metrics import METRIC_TITLES, METRICS
 
@@ -57,7 +57,7 @@ def _summary(results: dict) -> list[str]:
     return out
 
 
-def _reference(results: dict) -> Optional[str]:
+def _reference(results: dict) -> str | None:
     return next((name for name, info in results["methods"].items() if info.get("reference")), None)
 
 

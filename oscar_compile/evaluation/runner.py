@@ -14,13 +14,12 @@ import platform
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
 
 import torch
 
 from ..architectures import ModelFingerprint
-from .config import EvalConfig
 from ..loading import load_model, resolve_device
+from .config import EvalConfig
 from .heldout import bos_id, heldout_windows, read_tokens, resolve_paths
 from .layer_metrics import LayerMetrics
 from .methods import resolve_methods
@@ -34,7 +33,7 @@ FORMAT = "oscar_compile.eval"
 FORMAT_VERSION = 1
 
 
-def evaluate(config: Optional[EvalConfig] = None, **settings) -> dict:
+def evaluate(config: EvalConfig | None = None, **settings) -> dict:
     """Run the comparison; returns the results dict (also written under ``out`` when given).
 
     Pass an :class:`EvalConfig` or its fields as keywords, e.g.
@@ -122,7 +121,7 @@ def _done(task: str, t0: float) -> float:
     return elapsed
 
 
-def _needle(cfg: EvalConfig, model, tokenizer, tokens: torch.Tensor, quantizers: dict, bos: Optional[int]) -> dict:
+def _needle(cfg: EvalConfig, model, tokenizer, tokens: torch.Tensor, quantizers: dict, bos: int | None) -> dict:
     if tokenizer is None:
         return {"skipped": "the model directory has no tokenizer"}
     try:

@@ -19,7 +19,7 @@ and the base spec with one layer stored in another format (leave-one-layer-at-hi
 """
 from __future__ import annotations
 
-from typing import Hashable, Mapping, Optional, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from ..architectures import attention_modules
 from .quantizers import LayerQuantizer, cache_starts
 from .simulate import simulated_logits
 
-Probe = Sequence[Optional[LayerQuantizer]]
+Probe = Sequence[LayerQuantizer | None]
 
 
 def _kl_and_nll(ref_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
@@ -110,7 +110,7 @@ def continuation_divergence(model: nn.Module, probes: Mapping[Hashable, Probe], 
     return {key: {"kl": kl / count, "nll": nll / count, "tokens": count} for key, (kl, nll) in sums.items()}
 
 
-def tail_windows(tokens: torch.Tensor, length: int, num: int, bos: Optional[int]) -> torch.Tensor:
+def tail_windows(tokens: torch.Tensor, length: int, num: int, bos: int | None) -> torch.Tensor:
     """[n, length] non-overlapping windows from the *end* of ``tokens`` (BOS first when the model has one).
 
     ``oscar-compile eval`` scores windows from the start of the held-out file, so a sweep that

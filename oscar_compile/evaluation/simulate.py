@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +75,7 @@ def mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_q: torc
     return out.transpose(1, 2)
 
 
-def simulated_layer(quantizer: Optional[LayerQuantizer], starts: torch.Tensor) -> LayerAttention:
+def simulated_layer(quantizer: LayerQuantizer | None, starts: torch.Tensor) -> LayerAttention:
     """The attention of one layer under ``quantizer`` for a batch whose cache schedule is ``starts`` [B|1, T]."""
 
     def attend(q, k, v, scaling, run_inner):
@@ -110,7 +110,7 @@ def capture_hidden(model: nn.Module, positions: torch.Tensor, into: list) -> Ite
             h.remove()
 
 
-def simulated_logits(model: nn.Module, quantizers: Sequence[Optional[LayerQuantizer]], input_ids: torch.Tensor,
+def simulated_logits(model: nn.Module, quantizers: Sequence[LayerQuantizer | None], input_ids: torch.Tensor,
                      starts: torch.Tensor, logits_to_keep: int = 0, label: str = "") -> torch.Tensor:
     """Logits of ``model`` with the compressed cache simulated: [B, T or logits_to_keep, vocab] float32.
 

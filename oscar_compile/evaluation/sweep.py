@@ -23,10 +23,10 @@ import dataclasses
 import datetime
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -59,17 +59,17 @@ class SweepConfig:
 
     spec: str = "oscar-int2"
     budget: float | str = 2.5
-    model: Optional[str] = None
-    data: Optional[str] = None
-    calib: Optional[str] = None
-    rotations_dir: Optional[str] = None
+    model: str | None = None
+    data: str | None = None
+    calib: str | None = None
+    rotations_dir: str | None = None
     context: int = 4096
     scored_tokens: int = 256
     num_windows: int = 8
     batch_size: int = 1
     upgrade_bits: tuple[int, ...] = UPGRADE_BITS
     group_sizes: tuple[int, ...] = ()
-    calib_tokens: Optional[int] = None
+    calib_tokens: int | None = None
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
@@ -97,14 +97,16 @@ def plan(spec_name: str, budget, head_dim: int, num_layers: int, upgrade_bits=UP
          group_sizes: Sequence[int] = ()) -> tuple[Method, list[list[Format]], int, int]:
     """(method, formats per layer, floor, budget) in bits per row summed over layers; checks the budget.
 
-    The method's spec comes back fitted to the model (the sweep's one fit). Raises :class:`BudgetError` when the budget is below the base formats' cost (the 2-bit codes
-    plus their scales, for an INT2 spec), before any model is loaded.
+    The method's spec comes back fitted to the model (the sweep's one fit). Raises :class:`BudgetError`
+    when the budget is below the base formats' cost (the 2-bit codes plus their scales, for an INT2 spec),
+    before any model is loaded.
     """
     method = resolve_method(spec_name)
     if method.spec is None:
         raise ValueError(f"{spec_name}: the sweep starts from a compression spec, not the KIVI baseline")
     method = dataclasses.replace(method, spec=fit_spec(method.spec, head_dim, num_layers))
-    formats = [layer_formats(method.spec, i, head_dim, num_layers, upgrade_bits, group_sizes) for i in range(num_layers)]
+    formats = [layer_formats(method.spec, i, head_dim, num_layers, upgrade_bits, group_sizes)
+               for i in range(num_layers)]
     if all(f[0].bits == 16 for f in formats):
         raise ValueError(f"{spec_name} quantizes no layer: there is nothing to allocate")
     floor = sum(f[0].cost for f in formats)
@@ -131,7 +133,7 @@ class Sensitivity:
     windows: torch.Tensor
     reference: list  # BF16 log-probabilities per batch (sensitivity.reference_logprobs)
 
-    def gains(self, i: int, j: int) -> Optional[float]:
+    def gains(self, i: int, j: int) -> float | None:
         if j == 0:
             return 0.0
         m = self.measured.get((i, j))
@@ -213,7 +215,7 @@ def choose(sens: Sensitivity, budget) -> dict:
     }
 
 
-def sweep(config: Optional[SweepConfig] = None, out: Optional[str | Path] = None, **settings) -> dict:
+def sweep(config: SweepConfig | None = None, out: str | Path | None = None, **settings) -> dict:
     """Run the sweep at ``config.budget``; returns the results dict (``"spec"``: the mixed CompressionSpec).
 
     With ``out`` (a ``.yaml`` path) writes the spec there and ``.json`` / ``.md`` / ``.png``
@@ -226,7 +228,7 @@ def sweep(config: Optional[SweepConfig] = None, out: Optional[str | Path] = None
     return sweep_budgets(cfg, [cfg.budget], None if out is None else [out])[0]
 
 
-def sweep_budgets(cfg: SweepConfig, budgets: Sequence, outs: Optional[Sequence[str | Path]] = None) -> list[dict]:
+def sweep_budgets(cfg: SweepConfig, budgets: Sequence, outs: Sequence[str | Path] | None = None) -> list[dict]:
     """One measurement, one mixed spec per budget (written to ``outs[k]`` when given)."""
     if not budgets:
         raise ValueError("no budget given")

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 from pathlib import Path
 
 from .formats import spec_yaml

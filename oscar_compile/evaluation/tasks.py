@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ from torch import nn
 from .quantizers import LayerQuantizer, cache_starts
 from .simulate import simulated_logits
 
-Quantizers = Sequence[Optional[LayerQuantizer]]
+Quantizers = Sequence[LayerQuantizer | None]
 
 
 def batches(windows: torch.Tensor, batch_size: int, progress: bool, desc: str) -> Iterator[torch.Tensor]:

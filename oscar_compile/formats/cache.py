@@ -90,7 +90,7 @@ class LayerFormat:
     scale_dtype: str = "float16"
 
     @classmethod
-    def of(cls, layer_spec) -> "LayerFormat":
+    def of(cls, layer_spec) -> LayerFormat:
         """From a resolved ``oscar_compile.spec.LayerSpec`` (windows already resolved by apply)."""
         kv = layer_spec.kv_cache
         return cls(sink=kv.sink_tokens, recent=kv.recent_tokens, page_size=kv.page_size, bits=kv.bits,
@@ -175,7 +175,7 @@ class CacheLayout:
     @classmethod
     def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int = 16, sink: int = 64,
                 recent: int = 256, bits: int = 2, group_size: int = 128, scale_dtype: str = "float16",
-                dtype_bytes: int = 2, full_precision_layers: tuple[int, ...] = ()) -> "CacheLayout":
+                dtype_bytes: int = 2, full_precision_layers: tuple[int, ...] = ()) -> CacheLayout:
         """Every layer in one format, but ``full_precision_layers``, whose history stays at 16 bits."""
         bad = [i for i in full_precision_layers if not 0 <= i < num_layers]
         if bad:
@@ -189,13 +189,13 @@ class CacheLayout:
 
     @classmethod
     def bf16(cls, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int = 16,
-             dtype_bytes: int = 2) -> "CacheLayout":
+             dtype_bytes: int = 2) -> CacheLayout:
         """The full-precision baseline: no windows, every token in a 16-bit page."""
         return cls.uniform(num_layers, num_kv_heads, head_dim, page_size=page_size, sink=0, recent=0,
                            bits=FULL_PRECISION_BITS, dtype_bytes=dtype_bytes)
 
     @classmethod
-    def from_hf_config(cls, config, **kwargs) -> "CacheLayout":
+    def from_hf_config(cls, config, **kwargs) -> CacheLayout:
         """:meth:`uniform`, reading layers, KV heads and head_dim from a Hugging Face config (text part)."""
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         num_heads = config.num_attention_heads
@@ -204,7 +204,7 @@ class CacheLayout:
         return cls.uniform(config.num_hidden_layers, num_kv_heads, head_dim, **kwargs)
 
     @classmethod
-    def from_spec(cls, spec, config, dtype_bytes: int = 2) -> "CacheLayout":
+    def from_spec(cls, spec, config, dtype_bytes: int = 2) -> CacheLayout:
         """The layout an ``oscar_compile.spec.CompressionSpec`` asks for, per layer resolved (the
         windows as ``apply`` resolves them: dropped when nothing is quantized)."""
         base = cls.from_hf_config(config, dtype_bytes=dtype_bytes, bits=16, sink=0, recent=0)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import typing
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -40,7 +40,7 @@ class RotateArgs(NamedTuple):
     RETURNS = Tensor
     x: Tensor
     rot: Tensor
-    mean: Optional[Tensor] = None
+    mean: Tensor | None = None
 
 
 class CacheWriteArgs(NamedTuple):
@@ -69,9 +69,9 @@ class CacheWriteArgs(NamedTuple):
     group_size: int
     clip_k: float
     clip_v: float
-    rot_k: Optional[Tensor] = None
-    mean_k: Optional[Tensor] = None
-    history_lens: Optional[Tensor] = None
+    rot_k: Tensor | None = None
+    mean_k: Tensor | None = None
+    history_lens: Tensor | None = None
 
 
 class AttentionArgs(NamedTuple):
@@ -101,7 +101,7 @@ class AttentionArgs(NamedTuple):
     recent: int
     bits: int
     group_size: int
-    history_lens: Optional[Tensor] = None
+    history_lens: Tensor | None = None
 
 
 class CacheWriteBf16Args(NamedTuple):
@@ -160,8 +160,8 @@ class RopeArgs(NamedTuple):
     k: Tensor
     cos: Tensor
     sin: Tensor
-    rot: Optional[Tensor] = None
-    mean: Optional[Tensor] = None
+    rot: Tensor | None = None
+    mean: Tensor | None = None
 
 
 class SiluMulArgs(NamedTuple):

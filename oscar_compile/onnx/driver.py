@@ -14,9 +14,9 @@ Writing T tokens at once leaves the same state as writing them one by one, as in
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -119,7 +119,7 @@ class OnnxGenerator:
     ``generate(prompt, max_new_tokens)`` is greedy decoding.
     """
 
-    def __init__(self, export_dir: Union[str, Path], num_threads: Optional[int] = None,
+    def __init__(self, export_dir: str | Path, num_threads: int | None = None,
                  providers: Sequence[str] = ("CPUExecutionProvider",)):
         import onnxruntime as ort
 
@@ -199,7 +199,7 @@ class OnnxGenerator:
         cache.num_demoted += sum(counts)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
-                 stop_token_ids: Optional[Iterable[int]] = None) -> list[int]:
+                 stop_token_ids: Iterable[int] | None = None) -> list[int]:
         """Greedy tokens after ``prompt_ids`` (stops after a stop token; default: the model's EOS ids)."""
         stop = set(self.eos_token_ids if stop_token_ids is None else stop_token_ids)
         cache = self.new_cache()

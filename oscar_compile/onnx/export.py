@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Optional, Union
 
 import torch
 
@@ -111,8 +110,8 @@ def _dynamic_cache_shapes(num_layers: int) -> list[dict]:
     return [{0: per_field.get(name, hist)} for _ in range(num_layers) for name in CACHE_FIELDS]
 
 
-def export_onnx(model_dir: Union[str, Path], spec: Union[CompressionSpec, str, Path],
-                rotations: Optional[Union[Rotations, str, Path]], out_dir: Union[str, Path],
+def export_onnx(model_dir: str | Path, spec: CompressionSpec | str | Path,
+                rotations: Rotations | str | Path | None, out_dir: str | Path,
                 progress: bool = False) -> str:
     """Export ``model_dir`` compressed with ``spec`` to ``out_dir``; returns a one-line summary."""
     from tqdm import tqdm

@@ -15,7 +15,6 @@ import inspect
 import logging
 import types
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from torch import nn
@@ -60,7 +59,7 @@ class ApplyReport:
     spec: CompressionSpec
     fused: dict[str, int] = field(default_factory=dict)  # modules / layers per fused op (apply's fuse)
 
-    def bits_per_element(self, context: Optional[int] = None) -> float:
+    def bits_per_element(self, context: int | None = None) -> float:
         """Average stored bits per K/V element over all layers at ``context`` tokens (None: asymptotic)."""
         per_layer = []
         for i in range(len(self.layers)):
@@ -135,7 +134,7 @@ def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelF
                        mean is not None, folded, attention, notes, rope_fused, qkv_merged)
 
 
-def _sliding_window(attn: nn.Module) -> Optional[int]:
+def _sliding_window(attn: nn.Module) -> int | None:
     """The window the model's own attention would apply: Qwen-style modules hold it (None on
     full-attention layers), Mistral-style ones pass ``config.sliding_window`` at every call."""
     if hasattr(attn, "sliding_window"):

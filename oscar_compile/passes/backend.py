@@ -14,23 +14,23 @@ from __future__ import annotations
 import logging
 import operator
 import re
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.fx
 
 from ..artifact import Rotations
-from ..spec import CompressionSpec
 from ..cache import contract, nodes
 from ..formats.cache import LayerFormat
 from ..formats.op_args import AttentionArgs, RotateArgs, node_args, op_of
+from ..spec import CompressionSpec
 
 logger = logging.getLogger(__name__)
 _SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 _LAYER = re.compile(r"layers[._](\d+)[._]")
 
 
-def _layer_of(node: torch.fx.Node) -> Optional[int]:
+def _layer_of(node: torch.fx.Node) -> int | None:
     for path, _ in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
         match = _LAYER.search(str(path) + ".")
         if match:
@@ -41,7 +41,7 @@ def _layer_of(node: torch.fx.Node) -> Optional[int]:
 class OscarBackend:
     """A dynamo backend; ``graphs`` keeps every rewritten GraphModule for inspection."""
 
-    def __init__(self, spec: CompressionSpec, rotations: Rotations, inner: Optional[Callable] = None):
+    def __init__(self, spec: CompressionSpec, rotations: Rotations, inner: Callable | None = None):
         self.spec, self.rotations, self.inner = spec, rotations, inner
         self.graphs: list[torch.fx.GraphModule] = []
 
@@ -101,6 +101,6 @@ class OscarBackend:
         return g.call_method("transpose", (full, 1, 2))  # SDPA's layout [B, H, T, D]
 
 
-def backend(spec: CompressionSpec, rotations: Rotations, inner: Optional[Callable] = None) -> OscarBackend:
+def backend(spec: CompressionSpec, rotations: Rotations, inner: Callable | None = None) -> OscarBackend:
     """A ``torch.compile`` backend applying the oscar rewrite; ``inner`` compiles the result (default: run eagerly)."""
     return OscarBackend(spec, rotations, inner)

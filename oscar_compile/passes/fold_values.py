@@ -8,15 +8,13 @@ is unchanged while the cache holds v in the rotated basis.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
 
 @torch.no_grad()
-def folded_value_weights(w_v: torch.Tensor, b_v: Optional[torch.Tensor], w_o: torch.Tensor, rot_v: torch.Tensor,
-                         num_heads: int) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+def folded_value_weights(w_v: torch.Tensor, b_v: torch.Tensor | None, w_o: torch.Tensor, rot_v: torch.Tensor,
+                         num_heads: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The folded (v_proj weight, v_proj bias, o_proj weight), new tensors in the inputs' dtypes.
 
     w_v: [H_kv * D, hidden]; b_v: [H_kv * D] or None; w_o: [out, H_q * D]; rot_v: [H_kv, D, D].

@@ -15,7 +15,7 @@ the references are the Hugging Face formulas op for op, so a fused model's logit
 from __future__ import annotations
 
 import types
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.fx
@@ -40,7 +40,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # ------------------------------------------------------------------ RMSNorm modules
-def _rms_epsilon(module: nn.Module) -> Optional[float]:
+def _rms_epsilon(module: nn.Module) -> float | None:
     for name in ("variance_epsilon", "eps", "epsilon"):
         value = getattr(module, name, None)
         if isinstance(value, float):

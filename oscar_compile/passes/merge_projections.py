@@ -12,8 +12,6 @@ device afterwards would copy the views apart (twice the memory, same values): ap
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.fx
 import torch.nn.functional as F
@@ -22,7 +20,7 @@ from torch import nn
 QKV = ("q_proj", "k_proj", "v_proj")
 
 
-def concat_linears(linears: list[nn.Linear]) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+def concat_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(weight, bias) of the stacked outputs, re-pointing each Linear to its slice; None when they
     cannot share one product (different inputs, dtypes or devices, or bias on some only)."""
     first = linears[0]

@@ -6,8 +6,6 @@ the cache stores keys in the basis the quantizer wants. Inserts ``oscar::rotate`
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.fx
 
@@ -25,7 +23,7 @@ def insert_key_rotation(graph: torch.fx.Graph, site: AttentionSite, has_mean: bo
     with graph.inserting_after(site.key):
         rot = graph.get_attr("oscar_rot_k")
     with graph.inserting_after(rot):
-        mean: Optional[torch.fx.Node] = graph.get_attr("oscar_k_mean") if has_mean else None
+        mean: torch.fx.Node | None = graph.get_attr("oscar_k_mean") if has_mean else None
     with graph.inserting_after(mean if mean is not None else rot):
         key = graph.call_function(rotate, tuple(RotateArgs(x=site.key, rot=rot, mean=mean)))
     with graph.inserting_after(key):

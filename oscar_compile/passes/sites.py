@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Optional
 
 import torch.fx
 
@@ -21,32 +20,32 @@ class AttentionSite:
     key: torch.fx.Node  # getitem(rope, 1): post-RoPE keys [B, H_kv, T, D]
     value: torch.fx.Node  # values entering the cache [B, H_kv, T, D]
     cache: torch.fx.Node  # the cache placeholder
-    cache_update: Optional[torch.fx.Node]  # cache.update(k, v, layer_idx, ...)
+    cache_update: torch.fx.Node | None  # cache.update(k, v, layer_idx, ...)
     attention: torch.fx.Node  # attention_site(q, k, v, mask, ...)
 
 
-def _getitem_of(node: torch.fx.Node, index: int) -> Optional[torch.fx.Node]:
+def _getitem_of(node: torch.fx.Node, index: int) -> torch.fx.Node | None:
     for user in node.users:
         if user.op == "call_function" and user.target is operator.getitem and user.args[1] == index:
             return user
     return None
 
 
-def _detect_rope(graph: torch.fx.Graph) -> Optional[torch.fx.Node]:
+def _detect_rope(graph: torch.fx.Graph) -> torch.fx.Node | None:
     for node in graph.nodes:
         if node.op == "call_function" and getattr(node.target, "__name__", "") == "apply_rotary_pos_emb":
             return node
     return None
 
 
-def _detect_attention(graph: torch.fx.Graph) -> Optional[torch.fx.Node]:
+def _detect_attention(graph: torch.fx.Graph) -> torch.fx.Node | None:
     for node in graph.nodes:
         if node.op == "call_function" and node.target is attention_site:
             return node
     return None
 
 
-def _detect_cache_update(graph: torch.fx.Graph, cache: torch.fx.Node) -> Optional[torch.fx.Node]:
+def _detect_cache_update(graph: torch.fx.Graph, cache: torch.fx.Node) -> torch.fx.Node | None:
     for node in cache.users:
         if node.op == "call_method" and node.target == "update" and node.args[0] is cache:
             return node

@@ -16,8 +16,7 @@ import torch.fx
 
 from ..cache import contract, nodes
 from ..formats.cache import LayerFormat
-from ..formats.op_args import (AttentionArgs, AttentionBf16Args, CacheWriteArgs, CacheWriteBf16Args, node_args,
-                               op_of)
+from ..formats.op_args import AttentionArgs, AttentionBf16Args, CacheWriteArgs, CacheWriteBf16Args, node_args, op_of
 from ..spec import LayerSpec
 from .sites import AttentionSite
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.fx

@@ -18,7 +18,8 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from oscar_compile.runtime.core.errors import EngineDeadError
 from oscar_compile.runtime.core.sampling_params import SamplingParams

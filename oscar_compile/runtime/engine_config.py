@@ -7,20 +7,19 @@ model and picking its device is ``oscar_compile.loading`` (its names are re-expo
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
 
 import torch
 
+from oscar_compile.formats.cache import CacheLayout
 from oscar_compile.loading import BUNDLED_MODEL_DIR, load_model, resolve_device, resolve_model_dir  # noqa: F401
 from oscar_compile.runtime.core.page_manager import BlockManager
-from oscar_compile.runtime.engine import LLMEngine
-from oscar_compile.formats.cache import CacheLayout
-from oscar_compile.runtime.core.page_pool import PagePool
 from oscar_compile.runtime.core.page_plan import GIB, plan_pages
-from oscar_compile.runtime.worker.runner import ModelRunner, RecomputeRunner
+from oscar_compile.runtime.core.page_pool import PagePool
 from oscar_compile.runtime.core.swap_space import SwapSpace
+from oscar_compile.runtime.engine import LLMEngine
+from oscar_compile.runtime.worker.runner import ModelRunner, RecomputeRunner
 
 logger = logging.getLogger(__name__)
 

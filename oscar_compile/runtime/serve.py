@@ -7,9 +7,19 @@ runtime), re-exported here.
 import sys
 
 from oscar_compile.assembly import assemble, default_compression  # noqa: F401
-from oscar_compile.cli.serve import (build_app, build_parser, compression_for, engine_config,  # noqa: F401
-                                     exposure_warning, logger, main, parse_args, run_server, serve,
-                                     server_config)
+from oscar_compile.cli.serve import (  # noqa: F401
+    build_app,
+    build_parser,
+    compression_for,
+    engine_config,
+    exposure_warning,
+    logger,
+    main,
+    parse_args,
+    run_server,
+    serve,
+    server_config,
+)
 
 if __name__ == "__main__":
     sys.exit(main())

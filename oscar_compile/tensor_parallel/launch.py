@@ -21,9 +21,10 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,13 @@ from oscar_compile.runtime.engine_config import EngineConfig, build_engine, defa
 from oscar_compile.runtime.worker.compressed_runner import CompressedRunner, runner_kwargs
 from oscar_compile.runtime.worker.tp_runner import RankGroup, TensorParallelError, TensorParallelRunner, follow_steps
 from oscar_compile.spec import CompressionSpec
-from oscar_compile.tensor_parallel.shard import (ShardReport, check_divisible, check_rotations_layout, shard_model,
-                                                 shard_rotations)
+from oscar_compile.tensor_parallel.shard import (
+    ShardReport,
+    check_divisible,
+    check_rotations_layout,
+    shard_model,
+    shard_rotations,
+)
 
 logger = logging.getLogger(__name__)
 _CONTROL_TIMEOUT = timedelta(days=30)  # a following rank waits for the next step as long as the server idles

@@ -4,8 +4,8 @@ import shutil
 
 import pytest
 
-from oscar_compile.evaluation import evaluate
 from oscar_compile.cli import main as cli_main
+from oscar_compile.evaluation import evaluate
 from oscar_compile.evaluation.fixtures import write_tiny_model_dir
 
 

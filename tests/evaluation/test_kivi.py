@@ -2,8 +2,14 @@
 import pytest
 import torch
 
-from oscar_compile.evaluation.kivi import (KiviConfig, KiviQuantizer, kivi_bits_per_element,
-                                           kivi_fake_quantize_keys, kivi_fake_quantize_values, parse_kivi_name)
+from oscar_compile.evaluation.kivi import (
+    KiviConfig,
+    KiviQuantizer,
+    kivi_bits_per_element,
+    kivi_fake_quantize_keys,
+    kivi_fake_quantize_values,
+    parse_kivi_name,
+)
 from oscar_compile.evaluation.quantizers import cache_starts
 from oscar_compile.evaluation.simulate import mixed_attention
 

@@ -27,7 +27,7 @@ def _spec(bits=2, center=True):
     })
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _setup(bits, center):
     model = tiny_model("qwen3", **MODEL)
     spec = _spec(bits, center)

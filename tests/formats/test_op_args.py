@@ -7,7 +7,7 @@ must a kernel wrapper whose parameters no longer carry the names it is called wi
 """
 import importlib
 import inspect
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -15,7 +15,15 @@ from torch import Tensor
 
 import oscar_compile.kernels.ops  # noqa: F401  registers the oscar:: ops
 from oscar_compile.formats.op_args import (
-    OP_ARGS, AttentionArgs, CacheWriteArgs, RotateArgs, bind_node, node_args, op_of, op_schema)
+    OP_ARGS,
+    AttentionArgs,
+    CacheWriteArgs,
+    RotateArgs,
+    bind_node,
+    node_args,
+    op_of,
+    op_schema,
+)
 
 
 def disagreements(definition: type, schema: torch.FunctionSchema) -> list[str]:
@@ -25,7 +33,9 @@ def disagreements(definition: type, schema: torch.FunctionSchema) -> list[str]:
     out = []
     if len(got) != len(want):
         out.append(f"{len(got)} arguments registered, {len(want)} defined")
-    out += [f"argument {i}: registered {g}, defined {w}" for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    # strict=False: a length mismatch is reported above; compare the arguments both sides have
+    out += [f"argument {i}: registered {g}, defined {w}"
+            for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w]
     return out
 
 
@@ -63,8 +73,8 @@ class _ExtraArgument(NamedTuple):  # oscar::rotate with one argument more
     OP = "oscar::rotate"
     x: Tensor
     rot: Tensor
-    mean: Optional[Tensor] = None
-    extra: Optional[Tensor] = None
+    mean: Tensor | None = None
+    extra: Tensor | None = None
 
 
 def test_a_disagreeing_definition_is_caught():

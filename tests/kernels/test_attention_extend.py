@@ -100,8 +100,7 @@ EXTEND_CASES = [  # sink, recent, H_q, H_kv, D, bits, G: GQA 2 / 4 / 8 and 1, D 
 
 
 def run_both(case, chunk_lens, H_q, device, seed):
-    from oscar_compile.kernels.attention_extend_triton import (attention_extend_triton,
-                                                               extend_unsupported_reason)
+    from oscar_compile.kernels.attention_extend_triton import attention_extend_triton, extend_unsupported_reason
 
     gen = torch.Generator().manual_seed(seed)
     H_kv, D = case.pools.k_win.shape[1], case.pools.k_win.shape[3]

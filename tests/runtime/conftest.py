@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar_compile.testing import CHAT_TEMPLATE, SPECIALS, tiny_tokenizer as build_tokenizer  # noqa: F401
+from oscar_compile.testing import CHAT_TEMPLATE, SPECIALS  # noqa: F401
+from oscar_compile.testing import tiny_tokenizer as build_tokenizer
 
 
 def build_model(vocab_size: int, seed: int = 0):

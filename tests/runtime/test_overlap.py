@@ -13,7 +13,6 @@ import copy
 import random
 
 import pytest
-import torch
 
 from oscar_compile import CompressionSpec, apply, calibrate
 from oscar_compile.runtime.core.sampling_params import SamplingParams

@@ -11,12 +11,13 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
+from server_http import get, post, running, wait_idle  # noqa: E402
+
 from oscar_compile.runtime.async_engine import AsyncEngine  # noqa: E402
 from oscar_compile.runtime.core.sampling_params import SamplingParams  # noqa: E402
 from oscar_compile.runtime.engine_config import EngineConfig, build_engine  # noqa: E402
 from oscar_compile.runtime.llm import LLM  # noqa: E402
 from oscar_compile.runtime.server.app import create_app  # noqa: E402
-from server_http import get, post, running, wait_idle  # noqa: E402
 
 MODEL = "tiny"
 

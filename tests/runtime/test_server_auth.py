@@ -11,13 +11,14 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
+from server_http import running  # noqa: E402
+
 from oscar_compile.runtime import serve  # noqa: E402
 from oscar_compile.runtime.async_engine import AsyncEngine  # noqa: E402
 from oscar_compile.runtime.engine_config import EngineConfig, build_engine  # noqa: E402
 from oscar_compile.runtime.server import gate  # noqa: E402
 from oscar_compile.runtime.server.app import create_app  # noqa: E402
 from oscar_compile.runtime.server.server_config import ServerConfig  # noqa: E402
-from server_http import running  # noqa: E402
 
 MODEL = "tiny"
 KEY = "sk-test-0123456789"

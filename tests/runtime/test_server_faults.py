@@ -7,7 +7,6 @@ and the server's admission count is back to zero.
 
 from __future__ import annotations
 
-import http.client
 import json
 import random
 import socket
@@ -18,12 +17,13 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
+from server_http import post, running, wait_idle  # noqa: E402
+
 from oscar_compile.runtime.async_engine import AsyncEngine  # noqa: E402
 from oscar_compile.runtime.core.sampling_params import SamplingParams  # noqa: E402
 from oscar_compile.runtime.engine_config import EngineConfig, build_engine  # noqa: E402
 from oscar_compile.runtime.llm import LLM  # noqa: E402
 from oscar_compile.runtime.server.app import create_app  # noqa: E402
-from server_http import post, running, wait_idle  # noqa: E402
 
 MODEL = "tiny"
 

@@ -16,11 +16,12 @@ import pytest
 pytest.importorskip("uvicorn")
 
 from fuzz_bodies import ROUTES, BodyFuzzer, Case  # noqa: E402
+from server_http import post, running, wait_idle  # noqa: E402
+
 from oscar_compile.runtime.async_engine import AsyncEngine  # noqa: E402
 from oscar_compile.runtime.engine_config import EngineConfig, build_engine  # noqa: E402
 from oscar_compile.runtime.server.app import create_app  # noqa: E402
 from oscar_compile.runtime.server.server_config import ServerConfig  # noqa: E402
-from server_http import post, running, wait_idle  # noqa: E402
 
 MODEL = "tiny"
 BODY_LIMIT = 64 * 1024

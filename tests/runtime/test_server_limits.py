@@ -11,11 +11,12 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
+from server_http import post, running, stream_events, wait_idle  # noqa: E402
+
 from oscar_compile.runtime.async_engine import AsyncEngine  # noqa: E402
 from oscar_compile.runtime.engine_config import EngineConfig, build_engine  # noqa: E402
 from oscar_compile.runtime.server.app import create_app  # noqa: E402
 from oscar_compile.runtime.server.server_config import ServerConfig  # noqa: E402
-from server_http import post, running, stream_events, wait_idle  # noqa: E402
 
 MODEL = "tiny"
 BODY_LIMIT = 4096

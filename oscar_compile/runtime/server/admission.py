@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from oscar_compile.runtime.async_engine import AsyncEngine
 from oscar_compile.runtime.core.errors import EngineDeadError

@@ -23,8 +23,9 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -38,8 +39,11 @@ from oscar_compile.runtime.core.sampling_params import RequestError, SamplingPar
 from oscar_compile.runtime.server.admission import Admission, Refused
 from oscar_compile.runtime.server.gate import ApiKeyGate, BodyLimit
 from oscar_compile.runtime.server.metrics import render_metrics
-from oscar_compile.runtime.server.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest,
-                                                   CompletionRequest)
+from oscar_compile.runtime.server.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from oscar_compile.runtime.server.responses import Choice, Formatter, error_body, sse
 from oscar_compile.runtime.server.server_config import ServerConfig
 

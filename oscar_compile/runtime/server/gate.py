@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from oscar_compile.runtime.server.responses import error_body
 

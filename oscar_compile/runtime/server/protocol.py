@@ -19,7 +19,7 @@ pydantic's field types cannot express; ``max_tokens`` against the context is the
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,27 +43,27 @@ class StreamOptions(_Strict):
 
 
 class _Common(_Strict):
-    model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = 1
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: dict[str, float] | None = None
     # accepted and ignored: they do not change what is generated
-    user: Optional[str] = None
-    metadata: Optional[dict[str, str]] = None
-    store: Optional[bool] = None
-    service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority"]] = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     # extensions
-    top_k: Optional[int] = None
+    top_k: int | None = None
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
 
     def check(self) -> None:
@@ -106,7 +106,7 @@ class _Common(_Strict):
                 raise RequestError("metadata", f"metadata keys are at most {_METADATA_KEY_CHARS} characters "
                                    f"and values at most {_METADATA_VALUE_CHARS}")
 
-    def sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -122,11 +122,11 @@ class _Common(_Strict):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    best_of: int | None = None
+    suffix: str | None = None
 
     def check(self) -> None:
         super().check()
@@ -137,7 +137,7 @@ class CompletionRequest(_Common):
         if self.suffix:
             raise RequestError("suffix", "suffix is not supported")
 
-    def prompts(self) -> list[Union[str, list[int]]]:
+    def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""
         prompt = self.prompt
         if isinstance(prompt, str):
@@ -158,9 +158,9 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[TextPart]]] = None
-    name: Optional[str] = None
-    tool_call_id: Optional[str] = None
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
 
     def check(self, index: int) -> None:
         """OpenAI: content is required unless the message makes tool calls (which this server
@@ -188,13 +188,13 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
-    parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[dict[str, Any]] = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
         super().check()
@@ -209,11 +209,11 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs", "top_logprobs needs logprobs: true")
 
-    def requested_max_tokens(self) -> tuple[str, Optional[int]]:
+    def requested_max_tokens(self) -> tuple[str, int | None]:
         """(the field that set it, its value): ``max_completion_tokens`` wins, as in OpenAI's API."""
         if self.max_completion_tokens is not None:
             return "max_completion_tokens", self.max_completion_tokens
         return "max_tokens", self.max_tokens
 
-    def num_logprobs(self) -> Optional[int]:
+    def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

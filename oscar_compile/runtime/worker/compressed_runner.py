@@ -24,9 +24,9 @@ import math
 
 import torch
 
-from oscar_compile.kernels.pools import allocate_layer_pools
 from oscar_compile.cache.hf_cache import OscarCache
 from oscar_compile.formats.cache import CacheLayout, LayerFormat
+from oscar_compile.kernels.pools import allocate_layer_pools
 from oscar_compile.runtime.worker.runner import Batch
 from oscar_compile.runtime.worker.staging import StagedStep, allocate_staging_pools, layer_op_constants
 from oscar_compile.runtime.worker.step_inputs import StepInputs
@@ -39,7 +39,7 @@ _NO_MASK_IMPLEMENTATION = "oscar_paged"
 class StepCache(OscarCache):
     """One packed step of many sequences, seen through the cache protocol of the rewritten graphs."""
 
-    def __init__(self, runner: "CompressedRunner", inputs: dict[str, torch.Tensor], staged: StagedStep | None = None):
+    def __init__(self, runner: CompressedRunner, inputs: dict[str, torch.Tensor], staged: StagedStep | None = None):
         super().__init__([None] * runner.num_layers)
         self.runner = runner
         self.staged = staged

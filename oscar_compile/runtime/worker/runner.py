@@ -12,8 +12,9 @@ as the fallback when no compressed runner is available.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Protocol, Sequence as Seq, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 

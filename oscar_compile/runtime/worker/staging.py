@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from oscar_compile.formats.op_args import POOLS, AttentionArgs, CacheWriteArgs, bind_node
-from oscar_compile.kernels.pools import FULL_PRECISION_BITS, allocate_pools
 from oscar_compile.cache import nodes
 from oscar_compile.formats.cache import CacheLayout, LayerFormat
+from oscar_compile.formats.op_args import POOLS, AttentionArgs, CacheWriteArgs, bind_node
+from oscar_compile.kernels.pools import FULL_PRECISION_BITS, allocate_pools
 from oscar_compile.runtime.worker.runner import Batch
 
 
@@ -165,7 +165,7 @@ class StagedStep:
         # the staged rows' history is the staging pools (16-bit rows; empty scale / zero pools)
         shared = dict(cu_seqlens=self.cu_s, cache_lens=self.cache_lens_s, window_table=self.window_s,
                       quant_table=self.staging_s, k_win=k_win, v_win=v_win,
-                      **dict(zip(POOLS[2:], stage)),
+                      **dict(zip(POOLS[2:], stage, strict=True)),
                       sink=c.layer.sink, recent=c.layer.recent, bits=FULL_PRECISION_BITS,
                       group_size=c.layer.group_size, history_lens=self.history_lens_s)
         self._staged_out[layer_idx] = torch.ops.oscar.attention(
@@ -192,8 +192,8 @@ class StagedStep:
         k_rows, v_rows = rows(stage[0]), rows(stage[3])
         torch.ops.oscar.cache_write(*CacheWriteArgs(
             k=k_rows, v=v_rows, cu_seqlens=self.end_cu, cache_lens=self.end_lens, window_table=self.end_window,
-            quant_table=self.end_quant, **dict(zip(POOLS, pools)), sink=c.layer.sink, recent=0, bits=c.layer.bits,
-            group_size=c.layer.group_size, clip_k=c.clip_k, clip_v=c.clip_v))
+            quant_table=self.end_quant, **dict(zip(POOLS, pools, strict=True)), sink=c.layer.sink, recent=0,
+            bits=c.layer.bits, group_size=c.layer.group_size, clip_k=c.clip_k, clip_v=c.clip_v))
 
     def merge(self, layer_idx: int, out: torch.Tensor) -> torch.Tensor:
         """The layer's output for every token, batch order: [N, H_q, D]."""

@@ -17,7 +17,7 @@ prepare step N + 1 while step N runs, no further.
 """
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 import torch
 

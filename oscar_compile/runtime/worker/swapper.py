@@ -14,7 +14,7 @@ no host synchronisation, the host goes on preparing the step. On the CPU the cop
 """
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 import torch
 

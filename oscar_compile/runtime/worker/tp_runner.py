@@ -26,8 +26,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence as Seq
+from typing import Any
 
 import torch
 import torch.distributed as dist
