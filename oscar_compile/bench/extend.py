@@ -26,6 +26,7 @@ from oscar_compile.bench.kernel_setup import (
     SINK,
     D,
     P,
+    attention_args,
     graph_time_us,
     make_tables,
     num_buffers,
@@ -49,8 +50,8 @@ def _errors(fns: dict, q, k, v, cu, lens, layer, scale, B: int) -> dict:
     for i in sorted({0, B - 1}):
         a, b = int(cu[i]), int(cu[i + 1])
         one = torch.tensor([0, b - a], dtype=torch.int32, device=cu.device)
-        want = attention_ref(q[a:b], k[a:b], v[a:b], one, lens[i:i + 1], wt[i:i + 1], qt[i:i + 1],
-                             *pools, scale, SINK, RECENT, BITS, GROUP)
+        want = attention_ref(**attention_args(q[a:b], k[a:b], v[a:b], one, lens[i:i + 1], (wt[i:i + 1], qt[i:i + 1]),
+                                              pools, scale))
         for name in fns:
             errs[name].append(rel_err(got[name][a:b], want))
         del want
@@ -84,9 +85,8 @@ def bench_extend(cached: int, B: int, chunk: int = 2048, check: bool = True, dev
     layers = [quantized_layer(B, cached, torch.float16, dev)
               for _ in range(num_buffers(quantized_bytes(B, cached, torch.float16)))]
     fns = {
-        "int2": lambda p, tb: attention_triton(q, k, v, cu, lens, *tb, *p, scale, SINK, RECENT, BITS, GROUP),
-        "extend": lambda p, tb: attention_extend_triton(q, k, v, cu, lens, *tb, *p, scale, SINK, RECENT,
-                                                        BITS, GROUP),
+        "int2": lambda p, tb: attention_triton(**attention_args(q, k, v, cu, lens, tb, p, scale)),
+        "extend": lambda p, tb: attention_extend_triton(**attention_args(q, k, v, cu, lens, tb, p, scale)),
         "dequant": lambda p, tb: dequantize_cache_triton(lens, *tb, *p, SINK, RECENT, BITS, GROUP),
     }
     for name, fn in fns.items():

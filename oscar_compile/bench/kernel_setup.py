@@ -11,6 +11,7 @@ import statistics
 
 import torch
 
+from oscar_compile.formats.op_args import AttentionArgs
 from oscar_compile.kernels.pools import allocate_pools
 
 HBM_BYTES_PER_S = 4.3e12
@@ -54,6 +55,15 @@ def make_tables(B: int, pages_per_seq: int, device) -> torch.Tensor:
     """[B, pages_per_seq] int32: a random permutation of the pages (no contiguity to exploit)."""
     n = max(B * pages_per_seq, 1)
     return torch.randperm(n, device=device).to(torch.int32).view(B, pages_per_seq)
+
+
+def attention_args(q, k, v, cu_seqlens, cache_lens, tables, pools, scale: float, bits: int = BITS) -> dict:
+    """One INT-b layer's attention arguments by name (``tables`` = (window, quant), ``pools`` a
+    ``CachePools``), for a kernel wrapper or the reference as ``fn(**attention_args(...))``."""
+    window_table, quant_table = tables
+    return AttentionArgs(q=q, k=k, v=v, cu_seqlens=cu_seqlens, cache_lens=cache_lens, window_table=window_table,
+                         quant_table=quant_table, **pools._asdict(), scale=scale, sink=SINK, recent=RECENT, bits=bits,
+                         group_size=GROUP)._asdict()
 
 
 def quantized_layer(B: int, ctx: int, sdt: torch.dtype, device, bits: int = BITS):

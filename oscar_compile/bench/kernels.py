@@ -31,7 +31,7 @@ import warnings
 import torch
 
 from oscar_compile.bench.extend import EXTEND_SHAPES, bench_extend
-from oscar_compile.bench.kernel_setup import (  # noqa: F401  (re-exported for the prototypes in docs/findings.md)
+from oscar_compile.bench.kernel_setup import (
     BITS,
     GROUP,
     H_KV,
@@ -42,6 +42,7 @@ from oscar_compile.bench.kernel_setup import (  # noqa: F401  (re-exported for t
     SINK,
     D,
     P,
+    attention_args,  # noqa: F401  (re-exported for the prototypes in docs/findings.md)
     graph_time_us,
     make_tables,
     num_buffers,
@@ -114,7 +115,7 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
         layers = [quantized_layer(B, ctx, sdt, dev, bits) for _ in range(num_buffers(nbytes))]
 
         def call(pools, tables, kernel=kernel, bits=bits):
-            return kernel(q, kn, vn, cu, lens, *tables, *pools, scale, SINK, RECENT, bits, GROUP)
+            return kernel(**attention_args(q, kn, vn, cu, lens, tables, pools, scale, bits))
 
         t = graph_time_us([lambda p=p, tb=tb: call(p, tb) for p, tb in layers])
         row[f"{tag}_us"] = t
@@ -131,8 +132,8 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
             got = call(pools, (wt, qt))
             errs = []
             for i in sorted({0, B - 1}):
-                want = attention_ref(q[i:i + 1], kn[i:i + 1], vn[i:i + 1], cu[:2], lens[i:i + 1],
-                                     wt[i:i + 1], qt[i:i + 1], *pools, scale, SINK, RECENT, bits, GROUP)
+                want = attention_ref(**attention_args(q[i:i + 1], kn[i:i + 1], vn[i:i + 1], cu[:2], lens[i:i + 1],
+                                                      (wt[i:i + 1], qt[i:i + 1]), pools, scale, bits))
                 errs.append(rel_err(got[i:i + 1], want))
             row[f"{tag}_rel_err"] = max(errs)
         del layers
@@ -183,7 +184,7 @@ def bench_gluon_variants(ctx: int, B: int) -> list[dict]:
     for kw in sweep:
         try:
             t = graph_time_us([lambda p=p, tb=tb, kw=kw: attention_gluon(
-                q, kn, kn, cu, lens, *tb, *p, D ** -0.5, SINK, RECENT, BITS, GROUP, **kw)
+                **attention_args(q, kn, kn, cu, lens, tb, p, D ** -0.5), **kw)
                 for p, tb in layers])
             out.append({"context": ctx, "batch": B, **kw, "planned": kw == {"maxnreg": MAXNREG, "nsplit": planned[0],
                                                                             "win_splits": planned[1]},
@@ -223,7 +224,7 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
                 is_plan = nsplit == planned and win_splits == planned_win and block_w == 32
                 try:
                     t = graph_time_us([lambda p=p, tb=tb, kw=kw: attention_triton(
-                        q, kn, kn, cu, lens, *tb, *p, D ** -0.5, SINK, RECENT, BITS, GROUP, **kw)
+                        **attention_args(q, kn, kn, cu, lens, tb, p, D ** -0.5), **kw)
                         for p, tb in layers])
                     out.append({"context": ctx, "batch": B, **kw, "planned": is_plan, "us": t,
                                 "kv_elems_per_s": B * ctx * H_KV * D * 2 / (t * 1e-6)})
