@@ -42,7 +42,7 @@ from oscar_compile.bench.kernel_setup import (
     SINK,
     D,
     P,
-    attention_args,  # noqa: F401  (re-exported for the prototypes in docs/findings.md)
+    attention_args,
     graph_time_us,
     make_tables,
     num_buffers,
