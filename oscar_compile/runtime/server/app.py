@@ -219,7 +219,7 @@ class _Server:
         return self._model_card(model_id)
 
     async def version(self):
-        from oscar_compile import __version__
+        from oscar_compile._version import __version__
 
         return {"version": __version__}
 
