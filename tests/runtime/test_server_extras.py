@@ -258,9 +258,12 @@ def test_error_param_keeps_field_paths_and_drops_union_tags(loc, param):
 
 def test_ignored_field_labels_are_bounded():
     ignored = parsing.IgnoredFields()
-    ignored.record([f"f{i}" for i in range(parsing.MAX_IGNORED_FIELD_LABELS + 6)] + ["f0", "messages.3.w"])
+    ignored.record(["x" * 10_000, "messages.3.w", "messages.12.w"])
+    assert ignored.counts() == {parsing.OTHER_FIELDS_LABEL: 1, "messages.*.w": 2}  # long names: one label
+    ignored.record([f"f{i}" for i in range(parsing.MAX_IGNORED_FIELD_LABELS + 6)] + ["f0"])
     counts = ignored.counts()
-    assert len(counts) == parsing.MAX_IGNORED_FIELD_LABELS + 1 and counts[parsing.OTHER_FIELDS_LABEL] == 7
+    # 62 more names fit beside the two labels above; the last 8 join "(other)"
+    assert len(counts) == parsing.MAX_IGNORED_FIELD_LABELS and counts[parsing.OTHER_FIELDS_LABEL] == 1 + 8
     assert counts["f0"] == 2
 
 

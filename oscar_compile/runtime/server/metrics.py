@@ -85,7 +85,7 @@ def render_metrics(stats: dict[str, float], ignored_fields: dict[str, int] | Non
             lines.append(f'{name}{{kind="{page_kind}"}} {_fmt(stats[f"{page_kind}_{suffix}"])}')
     lines += _rank_lines(stats)
     lines += ["# HELP oscar_ignored_request_fields_total Unknown request fields accepted and ignored, by field path "
-              "(list indices as *; past 64 names, field=\"(other)\").",
+              "(list indices as *; past 64 names or over 128 characters, field=\"(other)\").",
               "# TYPE oscar_ignored_request_fields_total counter"]
     lines += [f'oscar_ignored_request_fields_total{{field="{_label(field)}"}} {count}'
               for field, count in sorted((ignored_fields or {}).items())]

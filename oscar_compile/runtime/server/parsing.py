@@ -20,7 +20,9 @@ from oscar_compile.runtime.server.protocol import unknown_fields
 
 logger = logging.getLogger(__name__)
 
-MAX_IGNORED_FIELD_LABELS = 64  # a client picks the names: past this many, they count as one label
+# a client picks the names: past this many, or longer than this, they count under one label
+MAX_IGNORED_FIELD_LABELS = 64
+MAX_IGNORED_FIELD_CHARS = 128
 OTHER_FIELDS_LABEL = "(other)"
 # what pydantic puts in an error's location for the member of a union it tried: "str",
 # "list[int]", "TextPart", "function-after[...]"; field names are lower-case and bracket-free
@@ -50,7 +52,8 @@ class IgnoredFields:
         for path in paths:
             label = re.sub(r"\.\d+(?=\.|$)", ".*", path)
             with self._lock:
-                if label not in self._counts and len(self._counts) >= MAX_IGNORED_FIELD_LABELS:
+                full = label not in self._counts and len(self._counts) >= MAX_IGNORED_FIELD_LABELS
+                if full or len(label) > MAX_IGNORED_FIELD_CHARS:
                     label = OTHER_FIELDS_LABEL
                 first = label not in self._counts
                 self._counts[label] = self._counts.get(label, 0) + 1
