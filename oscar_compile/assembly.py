@@ -142,7 +142,8 @@ def default_compression(model_dir: Path, spec: str | None, rotations: str | None
 
 
 def build_app(model: str | Path | None = None, spec: str | None = None, rotations: str | None = None, *,
-              server=None, config=None, device: str | torch.device = "auto", served_model_name: str | None = None,
+              server=None, config=None, device: str | torch.device = "auto",
+              served_model_name: str | list[str] | None = None,
               tensor_parallel_size: int = 1, wording: Wording = CLI_WORDING) -> tuple[Any, str]:
     """(FastAPI app, served model name) for a model directory (None: the bundled model).
 
@@ -163,10 +164,12 @@ def build_app(model: str | Path | None = None, spec: str | None = None, rotation
                      tensor_parallel_size=tensor_parallel_size, wording=wording)
     if built.compression is not None:
         spec, rotations = f"{model_dir} (compressed checkpoint)", built.compression.rotations_path
-    name = served_model_name or model_dir.name
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    names = names or [model_dir.name]
+    name = names[0]  # the one responses report; a request may name any of them
     logger.info("serving %s from %s on %s with %s (rotations: %s, tensor-parallel size %d)", name, model_dir, device,
                 spec, rotations, tensor_parallel_size)
-    app = create_app(AsyncEngine(built.engine), name, server)
+    app = create_app(AsyncEngine(built.engine), names, server)
     app.state.tensor_parallel = built.tensor_parallel  # the other ranks: stopped after the server
     return app, name
 

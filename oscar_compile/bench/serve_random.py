@@ -52,9 +52,9 @@ def build_app(args):
     config, make_runner = compress(model, spec, None, serve.engine_config(args))  # neither needs data
     vocab = model.config.get_text_config().vocab_size
     engine = build_engine(model, SpelledIdTokenizer(vocab), config, make_runner=make_runner)
-    name = args.served_model_name or f"random-{args.shape}-{args.mode}"
-    logger.info("serving %s (random weights, %s) on %s", name, spec, next(model.parameters()).device)
-    return create_app(AsyncEngine(engine), name, server), name
+    names = args.served_model_name or [f"random-{args.shape}-{args.mode}"]
+    logger.info("serving %s (random weights, %s) on %s", names[0], spec, next(model.parameters()).device)
+    return create_app(AsyncEngine(engine), names, server), names[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         app, _ = build_app(args)
-    except (ValueError, NotImplementedError) as err:
+    except (FileNotFoundError, ValueError, NotImplementedError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     serve.run_server(app, args)

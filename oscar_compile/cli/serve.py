@@ -36,7 +36,9 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
     parser.add_argument("--model", help="Hugging Face model directory (default: the bundled tiny model)")
     parser.add_argument("--spec", help="compression spec YAML (default: oscar-int2 for the bundled model, else bf16)")
     parser.add_argument("--rotations", help="rotation artifact (default: <model>/rotations/<spec name>.safetensors)")
-    parser.add_argument("--served-model-name", help="model id clients use (default: the directory name)")
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="model ids clients may use; responses and /v1/models report the first "
+                             "(default: the directory name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -88,6 +90,11 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--default-max-tokens", type=int, default=defaults.DEFAULT_CHAT_MAX_TOKENS,
                        help="max_tokens of a chat request that sets none, capped by the context "
                             "(default: %(default)s; completions keep OpenAI's 16)")
+    group.add_argument("--strict-fields", action="store_true",
+                       help="refuse unknown request fields with 400 (default: ignore them, as vLLM does, "
+                            "with a warning and the /metrics counter oscar_ignored_request_fields_total)")
+    group.add_argument("--chat-template", metavar="FILE",
+                       help="Jinja chat template to render messages with (default: the tokenizer's)")
 
 
 def server_config(args: argparse.Namespace):
@@ -99,7 +106,22 @@ def server_config(args: argparse.Namespace):
     return ServerConfig(api_key=args.api_key, metrics_require_key=args.metrics_require_key,
                         max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
                         request_timeout_s=args.request_timeout, shutdown_timeout_s=args.shutdown_timeout,
-                        default_chat_max_tokens=args.default_max_tokens)
+                        default_chat_max_tokens=args.default_max_tokens, strict_fields=args.strict_fields,
+                        chat_template=read_chat_template(args.chat_template))
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """The text of ``--chat-template FILE`` (FileNotFoundError naming it when it is missing)."""
+    if path is None:
+        return None
+    from pathlib import Path
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--chat-template: no such file: {path}")
+    text = Path(path).read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"--chat-template: {path} is empty")
+    return text
 
 
 def exposure_warning(host: str, api_key: str | None) -> str | None:

@@ -22,7 +22,8 @@ CHAT_FIELDS = COMMON_FIELDS + ["messages", "max_completion_tokens", "logprobs", 
                                "tool_choice", "parallel_tool_calls", "response_format"]
 UNKNOWN_FIELDS = ["max_token", "functions", "", "\u0000", "a" * 200, "prompt ", "Messages", "min_tokens"]
 ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-          ("GET", "/health"), ("GET", "/metrics")]
+          ("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models/tiny"), ("GET", "/version"),
+          ("GET", "/tokenizer_info"), ("POST", "/tokenize"), ("POST", "/detokenize")]
 ODD_PATHS = ["/v1/nope", "/v1", "/", "/v1/completions/", "/v1//completions", "/v1/chat/completions%00",
              "/v1/models/tiny", "/%ff%fe", "/v1/completions?x=%00&y=%C3%A9",
              "/v1/" + "a" * 3000]
@@ -151,7 +152,7 @@ class BodyFuzzer:
             headers["Authorization"] = self.rng.choice(["Bearer", "Bearer x", "Basic Zm9v", "\u00e9"]).encode(
                 "utf-8").decode("latin-1")
         r = self.rng.random()
-        if r < 0.08:  # GET routes, with a stray body or query
+        if r < 0.08:  # the other routes, with a stray (completions) body or query
             method, path = self.rng.choice(ROUTES[2:])
             body = self.raw("/v1/completions") if self.rng.random() < 0.5 else None
             if self.rng.random() < 0.3:

@@ -1,5 +1,5 @@
-"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics.
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models[/{id}],
+/health, /metrics, /version, and vLLM's /tokenize, /detokenize, /tokenizer_info.
 
 Why FastAPI + uvicorn rather than the standard library: handlers are coroutines that wait on
 per-request queues, so thousands of open streams cost no thread each; Starlette's streaming
@@ -23,13 +23,13 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from oscar_compile.kernels import jit_watch
@@ -39,6 +39,7 @@ from oscar_compile.runtime.core.sampling_params import RequestError, SamplingPar
 from oscar_compile.runtime.server.admission import Admission, Refused
 from oscar_compile.runtime.server.gate import ApiKeyGate, BodyLimit
 from oscar_compile.runtime.server.metrics import render_metrics
+from oscar_compile.runtime.server.parsing import IgnoredFields, parse_body
 from oscar_compile.runtime.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
@@ -46,6 +47,14 @@ from oscar_compile.runtime.server.protocol import (
 )
 from oscar_compile.runtime.server.responses import Choice, Formatter, error_body, sse
 from oscar_compile.runtime.server.server_config import ServerConfig
+from oscar_compile.runtime.server.tokenization import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    render_chat,
+    tokenize,
+    tokenizer_info,
+)
 
 logger = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.5
@@ -59,13 +68,18 @@ class ApiError(Exception):
         self.status, self.type, self.param, self.code = status, type_, param, code
 
 
-def create_app(async_engine: AsyncEngine, model_name: str, config: ServerConfig | None = None) -> FastAPI:
+def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], config: ServerConfig | None = None
+               ) -> FastAPI:
     """The ASGI app; its lifespan starts and stops the engine thread. ``app.state.admission``
-    is what a graceful shutdown drains (shutdown.py)."""
+    is what a graceful shutdown drains (shutdown.py). ``model_name``: the served name, or several
+    (a request may name any; responses report the first, as vLLM's ``--served-model-name``)."""
     config = config or ServerConfig()
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    if not names or not all(names):
+        raise ValueError(f"served model names must be non-empty, got {names!r}")
     jit_watch.install()  # compiles made while serving stall the running requests: warn about each
     admission = Admission(async_engine, config.max_waiting_requests)
-    server = _Server(async_engine, model_name, config, admission)
+    server = _Server(async_engine, names, config, admission)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -85,9 +99,15 @@ def create_app(async_engine: AsyncEngine, model_name: str, config: ServerConfig 
     _add_error_handlers(app)
     app.get("/health")(server.health)
     app.get("/v1/models")(server.models)
+    app.get("/v1/models/{model_id:path}")(server.model)
     app.get("/metrics")(server.metrics)
+    app.get("/version")(server.version)
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat_completions)
+    # vLLM's tokenizer routes, at the root as vLLM serves them: --api-key guards /v1/* only
+    app.post("/tokenize")(server.tokenize)
+    app.post("/detokenize")(server.detokenize)
+    app.get("/tokenizer_info")(server.tokenizer_info)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     if config.api_key is not None:  # added last: outermost, so a 401 never reads the body
         app.add_middleware(ApiKeyGate, api_key=config.api_key, metrics_require_key=config.metrics_require_key)
@@ -133,20 +153,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         return reply(500, f"internal error: {type(err).__name__}", "internal_error")
 
 
-async def _parse(request: Request, model_cls: type[BaseModel]):
-    body = await request.body()
-    try:
-        return model_cls.model_validate_json(body)
-    except ValidationError as err:
-        first = err.errors()[0]
-        if first["type"] == "json_invalid":
-            raise RequestError(None, f"request body is not valid JSON: {first['msg']}") from None
-        param = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("str", "list["))) or None
-        what = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
-        where = f"{param}: " if param else "request body: "
-        raise RequestError(param, where + what, code=first["type"]) from None
-
-
 def _error_kind(err: Exception) -> tuple[str, str | None]:
     """(type, code) of the OpenAI error body for ``err``, as its exception handler would answer."""
     if isinstance(err, ApiError):
@@ -177,12 +183,14 @@ class _ReleasingStream(StreamingResponse):
 
 
 class _Server:
-    def __init__(self, async_engine: AsyncEngine, model_name: str, config: ServerConfig,
+    def __init__(self, async_engine: AsyncEngine, model_names: list[str], config: ServerConfig,
                  admission: Admission):
         self.async_engine = async_engine
         self.engine = async_engine.engine
         self.tokenizer = async_engine.engine.tokenizer
-        self.model_name = model_name
+        self.model_names = model_names
+        self.model_name = model_names[0]  # the one responses report
+        self.ignored_fields = IgnoredFields()
         self.config = config
         self.admission = admission
         self.created = int(time.time())
@@ -198,19 +206,51 @@ class _Server:
             raise ApiError(503, "the server is shutting down", "service_unavailable", code="shutting_down")
         return {"status": "ok"}
 
+    def _model_card(self, name: str) -> dict[str, Any]:
+        # vLLM's card: root is the model every served name points at
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "oscar_compile",
+                "root": self.model_name, "parent": None, "max_model_len": self.engine.max_model_len}
+
     async def models(self):
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "oscar_compile", "max_model_len": self.engine.max_model_len}]}
+        return {"object": "list", "data": [self._model_card(name) for name in self.model_names]}
+
+    async def model(self, model_id: str):
+        self._check_model(model_id)
+        return self._model_card(model_id)
+
+    async def version(self):
+        from oscar_compile._version import __version__
+
+        return {"version": __version__}
 
     async def metrics(self):
-        return PlainTextResponse(render_metrics(self.async_engine.stats),
+        return PlainTextResponse(render_metrics(self.async_engine.stats, self.ignored_fields.counts()),
                                  media_type="text/plain; version=0.0.4")
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+        if model is not None and model not in self.model_names:
+            served = ", ".join(repr(n) for n in self.model_names)
+            raise ApiError(404, f"The model {model!r} does not exist; this server serves {served}",
                            param="model", code="model_not_found")
+
+    async def _parse(self, request: Request, schema: type[BaseModel]):
+        return parse_body(await request.body(), schema, self.config.strict_fields, self.ignored_fields)
+
+    async def tokenize(self, request: Request):
+        req = await self._parse(request, TokenizeRequest)
+        self._check_model(req.model)
+        req.check()
+        return await self._in_tokenizer_thread(
+            lambda: tokenize(self.tokenizer, req, self.config.chat_template, self.engine.max_model_len))
+
+    async def detokenize(self, request: Request):
+        req = await self._parse(request, DetokenizeRequest)
+        self._check_model(req.model)
+        return await self._in_tokenizer_thread(
+            lambda: detokenize(self.tokenizer, req, self.engine.runner.vocab_size))
+
+    async def tokenizer_info(self):
+        return tokenizer_info(self.tokenizer, self.config.chat_template)
 
     def _deadline(self) -> float | None:
         timeout = self.config.request_timeout_s
@@ -224,7 +264,7 @@ class _Server:
         draining, the body does not validate or names another model."""
         self.admission.check_open()
         deadline = self._deadline()
-        req = await _parse(request, schema)
+        req = await self._parse(request, schema)
         self._check_model(req.model)
         req.check()
         return req, deadline
@@ -243,9 +283,8 @@ class _Server:
 
     async def chat_completions(self, request: Request):
         req, deadline = await self._accept(request, ChatCompletionRequest)
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise RequestError("messages", "this model's tokenizer has no chat template")
-        ids = await self._in_tokenizer_thread(lambda: self._apply_chat_template(req))
+        ids = await self._in_tokenizer_thread(lambda: render_chat(
+            self.tokenizer, req.messages, self.config.chat_template, req.chat_template_kwargs))
         self._check_prompts([ids], "messages")
         field, requested = req.requested_max_tokens()
         max_tokens = self._max_tokens(field, requested, [ids], self.config.default_chat_max_tokens)
@@ -253,17 +292,6 @@ class _Server:
         fmt = Formatter("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
                         self.tokenizer, req.logprobs)
         return await self._respond(request, fmt, [ids], params, req.stream, req.stream_options, deadline)
-
-    def _apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
-        from jinja2.exceptions import TemplateError
-
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                [m.as_template_dict() for m in req.messages], add_generation_prompt=True,
-                tokenize=True, return_dict=False)
-        except TemplateError as err:  # templates raise on what they refuse, e.g. a misplaced system message
-            raise RequestError("messages", f"the model's chat template refused the messages: {err}") from None
-        return list(ids)
 
     def _check_prompts(self, prompts: list[list[int]], param: str) -> None:
         """Token ids in the vocabulary, and room for at least one token after each prompt."""

@@ -61,7 +61,8 @@ _PAGES = (
 PAGE_KINDS = ("window", "quant", "staging")  # staging: full-precision history of chunked prefills
 
 
-def render_metrics(stats: dict[str, float]) -> str:
+def render_metrics(stats: dict[str, float], ignored_fields: dict[str, int] | None = None) -> str:
+    """``ignored_fields``: how many times the server ignored each unknown request field."""
     lines: list[str] = []
     # which oscar::attention kernel ran in this process (Gluon on sm_90 decode, the extend path for
     # prefill-like INT-b calls, Triton otherwise)
@@ -83,6 +84,11 @@ def render_metrics(stats: dict[str, float]) -> str:
         for page_kind in PAGE_KINDS:
             lines.append(f'{name}{{kind="{page_kind}"}} {_fmt(stats[f"{page_kind}_{suffix}"])}')
     lines += _rank_lines(stats)
+    lines += ["# HELP oscar_ignored_request_fields_total Unknown request fields accepted and ignored, by field path "
+              "(list indices as *; past 64 names or over 128 characters, field=\"(other)\").",
+              "# TYPE oscar_ignored_request_fields_total counter"]
+    lines += [f'oscar_ignored_request_fields_total{{field="{_label(field)}"}} {count}'
+              for field, count in sorted((ignored_fields or {}).items())]
     return "\n".join(lines) + "\n"
 
 

@@ -1,17 +1,22 @@
 """OpenAI request bodies, validated strictly, and their translation to SamplingParams.
 
-Like the OpenAI API, an unknown field is an error (a typo such as ``max_token`` must not be
-silently ignored) and wrong JSON types are not coerced (``"max_tokens": "5"`` is a 400).
+Wrong JSON types are not coerced (``"max_tokens": "5"`` is a 400). An unknown field is accepted
+and ignored, as vLLM does (lm-eval spreads a task's generation kwargs into the body): the server
+names it in a warning and counts it in ``/metrics``, and ``--strict-fields`` makes it a 400 again
+(``unknown_fields`` lists them, with their paths). An explicit ``null`` for any optional field
+means its default, as OpenAI accepts ``null`` for its nullable fields (``n``, ``stream``,
+penalties...).
 Fields OpenAI defines but this server does not implement are accepted only at their neutral
 value (``n: 1``, penalties 0, no ``logit_bias``...) and refused otherwise, naming the field.
 A few vLLM-style extensions are accepted: ``top_k``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``.
 
-Bounds follow OpenAI's API reference where it states one (at most 4 stop sequences, penalties in
+Bounds follow OpenAI's API reference where it states one (penalties in
 [-2, 2], ``metadata`` of 16 pairs, content required on every message without tool calls, a
 ``tool_call_id`` on tool messages) and vLLM's protocol models otherwise (up to 20 logprobs). Where
 neither states a bound, one is set here so a single request cannot make the server do unbounded
-work per token: stop strings of at most ``MAX_STOP_CHARS`` characters, ``MAX_STOP_TOKEN_IDS``
+work per token: ``MAX_STOP_SEQUENCES`` stop strings (OpenAI caps them at 4, vLLM not at all; lm-eval's
+code tasks send 6) of at most ``MAX_STOP_CHARS`` characters each, ``MAX_STOP_TOKEN_IDS``
 stop token ids, ``MAX_PROMPTS`` prompts in one completions request. ``check`` runs the checks
 pydantic's field types cannot express; ``max_tokens`` against the context is the server's check
 (it needs the prompt's length).
@@ -21,12 +26,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from oscar_compile.runtime.core.sampling_params import MAX_LOGPROBS, RequestError, SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy completions API default
-MAX_STOP_SEQUENCES = 4  # OpenAI: "up to 4 sequences"
+MAX_STOP_SEQUENCES = 64  # OpenAI: "up to 4 sequences"; vLLM: unbounded
 MAX_STOP_CHARS = 1024  # a stream holds back this many characters minus one
 MAX_STOP_TOKEN_IDS = 256
 MAX_PROMPTS = 128
@@ -35,7 +40,32 @@ _METADATA_PAIRS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    """No type coercion; unknown fields are kept in ``model_extra`` for ``unknown_fields`` to
+    report (or refuse); an explicit ``null`` for a field with a default means that default."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        optional = {name for name, info in cls.model_fields.items() if not info.is_required()}
+        return {k: v for k, v in data.items() if v is not None or k not in optional}
+
+
+def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """The dotted paths of the fields in ``model`` (nested models and lists of them included)
+    that no schema names, e.g. ``["do_sample", "messages.0.weight"]``."""
+    found = [prefix + name for name in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for index, item in items:
+            if isinstance(item, BaseModel):
+                path = f"{prefix}{name}." if index is None else f"{prefix}{name}.{index}."
+                found += unknown_fields(item, path)
+    return found
 
 
 class StreamOptions(_Strict):
@@ -195,9 +225,11 @@ class ChatCompletionRequest(_Common):
     tool_choice: Any | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
 
     def check(self) -> None:
         super().check()
+        check_chat_template_kwargs(self.chat_template_kwargs)
         for index, message in enumerate(self.messages):
             message.check(index)
         if self.tools:
@@ -217,3 +249,19 @@ class ChatCompletionRequest(_Common):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# apply_chat_template's own arguments: the server sets them, a request's template variables may not
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_chat_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """Variables for the chat template (``enable_thinking``...), refused when they would set one of
+    ``apply_chat_template``'s own arguments."""
+    for key in kwargs or {}:
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise RequestError(f"chat_template_kwargs.{key}",
+                               f"chat_template_kwargs.{key}: set by the server, not a template variable")

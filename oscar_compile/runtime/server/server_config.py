@@ -29,6 +29,10 @@ class ServerConfig:
     ``shutdown_timeout_s``: on SIGTERM / SIGINT, how long in-flight requests may finish.
     ``default_chat_max_tokens``: the ``max_tokens`` of a chat request that gives none (capped by
     the room left in the context); completions keep OpenAI's legacy default of 16.
+    ``strict_fields``: an unknown request field is a 400 (by default it is ignored, logged and
+    counted, as vLLM does).
+    ``chat_template``: the Jinja chat template to render messages with, in place of the
+    tokenizer's (None: the tokenizer's).
     """
 
     api_key: str | None = None
@@ -38,6 +42,8 @@ class ServerConfig:
     request_timeout_s: float | None = None
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     default_chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
+    strict_fields: bool = False
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
