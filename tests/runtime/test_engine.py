@@ -192,3 +192,47 @@ def test_the_engine_runs_on_cuda(tiny_model, tokenizer):
     batched = llm.generate([tokenizer.encode("hello")] * 4 + [prompt], [SamplingParams(max_tokens=9)] * 4 + [seeded])
     assert batched[-1].token_ids == alone
     assert_all_pages_free(llm.engine)
+
+
+class _OutputPenalties:
+    """OpenAI's presence / frequency penalties in plain torch, as a transformers logits processor:
+    ``logit -= presence * (count > 0) + frequency * count`` over the generated tokens only."""
+
+    def __init__(self, num_prompt: int, presence: float, frequency: float):
+        self.num_prompt, self.presence, self.frequency = num_prompt, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        counts = torch.zeros_like(scores)
+        output = input_ids[:, self.num_prompt:]
+        counts.scatter_add_(1, output, torch.ones_like(output, dtype=scores.dtype))
+        return scores - self.presence * (counts > 0).to(scores.dtype) - self.frequency * counts
+
+
+@pytest.mark.skipif(not (BUNDLED_MODEL_DIR / "config.json").exists(), reason="the bundled model is not shipped")
+def test_sampling_controls_on_the_bundled_model_equal_transformers_generate():
+    """Greedy with each control, through the engine, gives transformers' generate with its own
+    processors (plain torch for presence / frequency); each changes the greedy output."""
+    transformers = pytest.importorskip("transformers")
+    llm = LLM(str(BUNDLED_MODEL_DIR), device="cpu", dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(BUNDLED_MODEL_DIR)).float().eval()
+    ids = llm.tokenizer.encode("def fibonacci(n):")
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    plain = llm.generate([ids], greedy)[0].token_ids
+    bias_token = plain[3]
+    cases = [
+        (dict(repetition_penalty=1.5), dict(repetition_penalty=1.5)),
+        (dict(logit_bias={bias_token: -100.0, 777: 4.0}), dict(sequence_bias={(bias_token,): -100.0, (777,): 4.0})),
+        (dict(presence_penalty=1.2, frequency_penalty=0.6),
+         dict(logits_processor=transformers.LogitsProcessorList([_OutputPenalties(len(ids), 1.2, 0.6)]))),
+    ]
+    for controls, hf_kwargs in cases:
+        out = llm.generate([ids], SamplingParams(max_tokens=24, temperature=0.0, logprobs=0, **controls))[0]
+        with torch.no_grad():
+            reference = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, **hf_kwargs)
+        assert out.token_ids == reference[0, len(ids):].tolist(), controls
+        assert out.token_ids != plain, controls
+        # the logprobs are the model's own, before the controls
+        with torch.no_grad():
+            full = hf(torch.tensor([ids + out.token_ids[:-1]])).logits[0, len(ids) - 1:].log_softmax(-1)
+        own = full.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        assert [lp.logprob for lp in out.logprobs] == pytest.approx(own.tolist(), abs=1e-4)
