@@ -9,8 +9,10 @@ extensions ``repetition_penalty``, ``min_p``, ``min_tokens``, ``top_k``, ``ignor
 ``stop_token_ids``, ``skip_special_tokens``; ``null`` means the default for each of them.
 
 Bounds follow OpenAI's API reference where it states one (at most 4 stop sequences, penalties in
-[-2, 2], ``logit_bias`` values in [-100, 100] on token ids of the vocabulary, ``metadata`` of 16 pairs, content required on every message without tool calls, a
-``tool_call_id`` on tool messages) and vLLM's protocol models otherwise (up to 20 logprobs). Where
+[-2, 2], ``logit_bias`` values in [-100, 100] on token ids of the vocabulary, ``metadata`` of 16
+pairs, content required on every message without tool calls, a ``tool_call_id`` on tool
+messages) and vLLM's protocol models otherwise (up to 20 logprobs, ``repetition_penalty`` > 0,
+``min_p`` in [0, 1], ``min_tokens`` <= ``max_tokens``). Where
 neither states a bound, one is set here so a single request cannot make the server do unbounded
 work per token: stop strings of at most ``MAX_STOP_CHARS`` characters, ``MAX_STOP_TOKEN_IDS``
 stop token ids, ``MAX_PROMPTS`` prompts in one completions request. ``check`` runs the checks
