@@ -236,3 +236,25 @@ def test_sampling_controls_on_the_bundled_model_equal_transformers_generate():
             full = hf(torch.tensor([ids + out.token_ids[:-1]])).logits[0, len(ids) - 1:].log_softmax(-1)
         own = full.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
         assert [lp.logprob for lp in out.logprobs] == pytest.approx(own.tolist(), abs=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not (BUNDLED_MODEL_DIR / "config.json").exists(), reason="the bundled model is not shipped")
+def test_sampling_controls_on_cuda_with_overlapped_steps_and_cuda_graphs():
+    """On the GPU (CUDA graphs, overlapped steps: the pending token is read from the device) a
+    batch mixing controlled and plain requests gives the tokens of one-step-at-a-time stepping."""
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:", "# sort a list", "for i in range(10):"]
+    controls = [dict(repetition_penalty=1.5), dict(), dict(frequency_penalty=1.0, presence_penalty=0.5),
+                dict(logit_bias={777: 100.0}), dict(min_tokens=30, min_p=0.2, temperature=0.8, seed=5)]
+    params = [SamplingParams(**{"max_tokens": 30, "temperature": 0.0, **c}) for c in controls]
+    outputs = {}
+    for overlap in (True, False):
+        llm = LLM(str(BUNDLED_MODEL_DIR), device="cuda", config=EngineConfig(overlap_steps=overlap))
+        assert llm.engine.overlap is overlap
+        outputs[overlap] = [o.token_ids for o in llm.generate(prompts, params)]
+        plain = llm.generate(prompts[:1], SamplingParams(max_tokens=30, temperature=0.0))[0].token_ids
+        assert_all_pages_free(llm.engine)
+        llm.close()
+    assert outputs[True] == outputs[False]
+    assert outputs[True][0] != plain and outputs[True][3] == [777] * 30 and len(outputs[True][4]) == 30

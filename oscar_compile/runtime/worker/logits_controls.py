@@ -118,7 +118,8 @@ def apply_controls(logits: torch.Tensor, controls: LogitsControls) -> torch.Tens
         rows, tokens, values = controls.bias
         sub.index_put_((rows, tokens), values, accumulate=True)
     if controls.banned is not None:
-        sub.index_put_(controls.banned, torch.tensor(float("-inf"), device=sub.device))
+        rows, tokens = controls.banned
+        sub.index_put_((rows, tokens), sub.new_full(rows.shape, float("-inf")))  # a fill: no host copy
     counts = controls.output_counts
     if controls.repetition is not None:
         seen = controls.prompt_mask | (counts > 0)
