@@ -192,7 +192,8 @@ class LLMEngine:
             logits = logits[to_device(rows, torch.int64, logits.device)]
         # None unless a request uses penalties, logit_bias or min_tokens: then nothing more runs
         controls = build_controls(seqs, self.eos_token_ids, logits.shape[-1], logits.device,
-                                  self._in_flight.sample.token_ids if self._in_flight else None, pending_src)
+                                  self._in_flight.sample.token_ids if self._in_flight else None, pending_src,
+                                  self.sampler.token_cache)
         sample = self.sampler.sample(logits, [s.params for s in seqs], [s.seq_id for s in seqs], controls)
         for seq in seqs:
             seq.num_pending += 1

@@ -20,7 +20,7 @@ EOS = (0,)
 
 
 def make_seq(prompt: list[int], output: list[int], **params) -> Sequence:
-    seq = Sequence(prompt, SamplingParams(max_tokens=64, temperature=0.0, **params))
+    seq = Sequence(prompt, SamplingParams(**{"max_tokens": 64, "temperature": 0.0, **params}))
     for token in output:
         seq.append_token(token)
     return seq
@@ -163,3 +163,23 @@ def test_bad_controls_name_their_field(kwargs, field):
     with pytest.raises(RequestError) as info:
         SamplingParams(**kwargs)
     assert info.value.param == field
+
+
+def test_the_token_cache_gives_the_counts_of_a_fresh_build_step_after_step():
+    from oscar_compile.runtime.worker.logits_controls import TokenCache
+
+    cache = TokenCache()
+    seqs = [make_seq([5, 6, 5, 9], [], repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=3),
+            make_seq([1, 2], [4], presence_penalty=1.0)]
+    x = random_logits(2, seed=9)
+    for step, token in enumerate([6, 6, 8, 3, 3, 1]):  # past max_tokens: the buffer grows
+        cached = build_controls(seqs, EOS, V, x.device, cache=cache)
+        fresh = build_controls(seqs, EOS, V, x.device)
+        assert torch.equal(cached.output_counts, fresh.output_counts), step
+        assert torch.equal(apply_controls(x, cached), apply_controls(x, fresh)), step
+        for seq in seqs:
+            seq.append_token(token)
+    assert cache.prompt_ids(seqs[0], x.device).tolist() == [5, 6, 9]
+    for seq in seqs:
+        cache.forget(seq.seq_id)
+    assert not cache._prompt and not cache._output

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from oscar_compile.runtime.core.sampling_params import SamplingParams
-from oscar_compile.runtime.worker.logits_controls import LogitsControls, apply_controls
+from oscar_compile.runtime.worker.logits_controls import LogitsControls, TokenCache, apply_controls
 from oscar_compile.runtime.worker.transfer import to_device
 
 __all__ = ["DeviceSample", "SampleResult", "Sampler", "filtered_probs", "to_device"]
@@ -76,10 +76,12 @@ class DeviceSample:
 class Sampler:
     def __init__(self):
         self._generators: dict[int, torch.Generator] = {}
+        self.token_cache = TokenCache()  # the penalties' token copies (logits_controls.build_controls)
 
     def forget(self, seq_id: int) -> None:
-        """Drop a finished request's generator."""
+        """Drop a finished request's generator and token copies."""
         self._generators.pop(seq_id, None)
+        self.token_cache.forget(seq_id)
 
     def _generator(self, seq_id: int, seed: int, device: torch.device) -> torch.Generator:
         gen = self._generators.get(seq_id)
