@@ -91,7 +91,8 @@ def _add_penalties(controls: LogitsControls, seqs: list[Sequence], vocab_size: i
         prompts = [cache.prompt_ids(seq, device) if p.repetition_penalty != 1.0 else None
                    for seq, p in zip(seqs, params, strict=True)]
         mask = torch.zeros(R, vocab_size, dtype=torch.bool, device=device)
-        mask[_scatter_index(prompts, device)] = True
+        rows, tokens = _scatter_index(prompts, device)
+        mask.index_put_((rows, tokens), torch.ones(rows.shape, dtype=torch.bool, device=device))
         controls.prompt_mask = mask
     if any(p.presence_penalty != 0.0 for p in params):
         controls.presence = to_device([p.presence_penalty for p in params], torch.float32, device)
