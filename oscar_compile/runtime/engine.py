@@ -29,6 +29,7 @@ from oscar_compile.runtime.core.sampling_params import RequestError, SamplingPar
 from oscar_compile.runtime.core.scheduler import Scheduler, SchedulerOutput
 from oscar_compile.runtime.core.sequence import FinishReason, Sequence
 from oscar_compile.runtime.detokenizer import IncrementalDetokenizer
+from oscar_compile.runtime.worker.logits_controls import build_controls
 from oscar_compile.runtime.worker.runner import Batch, ModelRunner
 from oscar_compile.runtime.worker.sampler import DeviceSample, Sampler, to_device
 
@@ -98,6 +99,8 @@ class LLMEngine:
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
                for t in prompt_token_ids):
             raise RequestError("prompt", f"prompt token ids must be integers in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise RequestError("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
         if num_prompt + 1 > self.max_model_len:
             raise RequestError(
                 "prompt",
@@ -187,7 +190,11 @@ class LLMEngine:
         # then be a replayed CUDA graph's output buffer: sampling is queued before the next replay.
         if len(rows) < len(out.seqs):
             logits = logits[to_device(rows, torch.int64, logits.device)]
-        sample = self.sampler.sample(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
+        # None unless a request uses penalties, logit_bias or min_tokens: then nothing more runs
+        controls = build_controls(seqs, self.eos_token_ids, logits.shape[-1], logits.device,
+                                  self._in_flight.sample.token_ids if self._in_flight else None, pending_src,
+                                  self.sampler.token_cache)
+        sample = self.sampler.sample(logits, [s.params for s in seqs], [s.seq_id for s in seqs], controls)
         for seq in seqs:
             seq.num_pending += 1
         return _Launched(seqs, sample)

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 COMMON_FIELDS = ["model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
                  "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user", "metadata", "store",
-                 "service_tier", "top_k", "ignore_eos", "stop_token_ids", "skip_special_tokens"]
+                 "service_tier", "top_k", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+                 "repetition_penalty", "min_p", "min_tokens"]
 COMPLETION_FIELDS = COMMON_FIELDS + ["prompt", "logprobs", "echo", "best_of", "suffix"]
 CHAT_FIELDS = COMMON_FIELDS + ["messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                "tool_choice", "parallel_tool_calls", "response_format"]
-UNKNOWN_FIELDS = ["max_token", "functions", "", "\u0000", "a" * 200, "prompt ", "Messages", "min_tokens"]
+UNKNOWN_FIELDS = ["max_token", "functions", "", "\u0000", "a" * 200, "prompt ", "Messages", "min_token"]
 ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
           ("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models/tiny"), ("GET", "/version"),
           ("GET", "/tokenizer_info"), ("POST", "/tokenize"), ("POST", "/detokenize")]

@@ -192,3 +192,89 @@ def test_the_engine_runs_on_cuda(tiny_model, tokenizer):
     batched = llm.generate([tokenizer.encode("hello")] * 4 + [prompt], [SamplingParams(max_tokens=9)] * 4 + [seeded])
     assert batched[-1].token_ids == alone
     assert_all_pages_free(llm.engine)
+
+
+class _OutputPenalties:
+    """OpenAI's presence / frequency penalties in plain torch, as a transformers logits processor:
+    ``logit -= presence * (count > 0) + frequency * count`` over the generated tokens only."""
+
+    def __init__(self, num_prompt: int, presence: float, frequency: float):
+        self.num_prompt, self.presence, self.frequency = num_prompt, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        counts = torch.zeros_like(scores)
+        output = input_ids[:, self.num_prompt:]
+        counts.scatter_add_(1, output, torch.ones_like(output, dtype=scores.dtype))
+        return scores - self.presence * (counts > 0).to(scores.dtype) - self.frequency * counts
+
+
+@pytest.mark.skipif(not (BUNDLED_MODEL_DIR / "config.json").exists(), reason="the bundled model is not shipped")
+def test_sampling_controls_on_the_bundled_model_equal_transformers_generate():
+    """Greedy with each control, through the engine, gives transformers' generate with its own
+    processors (plain torch for presence / frequency); each changes the greedy output."""
+    transformers = pytest.importorskip("transformers")
+    llm = LLM(str(BUNDLED_MODEL_DIR), device="cpu", dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(BUNDLED_MODEL_DIR)).float().eval()
+    ids = llm.tokenizer.encode("def fibonacci(n):")
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    plain = llm.generate([ids], greedy)[0].token_ids
+    bias_token = plain[3]
+    cases = [
+        (dict(repetition_penalty=1.5), dict(repetition_penalty=1.5)),
+        (dict(logit_bias={bias_token: -100.0, 777: 4.0}), dict(sequence_bias={(bias_token,): -100.0, (777,): 4.0})),
+        (dict(presence_penalty=1.2, frequency_penalty=0.6),
+         dict(logits_processor=transformers.LogitsProcessorList([_OutputPenalties(len(ids), 1.2, 0.6)]))),
+    ]
+    for controls, hf_kwargs in cases:
+        out = llm.generate([ids], SamplingParams(max_tokens=24, temperature=0.0, logprobs=0, **controls))[0]
+        with torch.no_grad():
+            reference = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, **hf_kwargs)
+        assert out.token_ids == reference[0, len(ids):].tolist(), controls
+        assert out.token_ids != plain, controls
+        # the logprobs are the model's own, before the controls
+        with torch.no_grad():
+            full = hf(torch.tensor([ids + out.token_ids[:-1]])).logits[0, len(ids) - 1:].log_softmax(-1)
+        own = full.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        assert [lp.logprob for lp in out.logprobs] == pytest.approx(own.tolist(), abs=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not (BUNDLED_MODEL_DIR / "config.json").exists(), reason="the bundled model is not shipped")
+def test_sampling_controls_on_cuda_with_overlapped_steps_and_cuda_graphs():
+    """On the GPU (CUDA graphs, overlapped steps: the pending token is read from the device) a
+    batch mixing controlled and plain requests gives the tokens of one-step-at-a-time stepping."""
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:", "# sort a list", "for i in range(10):"]
+    controls = [dict(repetition_penalty=1.5), dict(), dict(frequency_penalty=1.0, presence_penalty=0.5),
+                dict(logit_bias={777: 100.0}), dict(min_tokens=30, min_p=0.2, temperature=0.8, seed=5)]
+    params = [SamplingParams(**{"max_tokens": 30, "temperature": 0.0, **c}) for c in controls]
+    outputs = {}
+    for overlap in (True, False):
+        llm = LLM(str(BUNDLED_MODEL_DIR), device="cuda", config=EngineConfig(overlap_steps=overlap))
+        assert llm.engine.overlap is overlap
+        outputs[overlap] = [o.token_ids for o in llm.generate(prompts, params)]
+        plain = llm.generate(prompts[:1], SamplingParams(max_tokens=30, temperature=0.0))[0].token_ids
+        assert_all_pages_free(llm.engine)
+        llm.close()
+    assert outputs[True] == outputs[False]
+    assert outputs[True][0] != plain and outputs[True][3] == [777] * 30 and len(outputs[True][4]) == 30
+
+
+def test_a_batch_without_controls_builds_none_and_finished_requests_leave_no_copies(tiny_model, tokenizer):
+    engine = build_engine(tiny_model, tokenizer)
+    seen = []
+    sample = engine.sampler.sample
+
+    def spy(logits, params, seq_ids, controls=None):
+        seen.append(controls)
+        return sample(logits, params, seq_ids, controls)
+
+    engine.sampler.sample = spy
+    prompts = random_prompts(tokenizer, 3, seed=5)
+    run_all(engine, [(p, SamplingParams(max_tokens=5, top_k=5, min_p=0.1, seed=1)) for p in prompts])
+    assert seen and all(c is None for c in seen)  # no control used: the sampler runs what it ran before
+    seen.clear()
+    run_all(engine, [(prompts[0], SamplingParams(max_tokens=5, **GREEDY)),
+                     (prompts[1], SamplingParams(max_tokens=5, repetition_penalty=1.2, **GREEDY))])
+    assert any(c is not None for c in seen)
+    assert not engine.sampler.token_cache._prompt and not engine.sampler.token_cache._output

@@ -150,3 +150,28 @@ def test_bf16_mode_preemption_keeps_the_outputs_of_a_roomy_pool(compressed, toke
     want, got = _run(roomy, requests), _run(tight, requests)
     assert roomy.scheduler.num_preemptions == 0 and tight.scheduler.num_preemptions > 0
     assert [(r["ids"], r["reason"], r["text"]) for r in got] == [(r["ids"], r["reason"], r["text"]) for r in want]
+
+
+def test_sampling_controls_count_pending_and_recomputed_tokens(compressed, tokenizer):
+    """Penalties count the output token still pending on the device (overlapped steps) and the
+    tokens of a recomputed sequence (preemption): a tight overlapped pool gives the tokens of a
+    roomy plain one, and the controls really changed them."""
+    compressed = compressed["bf16"]
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, len(tokenizer)) for _ in range(rng.randrange(4, 24))] for _ in range(6)]
+    controls = [dict(repetition_penalty=1.6), dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
+                dict(frequency_penalty=0.8, presence_penalty=0.5, repetition_penalty=1.2, logit_bias={7: 3.0}),
+                dict(min_tokens=18, temperature=0.9, min_p=0.1, seed=3), dict(repetition_penalty=1.4, logprobs=1)]
+    requests = [(p, SamplingParams(**{"max_tokens": 20, "temperature": 0.0, **c}))
+                for p, c in zip(prompts, controls, strict=True)]
+    roomy = _engine(compressed, tokenizer, False, num_window_pages=64, num_quant_pages=128,
+                    max_num_batched_tokens=512)
+    tight = _engine(compressed, tokenizer, True, num_window_pages=1, num_quant_pages=16,
+                    max_num_batched_tokens=16)
+    want, got = _run(roomy, requests), _run(tight, requests)
+    assert tight.scheduler.num_preemptions > 0 and tight.pending_steps > 10
+    assert [(r["ids"], r["reason"]) for r in got] == [(r["ids"], r["reason"]) for r in want]
+    assert len(want[4]["ids"]) >= 18  # min_tokens: no EOS before 18 tokens
+    plain = [(p, SamplingParams(max_tokens=20, temperature=0.0)) for p in prompts[:4]]
+    free = _run(_engine(compressed, tokenizer, False, num_window_pages=64, num_quant_pages=128), plain)
+    assert all(f["ids"] != w["ids"] for f, w in zip(free, want[:4], strict=True))

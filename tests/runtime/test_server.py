@@ -124,6 +124,13 @@ def test_many_concurrent_clients(client):
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": list(range(257))}, 400,
      "stop_token_ids"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "service_tier": "fastest"}, 400, "service_tier"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "metadata": {str(i): "v" for i in range(17)}}, 400,
      "metadata"),
@@ -152,6 +159,36 @@ def test_bad_requests_get_an_openai_error_and_the_server_keeps_serving(server, p
     assert error["param"] == param
     ok_status, ok = post(port, "/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 2})
     assert ok_status == 200 and ok["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_sampling_controls_over_http_equal_transformers_generate(server, client, tiny_model, tokenizer):
+    """Greedy with a repetition penalty (and every other control sent as null, which means its
+    default) gives transformers' generate with its RepetitionPenaltyLogitsProcessor; a logit_bias
+    of +100 through the openai client forces its token, while the logprobs stay the model's."""
+    import torch
+
+    port = server[0]
+    ids = tokenizer.encode("hello world hello world")
+    nulls = dict.fromkeys(["presence_penalty", "frequency_penalty", "logit_bias", "min_p", "min_tokens"])
+    status, body = post(port, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 12, "temperature": 0,
+                                                  "repetition_penalty": 1.8, **nulls})
+    assert status == 200, body
+    with torch.no_grad():
+        reference = tiny_model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                        repetition_penalty=1.8)[0, len(ids):].tolist()
+    assert body["choices"][0]["text"] == tokenizer.decode(reference, skip_special_tokens=True)
+    plain = LLM(tiny_model, tokenizer=tokenizer).generate([ids], SamplingParams(max_tokens=12, temperature=0))[0]
+    assert plain.text != body["choices"][0]["text"]  # the penalty changed the greedy output
+
+    forced = tokenizer.encode(" fox")[0]
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+        logit_bias={str(forced): 100}, logprobs=True, top_logprobs=1, extra_body={"min_tokens": 4})
+    choice = response.choices[0]
+    assert choice.message.content == tokenizer.decode([forced] * 4) and choice.finish_reason == "length"
+    entries = choice.logprobs.content
+    assert all(e.logprob <= e.top_logprobs[0].logprob for e in entries)  # the model's, not the biased ones
+    assert any(e.logprob < e.top_logprobs[0].logprob for e in entries)
 
 
 def test_the_openai_client_raises_on_a_bad_request(client):

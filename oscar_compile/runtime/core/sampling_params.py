@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
+MAX_LOGIT_BIAS = 100.0  # OpenAI: a bias is in [-100, 100]
 # Below this temperature sampling is greedy: dividing logits by ~0 only overflows.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -32,6 +34,15 @@ class SamplingParams:
     the request its own random stream, so its output does not depend on what else is batched.
     ``logprobs``: None for none, k >= 0 to return the chosen token's logprob plus the k best.
     ``stop`` strings are not part of the returned text; EOS ends the request unless ``ignore_eos``.
+
+    The logit controls follow vLLM (applied on the device, worker/logits_controls.py):
+    ``repetition_penalty`` (> 0, 1 = off) divides the positive logits and multiplies the negative
+    ones of every token seen in the prompt or the output; ``presence_penalty`` and
+    ``frequency_penalty`` (OpenAI's, in [-2, 2]) subtract ``presence * (count > 0) + frequency *
+    count`` over the output tokens only; ``logit_bias`` adds a bias in [-100, 100] to a token id's
+    logit; ``min_tokens`` masks EOS (unless ``ignore_eos``) and ``stop_token_ids`` until that many
+    tokens were generated; ``min_p`` in [0, 1] drops tokens whose probability (after temperature)
+    is below ``min_p`` times the top token's. Logprobs stay the model's own, before all of them.
     """
 
     max_tokens: int = 16
@@ -44,6 +55,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,10 +85,36 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(name, f"{name} must be a bool, got {getattr(self, name)!r}")
+        self._check_controls()
+
+    def _check_controls(self) -> None:
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise RequestError("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name), low=-MAX_PENALTY, high=MAX_PENALTY)
+        _check_number("min_p", self.min_p, low=0.0, high=1.0)
+        _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise RequestError("logit_bias", f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
+        for token, bias in (self.logit_bias or {}).items():
+            _check_int("logit_bias", token, low=0)
+            _check_number("logit_bias", bias, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Whether the sampler must change this request's logits before sampling (min_p, a
+        filter like top_p, is not one of them)."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
 
 def _check_int(name: str, value, low: int | None = None, high: int | None = None) -> None:

@@ -328,6 +328,8 @@ class _Server:
         vocab = self.engine.runner.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise RequestError("stop_token_ids", f"stop_token_ids must be token ids in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise RequestError("logit_bias", f"logit_bias keys must be token ids in [0, {vocab})")
         return params
 
     async def _respond(self, request: Request, fmt: Formatter, prompts: list[list[int]],

@@ -7,13 +7,16 @@ names it in a warning and counts it in ``/metrics``, and ``--strict-fields`` mak
 means its default, as OpenAI accepts ``null`` for its nullable fields (``n``, ``stream``,
 penalties...).
 Fields OpenAI defines but this server does not implement are accepted only at their neutral
-value (``n: 1``, penalties 0, no ``logit_bias``...) and refused otherwise, naming the field.
-A few vLLM-style extensions are accepted: ``top_k``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens``.
+value (``n: 1``...) and refused otherwise, naming the field. The sampling controls follow vLLM:
+``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (OpenAI's), and the vLLM-style
+extensions ``repetition_penalty``, ``min_p``, ``min_tokens``, ``top_k``, ``ignore_eos``,
+``stop_token_ids``, ``skip_special_tokens``; ``null`` means the default for each of them.
 
-Bounds follow OpenAI's API reference where it states one (penalties in
-[-2, 2], ``metadata`` of 16 pairs, content required on every message without tool calls, a
-``tool_call_id`` on tool messages) and vLLM's protocol models otherwise (up to 20 logprobs). Where
+Bounds follow OpenAI's API reference where it states one (penalties in [-2, 2], ``logit_bias``
+values in [-100, 100] on token ids of the vocabulary, ``metadata`` of 16 pairs, content required on
+every message without tool calls, a ``tool_call_id`` on tool messages) and vLLM's protocol models
+otherwise (up to 20 logprobs, ``repetition_penalty`` > 0, ``min_p`` in [0, 1], ``min_tokens`` <=
+``max_tokens``). Where
 neither states a bound, one is set here so a single request cannot make the server do unbounded
 work per token: ``MAX_STOP_SEQUENCES`` stop strings (OpenAI caps them at 4, vLLM not at all; lm-eval's
 code tasks send 6) of at most ``MAX_STOP_CHARS`` characters each, ``MAX_STOP_TOKEN_IDS``
@@ -28,14 +31,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from oscar_compile.runtime.core.sampling_params import MAX_LOGPROBS, RequestError, SamplingParams
+from oscar_compile.runtime.core.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    RequestError,
+    SamplingParams,
+)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy completions API default
 MAX_STOP_SEQUENCES = 64  # OpenAI: "up to 4 sequences"; vLLM: unbounded
 MAX_STOP_CHARS = 1024  # a stream holds back this many characters minus one
 MAX_STOP_TOKEN_IDS = 256
 MAX_PROMPTS = 128
-MAX_PENALTY = 2.0
 _METADATA_PAIRS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
 
 
@@ -82,9 +90,9 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings
     # accepted and ignored: they do not change what is generated
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -95,6 +103,9 @@ class _Common(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
 
     def check(self) -> None:
         """Refuse what the field types allow but OpenAI / vLLM refuse, or this server lacks."""
@@ -102,14 +113,11 @@ class _Common(_Strict):
             raise RequestError("n", f"only n = 1 is supported, got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise RequestError(name, f"{name} must be in [-2, 2], got {value}")
-            if value != 0.0:
-                raise RequestError(name, f"{name} is not supported (must be 0)")
         self._check_stops()
         self._check_metadata()
-        if self.logit_bias:
-            raise RequestError("logit_bias", "logit_bias is not supported")
+        self.token_logit_bias()
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options", "stream_options is only allowed with stream: true")
 
@@ -136,6 +144,20 @@ class _Common(_Strict):
                 raise RequestError("metadata", f"metadata keys are at most {_METADATA_KEY_CHARS} characters "
                                    f"and values at most {_METADATA_VALUE_CHARS}")
 
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with integer keys; a key that is not a token id or a bias outside
+        [-100, 100] is a 400 naming ``logit_bias`` (the vocabulary is the server's check)."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit():
+                raise RequestError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise RequestError("logit_bias", f"logit_bias values must be in [-100, 100], got {value}")
+            bias[int(key)] = value
+        return bias
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -148,6 +170,12 @@ class _Common(_Strict):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=self.token_logit_bias(),
+            min_p=self.min_p or 0.0,
+            min_tokens=self.min_tokens or 0,
         )
 
 

@@ -1,12 +1,15 @@
-"""Turn a batch of next-token logits into tokens: greedy, temperature, top-k, top-p, seeds.
+"""Turn a batch of next-token logits into tokens: logit controls, greedy, temperature, min-p,
+top-k, top-p, seeds.
 
 Sampling uses the exponential-race form of the categorical draw: ``argmax(p / E)`` with
 ``E ~ Exp(1)`` i.i.d. is a sample from ``p``. The noise row of a seeded request comes from its own
 ``torch.Generator``, so its tokens depend only on its seed and its logits, not on what else
 shares the batch or on preemption (a row is drawn only when a token is really sampled).
 
-Logprobs are those of the model's distribution (log-softmax of the raw logits, before
-temperature and filtering), the convention of the OpenAI API and vLLM.
+Logprobs are those of the model's distribution (log-softmax of the raw logits, before the logit
+controls of logits_controls.py (penalties, logit_bias, min_tokens), temperature and filtering),
+the convention of the OpenAI API and vLLM's default. The controls come in as a ``LogitsControls``
+that is None when no request of the batch uses one: that path runs exactly what it ran without them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from oscar_compile.runtime.core.sampling_params import SamplingParams
+from oscar_compile.runtime.worker.logits_controls import LogitsControls, TokenCache, apply_controls
+from oscar_compile.runtime.worker.transfer import to_device
+
+__all__ = ["DeviceSample", "SampleResult", "Sampler", "filtered_probs", "to_device"]
 
 
 @dataclass
@@ -69,10 +76,12 @@ class DeviceSample:
 class Sampler:
     def __init__(self):
         self._generators: dict[int, torch.Generator] = {}
+        self.token_cache = TokenCache()  # the penalties' token copies (logits_controls.build_controls)
 
     def forget(self, seq_id: int) -> None:
-        """Drop a finished request's generator."""
+        """Drop a finished request's generator and token copies."""
         self._generators.pop(seq_id, None)
+        self.token_cache.forget(seq_id)
 
     def _generator(self, seq_id: int, seed: int, device: torch.device) -> torch.Generator:
         gen = self._generators.get(seq_id)
@@ -83,19 +92,23 @@ class Sampler:
         return gen
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 seq_ids: list[int]) -> SampleResult:
-        return self.sample(logits, params, seq_ids).result()
+                 seq_ids: list[int], controls: LogitsControls | None = None) -> SampleResult:
+        return self.sample(logits, params, seq_ids, controls).result()
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               seq_ids: list[int]) -> DeviceSample:
-        """Draw one token per row, without waiting for the device."""
+               seq_ids: list[int], controls: LogitsControls | None = None) -> DeviceSample:
+        """Draw one token per row, without waiting for the device. ``controls`` (built by
+        ``logits_controls.build_controls``) change the logits that are sampled, not the logprobs."""
         # logits: [B, V] any float dtype; computed in float32
         logits = logits.float()
-        token_ids = logits.argmax(dim=-1)
+        controlled = logits
+        if controls is not None:
+            controlled = apply_controls(logits, controls)
+        token_ids = controlled.argmax(dim=-1)
         if not all(p.is_greedy for p in params):  # decided on the host: no copy, no sync
             greedy = to_device([p.is_greedy for p in params], torch.bool, logits.device)
-            probs = filtered_probs(logits, params)
+            probs = filtered_probs(controlled, params)
             noise = self._noise(probs, params, seq_ids)
             sampled = (probs / noise).argmax(dim=-1)
             token_ids = torch.where(greedy, token_ids, sampled)
@@ -118,22 +131,21 @@ class Sampler:
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a device tensor without waiting for the stream (a pageable copy would
-    sync with it, and so stall an overlapped step behind the forward it just queued)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Softmax of ``logits / T`` after top-k and top-p; rows of greedy requests use T = 1."""
+    """Softmax of ``logits / T`` after min-p, top-k and top-p; rows of greedy requests use T = 1.
+
+    min-p (vLLM's and transformers' ``MinPLogitsWarper``): a token whose probability after the
+    temperature is below ``min_p`` times the top token's is dropped."""
     # logits: [B, V] float32
     B, V = logits.shape
     device = logits.device
     temps = to_device([1.0 if p.is_greedy else p.temperature for p in params], torch.float32, device)
     logits = logits / temps[:, None]
+    if any(p.min_p > 0.0 for p in params):
+        min_ps = to_device([p.min_p for p in params], torch.float32, device)
+        probs = torch.softmax(logits, dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_ps[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
     top_ks = [p.top_k if 0 < p.top_k < V else V for p in params]
     if any(k < V for k in top_ks):
         k_tensor = to_device(top_ks, torch.int64, device)
