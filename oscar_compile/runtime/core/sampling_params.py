@@ -32,6 +32,10 @@ class SamplingParams:
     the request its own random stream, so its output does not depend on what else is batched.
     ``logprobs``: None for none, k >= 0 to return the chosen token's logprob plus the k best.
     ``stop`` strings are not part of the returned text; EOS ends the request unless ``ignore_eos``.
+    ``prompt_logprobs``: None for none, k >= 0 for every prompt token's logprob (teacher-forced, from
+    the prefill) plus the k best at each position (vLLM's extra; the server's ``echo`` uses it too).
+    Such a request is prefilled from position 0, with no prefix-cache hit. Only it may ask
+    ``max_tokens`` 0: score the prompt, generate nothing.
     """
 
     max_tokens: int = 16
@@ -44,13 +48,16 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        _check_int("max_tokens", self.max_tokens, low=1)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
+        _check_int("max_tokens", self.max_tokens, low=0 if self.prompt_logprobs is not None else 1)
         _check_number("temperature", self.temperature, low=0.0)
         _check_number("top_p", self.top_p, low=0.0, high=1.0)
         if self.top_p == 0.0:
