@@ -5,7 +5,12 @@ silently ignored) and wrong JSON types are not coerced (``"max_tokens": "5"`` is
 Fields OpenAI defines but this server does not implement are accepted only at their neutral
 value (``n: 1``, penalties 0, no ``logit_bias``...) and refused otherwise, naming the field.
 A few vLLM-style extensions are accepted: ``top_k``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens``.
+``skip_special_tokens``, ``prompt_logprobs``.
+
+Prompt scoring, as vLLM does it: completions' ``echo`` returns the prompt before the completion,
+and with ``logprobs`` the prompt tokens' entries first (the first token's ``null``);
+``prompt_logprobs: k`` (both routes) returns vLLM's ``prompt_logprobs`` list. Either makes
+``max_tokens: 0`` valid (the prompt alone). Streaming does not take them (a 400).
 
 Bounds follow OpenAI's API reference where it states one (at most 4 stop sequences, penalties in
 [-2, 2], ``metadata`` of 16 pairs, content required on every message without tool calls, a
@@ -65,9 +70,12 @@ class _Common(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def check(self) -> None:
         """Refuse what the field types allow but OpenAI / vLLM refuse, or this server lacks."""
+        if self.stream and self.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs", "prompt_logprobs is not supported with stream: true")
         if self.n != 1:
             raise RequestError("n", f"only n = 1 is supported, got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -118,7 +126,12 @@ class _Common(_Strict):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=self.num_prompt_logprobs(),
         )
+
+    def num_prompt_logprobs(self) -> int | None:
+        """The k best to return at each prompt position (None: the prompt is not scored)."""
+        return self.prompt_logprobs
 
 
 class CompletionRequest(_Common):
@@ -130,12 +143,19 @@ class CompletionRequest(_Common):
 
     def check(self) -> None:
         super().check()
-        if self.echo:
-            raise RequestError("echo", "echo is not supported")
+        if self.echo and self.stream:
+            raise RequestError("echo", "echo is not supported with stream: true")
         if self.best_of not in (None, 1):
             raise RequestError("best_of", "best_of is not supported")
         if self.suffix:
             raise RequestError("suffix", "suffix is not supported")
+
+    def num_prompt_logprobs(self) -> int | None:
+        """``echo`` with ``logprobs`` scores the prompt too; so does ``echo`` with ``max_tokens`` 0."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        if self.echo and self.max_tokens == 0:
+            wanted.append(0)
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""
