@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("uvicorn")
 
-from server_http import post, running  # noqa: E402
+from server_http import post, running, stream_events  # noqa: E402
 
 from oscar_compile.assembly import assemble  # noqa: E402
 from oscar_compile.loading import BUNDLED_MODEL_DIR  # noqa: E402
@@ -132,13 +132,33 @@ def test_prompt_logprobs_on_both_routes_in_vllms_shape(served):
     assert got == pytest.approx([expected[p, ids[p + 1]].item() for p in range(len(ids) - 1)], abs=1e-4)
 
 
-@pytest.mark.parametrize("extra, param", [({"max_tokens": 0}, "max_tokens"),
-                                          ({"echo": True, "stream": True}, "echo"),
-                                          ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-                                          ({"prompt_logprobs": 21}, "prompt_logprobs")])
-def test_scoring_refusals_name_their_field(served, extra, param):
-    status, body = post(served[0], "/v1/completions", {"model": MODEL, "prompt": "hi", **extra})
+@pytest.mark.parametrize("route, extra, param", [
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs")])
+def test_scoring_refusals_name_their_field(served, route, extra, param):
+    where = {"prompt": "hi"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    status, body = post(served[0], route, {"model": MODEL, **where, **extra})
     assert status == 400 and body["error"]["param"] == param, body
+
+
+def test_a_stream_carries_the_prompt_in_each_choices_first_chunk(served):
+    """Streamed, the same numbers as the whole response: the echoed prompt, its logprobs and
+    prompt_logprobs arrive in each choice's first chunk."""
+    port = served[0]
+    body = {**LM_EVAL_BODY, "max_tokens": 3, "prompt_logprobs": 1}
+    whole = post(port, "/v1/completions", body)[1]
+    status, events = stream_events(port, "/v1/completions", {**body, "stream": True})
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    for choice in whole["choices"]:
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == choice["index"]]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert mine[0]["prompt_logprobs"] == choice["prompt_logprobs"]
+        assert all("prompt_logprobs" not in c for c in mine[1:])
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [x for c in mine for x in c["logprobs"][key]] == choice["logprobs"][key], key
 
 
 def test_a_greedy_continuation_is_greedy_bitwise(served):

@@ -314,7 +314,7 @@ class _Server:
         outputs = self._generate(prompts, params, fmt.request_id, deadline)
         if stream:
             include_usage = bool(stream_options and stream_options.include_usage)
-            return _ReleasingStream(self._stream(fmt, outputs, len(prompts), include_usage), release,
+            return _ReleasingStream(self._stream(fmt, outputs, prompts, include_usage), release,
                                     media_type="text/event-stream", headers=_SSE_HEADERS)
         try:
             task = asyncio.ensure_future(self._collect(outputs, prompts))
@@ -369,16 +369,19 @@ class _Server:
         return choices
 
     async def _stream(self, fmt: Formatter, outputs: AsyncIterator[tuple[int, Any]],
-                      num_choices: int, include_usage: bool) -> AsyncIterator[str]:
-        choices = [Choice(i) for i in range(num_choices)]
+                      prompts: list[list[int]], include_usage: bool) -> AsyncIterator[str]:
+        choices = [Choice(i, prompt_token_ids=ids) for i, ids in enumerate(prompts)]
+        started = [False] * len(prompts)  # a completion's first chunk carries the echoed prompt
         try:
             if fmt.kind == "chat":
-                for i in range(num_choices):
+                for i in range(len(prompts)):
                     yield sse(fmt.chunk(i, None, first=True))
             async for index, out in outputs:
-                offset = len(choices[index].text)
+                offset = len(choices[index].text) + fmt.echo_offset(choices[index])
                 choices[index].add(out)
-                chunk = fmt.chunk(index, out, text_offset=offset)
+                prompt = None if started[index] else choices[index]
+                started[index] = True
+                chunk = fmt.chunk(index, out, text_offset=offset, prompt=prompt)
                 if chunk is not None:
                     yield sse(chunk)
             if include_usage:

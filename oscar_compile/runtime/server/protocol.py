@@ -10,7 +10,8 @@ A few vLLM-style extensions are accepted: ``top_k``, ``ignore_eos``, ``stop_toke
 Prompt scoring, as vLLM does it: completions' ``echo`` returns the prompt before the completion,
 and with ``logprobs`` the prompt tokens' entries first (the first token's ``null``);
 ``prompt_logprobs: k`` (both routes) returns vLLM's ``prompt_logprobs`` list. Either makes
-``max_tokens: 0`` valid (the prompt alone). Streaming does not take them (a 400).
+``max_tokens: 0`` valid (the prompt alone). A completions stream carries them in each choice's
+first chunk; a chat stream does not take ``prompt_logprobs`` (a 400).
 
 Bounds follow OpenAI's API reference where it states one (at most 4 stop sequences, penalties in
 [-2, 2], ``metadata`` of 16 pairs, content required on every message without tool calls, a
@@ -74,8 +75,6 @@ class _Common(_Strict):
 
     def check(self) -> None:
         """Refuse what the field types allow but OpenAI / vLLM refuse, or this server lacks."""
-        if self.stream and self.prompt_logprobs is not None:
-            raise RequestError("prompt_logprobs", "prompt_logprobs is not supported with stream: true")
         if self.n != 1:
             raise RequestError("n", f"only n = 1 is supported, got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -143,8 +142,6 @@ class CompletionRequest(_Common):
 
     def check(self) -> None:
         super().check()
-        if self.echo and self.stream:
-            raise RequestError("echo", "echo is not supported with stream: true")
         if self.best_of not in (None, 1):
             raise RequestError("best_of", "best_of is not supported")
         if self.suffix:
@@ -226,6 +223,8 @@ class ChatCompletionRequest(_Common):
             raise RequestError("tool_choice", "tool calling is not supported")
         if self.response_format not in (None, {"type": "text"}):
             raise RequestError("response_format", "only response_format {type: text} is supported")
+        if self.stream and self.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs", "prompt_logprobs is not supported with stream: true on chat")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs", "top_logprobs needs logprobs: true")
 

@@ -152,16 +152,32 @@ class Formatter:
             whole["prompt_logprobs"] = self._prompt_logprobs(choices[0].prompt_logprobs if choices else None)
         return whole
 
+    def echo_offset(self, choice: Choice) -> int:
+        """Where a completion's generated tokens start in ``text_offset`` terms: after the echoed
+        prompt's tokens (0 without ``echo``)."""
+        return sum(len(self._token_text(t)) for t in choice.prompt_token_ids) if self.echo else 0
+
     def chunk(self, index: int, out: RequestOutput | None, text_offset: int = 0,
-              first: bool = False) -> dict[str, Any] | None:
-        """A streamed delta, or None when it carries nothing (text held back, no logprobs)."""
+              first: bool = False, prompt: Choice | None = None) -> dict[str, Any] | None:
+        """A streamed delta, or None when it carries nothing (text held back, no logprobs).
+        ``prompt``: the choice whose first completion chunk this is (it carries the echoed
+        prompt and the prompt logprobs, as vLLM streams them)."""
         text = out.new_text if out is not None else ""
         finish = out.finish_reason if out is not None and out.finished else None
         entries = out.new_logprobs if out is not None else []
-        if not (text or finish or first or (self.want_logprobs and entries)):
+        if self.kind != "completion" or not (self.echo or self.prompt_logprobs is not None):
+            prompt = None  # nothing of the prompt to send
+        scored = None
+        if prompt is not None and self.echo:
+            text = self.tokenizer.decode(prompt.prompt_token_ids) + text
+            text_offset = 0
+            scored = (prompt.prompt_token_ids, prompt.prompt_logprobs or [None] * len(prompt.prompt_token_ids))
+        if not (text or finish or first or prompt is not None or (self.want_logprobs and entries)):
             return None
-        body: dict[str, Any] = {"index": index, "logprobs": self._logprobs(entries, text_offset),
+        body: dict[str, Any] = {"index": index, "logprobs": self._logprobs(entries, text_offset, prompt=scored),
                                 "finish_reason": finish}
+        if prompt is not None and self.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(prompt.prompt_logprobs)
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
             if text and not first:
