@@ -111,6 +111,15 @@ def test_max_tokens_0_scores_the_prompt_only(tiny_model, tokenizer, rotations):
         SamplingParams(max_tokens=0)  # generating nothing is only for scoring
 
 
+def test_offline_generate_returns_prompt_logprobs(tiny_model, tokenizer):
+    prompt = _prompt(len(tokenizer), 12, seed=5)
+    (out,) = LLM(tiny_model, tokenizer=tokenizer).generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=1))
+    expected = _teacher_forced(tiny_model, prompt)
+    assert out.token_ids == [] and out.prompt_logprobs[0] is None
+    assert [e.logprob for e in out.prompt_logprobs[1:]] == pytest.approx(
+        [expected[p, prompt[p + 1]].item() for p in range(len(prompt) - 1)], abs=1e-5)
+
+
 def test_a_scoring_request_gets_no_prefix_hit(tiny_model, tokenizer, rotations):
     """The same prompt again: a plain request hits the prefix cache, a scoring one is prefilled
     from position 0, and scores what a first request does."""
