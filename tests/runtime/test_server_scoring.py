@@ -175,3 +175,16 @@ def test_a_greedy_continuation_is_greedy_bitwise(served):
     assert all(lp["token_logprobs"][p] == max(lp["top_logprobs"][p].values()) for p in range(ctxlen, len(prompt)))
     assert _parse_like_lm_eval(body["choices"][0], ctxlen)[1] is True
     assert _parse_like_lm_eval(body["choices"][0], 1)[1] is False  # the context is not the model's argmax
+
+
+def test_a_batch_of_token_lists_of_different_lengths_keeps_each_prompt_at_its_index(served):
+    port, built = served
+    first, second = LM_EVAL_BODY["prompt"]
+    prompts = [first, second[:5], first[3:], second[:2]]
+    status, body = post(port, "/v1/completions", {**LM_EVAL_BODY, "prompt": prompts, "max_tokens": 0})
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    for prompt, choice in zip(prompts, body["choices"], strict=True):
+        expected = _teacher_forced(built.model, prompt)
+        assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
+            [expected[p, prompt[p + 1]].item() for p in range(len(prompt) - 1)], abs=1e-4)
