@@ -133,3 +133,25 @@ def test_a_scoring_request_gets_no_prefix_hit(tiny_model, tokenizer, rotations):
     again = _run(engine, [prompt], scoring)[0][0]
     assert engine.stats()["prefix_cache_hit_tokens"] == hits and again.num_cached_prompt_tokens == 0
     assert [e.logprob for e in again.prompt_logprobs[1:]] == [e.logprob for e in first.prompt_logprobs[1:]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "int2"])
+def test_prompt_logprobs_on_the_gpu_path(kind, tiny_model, tokenizer, rotations):
+    """The Triton kernels, CUDA graphs for the decode steps and overlapped steps: scoring rows
+    run eagerly beside decoding ones, and equal the one-shot forward (float32 model; the
+    kernels' own rounding: 1e-3)."""
+    model = copy.deepcopy(tiny_model).cuda()
+    ref = _reference(kind, model, rotations)
+    engine = _engine(kind, model, tokenizer, rotations, 16)
+    plain = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompts = [_prompt(len(tokenizer), n, seed=10 + n) for n in (45, 20, 33)]
+    engine.add_request(_prompt(len(tokenizer), 9, seed=9), plain)  # decoding while the others score
+    results = _run(engine, prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2))
+    for prompt, outputs in zip(prompts, results, strict=True):
+        expected = _teacher_forced(ref, prompt).cpu()
+        entries = outputs[0].prompt_logprobs
+        got = torch.tensor([e.logprob for e in entries[1:]])
+        want = expected[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        assert torch.allclose(got, want, atol=1e-3), (got - want).abs().max()
+        assert all(e.logprob == e.top[0][1] for e in entries[1:] if e.rank == 1)
