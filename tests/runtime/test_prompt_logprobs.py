@@ -56,7 +56,8 @@ def _run(engine, prompts, params):
     outputs = {s.request_id: [] for s in seqs}
     while engine.has_unfinished():
         for delta in engine.step():
-            outputs[delta.request_id].append(delta)
+            if delta.request_id in outputs:  # (not a request added by the caller)
+                outputs[delta.request_id].append(delta)
     return [outputs[s.request_id] for s in seqs]
 
 
