@@ -28,6 +28,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0
+    # SamplingParams(prompt_logprobs=k): one per prompt token, the first None (vLLM's field)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -90,6 +92,8 @@ class LLM:
                 out.text += delta.new_text
                 out.logprobs += delta.new_logprobs
                 out.num_cached_prompt_tokens = delta.num_cached_prompt_tokens
+                if delta.prompt_logprobs is not None:
+                    out.prompt_logprobs = delta.prompt_logprobs
                 if delta.finished:
                     out.finish_reason = delta.finish_reason
         return [outputs[request_id] for request_id in order]

@@ -13,6 +13,12 @@ until read (``Sequence.num_pending``); the next step already runs it, taking it 
 or a stop string runs one discarded step (its pages are freed while that step runs: later steps
 that reuse them are queued behind it on the same stream). A sequence at its length limit is not
 scheduled while its last token is pending.
+
+Prompt logprobs (``SamplingParams.prompt_logprobs``): the prefill chunks of such a sequence are
+``Batch.logit_rows``, so the runner returns the logits of each of their tokens (and of no other
+row's); the engine scores them at once (``worker/logprobs.py``, one host sync in those steps
+only) and hands the list out with the sequence's first output. ``max_tokens`` 0 then finishes the
+sequence after its prefill: its one sampled token is dropped.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from oscar_compile.runtime.core.scheduler import Scheduler, SchedulerOutput
 from oscar_compile.runtime.core.sequence import FinishReason, Sequence
 from oscar_compile.runtime.detokenizer import IncrementalDetokenizer
 from oscar_compile.runtime.worker.logits_controls import build_controls
+from oscar_compile.runtime.worker.logprobs import score_tokens
 from oscar_compile.runtime.worker.runner import Batch, ModelRunner
 from oscar_compile.runtime.worker.sampler import DeviceSample, Sampler, to_device
 
@@ -42,6 +49,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # 1 = the most likely token; set for prompt logprobs
 
 
 @dataclass
@@ -57,6 +65,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_prompt_tokens: int
+    # with the first output of a request that asked for them: one per prompt token, the first None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -93,6 +103,8 @@ class LLMEngine:
         """Raise RequestError for a request that cannot run; reads only immutable settings,
         so the server may call it from any thread."""
         num_prompt = len(prompt_token_ids)
+        if params.prompt_logprobs is not None and not getattr(self.runner, "supports_prompt_logits", False):
+            raise RequestError("prompt_logprobs", "this engine's runner cannot return prompt logprobs")
         if num_prompt < 1:
             raise RequestError("prompt", "prompt must hold at least one token")
         vocab = self.runner.vocab_size
@@ -181,6 +193,9 @@ class LLMEngine:
         batch = self._build_batch(out, pending_src)
         tokens = self._in_flight.sample.token_ids if batch.pending_rows else None
         logits = self.runner.run(batch, tokens) if tokens is not None else self.runner.run(batch)
+        if batch.logit_rows:
+            self._score_prompts(out, batch, logits[batch.num_seqs:])
+            logits = logits[:batch.num_seqs]
         rows = [i for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens, strict=True))
                 if seq.num_cached_tokens + n == seq.num_tokens + seq.num_pending]
         if not rows:
@@ -199,6 +214,29 @@ class LLMEngine:
             seq.num_pending += 1
         return _Launched(seqs, sample)
 
+    def _score_prompts(self, out: SchedulerOutput, batch: Batch, logits: torch.Tensor) -> None:
+        """Fill the prompt logprobs of the ``logit_rows``: the logits at position ``p`` score
+        prompt token ``p + 1``. logits: ``[sum of their T_i, V]``, row by row."""
+        keep, targets, slots = [], [], []
+        offset = 0
+        for i in batch.logit_rows:
+            seq = out.seqs[i]
+            for j, position in enumerate(batch.positions[i]):
+                if position + 1 < seq.num_prompt_tokens:
+                    keep.append(offset + j)
+                    targets.append(seq.token_ids[position + 1])
+                    slots.append((seq, position + 1))
+            offset += len(batch.positions[i])
+        if not keep:
+            return
+        k = max(seq.params.prompt_logprobs for seq, _ in slots)
+        rows = logits if len(keep) == offset else logits[torch.tensor(keep, device=logits.device)]
+        scored = score_tokens(rows, targets, k)
+        for n, (seq, index) in enumerate(slots):
+            top_k = seq.params.prompt_logprobs
+            top = list(zip(scored.top_ids[n][:top_k], scored.top_logprobs[n][:top_k], strict=True))
+            seq.prompt_logprobs[index] = TokenLogprob(targets[n], scored.logprobs[n], top, scored.ranks[n])
+
     def _read_samples(self, launched: _Launched) -> list[RequestOutput]:
         """Append a launched step's tokens (waiting for its copies); ended sequences drop theirs."""
         result = launched.sample.result()
@@ -207,18 +245,24 @@ class LLMEngine:
             seq.num_pending -= 1
             if seq.is_finished:  # stopped or aborted while this step ran
                 continue
+            prompt_logprobs = seq.prompt_logprobs if seq.wants_prompt_logprobs and not seq.num_output_tokens else None
+            if seq.params.max_tokens == 0:  # scored the prompt: nothing to generate
+                self._finish(seq, FinishReason.LENGTH)
+                outputs.append(self._output(seq, [], [], finished=True, prompt_logprobs=prompt_logprobs))
+                continue
             logprob = None
             if result.logprobs[j] is not None:
                 logprob = TokenLogprob(result.token_ids[j], result.logprobs[j], result.top_logprobs[j] or [])
             outputs.append(self._append_token(seq, result.token_ids[j], logprob))
-        self._count_generated(len(outputs))
+            outputs[-1].prompt_logprobs = prompt_logprobs
+        self._count_generated(sum(len(o.new_token_ids) for o in outputs))
         return outputs
 
     def _build_batch(self, out: SchedulerOutput, pending_src: dict[int, int]) -> Batch:
         fields: dict[str, list] = {name: [] for name in (
             "seq_ids", "token_ids", "positions", "cache_lens", "history_lens",
             "window_tables", "quant_tables", "context_token_ids", "pending_rows", "pending_src",
-            "staging_tables", "staging_ends")}
+            "staging_tables", "staging_ends", "logit_rows")}
         for row, (seq, num_new) in enumerate(zip(out.seqs, out.num_new_tokens, strict=True)):
             L = seq.num_cached_tokens
             ids = seq.token_ids[L:L + num_new]
@@ -237,7 +281,9 @@ class LLMEngine:
             fields["staging_tables"].append(seq.staging_pages)
             if seq.is_staged and L + num_new >= seq.num_tokens:
                 fields["staging_ends"].append(row)
-        for name in ("pending_rows", "pending_src", "staging_ends"):
+            if seq.wants_prompt_logprobs and L + 1 < seq.num_prompt_tokens and seq.prompt_logprobs[-1] is None:
+                fields["logit_rows"].append(row)
+        for name in ("pending_rows", "pending_src", "staging_ends", "logit_rows"):
             fields[name] = tuple(fields[name])
         if not any(fields["staging_tables"]):
             fields["staging_tables"] = ()
@@ -270,13 +316,13 @@ class LLMEngine:
         self.num_requests_finished += 1
 
     def _output(self, seq: Sequence, new_ids: list[int], new_logprobs: list[TokenLogprob],
-                finished: bool) -> RequestOutput:
+                finished: bool, prompt_logprobs: list[TokenLogprob | None] | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id, new_token_ids=new_ids,
             new_text=seq.detokenizer.take_delta(finished), new_logprobs=new_logprobs,
             finished=finished, finish_reason=seq.finish_reason.value if finished else None,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-            num_cached_prompt_tokens=seq.num_cached_prompt_tokens)
+            num_cached_prompt_tokens=seq.num_cached_prompt_tokens, prompt_logprobs=prompt_logprobs)
 
     # ---- stats -------------------------------------------------------------------------------
     def _count_generated(self, num_tokens: int) -> None:

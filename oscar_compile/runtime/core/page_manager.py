@@ -138,8 +138,10 @@ class BlockManager:
 
     # ---- admission ---------------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        """Longest reusable cached prefix of ``seq`` under the window rule (module docstring)."""
-        if not self.enable_prefix_caching:
+        """Longest reusable cached prefix of ``seq`` under the window rule (module docstring).
+        No match for a sequence that wants prompt logprobs: it needs the logits of every prompt
+        position, so it is prefilled from position 0 (as vLLM does)."""
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return PrefixMatch()
         self._update_hashes(seq)
         P, num_sink = self.layout.page_size, self.layout.num_sink_pages

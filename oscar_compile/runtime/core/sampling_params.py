@@ -43,6 +43,11 @@ class SamplingParams:
     logit; ``min_tokens`` masks EOS (unless ``ignore_eos``) and ``stop_token_ids`` until that many
     tokens were generated; ``min_p`` in [0, 1] drops tokens whose probability (after temperature)
     is below ``min_p`` times the top token's. Logprobs stay the model's own, before all of them.
+
+    ``prompt_logprobs``: None for none, k >= 0 for every prompt token's logprob (teacher-forced, from
+    the prefill) plus the k best at each position (vLLM's extra; the server's ``echo`` uses it too).
+    Such a request is prefilled from position 0, with no prefix-cache hit. Only it may ask
+    ``max_tokens`` 0: score the prompt, generate nothing.
     """
 
     max_tokens: int = 16
@@ -61,13 +66,16 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_p: float = 0.0
     min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        _check_int("max_tokens", self.max_tokens, low=1)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
+        _check_int("max_tokens", self.max_tokens, low=0 if self.prompt_logprobs is not None else 1)
         _check_number("temperature", self.temperature, low=0.0)
         _check_number("top_p", self.top_p, low=0.0, high=1.0)
         if self.top_p == 0.0:

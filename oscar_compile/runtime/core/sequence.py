@@ -46,6 +46,9 @@ class Sequence:
     sequence's table of full-precision staging pages: its history rows wait there, unquantized,
     until the last prompt chunk (deferred demotion, see page_manager). ``swap`` is where its
     pages sit in host swap space while it is swapped out: ``(offset, num_window, num_quant)``.
+    ``prompt_logprobs`` (only when ``params.prompt_logprobs`` asks): one entry per prompt token,
+    ``None`` for the first (nothing predicts it) and until the prefill reaches it; the engine fills
+    entry ``p + 1`` from the logits at position ``p``.
     ``num_pending`` tokens (0 or 1 between steps) were sampled on the device and not yet read by
     the host (overlapped steps, see engine.py): they follow ``token_ids`` and the next step may
     already run them.
@@ -75,6 +78,8 @@ class Sequence:
         # Filled by the engine as tokens are appended; plain Python values only.
         self.output_logprobs: list[Any] = []
         self.output_text = ""
+        self.prompt_logprobs: list[Any] = ([None] * self.num_prompt_tokens
+                                           if self.params.prompt_logprobs is not None else [])
         self.detokenizer: Any = None
 
     def __repr__(self) -> str:
@@ -108,6 +113,10 @@ class Sequence:
     @property
     def has_pages(self) -> bool:
         return bool(self.window_pages or self.quant_pages or self.staging_pages)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
 
     @property
     def is_staged(self) -> bool:

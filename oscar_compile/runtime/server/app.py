@@ -275,10 +275,11 @@ class _Server:
         prompts = await self._in_tokenizer_thread(
             lambda: [self.tokenizer.encode(p) if isinstance(p, str) else p for p in texts])
         self._check_prompts(prompts, "prompt")
-        max_tokens = self._max_tokens("max_tokens", req.max_tokens, prompts, DEFAULT_COMPLETION_MAX_TOKENS)
+        max_tokens = self._max_tokens("max_tokens", req.max_tokens, prompts, DEFAULT_COMPLETION_MAX_TOKENS,
+                                      scoring=req.num_prompt_logprobs() is not None)
         params = self._sampling_params(req.sampling_params, max_tokens, req.logprobs)
         fmt = Formatter("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
-                        self.tokenizer, req.logprobs is not None)
+                        self.tokenizer, req.logprobs is not None, echo=req.echo, prompt_logprobs=req.prompt_logprobs)
         return await self._respond(request, fmt, prompts, params, req.stream, req.stream_options, deadline)
 
     async def chat_completions(self, request: Request):
@@ -287,10 +288,11 @@ class _Server:
             self.tokenizer, req.messages, self.config.chat_template, req.chat_template_kwargs))
         self._check_prompts([ids], "messages")
         field, requested = req.requested_max_tokens()
-        max_tokens = self._max_tokens(field, requested, [ids], self.config.default_chat_max_tokens)
+        max_tokens = self._max_tokens(field, requested, [ids], self.config.default_chat_max_tokens,
+                                      scoring=req.prompt_logprobs is not None)
         params = self._sampling_params(req.sampling_params, max_tokens, req.num_logprobs())
         fmt = Formatter("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
-                        self.tokenizer, req.logprobs)
+                        self.tokenizer, req.logprobs, prompt_logprobs=req.prompt_logprobs)
         return await self._respond(request, fmt, [ids], params, req.stream, req.stream_options, deadline)
 
     def _check_prompts(self, prompts: list[list[int]], param: str) -> None:
@@ -301,16 +303,18 @@ class _Server:
             except RequestError as err:
                 raise RequestError(param, str(err), err.code) from None
 
-    def _max_tokens(self, field: str, requested: int | None, prompts: list[list[int]], default: int) -> int:
+    def _max_tokens(self, field: str, requested: int | None, prompts: list[list[int]], default: int,
+                    scoring: bool = False) -> int:
         """``requested`` if every prompt leaves room for it, else a 400 naming ``field`` (as
         OpenAI and vLLM refuse it, rather than cutting the output short); without one,
-        ``default`` capped by that room."""
+        ``default`` capped by that room. 0 only when ``scoring`` the prompt."""
         longest = max(len(ids) for ids in prompts)
         room = self.engine.max_new_tokens(longest)
         if requested is None:
             return max(min(default, room), 1)
-        if requested < 1:
-            raise RequestError(field, f"{field} must be >= 1, got {requested}")
+        if requested < (0 if scoring else 1):
+            why = " (0 only with echo or prompt_logprobs: scoring the prompt)" if requested == 0 else ""
+            raise RequestError(field, f"{field} must be >= {0 if scoring else 1}, got {requested}{why}")
         if requested > room:
             context = self.engine.max_model_len
             if longest + room >= context:
@@ -340,10 +344,10 @@ class _Server:
         outputs = self._generate(prompts, params, fmt.request_id, deadline)
         if stream:
             include_usage = bool(stream_options and stream_options.include_usage)
-            return _ReleasingStream(self._stream(fmt, outputs, len(prompts), include_usage), release,
+            return _ReleasingStream(self._stream(fmt, outputs, prompts, include_usage), release,
                                     media_type="text/event-stream", headers=_SSE_HEADERS)
         try:
-            task = asyncio.ensure_future(self._collect(outputs, len(prompts)))
+            task = asyncio.ensure_future(self._collect(outputs, prompts))
             while not task.done():
                 await asyncio.wait([task], timeout=_DISCONNECT_POLL_S)
                 if not task.done() and await request.is_disconnected():
@@ -388,23 +392,26 @@ class _Server:
                            code="request_timeout") from None
 
     @staticmethod
-    async def _collect(outputs: AsyncIterator[tuple[int, Any]], num_choices: int) -> list[Choice]:
-        choices = [Choice(i) for i in range(num_choices)]
+    async def _collect(outputs: AsyncIterator[tuple[int, Any]], prompts: list[list[int]]) -> list[Choice]:
+        choices = [Choice(i, prompt_token_ids=ids) for i, ids in enumerate(prompts)]
         async for index, out in outputs:
             choices[index].add(out)
         return choices
 
     async def _stream(self, fmt: Formatter, outputs: AsyncIterator[tuple[int, Any]],
-                      num_choices: int, include_usage: bool) -> AsyncIterator[str]:
-        choices = [Choice(i) for i in range(num_choices)]
+                      prompts: list[list[int]], include_usage: bool) -> AsyncIterator[str]:
+        choices = [Choice(i, prompt_token_ids=ids) for i, ids in enumerate(prompts)]
+        started = [False] * len(prompts)  # a completion's first chunk carries the echoed prompt
         try:
             if fmt.kind == "chat":
-                for i in range(num_choices):
+                for i in range(len(prompts)):
                     yield sse(fmt.chunk(i, None, first=True))
             async for index, out in outputs:
-                offset = len(choices[index].text)
+                offset = len(choices[index].text) + fmt.echo_offset(choices[index])
                 choices[index].add(out)
-                chunk = fmt.chunk(index, out, text_offset=offset)
+                prompt = None if started[index] else choices[index]
+                started[index] = True
+                chunk = fmt.chunk(index, out, text_offset=offset, prompt=prompt)
                 if chunk is not None:
                     yield sse(chunk)
             if include_usage:

@@ -10,7 +10,13 @@ Fields OpenAI defines but this server does not implement are accepted only at th
 value (``n: 1``...) and refused otherwise, naming the field. The sampling controls follow vLLM:
 ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (OpenAI's), and the vLLM-style
 extensions ``repetition_penalty``, ``min_p``, ``min_tokens``, ``top_k``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``; ``null`` means the default for each of them.
+``stop_token_ids``, ``skip_special_tokens``, ``prompt_logprobs``; ``null`` means the default for each of them.
+
+Prompt scoring, as vLLM does it: completions' ``echo`` returns the prompt before the completion,
+and with ``logprobs`` the prompt tokens' entries first (the first token's ``null``);
+``prompt_logprobs: k`` (both routes) returns vLLM's ``prompt_logprobs`` list. Either makes
+``max_tokens: 0`` valid (the prompt alone). A completions stream carries them in each choice's
+first chunk; a chat stream does not take ``prompt_logprobs`` (a 400).
 
 Bounds follow OpenAI's API reference where it states one (penalties in [-2, 2], ``logit_bias``
 values in [-100, 100] on token ids of the vocabulary, ``metadata`` of 16 pairs, content required on
@@ -106,6 +112,7 @@ class _Common(_Strict):
     repetition_penalty: float | None = None
     min_p: float | None = None
     min_tokens: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def check(self) -> None:
         """Refuse what the field types allow but OpenAI / vLLM refuse, or this server lacks."""
@@ -176,7 +183,12 @@ class _Common(_Strict):
             logit_bias=self.token_logit_bias(),
             min_p=self.min_p or 0.0,
             min_tokens=self.min_tokens or 0,
+            prompt_logprobs=self.num_prompt_logprobs(),
         )
+
+    def num_prompt_logprobs(self) -> int | None:
+        """The k best to return at each prompt position (None: the prompt is not scored)."""
+        return self.prompt_logprobs
 
 
 class CompletionRequest(_Common):
@@ -188,12 +200,17 @@ class CompletionRequest(_Common):
 
     def check(self) -> None:
         super().check()
-        if self.echo:
-            raise RequestError("echo", "echo is not supported")
         if self.best_of not in (None, 1):
             raise RequestError("best_of", "best_of is not supported")
         if self.suffix:
             raise RequestError("suffix", "suffix is not supported")
+
+    def num_prompt_logprobs(self) -> int | None:
+        """``echo`` with ``logprobs`` scores the prompt too; so does ``echo`` with ``max_tokens`` 0."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        if self.echo and self.max_tokens == 0:
+            wanted.append(0)
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""
@@ -266,6 +283,8 @@ class ChatCompletionRequest(_Common):
             raise RequestError("tool_choice", "tool calling is not supported")
         if self.response_format not in (None, {"type": "text"}):
             raise RequestError("response_format", "only response_format {type: text} is supported")
+        if self.stream and self.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs", "prompt_logprobs is not supported with stream: true on chat")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs", "top_logprobs needs logprobs: true")
 

@@ -81,6 +81,7 @@ class CompressedRunner:
     supports_pending_tokens = True  # run(batch, pending_tokens): overlapped engine steps
     supports_staging = True  # staged rows: deferred demotion (staging.py)
     supports_swapping = True  # swap(swap_out, swap_in) to host swap space (swapper.py)
+    supports_prompt_logits = True  # Batch.logit_rows: every new token's logits for those rows
 
     def __init__(self, model: torch.nn.Module, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
                  max_seq_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
@@ -229,8 +230,9 @@ class CompressedRunner:
 
     @torch.no_grad()
     def run(self, batch: Batch, pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[num_seqs, vocab]``; ``pending_tokens``: see ``Batch.pending_rows``."""
-        if self.graphs is not None and self.graphs.can_run(batch):
+        """Logits ``[num_seqs, vocab]`` (then the ``Batch.logit_rows``' every token);
+        ``pending_tokens``: see ``Batch.pending_rows``."""
+        if self.graphs is not None and not batch.logit_rows and self.graphs.can_run(batch):
             return self.graphs.run(batch, pending_tokens)
         if not self.inputs.fits(batch):
             self.inputs = self._step_inputs(max(batch.num_seqs, self.inputs.max_seqs),
@@ -243,8 +245,11 @@ class CompressedRunner:
             staged = StagedStep(batch, inputs, self.layout, self.staging_pools, self.op_constants,
                                 self.scratch_window, self.scratch_quant, self.scratch_staging)
         self.mark_forward()
-        last = inputs["cu_seqlens"][1:].long() - 1  # each sequence's last new token
-        return self.forward(inputs, last, staged).float()
+        rows = inputs["cu_seqlens"][1:].long() - 1  # each sequence's last new token
+        if batch.logit_rows:  # then every new token of the rows that score their prompt, and no other
+            every = torch.tensor(batch.logit_row_positions(), dtype=torch.int64)
+            rows = torch.cat([rows, every.to(self.device, non_blocking=True)])
+        return self.forward(inputs, rows, staged).float()
 
     def mark_forward(self) -> None:
         if self.forward_started is not None:

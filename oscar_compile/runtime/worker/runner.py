@@ -48,6 +48,9 @@ class Batch:
       alongside); ``staging_ends`` lists the rows whose chunk caches their last known token: after
       writing it the runner quantizes the staged history into the quant pages. A runner without
       ``supports_staging`` never gets staged rows (it need not look at these fields).
+    - ``logit_rows``: rows whose every new token's logits the runner returns too, after the
+      ``num_seqs`` last-token rows, row by row in this order (``logit_row_offsets``). Only runners
+      with ``supports_prompt_logits`` get them.
     """
 
     seq_ids: list[int]
@@ -63,6 +66,7 @@ class Batch:
     pending_src: tuple[int, ...] = ()
     staging_tables: tuple[Seq[int], ...] = ()
     staging_ends: tuple[int, ...] = ()
+    logit_rows: tuple[int, ...] = ()
 
     @property
     def num_seqs(self) -> int:
@@ -79,11 +83,17 @@ class Batch:
             offsets.append(offsets[-1] + len(ids))
         return offsets
 
+    def logit_row_positions(self) -> list[int]:
+        """Indices, in the flattened new tokens, of the ``logit_rows``' tokens, in order."""
+        cu = self.cu_seqlens()
+        return [t for i in self.logit_rows for t in range(cu[i], cu[i + 1])]
+
 
 @runtime_checkable
 class ModelRunner(Protocol):
     """Runs one step. ``run`` must cache the batch's new tokens (K/V written into the pages)
-    and return float logits ``[num_seqs, vocab]`` for each sequence's last new token.
+    and return float logits ``[num_seqs, vocab]`` for each sequence's last new token (followed by
+    every new token of ``Batch.logit_rows`` for a runner with ``supports_prompt_logits``).
 
     ``supports_history_hits``: True if the runner honours ``Batch.history_lens`` when it is larger
     than ``max(0, L - W - S0)`` (ring starting empty after a prefix hit); if False or absent,
@@ -107,6 +117,7 @@ class RecomputeRunner:
     """
 
     supports_history_hits = True  # no cache, so any hit state is fine
+    supports_prompt_logits = True
 
     def __init__(self, model: torch.nn.Module, device: torch.device | str | None = None):
         self.model = model.eval()
@@ -116,11 +127,14 @@ class RecomputeRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:
-        rows = []
+        rows, every = [], {}
         for i in range(batch.num_seqs):
-            num_context = batch.cache_lens[i] + len(batch.token_ids[i])
+            num_new = len(batch.token_ids[i])
+            num_context = batch.cache_lens[i] + num_new
             ids = torch.tensor([list(batch.context_token_ids[i][:num_context])], device=self.device)
-            # logits_to_keep=1: only the last position's logits are materialized
-            out = self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
-            rows.append(out.logits[0, -1].float())
-        return torch.stack(rows)
+            # logits_to_keep: only the last position's logits are materialized (a logit row's: all new ones)
+            keep = num_new if i in batch.logit_rows else 1
+            logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0].float()
+            rows.append(logits[-1])
+            every[i] = logits
+        return torch.cat([torch.stack(rows)] + [every[i] for i in batch.logit_rows])

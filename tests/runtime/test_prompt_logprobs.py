@@ -1,0 +1,158 @@
+"""Prompt logprobs come from the prefill and equal the model's teacher-forced log-softmax.
+
+Served semantics: the exact RecomputeRunner (the plain model), the compressed runner in BF16 mode
+(the plain model over full-precision pages) and an INT2 spec (S0 = 4, W = 8, P = 4), whose
+prefill attends to the whole prompt in full precision however it is chunked (deferred demotion,
+test_exact_prefill.py): its reference is the rewritten model's one-shot forward, as
+``generate()`` prefills. A step budget of 16 tokens prefills a 45-token prompt in 3 chunks.
+"""
+import copy
+
+import pytest
+import torch
+
+from oscar_compile import CompressionSpec, apply, calibrate
+from oscar_compile.runtime import LLM, SamplingParams
+from oscar_compile.runtime.engine_config import EngineConfig, build_engine
+
+INT2 = CompressionSpec.from_dict({
+    "kv_cache": {"bits": 2, "group_size": 16, "sink_tokens": 4, "recent_tokens": 8, "page_size": 4},
+    "key": {"center": True}, "value": {"granularity": "per_head"},
+})
+BF16 = CompressionSpec.from_dict({"kv_cache": {"bits": 16, "page_size": 4}, "key": {"rotation": "none"},
+                                  "value": {"rotation": "none"}})
+K = 3
+
+
+@pytest.fixture(scope="module")
+def rotations(tokenizer, tiny_model):
+    return calibrate(tiny_model, INT2, [torch.randint(0, len(tokenizer), (2, 48),
+                                                      generator=torch.Generator().manual_seed(0))])
+
+
+def _prompt(vocab: int, length: int, seed: int = 1) -> list[int]:
+    return torch.randint(1, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _teacher_forced(model, prompt: list[int]) -> torch.Tensor:
+    """[T - 1, V] float32: log_softmax of the logits at positions 0 .. T - 2."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]), use_cache=True).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _engine(kind: str, tiny_model, tokenizer, rotations, budget: int, **kwargs):
+    config = EngineConfig(num_window_pages=64, num_quant_pages=256, max_num_batched_tokens=budget, **kwargs)
+    if kind == "recompute":
+        return build_engine(tiny_model, tokenizer, config)
+    spec = INT2 if kind == "int2" else BF16
+    return LLM(copy.deepcopy(tiny_model), spec=spec, rotations=rotations if kind == "int2" else None,
+               tokenizer=tokenizer, config=config).engine
+
+
+def _run(engine, prompts, params):
+    """Every RequestOutput per request, in order of submission."""
+    seqs = [engine.add_request(p, params) for p in prompts]
+    outputs = {s.request_id: [] for s in seqs}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if delta.request_id in outputs:  # (not a request added by the caller)
+                outputs[delta.request_id].append(delta)
+    return [outputs[s.request_id] for s in seqs]
+
+
+def _reference(kind, tiny_model, rotations):
+    if kind != "int2":
+        return tiny_model
+    ref = copy.deepcopy(tiny_model)
+    apply(ref, INT2, rotations)
+    return ref
+
+
+@pytest.mark.parametrize("kind", ["recompute", "bf16", "int2"])
+def test_prompt_logprobs_equal_teacher_forced_through_chunked_prefill(kind, tiny_model, tokenizer, rotations):
+    prompts = [_prompt(len(tokenizer), 45, seed=1), _prompt(len(tokenizer), 20, seed=2)]
+    ref = _reference(kind, tiny_model, rotations)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=K)
+    got = {}
+    for budget in (16, 256):  # 3 chunks (and 2) against one
+        engine = _engine(kind, tiny_model, tokenizer, rotations, budget)
+        results = _run(engine, prompts, params)
+        got[budget] = [out[0].prompt_logprobs for out in results]
+        assert all(o.prompt_logprobs is None for out in results for o in out[1:])  # with the first output only
+        assert engine.stats()["prefix_cache_hit_tokens"] == 0
+    for prompt, chunked, whole in zip(prompts, got[16], got[256], strict=True):
+        expected = _teacher_forced(ref, prompt)
+        assert len(chunked) == len(prompt) and chunked[0] is None and whole[0] is None
+        for p, (a, b) in enumerate(zip(chunked[1:], whole[1:], strict=True)):
+            target = prompt[p + 1]
+            assert a.token_id == b.token_id == target
+            assert a.logprob == pytest.approx(expected[p, target].item(), abs=1e-4)
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert a.rank == 1 + int((expected[p] > expected[p, target]).sum())
+            assert [t for t, _ in a.top] == expected[p].topk(K).indices.tolist()
+            assert len(a.top) == K and a.top[0][1] == max(lp for _, lp in a.top)
+            if a.rank == 1:  # lm-eval's greedy check: the very same float
+                assert a.logprob == a.top[0][1]
+
+
+def test_max_tokens_0_scores_the_prompt_only(tiny_model, tokenizer, rotations):
+    engine = _engine("recompute", tiny_model, tokenizer, rotations, 16)
+    prompt = _prompt(len(tokenizer), 30, seed=3)
+    (outputs,) = _run(engine, [prompt], SamplingParams(max_tokens=0, prompt_logprobs=0))
+    assert len(outputs) == 1 and outputs[0].finished and outputs[0].finish_reason == "length"
+    assert outputs[0].new_token_ids == [] and outputs[0].num_output_tokens == 0
+    entries = outputs[0].prompt_logprobs
+    expected = _teacher_forced(tiny_model, prompt)
+    assert [e.logprob for e in entries[1:]] == pytest.approx(
+        [expected[p, prompt[p + 1]].item() for p in range(len(prompt) - 1)], abs=1e-5)
+    assert all(e.top == [] for e in entries[1:])
+    assert engine.block_manager.window_pool.num_used == engine.block_manager.quant_pool.num_used == 0
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)  # generating nothing is only for scoring
+
+
+def test_offline_generate_returns_prompt_logprobs(tiny_model, tokenizer):
+    prompt = _prompt(len(tokenizer), 12, seed=5)
+    (out,) = LLM(tiny_model, tokenizer=tokenizer).generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=1))
+    expected = _teacher_forced(tiny_model, prompt)
+    assert out.token_ids == [] and out.prompt_logprobs[0] is None
+    assert [e.logprob for e in out.prompt_logprobs[1:]] == pytest.approx(
+        [expected[p, prompt[p + 1]].item() for p in range(len(prompt) - 1)], abs=1e-5)
+
+
+def test_a_scoring_request_gets_no_prefix_hit(tiny_model, tokenizer, rotations):
+    """The same prompt again: a plain request hits the prefix cache, a scoring one is prefilled
+    from position 0, and scores what a first request does."""
+    engine = _engine("bf16", tiny_model, tokenizer, rotations, 16)
+    prompt = _prompt(len(tokenizer), 40, seed=4)
+    scoring = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    first = _run(engine, [prompt], scoring)[0][0]
+    _run(engine, [prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    hits = engine.stats()["prefix_cache_hit_tokens"]
+    assert hits > 0
+    again = _run(engine, [prompt], scoring)[0][0]
+    assert engine.stats()["prefix_cache_hit_tokens"] == hits and again.num_cached_prompt_tokens == 0
+    assert [e.logprob for e in again.prompt_logprobs[1:]] == [e.logprob for e in first.prompt_logprobs[1:]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "int2"])
+def test_prompt_logprobs_on_the_gpu_path(kind, tiny_model, tokenizer, rotations):
+    """The Triton kernels, CUDA graphs for the decode steps and overlapped steps: scoring rows
+    run eagerly beside decoding ones, and equal the one-shot forward (float32 model; the
+    kernels' own rounding: 1e-3)."""
+    model = copy.deepcopy(tiny_model).cuda()
+    ref = _reference(kind, model, rotations)
+    engine = _engine(kind, model, tokenizer, rotations, 16)
+    plain = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompts = [_prompt(len(tokenizer), n, seed=10 + n) for n in (45, 20, 33)]
+    engine.add_request(_prompt(len(tokenizer), 9, seed=9), plain)  # decoding while the others score
+    results = _run(engine, prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2))
+    for prompt, outputs in zip(prompts, results, strict=True):
+        expected = _teacher_forced(ref, prompt).cpu()
+        entries = outputs[0].prompt_logprobs
+        got = torch.tensor([e.logprob for e in entries[1:]])
+        want = expected[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        assert torch.allclose(got, want, atol=1e-3), (got - want).abs().max()
+        assert all(e.logprob == e.top[0][1] for e in entries[1:] if e.rank == 1)
