@@ -40,7 +40,7 @@ class LLM:
     are made without data, which only ``none`` / ``hadamard`` rotations allow) and served by the
     compressed runner over the paged cache. Without a spec the exact (uncached) RecomputeRunner
     runs the plain model. A compressed checkpoint (``oscar_compile.save_compressed``) brings its
-    own spec and rotations: give neither. ``make_runner(block_manager)`` plugs in another runner.
+    own spec and rotations: give neither. ``make_runner(page_manager)`` plugs in another runner.
 
     ``tensor_parallel_size=N`` splits the model over ``N`` processes, one per device (this one is
     rank 0 and runs the engine; ``oscar_compile.tensor_parallel``): it needs a plain model

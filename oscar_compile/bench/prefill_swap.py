@@ -62,7 +62,7 @@ def ttft_rows(model, layout, shape: str, contexts: list[int], budget: int, vocab
     for staging in (True, False):
         engine = make_engine(model, layout, max_len, budget, staging)
         time_to_first_token_s(engine, min(2 * budget + 1, max_len - 1), vocab, seed=99)  # warm-up
-        bm = engine.block_manager
+        bm = engine.page_manager
         for context in contexts:
             bm.peak_staging_pages = 0
             t = time_to_first_token_s(engine, context, vocab)

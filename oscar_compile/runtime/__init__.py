@@ -29,7 +29,7 @@ _EXPORTS = {
     "CacheLayout": "core.page_plan",
     "LayerFormat": "core.page_plan",
     "plan_pages": "core.page_plan",
-    "BlockManager": "core.page_manager",
+    "PageManager": "core.page_manager",
     "Scheduler": "core.scheduler",
     "Sequence": "core.sequence",
     "Batch": "worker.runner",

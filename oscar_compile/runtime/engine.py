@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oscar_compile.runtime.core.page_manager import BlockManager
+from oscar_compile.runtime.core.page_manager import PageManager
 from oscar_compile.runtime.core.sampling_params import RequestError, SamplingParams
 from oscar_compile.runtime.core.scheduler import Scheduler, SchedulerOutput
 from oscar_compile.runtime.core.sequence import FinishReason, Sequence
@@ -78,16 +78,16 @@ class _Launched:
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, tokenizer, block_manager: BlockManager,
+    def __init__(self, runner: ModelRunner, tokenizer, page_manager: PageManager,
                  max_model_len: int, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  eos_token_ids: list[int] | tuple[int, ...] = (), overlap: bool = True):
         self.runner = runner
         self.overlap = overlap and bool(getattr(runner, "supports_pending_tokens", False))
         self._in_flight: _Launched | None = None
         self.tokenizer = tokenizer
-        self.block_manager = block_manager
+        self.page_manager = page_manager
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(block_manager, max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.scheduler = Scheduler(page_manager, max_num_seqs, max_num_batched_tokens, max_model_len)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
@@ -120,8 +120,8 @@ class LLMEngine:
                 f"the prompt has {num_prompt} (plus at least 1 to generate)",
                 code="context_length_exceeded",
             )
-        if (num_prompt > self.scheduler.max_num_batched_tokens and self.block_manager.staging_pool.num_pages
-                and not self.block_manager.can_ever_stage(num_prompt)):
+        if (num_prompt > self.scheduler.max_num_batched_tokens and self.page_manager.staging_pool.num_pages
+                and not self.page_manager.can_ever_stage(num_prompt)):
             raise RequestError(
                 "prompt",
                 f"a prompt of {num_prompt} tokens is prefilled in chunks, and its history does not fit the "
@@ -129,7 +129,7 @@ class LLMEngine:
                 code="context_length_exceeded",
             )
         num_tokens = min(num_prompt + params.max_tokens, self.max_model_len)
-        if not self.block_manager.can_ever_fit(num_tokens):
+        if not self.page_manager.can_ever_fit(num_tokens):
             raise RequestError(
                 "max_tokens",
                 f"{num_tokens} tokens do not fit the KV cache pages even for one request alone",
@@ -138,7 +138,7 @@ class LLMEngine:
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """The most tokens a prompt of this length may generate (context and pages)."""
-        limit = min(self.max_model_len, self.block_manager.max_seq_len())
+        limit = min(self.max_model_len, self.page_manager.max_seq_len())
         return max(limit - num_prompt_tokens, 0)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -274,7 +274,7 @@ class LLMEngine:
             fields["token_ids"].append(ids)
             fields["positions"].append(list(range(L, L + num_new)))
             fields["cache_lens"].append(L)
-            fields["history_lens"].append(self.block_manager.history_len(seq))
+            fields["history_lens"].append(self.page_manager.history_len(seq))
             fields["window_tables"].append(seq.window_pages)
             fields["quant_tables"].append(seq.quant_pages)
             fields["context_token_ids"].append(seq.token_ids)
@@ -287,7 +287,7 @@ class LLMEngine:
             fields[name] = tuple(fields[name])
         if not any(fields["staging_tables"]):
             fields["staging_tables"] = ()
-        return Batch(layout=self.block_manager.layout, **fields)
+        return Batch(layout=self.page_manager.layout, **fields)
 
     def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq.append_token(token_id)
@@ -342,7 +342,7 @@ class LLMEngine:
         return sum(n for _, n in recent) / span
 
     def stats(self) -> dict[str, float]:
-        bm = self.block_manager
+        bm = self.page_manager
         stats = {"num_waiting": self.scheduler.num_waiting, "num_running": self.scheduler.num_running,
                  "num_preemptions": self.scheduler.num_preemptions,
                  "num_requests_finished": self.num_requests_finished,

@@ -14,7 +14,7 @@ import torch
 
 from oscar_compile.formats.cache import CacheLayout
 from oscar_compile.loading import BUNDLED_MODEL_DIR, load_model, resolve_device, resolve_model_dir  # noqa: F401
-from oscar_compile.runtime.core.page_manager import BlockManager
+from oscar_compile.runtime.core.page_manager import PageManager
 from oscar_compile.runtime.core.page_plan import GIB, plan_pages
 from oscar_compile.runtime.core.page_pool import PagePool
 from oscar_compile.runtime.core.swap_space import SwapSpace
@@ -107,10 +107,10 @@ def num_staging_pages(config: EngineConfig, layout: CacheLayout, num_quant_pages
 
 def build_engine(model, tokenizer, config: EngineConfig | None = None,
                  runner: ModelRunner | None = None,
-                 make_runner: Callable[[BlockManager], ModelRunner] | None = None) -> LLMEngine:
+                 make_runner: Callable[[PageManager], ModelRunner] | None = None) -> LLMEngine:
     """An engine over ``model``.
 
-    The runner is ``runner``, else ``make_runner(block_manager)`` (a runner that allocates its
+    The runner is ``runner``, else ``make_runner(page_manager)`` (a runner that allocates its
     pools from the page counts, e.g. the compressed one), else the exact RecomputeRunner.
     """
     config = config or EngineConfig()
@@ -134,16 +134,16 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
     logger.info("KV pages: %d window (%d B each), %d quant (%d B each), %d staging (%d B each)", num_window,
                 layout.window_page_bytes, num_quant, layout.quant_page_bytes, num_staging, layout.window_page_bytes)
     swap = SwapSpace(int(config.swap_space_gb * GIB), layout.window_page_bytes, layout.quant_page_bytes)
-    block_manager = BlockManager(layout, num_window, num_quant, config.enable_prefix_caching,
+    page_manager = PageManager(layout, num_window, num_quant, config.enable_prefix_caching,
                                  num_staging_pages=num_staging, swap_space=swap if swap.num_bytes else None)
     if runner is None:
-        runner = make_runner(block_manager) if make_runner is not None else RecomputeRunner(model)
-    block_manager.history_hits = (config.prefix_hits == "history"
+        runner = make_runner(page_manager) if make_runner is not None else RecomputeRunner(model)
+    page_manager.history_hits = (config.prefix_hits == "history"
                                   and bool(getattr(runner, "supports_history_hits", False)))
     if not getattr(runner, "supports_staging", False):  # e.g. the exact RecomputeRunner: nothing to stage
-        block_manager.staging_pool = PagePool("staging", 0)
+        page_manager.staging_pool = PagePool("staging", 0)
     if not getattr(runner, "supports_swapping", False):
-        block_manager.swap_space = None
-    return LLMEngine(runner, tokenizer, block_manager, max_model_len,
+        page_manager.swap_space = None
+    return LLMEngine(runner, tokenizer, page_manager, max_model_len,
                      config.max_num_seqs, config.max_num_batched_tokens, eos_token_ids(model, tokenizer),
                      overlap=config.overlap_steps)

@@ -228,8 +228,8 @@ class TensorParallelGroup:
         """Rank 0's (model, tokenizer, engine config, make_runner for ``build_engine``)."""
         model, tokenizer, config, report = prepare_rank(self.setup, self.ranks)
 
-        def make_runner(block_manager) -> TensorParallelRunner:
-            kwargs = runner_kwargs(model, block_manager, config)
+        def make_runner(page_manager) -> TensorParallelRunner:
+            kwargs = runner_kwargs(model, page_manager, config)
             try:
                 self.ranks.send(("runner", kwargs))
             except RuntimeError as err:  # a rank died while it loaded or compressed its slice

@@ -12,7 +12,7 @@ opt-in.
 
 from __future__ import annotations
 
-from oscar_compile.runtime.core.page_manager import BlockManager
+from oscar_compile.runtime.core.page_manager import PageManager
 from oscar_compile.runtime.core.scheduler import Scheduler
 from oscar_compile.runtime.core.sequence import FinishReason, Sequence
 
@@ -20,9 +20,9 @@ GARBAGE = "garbage"
 
 
 class IdentityCache:
-    def __init__(self, block_manager: BlockManager, standard_only: bool = False):
-        self.bm = block_manager
-        self.layout = block_manager.layout
+    def __init__(self, page_manager: PageManager, standard_only: bool = False):
+        self.bm = page_manager
+        self.layout = page_manager.layout
         self.standard_only = standard_only
         self.window: dict[tuple[int, int], object] = {}
         self.quant: dict[tuple[int, int], object] = {}
@@ -96,7 +96,7 @@ def next_token(cache: IdentityCache, seq: Sequence, vocab: int) -> int:
     return cache.ident(seq, seq.num_tokens - 1) % vocab
 
 
-def check_page_invariants(bm: BlockManager, live: list[Sequence]) -> None:
+def check_page_invariants(bm: PageManager, live: list[Sequence]) -> None:
     """Reference counts equal the number of holders; every page is used, cached or free once."""
     for pool, attr in ((bm.window_pool, "window_pages"), (bm.quant_pool, "quant_pages"),
                        (bm.staging_pool, "staging_pages")):
@@ -114,7 +114,7 @@ def check_page_invariants(bm: BlockManager, live: list[Sequence]) -> None:
 def run_scheduler(scheduler: Scheduler, cache: IdentityCache, vocab: int = 50,
                   max_steps: int = 100_000) -> dict:
     """Drive the scheduler with the identity cache until all requests finish; checks as it goes."""
-    bm = scheduler.block_manager
+    bm = scheduler.page_manager
     live: dict[int, Sequence] = {s.seq_id: s for s in list(scheduler.waiting) + scheduler.running}
     stats = {"steps": 0, "preempted": 0, "max_batch_tokens": 0}
     while scheduler.has_unfinished():

@@ -48,7 +48,7 @@ def test_runtime_greedy_equals_generate_on_the_compressed_model(setup):
     outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.token_ids == _reference(model, rot, prompt, 24)
-    for pool in (llm.engine.block_manager.window_pool, llm.engine.block_manager.quant_pool):
+    for pool in (llm.engine.page_manager.window_pool, llm.engine.page_manager.quant_pool):
         assert pool.num_used == 0 and pool.num_free + pool.num_cached == pool.num_pages
 
 
@@ -98,7 +98,7 @@ def test_mixed_16_bit_and_int2_layers_equal_generate(setup, name):
     for prompt, out in zip(prompts, outputs, strict=True):
         expected = ref.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
         assert out.token_ids == expected[0, len(prompt):].tolist()
-    for pool in (llm.engine.block_manager.window_pool, llm.engine.block_manager.quant_pool):
+    for pool in (llm.engine.page_manager.window_pool, llm.engine.page_manager.quant_pool):
         assert pool.num_used == 0
     # layer 0 keeps 16 bits and sees no quantized layer before it: its outputs, history read back
     # included, are the original model's (runtime and generate() alone share the op, so could
@@ -127,7 +127,7 @@ def test_prefix_hits_past_the_sink_keep_a_16_bit_layer_exact(setup):
     llm.generate([first], params)
     outputs = []
     served = _layer_outputs(llm.model, 0, lambda: outputs.append(llm.generate([second], params)[0]))
-    assert llm.engine.block_manager.num_prefix_hit_tokens == len(shared)
+    assert llm.engine.page_manager.num_prefix_hit_tokens == len(shared)
     full = second + outputs[0].token_ids[:-1]
     original = _layer_outputs(model, 0, lambda: model(torch.tensor([full])))[0]
     assert torch.allclose(torch.cat(served)[:len(full) - len(shared)], original[len(shared):], atol=1e-4)
@@ -160,12 +160,12 @@ def test_prefix_cache_hits_on_the_sink_equal_misses_with_the_int2_runner(setup):
         config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=256,
                               enable_prefix_caching=caching)
         llm = LLM(copy.deepcopy(model), spec=SPEC, rotations=rot, tokenizer=tokenizer, config=config)
-        llm.engine.block_manager.history_hits = False  # hits stop at the sink: exact (history hits below)
+        llm.engine.page_manager.history_hits = False  # hits stop at the sink: exact (history hits below)
         outputs[caching] = [o.token_ids for o in llm.generate(prompts, params)]
         # run the prompts again: now every one finds its prefix cached (when caching is on)
         assert [o.token_ids for o in llm.generate(prompts, params)] == outputs[caching]
         if caching:
-            assert llm.engine.block_manager.num_prefix_hit_tokens >= SPEC.kv_cache.sink_tokens
+            assert llm.engine.page_manager.num_prefix_hit_tokens >= SPEC.kv_cache.sink_tokens
     assert outputs[True] == outputs[False]
 
 
@@ -194,7 +194,7 @@ def test_prefix_cache_hits_past_the_sink_with_the_int2_runner(setup):
         config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=5,
                               enable_prefix_caching=caching, num_staging_pages=0)
         llm = LLM(copy.deepcopy(model), spec=SPEC, rotations=rot, tokenizer=tokenizer, config=config)
-        bm, runner = llm.engine.block_manager, llm.engine.runner
+        bm, runner = llm.engine.page_manager, llm.engine.runner
         assert bm.history_hits
         llm.generate([first], params)
         hit_pages = list(bm.match_prefix(Sequence(second)).quant_pages)  # cached after the first
@@ -228,7 +228,7 @@ def test_bf16_mode_prefix_cache_hits_equal_misses(setup):
                               enable_prefix_caching=caching)
         llm = LLM(copy.deepcopy(model), spec=bf16, tokenizer=tokenizer, config=config)
         outputs[caching] = [llm.generate([p], params)[0].token_ids for p in prompts]
-        assert llm.engine.block_manager.num_prefix_hit_tokens == (3 * P if caching else 0)
+        assert llm.engine.page_manager.num_prefix_hit_tokens == (3 * P if caching else 0)
     assert outputs[True] == outputs[False]
 
 
@@ -240,7 +240,7 @@ def test_runner_sizes_its_page_tables_by_the_context_limit(setup):
               config=EngineConfig(kv_memory_gb=0.05))
     runner = llm.engine.runner
     limit = model.config.max_position_embeddings
-    assert runner.quant_width == -(-limit // SPEC.kv_cache.page_size) < llm.engine.block_manager.quant_pool.num_pages
+    assert runner.quant_width == -(-limit // SPEC.kv_cache.page_size) < llm.engine.page_manager.quant_pool.num_pages
 
 
 def test_mask_bypass_restores_every_config():

@@ -68,7 +68,7 @@ def test_overlapped_steps_equal_plain_steps_on_the_gpu(tokenizer, spec):
     llm, overlapped = _generate(tokenizer, spec, prompts, cuda_graphs=True, params=params)
     _, plain = _generate(tokenizer, spec, prompts, cuda_graphs=True, overlap=False, params=params)
     assert overlapped == plain and len(plain[1]) <= 8 and plain[1][-1] == free[0][7]
-    pools = (llm.engine.block_manager.window_pool, llm.engine.block_manager.quant_pool)
+    pools = (llm.engine.page_manager.window_pool, llm.engine.page_manager.quant_pool)
     assert all(pool.num_used == 0 for pool in pools)
 
 
@@ -81,7 +81,7 @@ def test_graph_replay_equals_eager_decoding(tokenizer, spec):
     assert 8 in llm.engine.runner.graphs.graphs  # every size up to max_num_seqs was captured
     _, eager = _generate(tokenizer, spec, prompts, cuda_graphs=False)
     assert graphed == eager
-    pools = (llm.engine.block_manager.window_pool, llm.engine.block_manager.quant_pool)
+    pools = (llm.engine.page_manager.window_pool, llm.engine.page_manager.quant_pool)
     assert all(pool.num_used == 0 for pool in pools)
 
 

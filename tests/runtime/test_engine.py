@@ -30,7 +30,7 @@ def run_all(engine: LLMEngine, requests) -> list[list[int]]:
 
 
 def assert_all_pages_free(engine: LLMEngine) -> None:
-    for pool in (engine.block_manager.window_pool, engine.block_manager.quant_pool):
+    for pool in (engine.page_manager.window_pool, engine.page_manager.quant_pool):
         assert pool.num_used == 0 and all(count == 0 for count in pool.ref_counts)
 
 
@@ -87,8 +87,8 @@ def test_prefix_cache_hits_give_the_same_output_as_misses(tiny_model, tokenizer,
     hits = build_engine(tiny_model, tokenizer, EngineConfig(**config))
     misses = build_engine(tiny_model, tokenizer, EngineConfig(**config, enable_prefix_caching=False))
     assert run_all(hits, requests) == run_all(misses, requests)
-    assert hits.block_manager.num_prefix_hit_tokens >= 8 * 48
-    assert misses.block_manager.num_prefix_hit_tokens == 0
+    assert hits.page_manager.num_prefix_hit_tokens >= 8 * 48
+    assert misses.page_manager.num_prefix_hit_tokens == 0
 
 
 def test_a_seed_gives_the_same_tokens_alone_batched_and_preempted(tiny_model, tokenizer):
@@ -159,21 +159,21 @@ def test_llm_loads_a_model_directory(model_dir):
             resolve_model_dir(None)
 
 
-def test_a_runner_factory_sizes_its_pools_from_the_block_manager(tiny_model, tokenizer):
+def test_a_runner_factory_sizes_its_pools_from_the_page_manager(tiny_model, tokenizer):
     from oscar_compile.runtime.worker.runner import RecomputeRunner
 
     seen = {}
 
-    def make_runner(block_manager):
-        seen["pages"] = (block_manager.window_pool.num_pages, block_manager.quant_pool.num_pages)
+    def make_runner(page_manager):
+        seen["pages"] = (page_manager.window_pool.num_pages, page_manager.quant_pool.num_pages)
         runner = RecomputeRunner(tiny_model)
         runner.supports_history_hits = False  # e.g. a runner whose cache_write ignores history_lens
         return runner
 
     config = EngineConfig(layout=windowed_layout(tiny_model), num_window_pages=6, num_quant_pages=9)
     engine = build_engine(tiny_model, tokenizer, config, make_runner=make_runner)
-    assert seen["pages"] == (6, 9) and engine.block_manager.history_hits is False
-    assert build_engine(tiny_model, tokenizer, config).block_manager.history_hits is True
+    assert seen["pages"] == (6, 9) and engine.page_manager.history_hits is False
+    assert build_engine(tiny_model, tokenizer, config).page_manager.history_hits is True
 
 
 @pytest.mark.gpu

@@ -69,7 +69,7 @@ def _run(llm, prompts):
 
 def _assert_all_free(llm):
     """Every device page, staging page and host swap range is free once all requests ended."""
-    bm = llm.engine.block_manager
+    bm = llm.engine.page_manager
     for pool in (bm.window_pool, bm.quant_pool, bm.staging_pool):
         assert pool.num_used == 0 and pool.num_free + pool.num_cached == pool.num_pages, pool.kind
     assert bm.staging_pool.num_cached == 0  # staging pages are never registered for reuse
@@ -175,6 +175,6 @@ def test_prefix_hits_at_the_sink_only_equal_generate(setup):
     llm = _llm(setup, prefix_hits="sink")
     assert llm.generate([first], PARAMS)[0].token_ids == expected(first)
     assert llm.generate([second], PARAMS)[0].token_ids == expected(second)
-    bm = llm.engine.block_manager
+    bm = llm.engine.page_manager
     assert bm.num_prefix_hit_tokens == SPEC.kv_cache.sink_tokens and bm.num_staged_prefills == 2
     _assert_all_free(llm)

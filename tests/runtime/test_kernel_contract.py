@@ -15,7 +15,7 @@ import pytest
 import torch
 from runtime_fakes import IdentityCache, run_scheduler
 
-from oscar_compile.runtime.core.page_manager import BlockManager
+from oscar_compile.runtime.core.page_manager import PageManager
 from oscar_compile.runtime.core.page_plan import CacheLayout
 from oscar_compile.runtime.core.sampling_params import SamplingParams
 from oscar_compile.runtime.core.scheduler import Scheduler
@@ -35,7 +35,7 @@ class KernelCache:
     ``cache_lens`` alone, which is wrong right after a hit past the sink.
     """
 
-    def __init__(self, bm: BlockManager, standard_only: bool = False):
+    def __init__(self, bm: PageManager, standard_only: bool = False):
         self.bm = bm
         self.standard_only = standard_only
         self.layout = bm.layout
@@ -87,7 +87,7 @@ def test_reference_cache_write_reads_back_every_token(sink, recent, num_quant, h
     rng = random.Random(sink * 7 + recent + num_quant)
     layout = CacheLayout.uniform(num_layers=1, num_kv_heads=1, head_dim=D, group_size=D, page_size=P,
                                  sink=sink, recent=recent)
-    bm = BlockManager(layout, 6 * max(1, (sink + recent) // P), num_quant, history_hits=history_hits)
+    bm = PageManager(layout, 6 * max(1, (sink + recent) // P), num_quant, history_hits=history_hits)
     scheduler = Scheduler(bm, max_num_seqs=5, max_num_batched_tokens=rng.choice([9, 50]))
     stem = [rng.randrange(40) for _ in range(90)]
     for _ in range(12):
@@ -105,7 +105,7 @@ def test_history_hits_need_history_lens(standard_only):
     history alone; without it, it demotes stale ring slots into the shared pages."""
     layout = CacheLayout.uniform(num_layers=1, num_kv_heads=1, head_dim=D, group_size=D, page_size=P,
                                  sink=16, recent=32)
-    bm = BlockManager(layout, 6, 20, history_hits=True)
+    bm = PageManager(layout, 6, 20, history_hits=True)
     cache = KernelCache(bm, standard_only)
     a, b = Sequence(list(range(100))), Sequence(list(range(100)) + [3] * 40)
     for seq in (a, b):

@@ -67,7 +67,7 @@ def _run(engine, requests, abort_after: int | None = None):
         if steps == abort_after:
             aborted = engine.abort_request(seqs[0].request_id)
             assert aborted is not None and aborted.finished
-    for pool in (engine.block_manager.window_pool, engine.block_manager.quant_pool):
+    for pool in (engine.page_manager.window_pool, engine.page_manager.quant_pool):
         assert pool.num_used == 0 and all(count == 0 for count in pool.ref_counts)
     return [dict(ids=s.output_token_ids, reason=s.finish_reason, text=s.detokenizer.text,
                  logprobs=[(lp.token_id, lp.logprob) for lp in s.output_logprobs],

@@ -107,7 +107,7 @@ def test_max_tokens_0_scores_the_prompt_only(tiny_model, tokenizer, rotations):
     assert [e.logprob for e in entries[1:]] == pytest.approx(
         [expected[p, prompt[p + 1]].item() for p in range(len(prompt) - 1)], abs=1e-5)
     assert all(e.top == [] for e in entries[1:])
-    assert engine.block_manager.window_pool.num_used == engine.block_manager.quant_pool.num_used == 0
+    assert engine.page_manager.window_pool.num_used == engine.page_manager.quant_pool.num_used == 0
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)  # generating nothing is only for scoring
 

@@ -7,7 +7,7 @@ import random
 import pytest
 from runtime_fakes import IdentityCache, check_page_invariants, run_scheduler
 
-from oscar_compile.runtime.core.page_manager import BlockManager
+from oscar_compile.runtime.core.page_manager import PageManager
 from oscar_compile.runtime.core.page_plan import CacheLayout
 from oscar_compile.runtime.core.sampling_params import SamplingParams
 from oscar_compile.runtime.core.scheduler import Scheduler
@@ -19,7 +19,7 @@ P = 16
 def make_scheduler(num_window=60, num_quant=200, sink=16, recent=32, prefix=True, **kwargs):
     layout = CacheLayout.uniform(num_layers=1, num_kv_heads=1, head_dim=16, group_size=16, page_size=P,
                                  sink=sink, recent=recent)
-    bm = BlockManager(layout, num_window, num_quant, enable_prefix_caching=prefix, history_hits=True)
+    bm = PageManager(layout, num_window, num_quant, enable_prefix_caching=prefix, history_hits=True)
     return Scheduler(bm, **kwargs)
 
 
@@ -108,8 +108,8 @@ def run(requests, **kwargs) -> tuple[list[list[int]], dict, Scheduler]:
     seqs = [Sequence(list(p), SamplingParams(max_tokens=m)) for p, m in requests]
     for s in seqs:
         scheduler.add(s)
-    stats = run_scheduler(scheduler, IdentityCache(scheduler.block_manager))
-    check_page_invariants(scheduler.block_manager, [])
+    stats = run_scheduler(scheduler, IdentityCache(scheduler.page_manager))
+    check_page_invariants(scheduler.page_manager, [])
     assert all(s.is_finished and s.num_output_tokens == s.params.max_tokens for s in seqs)
     return [s.output_token_ids for s in seqs], stats, scheduler
 
@@ -123,7 +123,7 @@ def test_preemption_chunking_and_prefix_hits_do_not_change_outputs(seed):
     tight, stats, scheduler = run(requests, num_window=30, num_quant=14,
                                   max_num_batched_tokens=[13, 64, 256, 29][seed], max_num_seqs=8)
     assert tight == reference
-    assert stats["preempted"] > 0 and scheduler.block_manager.num_prefix_hit_tokens > 0
+    assert stats["preempted"] > 0 and scheduler.page_manager.num_prefix_hit_tokens > 0
 
 
 def test_add_refuses_a_request_that_never_fits():
@@ -133,7 +133,7 @@ def test_add_refuses_a_request_that_never_fits():
         scheduler.add(seq(70, max_tokens=11))
     with pytest.raises(ValueError, match="at least one token"):
         scheduler.add(Sequence([], SamplingParams()))
-    capped = Scheduler(scheduler.block_manager, max_model_len=80)
+    capped = Scheduler(scheduler.page_manager, max_model_len=80)
     capped.add(seq(70, max_tokens=1000))  # max_model_len caps the length it can reach
 
 
@@ -148,7 +148,7 @@ def test_finish_frees_pages_from_waiting_and_running():
     scheduler.finish(running, FinishReason.ABORT)
     assert not scheduler.has_unfinished()
     assert running.finish_reason is FinishReason.ABORT and not running.has_pages
-    bm = scheduler.block_manager
+    bm = scheduler.page_manager
     assert bm.window_pool.num_used == 0 and bm.quant_pool.num_used == 0
     assert step(scheduler)[0] == []
 

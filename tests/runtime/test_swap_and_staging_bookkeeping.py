@@ -7,7 +7,7 @@ import random
 
 from runtime_fakes import IdentityCache, run_scheduler
 
-from oscar_compile.runtime.core.page_manager import BlockManager
+from oscar_compile.runtime.core.page_manager import PageManager
 from oscar_compile.runtime.core.page_plan import CacheLayout
 from oscar_compile.runtime.core.sampling_params import SamplingParams
 from oscar_compile.runtime.core.scheduler import Scheduler
@@ -20,7 +20,7 @@ LAYOUT = CacheLayout.uniform(num_layers=1, num_kv_heads=1, head_dim=16, group_si
 
 def make(num_window=60, num_quant=200, staging=0, swap_bytes=0, **kwargs) -> Scheduler:
     swap = SwapSpace(swap_bytes, LAYOUT.window_page_bytes, LAYOUT.quant_page_bytes) if swap_bytes else None
-    bm = BlockManager(LAYOUT, num_window, num_quant, history_hits=True, num_staging_pages=staging, swap_space=swap)
+    bm = PageManager(LAYOUT, num_window, num_quant, history_hits=True, num_staging_pages=staging, swap_space=swap)
     return Scheduler(bm, **kwargs)
 
 
@@ -49,7 +49,7 @@ def test_a_staged_prompt_reserves_its_whole_history_and_the_next_one_waits():
     chunks; a 220-token one (11 pages) waits at the head of the queue until the first one's last
     chunk has run and its staging pages are free again."""
     scheduler = make(staging=16, max_num_batched_tokens=64)
-    bm = scheduler.block_manager
+    bm = scheduler.page_manager
     a, b = seq(202, first=1), seq(220, first=7)
     scheduler.add(a)
     scheduler.add(b)
@@ -86,9 +86,9 @@ def test_random_workload_with_swapping_keeps_every_page_content():
     scheduler = make(num_window=15, num_quant=24, staging=40, swap_bytes=swap_bytes, max_num_batched_tokens=48)
     for i in range(14):
         scheduler.add(seq(rng.randint(5, 150), max_tokens=rng.randint(1, 60), first=i))
-    cache = IdentityCache(scheduler.block_manager)
+    cache = IdentityCache(scheduler.page_manager)
     stats = run_scheduler(scheduler, cache)
-    bm = scheduler.block_manager
+    bm = scheduler.page_manager
     assert stats["preempted"] > 0 and scheduler.num_swap_preemptions > 0
     assert bm.swap_space.num_swapped_in == scheduler.num_swap_preemptions
     assert bm.swap_space.is_empty() and not cache.host

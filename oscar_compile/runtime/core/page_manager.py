@@ -97,7 +97,7 @@ class SwapCopy:
     quant_pages: tuple[int, ...]
 
 
-class BlockManager:
+class PageManager:
     def __init__(self, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
                  enable_prefix_caching: bool = True, history_hits: bool = False,
                  num_staging_pages: int = 0, swap_space: SwapSpace | None = None):

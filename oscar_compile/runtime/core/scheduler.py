@@ -28,7 +28,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from oscar_compile.runtime.core.page_manager import BlockManager, SwapCopy
+from oscar_compile.runtime.core.page_manager import PageManager, SwapCopy
 from oscar_compile.runtime.core.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -58,13 +58,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64,
+    def __init__(self, page_manager: PageManager, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        self.block_manager = block_manager
+        self.page_manager = page_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -96,7 +96,7 @@ class Scheduler:
         if seq.num_prompt_tokens < 1:
             raise ValueError("prompt must hold at least one token")
         num_tokens = self.max_num_tokens(seq)
-        if not self.block_manager.can_ever_fit(num_tokens):
+        if not self.page_manager.can_ever_fit(num_tokens):
             raise ValueError(
                 f"a sequence of {num_tokens} tokens needs more KV pages than the cache holds; "
                 "lower max_tokens or raise the KV memory"
@@ -119,8 +119,8 @@ class Scheduler:
                 continue
             seq.num_cached_tokens += num_new
             if seq.is_staged and seq.num_cached_tokens >= seq.num_tokens:
-                self.block_manager.end_staging(seq)  # the runner quantized the staged history
-            self.block_manager.commit(seq)
+                self.page_manager.end_staging(seq)  # the runner quantized the staged history
+            self.page_manager.commit(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence (stop, length or abort) wherever it is and free its pages."""
@@ -129,7 +129,7 @@ class Scheduler:
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.SWAPPED) and seq in self.waiting:
             self.waiting.remove(seq)
         if seq.has_pages or seq.swap is not None:
-            self.block_manager.deallocate(seq)
+            self.page_manager.deallocate(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -144,7 +144,7 @@ class Scheduler:
             num_new = min(seq.num_uncached_tokens, budget)
             if not self._make_room(seq, num_new, out):
                 break  # seq itself was the newest and got preempted
-            self.block_manager.may_append(seq, num_new)
+            self.page_manager.may_append(seq, num_new)
             out.add(seq, num_new)
             budget -= num_new
             index += 1
@@ -152,7 +152,7 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running sequences until ``seq`` can grow; False if seq went too."""
-        while not self.block_manager.can_append(seq, num_new):
+        while not self.page_manager.can_append(seq, num_new):
             victim = self.running[-1]
             self._preempt(victim, out)
             out.preempted.append(victim)
@@ -162,13 +162,13 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.pop()
-        if self.block_manager.can_swap_out(seq):
-            out.swap_out.append(self.block_manager.swap_out(seq))
+        if self.page_manager.can_swap_out(seq):
+            out.swap_out.append(self.page_manager.swap_out(seq))
             seq.status = SequenceStatus.SWAPPED
             seq.num_swaps += 1
             self.num_swap_preemptions += 1
         else:
-            self.block_manager.deallocate(seq)
+            self.page_manager.deallocate(seq)
             seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -183,7 +183,7 @@ class Scheduler:
             if not num_new:
                 break
             self.waiting.popleft()
-            self.block_manager.may_append(seq, num_new)
+            self.page_manager.may_append(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.add(seq, num_new)
@@ -192,22 +192,22 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Allocate the pages (and staging pages) of a new or recomputed ``seq``; its first chunk
         length, or 0 if it must wait."""
-        block_manager = self.block_manager
-        match = block_manager.match_prefix(seq)
+        page_manager = self.page_manager
+        match = page_manager.match_prefix(seq)
         num_new = min(seq.num_tokens - match.num_tokens, budget)
-        num_staging = block_manager.staging_need(seq, match, num_new)
-        if num_staging > block_manager.staging_pool.num_pages:
+        num_staging = page_manager.staging_need(seq, match, num_new)
+        if num_staging > page_manager.staging_pool.num_pages:
             if seq.num_output_tokens == 0:
                 return 0  # a prompt too long to stage: only in one chunk (engine.validate_request)
             num_staging = 0  # recomputing a sequence that has outputs: inexact anyway
-        if not block_manager.can_allocate(seq, match, num_new, num_staging):
+        if not page_manager.can_allocate(seq, match, num_new, num_staging):
             return 0
-        block_manager.allocate(seq, match, num_staging)
+        page_manager.allocate(seq, match, num_staging)
         return num_new
 
     def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         num_new = min(seq.num_uncached_tokens, budget)
-        if num_new < 1 or not self.block_manager.can_swap_in(seq, num_new):
+        if num_new < 1 or not self.page_manager.can_swap_in(seq, num_new):
             return 0
-        out.swap_in.append(self.block_manager.swap_in(seq))
+        out.swap_in.append(self.page_manager.swap_in(seq))
         return num_new

@@ -293,21 +293,21 @@ def _history_pages(layout: CacheLayout, num_tokens: int) -> int:
     return max(1, layout.num_quant_pages_for(layout.num_history_tokens(num_tokens)))
 
 
-def runner_kwargs(model: torch.nn.Module, block_manager, config=None) -> dict:
+def runner_kwargs(model: torch.nn.Module, page_manager, config=None) -> dict:
     """The ``CompressedRunner`` arguments (besides model and layout) for a block manager's pools:
     pools sized from its page counts, step buffers and CUDA graphs from the engine config
     (``EngineConfig``) when given. Plain values: tensor-parallel ranks receive them from rank 0."""
     # the engine's context limit (as build_engine sets it), within what the pools can hold:
     # it sizes the page-table mirrors, and the graphs plan their kernel splits for it
     max_model_len = getattr(config, "max_model_len", None) or model.config.get_text_config().max_position_embeddings
-    kwargs = dict(num_window_pages=block_manager.window_pool.num_pages,
-                  num_quant_pages=block_manager.quant_pool.num_pages,
-                  max_seq_len=min(max_model_len, block_manager.max_seq_len()))
+    kwargs = dict(num_window_pages=page_manager.window_pool.num_pages,
+                  num_quant_pages=page_manager.quant_pool.num_pages,
+                  max_seq_len=min(max_model_len, page_manager.max_seq_len()))
     if config is not None:
         kwargs.update(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                       cuda_graphs=config.cuda_graphs)
-    swap = block_manager.swap_space
-    kwargs.update(num_staging_pages=block_manager.staging_pool.num_pages,
+    swap = page_manager.swap_space
+    kwargs.update(num_staging_pages=page_manager.staging_pool.num_pages,
                   swap_bytes=swap.num_bytes if swap is not None else 0)
     return kwargs
 
@@ -315,8 +315,8 @@ def runner_kwargs(model: torch.nn.Module, block_manager, config=None) -> dict:
 def runner_factory(model: torch.nn.Module, layout: CacheLayout, config=None):
     """``make_runner`` for ``build_engine``: a CompressedRunner with :func:`runner_kwargs`."""
 
-    def make(block_manager) -> CompressedRunner:
-        return CompressedRunner(model, layout, **runner_kwargs(model, block_manager, config))
+    def make(page_manager) -> CompressedRunner:
+        return CompressedRunner(model, layout, **runner_kwargs(model, page_manager, config))
 
     return make
 

@@ -8,7 +8,7 @@ import random
 import pytest
 from runtime_fakes import IdentityCache, check_page_invariants, run_scheduler
 
-from oscar_compile.runtime.core.page_manager import BlockManager
+from oscar_compile.runtime.core.page_manager import PageManager
 from oscar_compile.runtime.core.page_plan import CacheLayout
 from oscar_compile.runtime.core.sampling_params import SamplingParams
 from oscar_compile.runtime.core.scheduler import Scheduler
@@ -24,13 +24,13 @@ def make_layout(**kwargs) -> CacheLayout:
     return CacheLayout.uniform(num_layers=2, num_kv_heads=2, head_dim=16, page_size=P, group_size=16, **kwargs)
 
 
-def make_bm(num_window=40, num_quant=80, **kwargs) -> BlockManager:
+def make_bm(num_window=40, num_quant=80, **kwargs) -> PageManager:
     flags = {"history_hits": True}
     flags.update({k: kwargs.pop(k) for k in ("history_hits", "enable_prefix_caching") if k in kwargs})
-    return BlockManager(make_layout(**{**WINDOWED, **kwargs}), num_window, num_quant, **flags)
+    return PageManager(make_layout(**{**WINDOWED, **kwargs}), num_window, num_quant, **flags)
 
 
-def admit(bm: BlockManager, cache: IdentityCache, seq: Sequence) -> int:
+def admit(bm: PageManager, cache: IdentityCache, seq: Sequence) -> int:
     """Admit and prefill the whole sequence in one chunk; returns the prefix-hit length."""
     match = bm.match_prefix(seq)
     num_new = seq.num_tokens - match.num_tokens
@@ -43,7 +43,7 @@ def admit(bm: BlockManager, cache: IdentityCache, seq: Sequence) -> int:
     return match.num_tokens
 
 
-def grow(bm: BlockManager, cache: IdentityCache, seq: Sequence, num_new: int) -> None:
+def grow(bm: PageManager, cache: IdentityCache, seq: Sequence, num_new: int) -> None:
     seq.token_ids += [(seq.num_tokens * 7919) % 97 for _ in range(num_new)]
     assert bm.can_append(seq, num_new)
     bm.may_append(seq, num_new)
@@ -198,7 +198,7 @@ def test_matched_pages_are_not_evicted_by_the_admission_that_reuses_them():
 @pytest.mark.parametrize("num_quant", [12, 400])
 def test_random_workload_with_shared_prefixes_stays_consistent(layout, history_hits, num_quant):
     rng = random.Random(hash((tuple(layout.values()), history_hits, num_quant)) & 0xFFFF)
-    bm = BlockManager(make_layout(**layout), 12 * max(1, (layout["sink"] + layout["recent"]) // P),
+    bm = PageManager(make_layout(**layout), 12 * max(1, (layout["sink"] + layout["recent"]) // P),
                       num_quant, history_hits=history_hits)
     scheduler = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=rng.choice([7, 40, 128]))
     stems = [[rng.randrange(50) for _ in range(rng.randrange(10, 120))] for _ in range(3)]
