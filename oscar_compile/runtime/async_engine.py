@@ -10,6 +10,10 @@ model error fails the requests in flight (their pages are freed), not the server
 ``num_waiting`` counts requests not yet holding pages (in the inbox or the scheduler's queue,
 preempted ones included) without reading the engine from another thread: adds posted but not yet
 reflected in a stats snapshot are counted on the side, under a lock shared with the snapshot.
+
+Latencies (runtime/latency.py): after each step the engine thread hands the step's observations
+to every ``latency_observers`` callable (the server's histograms), before delivering the outputs,
+so a client that reads ``/metrics`` after its response finds its request counted.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from oscar_compile.runtime.core.errors import EngineDeadError
 from oscar_compile.runtime.core.sampling_params import SamplingParams
 from oscar_compile.runtime.engine import LLMEngine, RequestOutput
+from oscar_compile.runtime.latency import StepLatencies
 
 logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.5
@@ -42,6 +48,8 @@ class AsyncEngine:
         self._closed = False  # the engine thread has stopped taking requests
         self._num_unseen_adds = 0  # adds posted that no snapshot counts yet
         self._num_drained_adds = 0  # engine thread: adds drained since the last snapshot
+        # called on the engine thread with each step's StepLatencies; replaced, never mutated
+        self.latency_observers: tuple[Callable[[StepLatencies], None], ...] = ()
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -64,9 +72,10 @@ class AsyncEngine:
 
     # ---- called from handlers (any thread) -----------------------------------------------------
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-               sink: asyncio.Queue, tag: Any = None) -> None:
+               sink: asyncio.Queue, tag: Any = None, arrival_time: float | None = None) -> None:
         """Queue a request; its outputs arrive on ``sink`` as ``(tag, RequestOutput)``, or
-        ``(tag, exception)`` if it fails. Raises RequestError at once for a bad request."""
+        ``(tag, exception)`` if it fails. Raises RequestError at once for a bad request.
+        ``arrival_time``: when it came in, by ``time.monotonic()`` (default: now)."""
         if not self.is_alive:
             raise EngineDeadError("the engine thread is not running")
         self.engine.validate_request(prompt_token_ids, params)
@@ -75,7 +84,8 @@ class AsyncEngine:
             if self._closed:
                 raise EngineDeadError("the engine thread is not running")
             self._num_unseen_adds += 1
-            self._inbox.put(("add", prompt_token_ids, params, request_id, (loop, sink, tag)))
+            arrival = time.monotonic() if arrival_time is None else arrival_time
+            self._inbox.put(("add", prompt_token_ids, params, request_id, (loop, sink, tag), arrival))
         self._wakeup.set()
 
     @property
@@ -133,6 +143,7 @@ class AsyncEngine:
                 self._fail_all(err)
                 continue
             self._publish_stats()  # before delivery: a client reads it after its output
+            self._observe(self.engine.latencies)
             for out in outputs:
                 self._deliver(out.request_id, out, out.finished)
         with self._lock:
@@ -149,6 +160,15 @@ class AsyncEngine:
                 self._num_drained_adds += 1
                 self._sinks[request_id] = sink
                 self._deliver(request_id, err, True)
+
+    def _observe(self, latencies: StepLatencies) -> None:
+        if not latencies:
+            return
+        for observe in self.latency_observers:
+            try:
+                observe(latencies)
+            except Exception:  # a metrics sink must not fail the requests
+                logger.exception("latency observer %r failed", observe)
 
     def _publish_stats(self) -> None:
         stats = self.engine.stats()
@@ -175,11 +195,11 @@ class AsyncEngine:
             if command[0] == "fail_all":
                 self._fail_all(command[1])
                 continue
-            _, prompt_token_ids, params, request_id, sink = command
+            _, prompt_token_ids, params, request_id, sink, arrival_time = command
             self._num_drained_adds += 1
             self._sinks[request_id] = sink
             try:
-                self.engine.add_request(prompt_token_ids, params, request_id)
+                self.engine.add_request(prompt_token_ids, params, request_id, arrival_time)
             except Exception as err:
                 self._deliver(request_id, err, True)
 

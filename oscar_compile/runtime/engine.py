@@ -35,6 +35,7 @@ from oscar_compile.runtime.core.sampling_params import RequestError, SamplingPar
 from oscar_compile.runtime.core.scheduler import Scheduler, SchedulerOutput
 from oscar_compile.runtime.core.sequence import FinishReason, Sequence
 from oscar_compile.runtime.detokenizer import IncrementalDetokenizer
+from oscar_compile.runtime.latency import StepLatencies
 from oscar_compile.runtime.worker.logits_controls import build_controls
 from oscar_compile.runtime.worker.logprobs import score_tokens
 from oscar_compile.runtime.worker.runner import Batch, ModelRunner
@@ -97,6 +98,7 @@ class LLMEngine:
         self.num_requests_finished = 0
         self.num_requests_aborted = 0
         self._recent_tokens: deque[tuple[float, int]] = deque()
+        self.latencies = StepLatencies()  # the last step's observations (runtime/latency.py)
 
     # ---- requests ----------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -142,10 +144,11 @@ class LLMEngine:
         return max(limit - num_prompt_tokens, 0)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Sequence:
+                    request_id: str | None = None, arrival_time: float | None = None) -> Sequence:
+        """``arrival_time``: when the request came in, by ``time.monotonic()`` (default: now)."""
         params = params if params is not None else SamplingParams()
         self.validate_request(prompt_token_ids, params)
-        seq = Sequence(prompt_token_ids, params, request_id)
+        seq = Sequence(prompt_token_ids, params, request_id, arrival_time)
         if seq.request_id in self._seqs:
             raise RequestError("request_id", f"request id {seq.request_id!r} is already running")
         seq.detokenizer = IncrementalDetokenizer(
@@ -169,7 +172,11 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.latencies = StepLatencies()
         out = self.scheduler.schedule()
+        now = time.monotonic()
+        for seq in out.seqs:
+            self.latencies.scheduled(seq, now)
         if out.swap_out or out.swap_in:  # queued before this step's forward, which may reuse the pages
             self.runner.swap(out.swap_out, out.swap_in)
         launched = self._launch(out) if not out.is_empty else None
@@ -240,6 +247,7 @@ class LLMEngine:
     def _read_samples(self, launched: _Launched) -> list[RequestOutput]:
         """Append a launched step's tokens (waiting for its copies); ended sequences drop theirs."""
         result = launched.sample.result()
+        now = time.monotonic()  # the host has the tokens: what the client can get
         outputs = []
         for j, seq in enumerate(launched.seqs):
             seq.num_pending -= 1
@@ -253,6 +261,7 @@ class LLMEngine:
             logprob = None
             if result.logprobs[j] is not None:
                 logprob = TokenLogprob(result.token_ids[j], result.logprobs[j], result.top_logprobs[j] or [])
+            self.latencies.token(seq, now)
             outputs.append(self._append_token(seq, result.token_ids[j], logprob))
             outputs[-1].prompt_logprobs = prompt_logprobs
         self._count_generated(sum(len(o.new_token_ids) for o in outputs))
@@ -314,6 +323,8 @@ class LLMEngine:
         self.sampler.forget(seq.seq_id)
         self._seqs.pop(seq.request_id, None)
         self.num_requests_finished += 1
+        if reason is not FinishReason.ABORT:
+            self.latencies.finished(seq, time.monotonic())
 
     def _output(self, seq: Sequence, new_ids: list[int], new_logprobs: list[TokenLogprob],
                 finished: bool, prompt_logprobs: list[TokenLogprob | None] | None = None) -> RequestOutput:

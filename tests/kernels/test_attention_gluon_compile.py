@@ -135,8 +135,8 @@ def test_metrics_say_which_attention_kernel_ran(monkeypatch):
     stats.update({f"{kind}_{suffix}": 0 for *_, suffix in metrics._PAGES for kind in metrics.PAGE_KINDS})
     monkeypatch.setattr(ad, "_used", {"gluon": "sm_90", "triton": 'a "prefill-like" batch'})
     text = metrics.render_metrics(stats)
-    assert '\noscar_attention_kernel_info{kernel="gluon",reason="sm_90"} 1\n' in text
-    assert 'oscar_attention_kernel_info{kernel="triton",reason="a \\"prefill-like\\" batch"} 1' in text
+    assert '\noscar_attention_kernel_info{kernel="gluon",reason="sm_90"} 1.0\n' in text
+    assert 'oscar_attention_kernel_info{kernel="triton",reason="a \\"prefill-like\\" batch"} 1.0' in text
 
 
 def test_each_kernel_choice_is_logged_once(monkeypatch, caplog):

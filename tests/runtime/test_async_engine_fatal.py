@@ -26,7 +26,7 @@ class FatalEngine:
     def validate_request(self, prompt_token_ids, params):
         pass
 
-    def add_request(self, prompt_token_ids, params, request_id=None):
+    def add_request(self, prompt_token_ids, params, request_id=None, arrival_time=None):
         self.running.append(request_id)
 
     def abort_request(self, request_id):

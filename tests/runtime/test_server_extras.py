@@ -196,7 +196,7 @@ def _ignored(port: int, field: str) -> int:
     _, text = call(port, "GET", "/metrics")
     for line in text.splitlines():
         if line.startswith(f'oscar_ignored_request_fields_total{{field="{field}"}} '):
-            return int(line.split()[-1])
+            return int(float(line.split()[-1]))
     return 0
 
 

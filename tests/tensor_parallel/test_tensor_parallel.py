@@ -145,7 +145,7 @@ def test_the_server_reports_each_rank_and_fails_loudly_in_bounded_time_when_a_ra
         with running(app) as port:
             status, text = get(port, "/metrics")
             assert status == 200 and "oscar_tensor_parallel_size 2" in text
-            assert 'oscar_kv_rank_pages_total{rank="1",kind="quant"}' in text
+            assert 'oscar_kv_rank_pages_total{kind="quant",rank="1"}' in text
             victim = next(p for p in multiprocessing.active_children() if p.name == "oscar-tp-rank1")
             reply = {}
             body = {"model": name, "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True}
@@ -153,7 +153,7 @@ def test_the_server_reports_each_rank_and_fails_loudly_in_bounded_time_when_a_ra
             start = time.monotonic()
             request.start()
             while time.monotonic() - start < 30 and request.is_alive():  # mid-request: steps have run
-                if "oscar_generation_tokens_total 0\n" not in get(port, "/metrics")[1]:
+                if "oscar_generation_tokens_total 0.0\n" not in get(port, "/metrics")[1]:
                     break
                 time.sleep(0.05)
             assert request.is_alive(), reply

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from typing import Any
 
 from oscar_compile.runtime.core.sampling_params import SamplingParams
@@ -49,13 +50,15 @@ class Sequence:
     ``prompt_logprobs`` (only when ``params.prompt_logprobs`` asks): one entry per prompt token,
     ``None`` for the first (nothing predicts it) and until the prefill reaches it; the engine fills
     entry ``p + 1`` from the logits at position ``p``.
+    ``arrival_time``, ``first_scheduled_time`` and ``last_token_time`` are ``time.monotonic()``
+    stamps the engine takes for the latency histograms (runtime/latency.py).
     ``num_pending`` tokens (0 or 1 between steps) were sampled on the device and not yet read by
     the host (overlapped steps, see engine.py): they follow ``token_ids`` and the next step may
     already run them.
     """
 
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                 request_id: str | None = None):
+                 request_id: str | None = None, arrival_time: float | None = None):
         self.seq_id = next(_seq_counter)  # also the arrival order: FCFS and preemption use it
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -81,6 +84,10 @@ class Sequence:
         self.prompt_logprobs: list[Any] = ([None] * self.num_prompt_tokens
                                            if self.params.prompt_logprobs is not None else [])
         self.detokenizer: Any = None
+        # time.monotonic() stamps for the latency histograms (runtime/latency.py)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.last_token_time: float | None = None
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, status={self.status.value}, "

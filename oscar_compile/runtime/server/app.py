@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -38,7 +38,7 @@ from oscar_compile.runtime.core.errors import EngineDeadError
 from oscar_compile.runtime.core.sampling_params import RequestError, SamplingParams
 from oscar_compile.runtime.server.admission import Admission, Refused
 from oscar_compile.runtime.server.gate import ApiKeyGate, BodyLimit
-from oscar_compile.runtime.server.metrics import render_metrics
+from oscar_compile.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from oscar_compile.runtime.server.parsing import IgnoredFields, parse_body
 from oscar_compile.runtime.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -83,12 +83,15 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], confi
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
+        async_engine.latency_observers += (server.metrics.observe,)
         async_engine.start()
         jit_watch.mark_serving()
         try:
             yield
         finally:
             jit_watch.mark_serving(False)
+            async_engine.latency_observers = tuple(
+                f for f in async_engine.latency_observers if f != server.metrics.observe)
             async_engine.shutdown()
             server.close()
             _log_final_stats(async_engine.stats, admission)
@@ -191,6 +194,8 @@ class _Server:
         self.model_names = model_names
         self.model_name = model_names[0]  # the one responses report
         self.ignored_fields = IgnoredFields()
+        # this app's own registry: the latency histograms are labelled with the name responses report
+        self.metrics = ServerMetrics(lambda: async_engine.stats, self.ignored_fields.counts, self.model_name)
         self.config = config
         self.admission = admission
         self.created = int(time.time())
@@ -224,8 +229,7 @@ class _Server:
         return {"version": __version__}
 
     async def metrics(self):
-        return PlainTextResponse(render_metrics(self.async_engine.stats, self.ignored_fields.counts()),
-                                 media_type="text/plain; version=0.0.4")
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -252,25 +256,26 @@ class _Server:
     async def tokenizer_info(self):
         return tokenizer_info(self.tokenizer, self.config.chat_template)
 
-    def _deadline(self) -> float | None:
+    def _deadline(self, arrival: float) -> float | None:
         timeout = self.config.request_timeout_s
-        return None if timeout is None else time.monotonic() + timeout
+        return None if timeout is None else arrival + timeout
 
     async def _in_tokenizer_thread(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
 
     async def _accept(self, request: Request, schema):
-        """(parsed request, deadline) of a generation request, refused early when the server is
-        draining, the body does not validate or names another model."""
+        """(parsed request, arrival) of a generation request, refused early when the server is
+        draining, the body does not validate or names another model. ``arrival``
+        (``time.monotonic()``) starts the request timeout and the latency histograms' clocks."""
         self.admission.check_open()
-        deadline = self._deadline()
+        arrival = time.monotonic()
         req = await self._parse(request, schema)
         self._check_model(req.model)
         req.check()
-        return req, deadline
+        return req, arrival
 
     async def completions(self, request: Request):
-        req, deadline = await self._accept(request, CompletionRequest)
+        req, arrival = await self._accept(request, CompletionRequest)
         texts = req.prompts()
         prompts = await self._in_tokenizer_thread(
             lambda: [self.tokenizer.encode(p) if isinstance(p, str) else p for p in texts])
@@ -280,10 +285,10 @@ class _Server:
         params = self._sampling_params(req.sampling_params, max_tokens, req.logprobs)
         fmt = Formatter("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
                         self.tokenizer, req.logprobs is not None, echo=req.echo, prompt_logprobs=req.prompt_logprobs)
-        return await self._respond(request, fmt, prompts, params, req.stream, req.stream_options, deadline)
+        return await self._respond(request, fmt, prompts, params, req.stream, req.stream_options, arrival)
 
     async def chat_completions(self, request: Request):
-        req, deadline = await self._accept(request, ChatCompletionRequest)
+        req, arrival = await self._accept(request, ChatCompletionRequest)
         ids = await self._in_tokenizer_thread(lambda: render_chat(
             self.tokenizer, req.messages, self.config.chat_template, req.chat_template_kwargs))
         self._check_prompts([ids], "messages")
@@ -293,7 +298,7 @@ class _Server:
         params = self._sampling_params(req.sampling_params, max_tokens, req.num_logprobs())
         fmt = Formatter("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
                         self.tokenizer, req.logprobs, prompt_logprobs=req.prompt_logprobs)
-        return await self._respond(request, fmt, [ids], params, req.stream, req.stream_options, deadline)
+        return await self._respond(request, fmt, [ids], params, req.stream, req.stream_options, arrival)
 
     def _check_prompts(self, prompts: list[list[int]], param: str) -> None:
         """Token ids in the vocabulary, and room for at least one token after each prompt."""
@@ -337,11 +342,11 @@ class _Server:
         return params
 
     async def _respond(self, request: Request, fmt: Formatter, prompts: list[list[int]],
-                       params: SamplingParams, stream: bool, stream_options, deadline: float | None):
+                       params: SamplingParams, stream: bool, stream_options, arrival: float):
         for ids in prompts:  # refuse before queueing anything
             self.engine.validate_request(ids, params)
         release = self.admission.enter()
-        outputs = self._generate(prompts, params, fmt.request_id, deadline)
+        outputs = self._generate(prompts, params, fmt.request_id, arrival)
         if stream:
             include_usage = bool(stream_options and stream_options.include_usage)
             return _ReleasingStream(self._stream(fmt, outputs, prompts, include_usage), release,
@@ -360,15 +365,16 @@ class _Server:
             release()
 
     async def _generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                        deadline: float | None) -> AsyncIterator[tuple[int, Any]]:
+                        arrival: float) -> AsyncIterator[tuple[int, Any]]:
         """(choice index, RequestOutput) for every prompt; leaving early (the client gone, the
         deadline passed) aborts the unfinished, which frees their pages."""
+        deadline = self._deadline(arrival)
         sink: asyncio.Queue = asyncio.Queue()
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         pending: set[int] = set()
         try:
             for i, prompt in enumerate(prompts):
-                self.async_engine.submit(prompt, params, ids[i], sink, tag=i)
+                self.async_engine.submit(prompt, params, ids[i], sink, tag=i, arrival_time=arrival)
                 pending.add(i)
             while pending:
                 index, item = await self._next(sink, deadline)

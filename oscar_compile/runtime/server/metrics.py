@@ -1,9 +1,31 @@
-"""Prometheus text exposition of the engine's stats snapshot (format version 0.0.4).
+"""``/metrics``: the Prometheus exposition, through ``prometheus_client``.
 
-Rendered by hand: a dozen gauges and counters do not justify a client-library dependency.
+Each app owns a ``CollectorRegistry`` (``ServerMetrics``), so several apps in one process (the
+tests) neither share nor collide. Two kinds of metric live in it:
+
+- the engine's state, read at each scrape from the stats snapshot the engine thread publishes
+  (plus the JIT compile counts, the attention kernels in use and the ignored request fields):
+  ``SnapshotCollector`` builds gauge and counter families from it, so nothing is copied between
+  scrapes;
+- the request latency histograms, named and bucketed as vLLM's (``vllm:time_to_first_token_seconds``
+  and so on, under ``oscar_``), labelled by ``model_name`` (the first served name), observed on
+  the engine thread from each step's ``StepLatencies`` (runtime/latency.py says what each measures).
+
+Every metric is listed, with its type, labels and meaning, in the README (section "Metrics").
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from oscar_compile.runtime.latency import StepLatencies
+
+# what generate_latest writes: the text format 0.0.4 (prometheus_client's CONTENT_TYPE_LATEST now
+# says 1.0.0, which differs only for names outside [a-zA-Z0-9_:]; ours have none)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # (name, type, help, stats key)
 _SCALARS = (
@@ -60,59 +82,116 @@ _PAGES = (
 )
 PAGE_KINDS = ("window", "quant", "staging")  # staging: full-precision history of chunked prefills
 
+# vLLM's buckets (vllm/v1/metrics/loggers.py), in seconds
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# (name, help, buckets, StepLatencies field)
+_HISTOGRAMS = (
+    ("oscar_time_to_first_token_seconds",
+     "Histogram of time to first token in seconds (arrival to the first output token).",
+     TTFT_BUCKETS, "time_to_first_token"),
+    ("oscar_inter_token_latency_seconds",
+     "Histogram of inter-token latency in seconds (between consecutive output tokens of a request).",
+     ITL_BUCKETS, "inter_token"),
+    ("oscar_e2e_request_latency_seconds",
+     "Histogram of e2e request latency in seconds (arrival to finish; aborted requests not counted).",
+     REQUEST_LATENCY_BUCKETS, "e2e"),
+    ("oscar_request_queue_time_seconds",
+     "Histogram of time spent waiting in seconds (arrival to first scheduled).",
+     REQUEST_LATENCY_BUCKETS, "queue"),
+)
+
+
+class ServerMetrics:
+    """One app's registry: the snapshot collector and the latency histograms.
+    ``observe`` is a ``latency_observer`` of the async engine (called on its thread;
+    prometheus_client's histograms take a lock per observation)."""
+
+    def __init__(self, stats: Callable[[], dict[str, float]], ignored_fields: Callable[[], dict[str, int]],
+                 model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(SnapshotCollector(stats, ignored_fields))
+        self._histograms = [
+            (Histogram(name, help_text, ["model_name"], buckets=buckets, registry=self.registry).labels(model_name),
+             field)
+            for name, help_text, buckets, field in _HISTOGRAMS]
+
+    def observe(self, latencies: StepLatencies) -> None:
+        for histogram, field in self._histograms:
+            for seconds in getattr(latencies, field):
+                histogram.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
 
 def render_metrics(stats: dict[str, float], ignored_fields: dict[str, int] | None = None) -> str:
-    """``ignored_fields``: how many times the server ignored each unknown request field."""
-    lines: list[str] = []
-    # which oscar::attention kernel ran in this process (Gluon on sm_90 decode, the extend path for
-    # prefill-like INT-b calls, Triton otherwise)
-    from oscar_compile.kernels.attention_dispatch import kernels_in_use
-
-    lines += ["# HELP oscar_attention_kernel_info The attention kernels that ran, and why each was chosen.",
-              "# TYPE oscar_attention_kernel_info gauge"]
-    lines += [f'oscar_attention_kernel_info{{kernel="{kernel}",reason="{_label(why)}"}} 1'
-              for kernel, why in sorted(kernels_in_use().items())]
-    for name, kind, help_text, key in _SCALARS:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {_fmt(stats[key])}"]
-    from oscar_compile.kernels.jit_watch import compile_stats
-
-    jit = compile_stats()
-    for name, help_text, key in _JIT:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {_fmt(jit[key])}"]
-    for name, help_text, suffix in _PAGES:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
-        for page_kind in PAGE_KINDS:
-            lines.append(f'{name}{{kind="{page_kind}"}} {_fmt(stats[f"{page_kind}_{suffix}"])}')
-    lines += _rank_lines(stats)
-    lines += ["# HELP oscar_ignored_request_fields_total Unknown request fields accepted and ignored, by field path "
-              "(list indices as *; past 64 names or over 128 characters, field=\"(other)\").",
-              "# TYPE oscar_ignored_request_fields_total counter"]
-    lines += [f'oscar_ignored_request_fields_total{{field="{_label(field)}"}} {count}'
-              for field, count in sorted((ignored_fields or {}).items())]
-    return "\n".join(lines) + "\n"
+    """The snapshot's metrics of ``stats`` alone (no histograms), as text: for tests of an engine
+    without a server. ``ignored_fields``: how many times the server ignored each unknown field."""
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(lambda: stats, lambda: ignored_fields or {}))
+    return generate_latest(registry).decode()
 
 
-def _rank_lines(stats: dict[str, float]) -> list[str]:
+class SnapshotCollector:
+    """Gauges and counters from the latest stats snapshot, built at each scrape."""
+
+    def __init__(self, stats: Callable[[], dict[str, float]], ignored_fields: Callable[[], dict[str, int]]):
+        self._stats, self._ignored_fields = stats, ignored_fields
+
+    def collect(self) -> Iterator[Metric]:
+        # which oscar::attention kernel ran in this process (Gluon on sm_90 decode, the extend path
+        # for prefill-like INT-b calls, Triton otherwise)
+        from oscar_compile.kernels.attention_dispatch import kernels_in_use
+        from oscar_compile.kernels.jit_watch import compile_stats
+
+        stats = self._stats()
+        kernels = GaugeMetricFamily("oscar_attention_kernel_info",
+                                    "The attention kernels that ran, and why each was chosen.",
+                                    labels=["kernel", "reason"])
+        for kernel, why in sorted(kernels_in_use().items()):
+            kernels.add_metric([kernel, why], 1)
+        yield kernels
+        for name, kind, help_text, key in _SCALARS:
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(name, help_text, value=stats[key])
+        jit = compile_stats()
+        for name, help_text, key in _JIT:
+            yield CounterMetricFamily(name, help_text, value=jit[key])
+        for name, help_text, suffix in _PAGES:
+            pages = GaugeMetricFamily(name, help_text, labels=["kind"])
+            for page_kind in PAGE_KINDS:
+                pages.add_metric([page_kind], stats[f"{page_kind}_{suffix}"])
+            yield pages
+        yield from _rank_metrics(stats)
+        ignored = CounterMetricFamily(
+            "oscar_ignored_request_fields_total",
+            "Unknown request fields accepted and ignored, by field path (list indices as *; past 64 names "
+            'or over 128 characters, field="(other)").', labels=["field"])
+        for field, count in sorted(self._ignored_fields().items()):
+            ignored.add_metric([field], count)
+        yield ignored
+
+
+def _rank_metrics(stats: dict[str, float]) -> Iterator[Metric]:
     """Per tensor-parallel rank: its KV pages (the same page ids on every rank, each holding that
     rank's KV heads) and the bytes of its pools. One rank when the model is not split."""
     num_ranks = int(stats.get("tensor_parallel_size", 1))
-    lines = ["# HELP oscar_tensor_parallel_size Ranks the model is split over (one process per device).",
-             "# TYPE oscar_tensor_parallel_size gauge", f"oscar_tensor_parallel_size {num_ranks}",
-             "# HELP oscar_kv_rank_bytes KV pool memory held by each rank.", "# TYPE oscar_kv_rank_bytes gauge"]
-    lines += [f'oscar_kv_rank_bytes{{rank="{r}"}} {_fmt(stats.get("kv_bytes_per_rank", 0))}' for r in range(num_ranks)]
+    yield GaugeMetricFamily("oscar_tensor_parallel_size", "Ranks the model is split over (one process per device).",
+                            value=num_ranks)
+    rank_bytes = GaugeMetricFamily("oscar_kv_rank_bytes", "KV pool memory held by each rank.", labels=["rank"])
+    for r in range(num_ranks):
+        rank_bytes.add_metric([str(r)], stats.get("kv_bytes_per_rank", 0))
+    yield rank_bytes
     for suffix in ("pages_total", "pages_used"):
-        name = f"oscar_kv_rank_{suffix}"
-        lines += [f"# HELP {name} KV {suffix.replace('_', ' ')} on each rank (rank 0's plan: every rank holds the same "
-                  "page ids, each with its own KV heads).", f"# TYPE {name} gauge"]
-        lines += [f'{name}{{rank="{r}",kind="{kind}"}} {_fmt(stats[f"{kind}_{suffix}"])}'
-                  for r in range(num_ranks) for kind in PAGE_KINDS]
-    return lines
-
-
-def _label(text: str) -> str:
-    """A Prometheus label value: backslash, quote and newline escaped."""
-    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _fmt(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+        family = GaugeMetricFamily(
+            f"oscar_kv_rank_{suffix}", f"KV {suffix.replace('_', ' ')} on each rank (rank 0's plan: every rank "
+            "holds the same page ids, each with its own KV heads).", labels=["rank", "kind"])
+        for r in range(num_ranks):
+            for kind in PAGE_KINDS:
+                family.add_metric([str(r), kind], stats[f"{kind}_{suffix}"])
+        yield family
