@@ -83,7 +83,7 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], confi
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        async_engine.latency_observers += (server.metrics.observe,)
+        async_engine.latency_observers += (server.server_metrics.observe,)
         async_engine.start()
         jit_watch.mark_serving()
         try:
@@ -91,7 +91,7 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], confi
         finally:
             jit_watch.mark_serving(False)
             async_engine.latency_observers = tuple(
-                f for f in async_engine.latency_observers if f != server.metrics.observe)
+                f for f in async_engine.latency_observers if f != server.server_metrics.observe)
             async_engine.shutdown()
             server.close()
             _log_final_stats(async_engine.stats, admission)
@@ -99,6 +99,7 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], confi
     # no redirect of "/v1/completions/" to "/v1/completions": a client gets a 404 it can read
     app = FastAPI(title="oscar_compile", lifespan=lifespan, redirect_slashes=False)
     app.state.admission = admission
+    app.state.metrics = server.server_metrics  # this app's registry (server/metrics.py)
     _add_error_handlers(app)
     app.get("/health")(server.health)
     app.get("/v1/models")(server.models)
@@ -195,7 +196,7 @@ class _Server:
         self.model_name = model_names[0]  # the one responses report
         self.ignored_fields = IgnoredFields()
         # this app's own registry: the latency histograms are labelled with the name responses report
-        self.metrics = ServerMetrics(lambda: async_engine.stats, self.ignored_fields.counts, self.model_name)
+        self.server_metrics = ServerMetrics(lambda: async_engine.stats, self.ignored_fields.counts, self.model_name)
         self.config = config
         self.admission = admission
         self.created = int(time.time())
@@ -229,7 +230,7 @@ class _Server:
         return {"version": __version__}
 
     async def metrics(self):
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(self.server_metrics.render(), media_type=CONTENT_TYPE)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
