@@ -19,6 +19,10 @@ Prompt logprobs (``SamplingParams.prompt_logprobs``): the prefill chunks of such
 row's); the engine scores them at once (``worker/logprobs.py``, one host sync in those steps
 only) and hands the list out with the sequence's first output. ``max_tokens`` 0 then finishes the
 sequence after its prefill: its one sampled token is dropped.
+
+Latencies: a step leaves its observations (queue times, first tokens, inter-token gaps,
+end-to-end) in ``latencies``, replaced at the next step (runtime/latency.py): the async engine
+hands them to the server's histograms; offline, nobody has to read them.
 """
 
 from __future__ import annotations
