@@ -145,38 +145,39 @@ def noise_key(seed: int, position: int) -> int:
     return key - (1 << 64) if key >= 1 << 63 else key
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2^32`` for ``x`` in [0, 2^32) held in int64, with no int64 overflow (signed
-    overflow is undefined in the C++ kernels): the constant is split into 16-bit halves."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+def _mul32_(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x = x * c mod 2^32`` in place, for ``x`` in [0, 2^32) held in int64, with no int64
+    overflow (signed overflow is undefined in the C++ kernels): ``c`` is split into 16-bit halves."""
+    high = (x * (c >> 16)).bitwise_and_(0xFFFF).bitwise_left_shift_(16)
+    return x.mul_(c & 0xFFFF).add_(high).bitwise_and_(_M32)
 
 
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finalizer on int64 tensors holding values in [0, 2^32)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EB_CA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2_AE35)
-    return x ^ (x >> 16)
+def _fmix32_(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer, in place, on int64 values in [0, 2^32)."""
+    x.bitwise_xor_(x >> 16)
+    _mul32_(x, 0x85EB_CA6B)
+    x.bitwise_xor_(x >> 13)
+    _mul32_(x, 0xC2B2_AE35)
+    return x.bitwise_xor_(x >> 16)
 
 
 def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exp(1) noise ``[B, V]`` float32, entry ``(b, v)`` a pure function of ``(keys[b], v)``.
 
-    Two keyed rounds of MurmurHash3's finalizer: ``h = fmix32(fmix32(v + k_lo) ^ k_hi)`` with
-    ``k_lo``, ``k_hi`` the key's 32-bit halves. One round over ``v + k_lo`` alone would make the
-    noise of two keys shifted copies of each other; the second key half breaks that. The 32 bits
+    ``h = fmix32(v * m + a mod 2^32)``, MurmurHash3's finalizer over a keyed affine map of the
+    token id: ``a`` is the key's low half, ``m`` its high half made odd (so the map is a bijection
+    and two keys give no shifted copies of one noise row, as ``v + a`` alone would). The 32 bits
     give ``u = (h + 1/2) / 2^32`` in (0, 1) and ``E = -log1p(-u)``: ``log1p`` keeps the small
     ``E`` (the ones that let an unlikely token win) exact down to 2^-33; ``u`` is capped below 1
-    so ``E`` stays finite (at most 16.6: a tail of probability 6e-8 is folded onto the cap)."""
+    so ``E`` stays finite (at most 16.6: a tail of probability 6e-8 is folded onto the cap).
+    Needs ``V < 2^31`` (then ``v * m`` fits int64)."""
     # keys: [B] int64
     k = keys[:, None]
-    k_lo, k_hi = k & _M32, (k >> 32) & _M32
-    v = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)[None, :]
-    h = _fmix32(_fmix32((v + k_lo) & _M32) ^ k_hi)  # [B, V] int64 in [0, 2^32)
-    u = (h.float() + 0.5) * 2.0**-32
-    return torch.log1p(-u.clamp_max_(1.0 - 2.0**-24)).neg_()
+    a, m = k & _M32, ((k >> 32) & _M32) | 1
+    h = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)[None, :] * m  # [B, V] int64
+    _fmix32_(h.add_(a).bitwise_and_(_M32))
+    u = h.float().add_(0.5).mul_(2.0**-32).clamp_max_(1.0 - 2.0**-24)
+    return u.neg_().log1p_().neg_()
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
