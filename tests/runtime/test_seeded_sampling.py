@@ -16,6 +16,7 @@ import pytest
 from oscar_compile import CompressionSpec, apply, calibrate
 from oscar_compile.runtime.core.sampling_params import SamplingParams, default_seed
 from oscar_compile.runtime.engine_config import EngineConfig, build_engine
+from oscar_compile.runtime.llm import LLM
 from oscar_compile.runtime.worker.compressed_runner import compressed_layout, runner_factory
 
 BF16 = CompressionSpec.from_dict({"kv_cache": {"bits": 16, "page_size": 4}, "key": {"rotation": "none"},
@@ -96,6 +97,15 @@ def test_an_unseeded_request_is_reproduced_by_its_assigned_seed(model, tokenizer
     assert _run(_engine(model, tokenizer), [(prompt, _sampled(seqs[0].seed))])[0][0] == first
     assert _run(_engine(model, tokenizer, seed=5), [(prompt, _sampled(None))], ["a"])[0][0] == first
     assert _run(_engine(model, tokenizer, seed=6), [(prompt, _sampled(None))], ["a"])[0][0] != first
+
+
+def test_generate_reports_the_seed_that_reproduces_its_output(tiny_model, tokenizer):
+    llm = LLM(tiny_model, tokenizer=tokenizer)
+    first = llm.generate("The quick brown fox", _sampled(None, max_tokens=12))[0]
+    again = llm.generate("The quick brown fox", _sampled(first.seed, max_tokens=12))[0]
+    assert again.seed == first.seed and again.token_ids == first.token_ids
+    greedy = llm.generate("The quick brown fox", SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert greedy.token_ids != first.token_ids  # really sampled
 
 
 def test_default_seeds_are_stable_and_distinct():
