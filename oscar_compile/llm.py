@@ -30,6 +30,8 @@ class CompletionOutput:
     num_cached_prompt_tokens: int = 0
     # SamplingParams(prompt_logprobs=k): one per prompt token, the first None (vLLM's field)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # the seed the tokens were drawn with: the request's, else its default (sampling_params.default_seed)
+    seed: int | None = None
 
 
 class LLM:
@@ -83,7 +85,7 @@ class LLM:
         order = []
         for ids, p in zip(all_ids, params, strict=True):
             seq = self.engine.add_request(ids, p)
-            outputs[seq.request_id] = CompletionOutput(prompt_token_ids=ids)
+            outputs[seq.request_id] = CompletionOutput(prompt_token_ids=ids, seed=seq.seed)
             order.append(seq.request_id)
         while self.engine.has_unfinished():
             for delta in self.engine.step():

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from oscar_compile.runtime.core.page_manager import PageManager
-from oscar_compile.runtime.core.sampling_params import RequestError, SamplingParams
+from oscar_compile.runtime.core.sampling_params import RequestError, SamplingParams, default_seed
 from oscar_compile.runtime.core.scheduler import Scheduler, SchedulerOutput
 from oscar_compile.runtime.core.sequence import FinishReason, Sequence
 from oscar_compile.runtime.detokenizer import IncrementalDetokenizer
@@ -85,7 +85,7 @@ class _Launched:
 class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer, page_manager: PageManager,
                  max_model_len: int, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 eos_token_ids: list[int] | tuple[int, ...] = (), overlap: bool = True):
+                 eos_token_ids: list[int] | tuple[int, ...] = (), overlap: bool = True, seed: int = 0):
         self.runner = runner
         self.overlap = overlap and bool(getattr(runner, "supports_pending_tokens", False))
         self._in_flight: _Launched | None = None
@@ -94,6 +94,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(page_manager, max_num_seqs, max_num_batched_tokens, max_model_len)
         self.sampler = Sampler()
+        self.seed = seed  # the base of the default seeds (sampling_params.default_seed)
         self.eos_token_ids = frozenset(eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self.num_prompt_tokens_total = 0
@@ -155,6 +156,9 @@ class LLMEngine:
         seq = Sequence(prompt_token_ids, params, request_id, arrival_time)
         if seq.request_id in self._seqs:
             raise RequestError("request_id", f"request id {seq.request_id!r} is already running")
+        if params.seed is None:
+            seq.seed = default_seed(self.seed, seq.request_id)
+            logger.debug("request %s samples with the default seed %d", seq.request_id, seq.seed)
         seq.detokenizer = IncrementalDetokenizer(
             self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens)
         self.scheduler.add(seq)
@@ -220,7 +224,9 @@ class LLMEngine:
         controls = build_controls(seqs, self.eos_token_ids, logits.shape[-1], logits.device,
                                   self._in_flight.sample.token_ids if self._in_flight else None, pending_src,
                                   self.sampler.token_cache)
-        sample = self.sampler.sample(logits, [s.params for s in seqs], [s.seq_id for s in seqs], controls)
+        # the position of the token each row draws: after its known and pending tokens
+        sample = self.sampler.sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                                     [s.num_tokens + s.num_pending for s in seqs], controls)
         for seq in seqs:
             seq.num_pending += 1
         return _Launched(seqs, sample)

@@ -57,6 +57,8 @@ class EngineConfig:
     # "history": prefix-cache hits reuse sink and INT-b history pages (the continuation reads the
     # shared prefix quantized); "sink": hits stop at the sink, so a hit computes what a miss does
     prefix_hits: str = "history"
+    # the base of the seeds of requests that give none (sampling_params.default_seed); vLLM's --seed
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
@@ -146,4 +148,4 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
         page_manager.swap_space = None
     return LLMEngine(runner, tokenizer, page_manager, max_model_len,
                      config.max_num_seqs, config.max_num_batched_tokens, eos_token_ids(model, tokenizer),
-                     overlap=config.overlap_steps)
+                     overlap=config.overlap_steps, seed=config.seed)

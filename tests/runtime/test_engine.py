@@ -265,9 +265,9 @@ def test_a_batch_without_controls_builds_none_and_finished_requests_leave_no_cop
     seen = []
     sample = engine.sampler.sample
 
-    def spy(logits, params, seq_ids, controls=None):
+    def spy(logits, params, seeds, positions, controls=None):
         seen.append(controls)
-        return sample(logits, params, seq_ids, controls)
+        return sample(logits, params, seeds, positions, controls)
 
     engine.sampler.sample = spy
     prompts = random_prompts(tokenizer, 3, seed=5)

@@ -125,7 +125,7 @@ def test_rows_without_controls_are_untouched_and_a_batch_without_any_pays_nothin
         raise AssertionError("no control is used: nothing may run for them")
 
     monkeypatch.setattr(sampler_module, "apply_controls", fail)
-    tokens = Sampler()(x, [plain.params] * 3, [0, 1, 2], controls=None).token_ids
+    tokens = Sampler()(x, [plain.params] * 3, [0, 1, 2], [5, 5, 5], controls=None).token_ids
     assert tokens == x.argmax(-1).tolist()
 
 
@@ -134,7 +134,7 @@ def test_logprobs_stay_the_models_own():
     seqs = [make_seq([1], [2], logit_bias={4: 100.0}, logprobs=2), make_seq([1], [2], repetition_penalty=2.0,
                                                                             logprobs=0)]
     controls = build_controls(seqs, EOS, V, x.device)
-    out = Sampler()(x, [s.params for s in seqs], [0, 1], controls)
+    out = Sampler()(x, [s.params for s in seqs], [0, 1], [5, 5], controls)
     assert out.token_ids[0] == 4
     reference = torch.log_softmax(x, -1)
     assert math.isclose(out.logprobs[0], reference[0, 4].item(), rel_tol=1e-6)

@@ -9,7 +9,7 @@ import torch
 
 from oscar_compile.runtime.core.sampling_params import RequestError, SamplingParams
 from oscar_compile.runtime.detokenizer import IncrementalDetokenizer
-from oscar_compile.runtime.worker.sampler import Sampler, filtered_probs
+from oscar_compile.runtime.worker.sampler import Sampler, exponential_noise, filtered_probs, noise_key
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -21,42 +21,74 @@ def logits(batch: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
 def test_greedy_and_degenerate_filters_pick_the_argmax():
     x = logits()
     for params in (GREEDY, SamplingParams(top_k=1, seed=1), SamplingParams(top_p=1e-6, seed=2)):
-        out = Sampler()(x, [params] * 4, list(range(4)))
+        out = Sampler()(x, [params] * 4, list(range(4)), [9] * 4)
         assert out.token_ids == x.argmax(-1).tolist()
 
 
-def test_a_seed_fixes_the_tokens_whatever_the_batch():
+def test_the_draw_depends_on_seed_and_position_only():
+    """Row index, batch size, neighbours and earlier calls change nothing; seed or position does."""
     x = logits(batch=3) / 3  # a flat distribution, so the draws differ
-    seeded = SamplingParams(temperature=1.0, seed=1234)
-    alone = [Sampler()(x[1:2], [seeded], [7]).token_ids[0] for _ in range(2)]
-    sampler = Sampler()
-    mixed = sampler(x, [SamplingParams(), seeded, GREEDY], [1, 7, 3]).token_ids[1]
-    assert alone[0] == alone[1] == mixed
-    # successive draws of one request follow its own stream
-    stream_a = [sampler(x[1:2], [seeded], [8]).token_ids[0] for _ in range(20)]
-    other = Sampler()
-    stream_b = [other(x[1:2], [seeded], [9]).token_ids[0] for _ in range(20)]
-    assert stream_a == stream_b and len(set(stream_a)) > 1
+    seeded = SamplingParams(temperature=1.0)
+
+    def stream(seed: int, sampler: Sampler, rows=slice(1, 2), row=0, n=24) -> list[int]:
+        mates = [SamplingParams(), seeded, GREEDY][rows]
+        return [sampler(x[rows], mates, [3, seed, 5][rows], [pos] * len(mates)).token_ids[row]
+                for pos in range(100, 100 + n)]
+
+    alone = stream(1234, Sampler())
+    assert stream(1234, Sampler()) == alone
+    assert stream(1234, Sampler(), rows=slice(0, 3), row=1) == alone  # in a batch, another row
+    assert len(set(alone)) > 4 and stream(1235, Sampler()) != alone
+    # the same (seed, position) twice in one batch: the same noise, whatever the row
+    twice = Sampler()(x[[1, 1]], [seeded] * 2, [7, 7], [42, 42]).token_ids
+    assert twice[0] == twice[1]
+
+
+def test_noise_is_a_pure_function_of_key_and_token():
+    keys = torch.tensor([noise_key(s, p) for s, p in [(0, 0), (0, 1), (1, 0), (-1, 7), (2**64 - 1, 7)]])
+    noise = exponential_noise(keys, 300)
+    assert torch.equal(noise[3], noise[4])  # seeds are taken mod 2^64
+    assert torch.equal(exponential_noise(keys[[2, 0]], 300), noise[[2, 0]])
+    assert torch.equal(exponential_noise(keys, 100), noise[:, :100])  # the vocab size is no input either
+    assert len({tuple(row.tolist()) for row in noise[:3]}) == 3
+    assert noise.isfinite().all() and (noise > 0).all()
+
+
+def test_the_noise_is_exponential():
+    """Exp(1): mean 1, variance 1 and P(E > t) = exp(-t). Over 64 x 4096 = 262,144 draws the
+    standard error of the mean is 0.002 and of each tail frequency below 0.001: 5 sigma bounds."""
+    keys = torch.tensor([noise_key(3, p) for p in range(64)])
+    noise = exponential_noise(keys, 4096).double().flatten()
+    assert abs(noise.mean().item() - 1.0) < 0.01 and abs(noise.var().item() - 1.0) < 0.03
+    for t in (0.1, 1.0, 3.0):
+        assert abs((noise > t).double().mean().item() - math.exp(-t)) < 0.005
+    # neighbouring tokens and neighbouring positions are uncorrelated: |r| ~ 1/sqrt(N) = 0.002
+    grid = noise.view(64, 4096)
+    assert abs(torch.corrcoef(torch.stack([grid[:, :-1].flatten(), grid[:, 1:].flatten()]))[0, 1]) < 0.01
+    assert abs(torch.corrcoef(torch.stack([grid[:-1].flatten(), grid[1:].flatten()]))[0, 1]) < 0.01
 
 
 def test_sampling_follows_the_filtered_distribution():
+    """One request over 4000 positions (the stream a real request draws) matches the filtered
+    distribution: a chi-square test, and each frequency within 4 standard errors (< 0.008)."""
     x = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
-    params = SamplingParams(temperature=0.7, top_k=4, top_p=0.9, seed=0)
+    params = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
     expected = filtered_probs(x, [params])[0]
     assert expected[4:].sum() == 0  # top-k
     assert expected[3] == 0  # top-p: mass before token 3 is already >= 0.9
-    sampler = Sampler()
-    counts = torch.zeros(6)
     num_draws = 4000
-    for _ in range(num_draws):
-        counts[sampler(x, [params], [0]).token_ids[0]] += 1
-    # 4000 draws: the standard error of each frequency is below 0.008; allow 4 sigma
-    assert torch.allclose(counts / num_draws, expected, atol=0.035)
+    tokens = Sampler()(x.expand(num_draws, -1), [params] * num_draws, [11] * num_draws,
+                       list(range(num_draws))).token_ids
+    counts = torch.bincount(torch.tensor(tokens), minlength=6).double()
+    assert torch.allclose(counts / num_draws, expected.double(), atol=0.035)
+    kept = expected > 0
+    chi2 = (((counts[kept] - num_draws * expected[kept]) ** 2) / (num_draws * expected[kept])).sum().item()
+    assert chi2 < 13.8  # 2 degrees of freedom: p = 0.001
 
 
 def test_logprobs_are_the_model_distribution():
     x = logits(batch=2)
-    out = Sampler()(x, [SamplingParams(temperature=0.5, logprobs=3, seed=0), GREEDY], [0, 1])
+    out = Sampler()(x, [SamplingParams(temperature=0.5, logprobs=3, seed=0), GREEDY], [0, 1], [4, 4])
     reference = torch.log_softmax(x, -1)
     assert out.logprobs[1] is None and out.top_logprobs[1] is None
     assert math.isclose(out.logprobs[0], reference[0, out.token_ids[0]].item(), rel_tol=1e-6)

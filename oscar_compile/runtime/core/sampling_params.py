@@ -6,6 +6,7 @@ Every check raises ValueError naming the field: the server turns it into a 400 w
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -30,8 +31,10 @@ class RequestError(ValueError):
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature 0 means greedy. top_k <= 0 and top_p 1 switch those filters off. ``seed`` gives
-    the request its own random stream, so its output does not depend on what else is batched.
+    temperature 0 means greedy. top_k <= 0 and top_p 1 switch those filters off. ``seed`` (any
+    int in [-2^63, 2^64), taken mod 2^64) fixes the request's draws: the token at position ``p``
+    is drawn with noise keyed on (seed, p) only (worker/sampler.py), so the output does not depend
+    on what else is batched or on preemption. Without one the engine assigns ``default_seed``.
     ``logprobs``: None for none, k >= 0 to return the chosen token's logprob plus the k best.
     ``stop`` strings are not part of the returned text; EOS ends the request unless ``ignore_eos``.
 
@@ -123,6 +126,20 @@ class SamplingParams:
         """Whether the sampler must change this request's logits before sampling (min_p, a
         filter like top_p, is not one of them)."""
         return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+
+
+def default_seed(base_seed: int, request_id: str) -> int:
+    """The seed of a request that gives none: a stable 64-bit hash of the engine's base seed
+    (``EngineConfig.seed``, 0 by default as vLLM's ``--seed``) and the request id.
+
+    Two requests with different ids get unrelated draws (sampling without a seed stays random
+    across requests), yet each is reproducible: rerun it with ``seed`` = its ``Sequence.seed``
+    (the engine logs it at debug level), or resend it under the same id to an engine with the
+    same base seed. ``LLM.generate`` names requests by arrival (``Sequence.seq_id``), so one
+    script's outputs repeat run to run. SGLang's deterministic mode instead gives every unseeded
+    request one fixed seed (42): the same prompt then always gives the same text."""
+    digest = hashlib.blake2b(f"{base_seed & 0xFFFF_FFFF_FFFF_FFFF}:{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def _check_int(name: str, value, low: int | None = None, high: int | None = None) -> None:

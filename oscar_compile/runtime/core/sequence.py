@@ -12,7 +12,7 @@ import itertools
 import time
 from typing import Any
 
-from oscar_compile.runtime.core.sampling_params import SamplingParams
+from oscar_compile.runtime.core.sampling_params import SamplingParams, default_seed
 
 
 class SequenceStatus(enum.Enum):
@@ -55,6 +55,9 @@ class Sequence:
     ``num_pending`` tokens (0 or 1 between steps) were sampled on the device and not yet read by
     the host (overlapped steps, see engine.py): they follow ``token_ids`` and the next step may
     already run them.
+    ``seed`` is the one source of the sequence's draws: ``params.seed`` when given, else
+    ``sampling_params.default_seed`` (the engine sets it at admission). The token at position
+    ``p`` is drawn with noise keyed on ``(seed, p)``.
     """
 
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -64,6 +67,7 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.params = params if params is not None else SamplingParams()
+        self.seed = self.params.seed if self.params.seed is not None else default_seed(0, self.request_id)
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.window_pages: list[int] = []
