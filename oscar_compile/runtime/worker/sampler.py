@@ -111,13 +111,16 @@ class Sampler:
         if controls is not None:
             controlled = apply_controls(logits, controls)
         token_ids = controlled.argmax(dim=-1)
-        if not all(p.is_greedy for p in params):  # decided on the host: no copy, no sync
-            greedy = to_device([p.is_greedy for p in params], torch.bool, logits.device)
-            probs = filtered_probs(controlled, params)
-            keys = to_device([noise_key(s, n) for s, n in zip(seeds, positions, strict=True)],
-                             torch.int64, logits.device)
+        # the rows that draw, decided on the host (no copy, no sync); the filtering and the
+        # [B, V] noise run on those rows only: every step of them is row-wise
+        drawn = [b for b, p in enumerate(params) if not p.is_greedy]
+        if drawn:
+            rows = None if len(drawn) == len(params) else to_device(drawn, torch.int64, logits.device)
+            sub = controlled if rows is None else controlled.index_select(0, rows)
+            probs = filtered_probs(sub, [params[b] for b in drawn])
+            keys = to_device([noise_key(seeds[b], positions[b]) for b in drawn], torch.int64, logits.device)
             sampled = (probs / exponential_noise(keys, probs.shape[-1])).argmax(dim=-1)
-            token_ids = torch.where(greedy, token_ids, sampled)
+            token_ids = sampled if rows is None else token_ids.index_copy(0, rows, sampled)
         wanted = [p.logprobs for p in params]
         if all(k is None for k in wanted):
             return DeviceSample(token_ids, wanted)
