@@ -7,6 +7,7 @@ Every check raises ValueError naming the field: the server turns it into a 400 w
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -25,6 +26,66 @@ class RequestError(ValueError):
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+@dataclass(frozen=True)
+class StructuredOutputParams:
+    """What the output must match: exactly one of a JSON schema, any JSON object, a regex, a
+    choice among strings, or a grammar (vLLM's ``structured_outputs`` fields; the server maps
+    OpenAI's ``response_format`` and a forced tool call onto them).
+
+    Kept as plain data so core stays free of the grammar engines: a backend in
+    ``runtime/structured_output/`` compiles it, and ``key`` is what its compile cache is keyed on.
+    ``param`` prefixes every error so the server can name the field the client sent.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise RequestError(
+                self.param,
+                f"structured output needs exactly one of json, json_object, regex, choice, grammar; got {given}",
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            message = f"json must be a JSON schema object or its text, got {self.json!r}"
+            raise RequestError(f"{self.param}.json", message)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise RequestError(f"{self.param}.{name}", f"{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise RequestError(f"{self.param}.choice", f"choice must be a non-empty list, got {self.choice!r}")
+            if not all(isinstance(c, str) for c in self.choice):
+                raise RequestError(f"{self.param}.choice", "choice must hold strings")
+            object.__setattr__(self, "choice", list(self.choice))
+
+    @property
+    def kind(self) -> str:
+        return (
+            "json_object"
+            if self.json_object
+            else next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+        )
+
+    @property
+    def key(self) -> str:
+        """A canonical text of the constraint: equal schemas written in another key order share it."""
+        value = getattr(self, self.kind) if self.kind != "json_object" else True
+        if self.kind == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass  # the backend reports the bad schema with its own message
+        return f"{self.kind}:{json.dumps(value, sort_keys=True, separators=(',', ':'))}"
 
 
 @dataclass
@@ -51,6 +112,8 @@ class SamplingParams:
     the prefill) plus the k best at each position (vLLM's extra; the server's ``echo`` uses it too).
     Such a request is prefilled from position 0, with no prefix-cache hit. Only it may ask
     ``max_tokens`` 0: score the prompt, generate nothing.
+
+    ``structured_output``: the constraint the output must match (``StructuredOutputParams``).
     """
 
     max_tokens: int = 16
@@ -70,6 +133,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
