@@ -116,3 +116,33 @@ def test_chat_template(tok):
                    "<|im_start|>assistant\n")
     gen = json.loads((BUNDLED / "generation_config.json").read_text())
     assert tok.convert_tokens_to_ids("<|im_end|>") in gen["eos_token_id"]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_chat_template_renders_tools_and_tool_turns_in_the_hermes_format(tok):
+    """What the hermes tool parser reads back: the schema in a <tools> block of the system turn,
+    an assistant call as <tool_call> JSON (arguments given as a dict or as OpenAI's JSON string),
+    consecutive tool results in one user turn of <tool_response> blocks."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                call, {**call, "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
+    out = tok.apply_chat_template(msgs, tools=[WEATHER], add_generation_prompt=True, tokenize=False)
+    system, rest = out.split("<|im_end|>\n", 1)
+    assert system.startswith("<|startoftext|><|im_start|>system\ns\n\n# Tools\n")
+    block = system.split("<tools>\n", 1)[1].split("\n</tools>", 1)[0]
+    assert json.loads(block) == WEATHER
+    assert rest == ('<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n'
+                    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call><|im_end|>\n'
+                    '<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n'
+                    '<tool_response>\nrain\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
+    # without tools the template is the plain ChatML one, and a system message stays its own turn
+    assert tok.apply_chat_template(msgs[:2], tools=None, tokenize=False) == (
+        "<|startoftext|><|im_start|>system\ns<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n")

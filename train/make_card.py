@@ -101,7 +101,9 @@ def card(out: Path) -> str:
       "Pre-split: words with one leading non-letter, numbers in groups of at most 3 digits, punctuation runs, "
       "newline/indent runs. Plain `encode` prepends `<|startoftext|>` (as every training window starts); "
       "the ChatML-style `chat_template` (in tokenizer_config.json) writes it itself: "
-      "`<|startoftext|><|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n`. "
+      "`<|startoftext|><|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n`; given `tools`, it renders "
+      "them, assistant tool calls and tool results in the Hermes / Qwen2.5 format (`<tools>`, `<tool_call>`, "
+      "`<tool_response>`), which the server's `--tool-call-parser hermes` reads back. "
       "`generation_config.json` stops on `<|endoftext|>` or `<|im_end|>`.\n")
 
     w("## Data\n")

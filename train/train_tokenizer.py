@@ -31,13 +31,55 @@ SPLIT_PATTERN = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+# ChatML turns; with tools, the Hermes / Qwen2.5 tool format: the function signatures in a <tools>
+# block of the system turn, calls as <tool_call> JSON, results as <tool_response> in a user turn.
+CHAT_TEMPLATE = r"""{{- bos_token }}
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] + '\n\n' }}
+    {%- endif %}
+    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' + (tool | tojson) }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments '
+        'within <tool_call></tool_call> XML tags:\n<tool_call>\n'
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message['role'] == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- elif message['role'] == 'assistant' and message['tool_calls'] %}
+        {{- '<|im_start|>assistant' }}
+        {%- if message['content'] %}
+            {{- '\n' + message['content'] }}
+        {%- endif %}
+        {%- for call in message['tool_calls'] %}
+            {%- set function = call['function'] if call['function'] is defined else call %}
+            {{- '\n<tool_call>\n{"name": ' + (function['name'] | tojson) + ', "arguments": ' }}
+            {%- if function['arguments'] is string %}
+                {{- function['arguments'] }}
+            {%- else %}
+                {{- function['arguments'] | tojson }}
+            {%- endif %}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif not (tools and loop.first and message['role'] == 'system') %}
+        {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}"""
 
 
 def iter_texts(corpus: Path, max_bytes: int):
