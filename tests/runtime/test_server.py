@@ -112,7 +112,7 @@ def test_many_concurrent_clients(client):
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400,
      "messages.0.role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function"}]}, 400, "tools"),
+                              "tools": [{"type": "function"}]}, 400, "tools.0.function"),
     # refused as OpenAI / vLLM refuse them (server/protocol.py says where each bound comes from)
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 600}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),

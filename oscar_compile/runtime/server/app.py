@@ -55,6 +55,8 @@ from oscar_compile.runtime.server.tokenization import (
     tokenize,
     tokenizer_info,
 )
+from oscar_compile.runtime.server.tool_calls import plan_tool_calls, with_tool_constraint
+from oscar_compile.runtime.server.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.5
@@ -201,6 +203,7 @@ class _Server:
         self.admission = admission
         self.created = int(time.time())
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="oscar-tokenize")
+        self.tool_parser = get_tool_parser(config.tool_call_parser) if config.tool_call_parser else None
 
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
@@ -290,15 +293,18 @@ class _Server:
 
     async def chat_completions(self, request: Request):
         req, arrival = await self._accept(request, ChatCompletionRequest)
+        tool_plan, constraint = plan_tool_calls(req, self.tool_parser, self.config.enable_auto_tool_choice)
         ids = await self._in_tokenizer_thread(lambda: render_chat(
-            self.tokenizer, req.messages, self.config.chat_template, req.chat_template_kwargs))
+            self.tokenizer, req.messages, self.config.chat_template, req.chat_template_kwargs,
+            tools=req.template_tools()))
         self._check_prompts([ids], "messages")
         field, requested = req.requested_max_tokens()
         max_tokens = self._max_tokens(field, requested, [ids], self.config.default_chat_max_tokens,
                                       scoring=req.prompt_logprobs is not None)
-        params = self._sampling_params(req.sampling_params, max_tokens, req.num_logprobs())
+        params = with_tool_constraint(self._sampling_params(req.sampling_params, max_tokens, req.num_logprobs()),
+                                      constraint)
         fmt = Formatter("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
-                        self.tokenizer, req.logprobs, prompt_logprobs=req.prompt_logprobs)
+                        self.tokenizer, req.logprobs, prompt_logprobs=req.prompt_logprobs, tool_calls=tool_plan)
         return await self._respond(request, fmt, [ids], params, req.stream, req.stream_options, arrival)
 
     def _check_prompts(self, prompts: list[list[int]], param: str) -> None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field
 
 from oscar_compile.runtime.core.sampling_params import (
     MAX_LOGIT_BIAS,
@@ -44,6 +44,8 @@ from oscar_compile.runtime.core.sampling_params import (
     RequestError,
     SamplingParams,
 )
+from oscar_compile.runtime.server.strict_model import StrictModel as _Strict
+from oscar_compile.runtime.server.tool_protocol import AssistantToolCall, ToolFields
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy completions API default
 MAX_STOP_SEQUENCES = 64  # OpenAI: "up to 4 sequences"; vLLM: unbounded
@@ -51,21 +53,6 @@ MAX_STOP_CHARS = 1024  # a stream holds back this many characters minus one
 MAX_STOP_TOKEN_IDS = 256
 MAX_PROMPTS = 128
 _METADATA_PAIRS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
-
-
-class _Strict(BaseModel):
-    """No type coercion; unknown fields are kept in ``model_extra`` for ``unknown_fields`` to
-    report (or refuse); an explicit ``null`` for a field with a default means that default."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        optional = {name for name, info in cls.model_fields.items() if not info.is_required()}
-        return {k: v for k, v in data.items() if v is not None or k not in optional}
 
 
 def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
@@ -236,13 +223,16 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
 
     def check(self, index: int) -> None:
-        """OpenAI: content is required unless the message makes tool calls (which this server
-        refuses), a content array holds at least one part, and only a tool message, which
-        must have one, answers a ``tool_call_id``."""
+        """OpenAI: content is required unless an assistant message makes tool calls, a content
+        array holds at least one part, only assistant messages make tool calls, and only a tool
+        message, which must have one, answers a ``tool_call_id``."""
         where = f"messages.{index}"
-        if self.content is None:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise RequestError(f"{where}.tool_calls", f"{where}: only assistant messages take tool_calls")
+        if self.content is None and not self.tool_calls:
             raise RequestError(f"{where}.content", f"{where}: a {self.role} message needs content")
         if isinstance(self.content, list) and not self.content:
             raise RequestError(f"{where}.content", f"{where}: content must hold at least one part")
@@ -258,17 +248,18 @@ class ChatMessage(_Strict):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(_Common, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any | None = None
-    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
 
@@ -277,10 +268,7 @@ class ChatCompletionRequest(_Common):
         check_chat_template_kwargs(self.chat_template_kwargs)
         for index, message in enumerate(self.messages):
             message.check(index)
-        if self.tools:
-            raise RequestError("tools", "tool calling is not supported")
-        if self.tool_choice not in (None, "none"):
-            raise RequestError("tool_choice", "tool calling is not supported")
+        self.check_tools()
         if self.response_format not in (None, {"type": "text"}):
             raise RequestError("response_format", "only response_format {type: text} is supported")
         if self.stream and self.prompt_logprobs is not None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from oscar_compile.runtime.engine import RequestOutput, TokenLogprob
+from oscar_compile.runtime.server.tool_calls import ChoiceToolStream, ToolCallPlan
 
 
 @dataclass
@@ -64,7 +65,8 @@ class Formatter:
     """Builds bodies for one request: ``kind`` is "completion" or "chat"."""
 
     def __init__(self, kind: str, request_id: str, created: int, model: str, tokenizer,
-                 want_logprobs: bool, echo: bool = False, prompt_logprobs: int | None = None):
+                 want_logprobs: bool, echo: bool = False, prompt_logprobs: int | None = None,
+                 tool_calls: ToolCallPlan | None = None):
         self.kind = kind
         self.request_id = request_id
         self.created = created
@@ -73,6 +75,8 @@ class Formatter:
         self.want_logprobs = want_logprobs
         self.echo = echo  # completions: the prompt (and its logprobs) before the completion
         self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs: k, or None for none
+        self.tool_calls = tool_calls  # chat: the output is read for tool calls (tool_calls.py)
+        self._tool_streams: dict[int, ChoiceToolStream] = {}  # per streamed choice
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -140,7 +144,9 @@ class Formatter:
             prompt = (c.prompt_token_ids, c.prompt_logprobs or [None] * len(c.prompt_token_ids)) if self.echo else None
             body: dict[str, Any] = {"index": c.index, "logprobs": self._logprobs(c.logprobs, prompt=prompt),
                                     "finish_reason": c.finish_reason}
-            if self.kind == "chat":
+            if self.kind == "chat" and self.tool_calls is not None:
+                body["message"], body["finish_reason"] = self.tool_calls.message(c.text, c.finish_reason)
+            elif self.kind == "chat":
                 body["message"] = {"role": "assistant", "content": c.text}
             else:
                 body["text"] = (self.tokenizer.decode(c.prompt_token_ids) if self.echo else "") + c.text
@@ -182,6 +188,12 @@ class Formatter:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
             if text and not first:
                 delta["content"] = text
+            if self.tool_calls is not None and not first:
+                stream = self._tool_streams.setdefault(index, self.tool_calls.stream())
+                delta = stream.feed(text, final=finish is not None)
+                body["finish_reason"] = self.tool_calls.finish_reason(finish, stream.called)
+                if not (delta or finish or (self.want_logprobs and entries)):
+                    return None  # held back: it may open a tool call
             body["delta"] = delta
         else:
             body["text"] = text

@@ -33,6 +33,9 @@ class ServerConfig:
     counted, as vLLM does).
     ``chat_template``: the Jinja chat template to render messages with, in place of the
     tokenizer's (None: the tokenizer's).
+    ``tool_call_parser``: how ``tool_choice: "auto"`` outputs are read for calls (a name of
+    ``tool_parsers.TOOL_PARSERS``: ``hermes``); ``enable_auto_tool_choice``: allow ``"auto"``
+    (it needs a parser), as vLLM's ``--enable-auto-tool-choice``.
     """
 
     api_key: str | None = None
@@ -44,6 +47,8 @@ class ServerConfig:
     default_chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
     strict_fields: bool = False
     chat_template: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -57,5 +62,13 @@ class ServerConfig:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser)")
+        if self.tool_call_parser is not None:
+            from oscar_compile.runtime.server.tool_parsers import TOOL_PARSERS
+
+            if self.tool_call_parser not in TOOL_PARSERS:
+                raise ValueError(f"unknown tool_call_parser {self.tool_call_parser!r}; known: "
+                                 f"{', '.join(sorted(TOOL_PARSERS))}")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")

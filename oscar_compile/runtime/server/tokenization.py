@@ -17,6 +17,7 @@ from pydantic import Field
 
 from oscar_compile.runtime.core.sampling_params import RequestError
 from oscar_compile.runtime.server.protocol import ChatMessage, _Strict, check_chat_template_kwargs
+from oscar_compile.runtime.server.tool_protocol import Tool
 
 
 class TokenizeRequest(_Strict):
@@ -32,6 +33,7 @@ class TokenizeRequest(_Strict):
     continue_final_message: bool = False
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None  # vLLM's: rendered into the messages' prompt, as a chat request's are
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -52,8 +54,10 @@ class DetokenizeRequest(_Strict):
 
 def render_chat(tokenizer, messages: list[ChatMessage], chat_template: str | None,
                 template_kwargs: dict[str, Any] | None, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
-    """The token ids of ``messages`` rendered through ``chat_template`` (None: the tokenizer's)."""
+                continue_final_message: bool = False, add_special_tokens: bool = False,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The token ids of ``messages`` rendered through ``chat_template`` (None: the tokenizer's),
+    with ``tools`` (OpenAI tool objects) in the template's ``tools`` variable."""
     from jinja2.exceptions import TemplateError
 
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
@@ -63,7 +67,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], chat_template: str | Non
         text = tokenizer.apply_chat_template(
             [m.as_template_dict() for m in messages], chat_template=chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            **(template_kwargs or {}))
+            tools=tools, **(template_kwargs or {}))
     except TemplateError as err:  # templates raise on what they refuse, e.g. a misplaced system message
         raise RequestError("messages", f"the model's chat template refused the messages: {err}") from None
     except ValueError as err:  # transformers: e.g. continue_final_message on a non-assistant turn
@@ -75,8 +79,9 @@ def tokenize(tokenizer, req: TokenizeRequest, chat_template: str | None, max_mod
     """vLLM's ``/tokenize`` response: ``{count, max_model_len, tokens, token_strs}``."""
     if req.messages is not None:
         add_special = bool(req.add_special_tokens)
+        tools = [tool.model_dump(exclude_none=True, exclude_unset=True) for tool in req.tools or []] or None
         ids = render_chat(tokenizer, req.messages, chat_template, req.chat_template_kwargs,
-                          req.add_generation_prompt, req.continue_final_message, add_special)
+                          req.add_generation_prompt, req.continue_final_message, add_special, tools)
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = list(tokenizer.encode(req.prompt, add_special_tokens=add_special))
