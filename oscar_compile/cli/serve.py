@@ -95,6 +95,18 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
                             "with a warning and the /metrics counter oscar_ignored_request_fields_total)")
     group.add_argument("--chat-template", metavar="FILE",
                        help="Jinja chat template to render messages with (default: the tokenizer's)")
+    _add_tool_args(parser)
+
+
+def _add_tool_args(parser: argparse.ArgumentParser) -> None:
+    from oscar_compile.runtime.server.tool_parsers import TOOL_PARSERS
+
+    group = parser.add_argument_group("tool calls (as vLLM's flags)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='allow tool_choice "auto" (also what tools without a tool_choice mean): the model '
+                            "decides, --tool-call-parser reads its calls (required and named choices need neither)")
+    group.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                       help="the model's tool-call format: hermes (Hermes, Qwen2.5/Qwen3, the bundled model)")
 
 
 def server_config(args: argparse.Namespace):
@@ -107,7 +119,8 @@ def server_config(args: argparse.Namespace):
                         max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
                         request_timeout_s=args.request_timeout, shutdown_timeout_s=args.shutdown_timeout,
                         default_chat_max_tokens=args.default_max_tokens, strict_fields=args.strict_fields,
-                        chat_template=read_chat_template(args.chat_template))
+                        chat_template=read_chat_template(args.chat_template),
+                        tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
 
 
 def read_chat_template(path: str | None) -> str | None:

@@ -37,10 +37,10 @@ _BLOCKS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTAL
 
 def _held_back(text: str, tag: str, whitespace: bool) -> int:
     """How many trailing characters of ``text`` to hold: the longest start of ``tag`` it ends
-    with, or (``whitespace``) its trailing whitespace, whichever is longer."""
+    with, and (``whitespace``) the whitespace before that."""
     partial = next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
-    spaces = len(text) - len(text.rstrip()) if whitespace else 0
-    return max(partial, spaces)
+    before = text[: len(text) - partial]
+    return partial + (len(before) - len(before.rstrip()) if whitespace else 0)
 
 
 class HermesToolParser(ToolParser):
@@ -68,7 +68,7 @@ class _HermesStream(ToolCallStream):
 
     @property
     def num_calls(self) -> int:
-        return self.started
+        return self.started + (self.call is not None and self.call.call is not None)
 
     def feed(self, text: str, final: bool = False) -> dict[str, Any]:
         out = DeltaBuilder()
