@@ -20,6 +20,7 @@ pytest.importorskip("uvicorn")
 from server_http import post, running, stream_events  # noqa: E402
 
 from oscar_compile.loading import BUNDLED_MODEL_DIR  # noqa: E402
+from oscar_compile.runtime import serve  # noqa: E402
 from oscar_compile.runtime.async_engine import AsyncEngine  # noqa: E402
 from oscar_compile.runtime.engine import RequestOutput  # noqa: E402
 from oscar_compile.runtime.engine_config import EngineConfig, build_engine  # noqa: E402
@@ -68,7 +69,7 @@ def long_model(tokenizer):
     return Qwen3ForCausalLM(config).eval()
 
 
-def serve(model, tokenizer, **tool_flags):
+def scripted_server(model, tokenizer, **tool_flags):
     engine = build_engine(model, tokenizer, EngineConfig(num_window_pages=0, num_quant_pages=512,
                                                          max_num_batched_tokens=64))
     scripted = ScriptedEngine(engine)
@@ -79,14 +80,20 @@ def serve(model, tokenizer, **tool_flags):
 @pytest.fixture(scope="module")
 def served(long_model, tokenizer):
     """(port, scripted engine) of a server run as ``--enable-auto-tool-choice --tool-call-parser hermes``."""
-    serving, scripted = serve(long_model, tokenizer, tool_call_parser="hermes", enable_auto_tool_choice=True)
+    serving, scripted = scripted_server(long_model, tokenizer, tool_call_parser="hermes", enable_auto_tool_choice=True)
     with serving as port:
         yield port, scripted
 
 
-def test_the_tool_call_flags_are_checked_at_start():
+def test_the_tool_call_flags_reach_the_server_config_and_are_checked_at_start():
+    config = serve.server_config(serve.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]))
+    assert config.enable_auto_tool_choice and config.tool_call_parser == "hermes"
+    defaults = serve.server_config(serve.parse_args([]))
+    assert not defaults.enable_auto_tool_choice and defaults.tool_call_parser is None
     with pytest.raises(ValueError, match="tool_call_parser"):
-        ServerConfig(enable_auto_tool_choice=True)
+        serve.server_config(serve.parse_args(["--enable-auto-tool-choice"]))
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        serve.parse_args(["--tool-call-parser", "nope"])
     with pytest.raises(ValueError, match="hermes"):
         ServerConfig(tool_call_parser="nope")
 
@@ -215,7 +222,7 @@ def test_bad_tool_fields_get_a_400_naming_the_field(served, body, param):
 def test_auto_needs_the_flags_as_in_vllm(long_model, tokenizer):
     """Without ``--enable-auto-tool-choice``, tools without a tool_choice (auto) are a 400; none,
     required and named choices are served."""
-    serving, scripted = serve(long_model, tokenizer)
+    serving, scripted = scripted_server(long_model, tokenizer)
     with serving as port:
         for choice in (None, "auto"):
             status, reply = post(port, "/v1/chat/completions", {"messages": USER, "tools": [WEATHER],

@@ -17,7 +17,7 @@ from pydantic import Field
 
 from oscar_compile.runtime.core.sampling_params import RequestError
 from oscar_compile.runtime.server.protocol import ChatMessage, _Strict, check_chat_template_kwargs
-from oscar_compile.runtime.server.tool_protocol import Tool
+from oscar_compile.runtime.server.tool_protocol import Tool, template_tools
 
 
 class TokenizeRequest(_Strict):
@@ -79,9 +79,9 @@ def tokenize(tokenizer, req: TokenizeRequest, chat_template: str | None, max_mod
     """vLLM's ``/tokenize`` response: ``{count, max_model_len, tokens, token_strs}``."""
     if req.messages is not None:
         add_special = bool(req.add_special_tokens)
-        tools = [tool.model_dump(exclude_none=True, exclude_unset=True) for tool in req.tools or []] or None
         ids = render_chat(tokenizer, req.messages, chat_template, req.chat_template_kwargs,
-                          req.add_generation_prompt, req.continue_final_message, add_special, tools)
+                          req.add_generation_prompt, req.continue_final_message, add_special,
+                          template_tools(req.tools))
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = list(tokenizer.encode(req.prompt, add_special_tokens=add_special))

@@ -112,8 +112,14 @@ class ToolFields(StrictModel):
             )
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools for the chat template's ``tools`` variable (None: none given). They are
-        rendered whatever ``tool_choice`` says, ``"none"`` included, as vLLM renders them."""
-        if not self.tools:
-            return None
-        return [tool.model_dump(exclude_none=True, exclude_unset=True) for tool in self.tools]
+        """The tools for the chat template (rendered whatever ``tool_choice`` says, ``"none"``
+        included, as vLLM renders them)."""
+        return template_tools(self.tools)
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """OpenAI tool objects for the chat template's ``tools`` variable, as the client sent them
+    (None: no tools, so a template renders a plain chat)."""
+    if not tools:
+        return None
+    return [tool.model_dump(exclude_none=True, exclude_unset=True) for tool in tools]
