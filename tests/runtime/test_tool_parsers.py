@@ -93,6 +93,19 @@ def test_hermes_without_valid_calls_returns_the_text_as_content(text):
     assert out.content == text and out.calls == []
 
 
+def test_arguments_are_kept_as_written_or_re_serialized_out_of_order():
+    spaced = '<tool_call>{"name": "f", "arguments": {"a" :1,\n "b": [ ]}}</tool_call>'
+    assert HERMES.extract(spaced).calls[0].arguments == '{"a" :1,\n "b": [ ]}'
+    swapped = '<tool_call>{"arguments": {"a" :1}, "name": "f"}</tool_call>'
+    assert HERMES.extract(swapped).calls[0].arguments == '{"a": 1}'
+    as_string = '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
+    assert HERMES.extract(as_string).calls[0].arguments == '{"a": 1}'
+    for text in (spaced, swapped, as_string):
+        for size in (1, 3):
+            _, calls = accumulate(stream_pieces(HERMES.stream(), chop(text, size)))
+            assert [c["arguments"] for c in calls] == [HERMES.extract(text).calls[0].arguments]
+
+
 def test_hermes_reads_an_unclosed_last_block():
     out = HERMES.extract('<tool_call>\n{"name": "get_time", "arguments": {}}\n')
     assert out.content is None and [c.name for c in out.calls] == ["get_time"]
@@ -113,11 +126,13 @@ def test_hermes_streams_the_call_header_before_the_arguments():
     stream = HERMES.stream()
     assert stream.feed("Sure <tool_") == {"content": "Sure"}  # the tag's start and the space are held
     assert stream.feed('call>{"name": "get_wea') == {}
-    header = stream.feed('ther", "arguments": {"city": ')
+    header = stream.feed('ther", "arguments": ')
     assert header["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
     assert set(header["tool_calls"][0]) == {"index", "id", "type", "function"} and stream.num_calls == 1
-    assert stream.feed('"Oslo"}}</tool_call>', final=True) == {
-        "tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Oslo"}'}}]}
+    # then the arguments object as it is written, the outer brace and the closing tag left out
+    assert stream.feed('{"city": ') == {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}
+    assert stream.feed('"Oslo"}}</tool') == {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]}
+    assert stream.feed("_call>", final=True) == {}
 
 
 def test_get_tool_parser_names_the_known_ones():
@@ -191,6 +206,9 @@ def test_forced_outputs_stream_as_the_whole_output_reads(size):
         content, calls = accumulate(stream_pieces(reader.stream(), chop(text, size)))
         assert content == (whole.content or "")
         assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in whole.calls]
+    deltas = stream_pieces(RequiredCalls().stream(), chop(REQUIRED_OUT, 1))  # arguments as they are written
+    assert sum("arguments" in e["function"] and "name" not in e["function"]
+               for d in deltas for e in d.get("tool_calls", [])) > 4
     first = NamedCall("f").stream().feed('{"a', final=False)  # a named call starts at once
     assert first["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a'}
 

@@ -12,8 +12,7 @@ the bundled 19M model writes a call that validates, and the server turns it into
   schema so that their ``#/$defs/...`` references still resolve.
 
 Streamed, a named call starts at once and the output's text deltas are its arguments fragments;
-a required array's calls start as each name is written and get their arguments as each object
-closes.
+a required array's calls start as each name is written, and their arguments follow as written.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ content and there are no calls. Text after the first call is dropped.
 
 Streamed, plain text goes out as it comes, except a tail that may begin ``<tool_call>`` and
 trailing whitespace, held until the next delta says what they are; a call starts once its name
-is written whole and its arguments follow in one fragment when ``</tool_call>`` (or the end of
-the output) closes it. A block that does not parse goes out as content, unless its name was
-already sent (its arguments then stay empty).
+is written whole and its arguments object follows as it is written (json_calls.py). A block that
+does not parse goes out as content, unless its name was already sent (its arguments then stay
+what was sent).
 """
 
 from __future__ import annotations
