@@ -244,3 +244,38 @@ def test_tokenize_renders_the_tools_as_a_chat_request_does(served, tokenizer):
     assert post(port, "/v1/chat/completions", body)[0] == 200
     status, reply = post(port, "/tokenize", body)
     assert status == 200 and reply["tokens"] == scripted.requests[-1][0]
+
+
+@pytest.fixture(scope="module")
+def bundled_port():
+    """The bundled model as ``serve --enable-auto-tool-choice --tool-call-parser hermes`` serves it."""
+    from oscar_compile.assembly import assemble
+    from oscar_compile.spec import specs_dir
+
+    built = assemble(BUNDLED_MODEL_DIR, str(specs_dir() / "oscar-int2.yaml"),
+                     str(BUNDLED_MODEL_DIR / "rotations" / "oscar-int2.safetensors"), device="cpu",
+                     config=EngineConfig(kv_memory_gb=0.05, max_num_seqs=4, max_num_batched_tokens=256))
+    config = ServerConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
+    with running(create_app(AsyncEngine(built.engine), MODEL, config)) as port:
+        yield port
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_the_bundled_model_serves_the_captured_bodies_and_langchain_reads_the_answer(bundled_port):
+    """Through the real model (which may or may not write a call under auto): every captured body
+    is answered with a well-formed message, and LangChain reads it (calls or text)."""
+    for name, body in CAPTURED:
+        body = {**body, "model": MODEL, "max_tokens": 8, "temperature": 0}
+        if body.get("stream"):
+            status, events = stream_events(bundled_port, "/v1/chat/completions", body)
+            assert status == 200 and events[-1] == "[DONE]" and "error" not in json.loads(events[-2]), name
+            continue
+        status, reply = post(bundled_port, "/v1/chat/completions", body)
+        assert status == 200, (name, reply)
+        message = reply["choices"][0]["message"]
+        assert message["role"] == "assistant" and (isinstance(message["content"], str) or message["tool_calls"])
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=f"http://127.0.0.1:{bundled_port}/v1", api_key="x",
+                                      max_retries=0, max_tokens=8, temperature=0)
+    answer = llm.bind_tools([WEATHER]).invoke("What is the weather in Paris?")
+    assert answer.invalid_tool_calls == [] and (answer.content or answer.tool_calls)

@@ -189,7 +189,9 @@ class Formatter:
             if text and not first:
                 delta["content"] = text
             if self.tool_calls is not None and not first:
-                stream = self._tool_streams.setdefault(index, self.tool_calls.stream())
+                if index not in self._tool_streams:
+                    self._tool_streams[index] = self.tool_calls.stream()
+                stream = self._tool_streams[index]
                 delta = stream.feed(text, final=finish is not None)
                 body["finish_reason"] = self.tool_calls.finish_reason(finish, stream.called)
                 if not (delta or finish or (self.want_logprobs and entries)):
