@@ -91,21 +91,22 @@ def streamed_calls(port: int, body: dict) -> tuple[list[dict], str, str]:
     return [calls[i] for i in sorted(calls)], content, finish
 
 
-CHOICES = [("required", {"get_weather", "set_alarm"}),
-           ({"type": "function", "function": {"name": "set_alarm"}}, {"set_alarm"})]
+# (tool_choice, the names a call may have, finish_reason: OpenAI's and vLLM's "stop" for a named one)
+CHOICES = [("required", {"get_weather", "set_alarm"}, "tool_calls"),
+           ({"type": "function", "function": {"name": "set_alarm"}}, {"set_alarm"}, "stop")]
 
 
-@pytest.mark.parametrize("choice, names", CHOICES, ids=["required", "named"])
-def test_forced_calls_validate_against_the_tool_parameters(port, choice, names):
+@pytest.mark.parametrize("choice, names, finish_reason", CHOICES, ids=["required", "named"])
+def test_forced_calls_validate_against_the_tool_parameters(port, choice, names, finish_reason):
     body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice,
             "parallel_tool_calls": False, "max_tokens": MAX_TOKENS, "temperature": 0}
     status, reply = post(port, body)
     assert status == 200, reply
     message, finish = reply["choices"][0]["message"], reply["choices"][0]["finish_reason"]
-    assert finish == "tool_calls" and message["content"] is None
+    assert finish == finish_reason and message["content"] is None
     check_calls(message["tool_calls"], names)
     calls, content, finish = streamed_calls(port, body)
-    assert finish == "tool_calls" and content == ""
+    assert finish == finish_reason and content == ""
     check_calls(calls, names)
     assert [c["function"] for c in calls] == [c["function"] for c in message["tool_calls"]]  # greedy: the same
 

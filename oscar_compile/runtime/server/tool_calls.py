@@ -10,8 +10,9 @@
 The response: ``tool_calls`` (``[{id, type: "function", function: {name, arguments}}]``, arguments a
 JSON string), ``content`` null when the output holds only calls, and ``finish_reason:
 "tool_calls"`` when the calls are whole (the output stopped by itself; cut short by ``max_tokens``
-it stays ``"length"``). ``parallel_tool_calls: false`` keeps the first call only (and a required
-output's schema allows one).
+it stays ``"length"``), but ``"stop"`` for a named function, as OpenAI and vLLM answer.
+``parallel_tool_calls: false`` keeps the first call only (and a required output's schema allows
+one).
 """
 
 from __future__ import annotations
@@ -36,9 +37,15 @@ AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --
 class ToolCallPlan:
     """Turns one request's outputs into tool calls, whole (``message``) and streamed (``stream``)."""
 
-    def __init__(self, reader: ToolParser | NamedCall | RequiredCalls, max_calls: int | None):
+    def __init__(
+        self,
+        reader: ToolParser | NamedCall | RequiredCalls,
+        max_calls: int | None,
+        calls_finish_reason: str = "tool_calls",
+    ):
         self.reader = reader
         self.max_calls = max_calls
+        self.calls_finish_reason = calls_finish_reason  # of an output that stopped by itself with calls
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """(the choice's ``message``, its ``finish_reason``) for the whole output ``text``."""
@@ -52,9 +59,8 @@ class ToolCallPlan:
     def stream(self) -> ChoiceToolStream:
         return ChoiceToolStream(self.reader.stream(), self.max_calls)
 
-    @staticmethod
-    def finish_reason(finish_reason: str | None, called: bool) -> str | None:
-        return "tool_calls" if called and finish_reason == "stop" else finish_reason
+    def finish_reason(self, finish_reason: str | None, called: bool) -> str | None:
+        return self.calls_finish_reason if called and finish_reason == "stop" else finish_reason
 
 
 class ChoiceToolStream:
@@ -93,7 +99,8 @@ def plan_tool_calls(
             required_schema(req.tools, req.parallel_tool_calls)
         )
     tool = next(t for t in req.tools if t.function.name == choice.function.name)  # check_tools made sure
-    return ToolCallPlan(NamedCall(tool.function.name), 1), constrained_output(function_schema(tool))
+    plan = ToolCallPlan(NamedCall(tool.function.name), 1, calls_finish_reason="stop")
+    return plan, constrained_output(function_schema(tool))
 
 
 def with_tool_constraint(params: SamplingParams, constraint: StructuredOutputParams | None) -> SamplingParams:
