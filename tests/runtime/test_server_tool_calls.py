@@ -31,9 +31,12 @@ from oscar_compile.runtime.server.tool_calls import AUTO_NEEDS_FLAGS  # noqa: E4
 FIXTURES = Path(__file__).parent / "fixtures"
 OPENAI_BODIES = json.loads((FIXTURES / "tool_calls_openai.json").read_text())
 LANGCHAIN_BODIES = json.loads((FIXTURES / "tool_calls_langchain.json").read_text())
-CAPTURED = [(f"{client}:{name}", body)
-            for client, bodies in (("openai", OPENAI_BODIES), ("langchain", LANGCHAIN_BODIES))
-            for name, body in bodies.items() if name != "_versions"]
+CAPTURED = [
+    (f"{client}:{name}", body)
+    for client, bodies in (("openai", OPENAI_BODIES), ("langchain", LANGCHAIN_BODIES))
+    for name, body in bodies.items()
+    if name != "_versions"
+]
 # the bundled model's template: tools in a <tools> block, calls as <tool_call>, results as <tool_response>
 TEMPLATE = json.loads((BUNDLED_MODEL_DIR / "tokenizer_config.json").read_text())["chat_template"]
 MODEL = "tiny"
@@ -55,8 +58,14 @@ class ScriptedEngine(AsyncEngine):
         self.requests.append((prompt_token_ids, params))
         for i, piece in enumerate(self.script):
             last = i == len(self.script) - 1
-            sink.put_nowait((tag, RequestOutput(request_id, [1], piece, [], last, "stop" if last else None,
-                                                len(prompt_token_ids), i + 1, 0)))
+            sink.put_nowait(
+                (
+                    tag,
+                    RequestOutput(
+                        request_id, [1], piece, [], last, "stop" if last else None, len(prompt_token_ids), i + 1, 0
+                    ),
+                )
+            )
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +73,23 @@ def long_model(tokenizer):
     """The tiny model's shape with room for a prompt that holds tool schemas in 400-token BPE."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+    )
     return Qwen3ForCausalLM(config).eval()
 
 
 def scripted_server(model, tokenizer, **tool_flags):
-    engine = build_engine(model, tokenizer, EngineConfig(num_window_pages=0, num_quant_pages=512,
-                                                         max_num_batched_tokens=64))
+    engine = build_engine(
+        model, tokenizer, EngineConfig(num_window_pages=0, num_quant_pages=512, max_num_batched_tokens=64)
+    )
     scripted = ScriptedEngine(engine)
     config = ServerConfig(chat_template=TEMPLATE, default_chat_max_tokens=8, **tool_flags)
     return running(create_app(scripted, MODEL, config)), scripted
@@ -102,8 +120,11 @@ def test_the_tool_call_flags_reach_the_server_config_and_are_checked_at_start():
 def test_the_captured_client_bodies_are_served(served, tokenizer, name, body):
     port, scripted = served
     forced = body.get("tool_choice") not in (None, "auto")
-    scripted.script = ['{"city": "Paris"}'] if isinstance(body.get("tool_choice"), dict) else (
-        ['[{"name": "get_weather", "parameters": {"city": "Paris"}}]'] if forced else [HERMES_CALL])
+    scripted.script = (
+        ['{"city": "Paris"}']
+        if isinstance(body.get("tool_choice"), dict)
+        else (['[{"name": "get_weather", "parameters": {"city": "Paris"}}]'] if forced else [HERMES_CALL])
+    )
     body = {**body, "model": MODEL}
     if body.get("stream"):
         status, events = stream_events(port, "/v1/chat/completions", body)
@@ -145,7 +166,7 @@ def test_langchain_reads_the_tool_calls_of_our_responses(served):
     llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
     bound = llm.bind_tools([get_weather])
     question = [HumanMessage("What is the weather in Paris?")]
-    scripted.script = [HERMES_CALL[i:i + 5] for i in range(0, len(HERMES_CALL), 5)]
+    scripted.script = [HERMES_CALL[i : i + 5] for i in range(0, len(HERMES_CALL), 5)]
     answer = bound.invoke(question)
     assert answer.content == "Checking."
     assert [(c["name"], c["args"]) for c in answer.tool_calls] == [("get_weather", {"city": "Paris"})]
@@ -176,7 +197,8 @@ def test_the_openai_client_reads_streamed_tool_calls(served):
             call = calls.setdefault(delta.index, {"id": delta.id, "name": delta.function.name, "arguments": ""})
             call["arguments"] += delta.function.arguments or ""
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
-        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls
+    ]
     assert "".join(c.delta.content or "" for c in streamed) == whole.message.content == "Checking."
     assert streamed[-1].finish_reason == whole.finish_reason == "tool_calls"
 
@@ -184,8 +206,9 @@ def test_the_openai_client_reads_streamed_tool_calls(served):
 def test_a_plain_answer_under_auto_has_no_tool_calls(served):
     port, scripted = served
     scripted.script = ["no ", "tools <tool", " needed"]
-    status, reply = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                        "tools": [WEATHER]})
+    status, reply = post(
+        port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+    )
     assert status == 200
     assert reply["choices"][0]["message"] == {"role": "assistant", "content": "no tools <tool needed"}
     assert reply["choices"][0]["finish_reason"] == "stop"
@@ -195,24 +218,34 @@ USER = [{"role": "user", "content": "hi"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"tools": []}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
-    ({"tools": [WEATHER, WEATHER]}, "tools.1.function.name"),
-    ({"tools": [{"type": "retrieval", "function": WEATHER["function"]}]}, "tools.0.type"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools.0.function.parameters"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
-     "tool_choice.function.name"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice.function"),
-    ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
-    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.0.tool_calls"),
-    ({"messages": [{"role": "assistant", "content": None}]}, "messages.0.content"),
-    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
-                                                         "function": {"name": "f"}}]}]},
-     "messages.0.tool_calls.0.function.arguments"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tools": []}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
+        ({"tools": [WEATHER, WEATHER]}, "tools.1.function.name"),
+        ({"tools": [{"type": "retrieval", "function": WEATHER["function"]}]}, "tools.0.type"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools.0.function.parameters"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+            "tool_choice.function.name",
+        ),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice.function"),
+        ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.0.tool_calls"),
+        ({"messages": [{"role": "assistant", "content": None}]}, "messages.0.content"),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}]}
+                ]
+            },
+            "messages.0.tool_calls.0.function.arguments",
+        ),
+    ],
+)
 def test_bad_tool_fields_get_a_400_naming_the_field(served, body, param):
     port, _ = served
     status, reply = post(port, "/v1/chat/completions", {"messages": USER, **body})
@@ -225,14 +258,16 @@ def test_auto_needs_the_flags_as_in_vllm(long_model, tokenizer):
     serving, scripted = scripted_server(long_model, tokenizer)
     with serving as port:
         for choice in (None, "auto"):
-            status, reply = post(port, "/v1/chat/completions", {"messages": USER, "tools": [WEATHER],
-                                                                "tool_choice": choice})
+            status, reply = post(
+                port, "/v1/chat/completions", {"messages": USER, "tools": [WEATHER], "tool_choice": choice}
+            )
             assert status == 400 and reply["error"]["param"] == "tool_choice"
             assert reply["error"]["message"] == AUTO_NEEDS_FLAGS
         scripted.script = ['{"city": "Oslo"}']
         for choice in ("none", NAMED):
-            status, reply = post(port, "/v1/chat/completions", {"messages": USER, "tools": [WEATHER],
-                                                                "tool_choice": choice})
+            status, reply = post(
+                port, "/v1/chat/completions", {"messages": USER, "tools": [WEATHER], "tool_choice": choice}
+            )
             assert status == 200
         assert reply["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
 
@@ -252,9 +287,13 @@ def bundled_port():
     from oscar_compile.assembly import assemble
     from oscar_compile.spec import specs_dir
 
-    built = assemble(BUNDLED_MODEL_DIR, str(specs_dir() / "oscar-int2.yaml"),
-                     str(BUNDLED_MODEL_DIR / "rotations" / "oscar-int2.safetensors"), device="cpu",
-                     config=EngineConfig(kv_memory_gb=0.05, max_num_seqs=4, max_num_batched_tokens=256))
+    built = assemble(
+        BUNDLED_MODEL_DIR,
+        str(specs_dir() / "oscar-int2.yaml"),
+        str(BUNDLED_MODEL_DIR / "rotations" / "oscar-int2.safetensors"),
+        device="cpu",
+        config=EngineConfig(kv_memory_gb=0.05, max_num_seqs=4, max_num_batched_tokens=256),
+    )
     config = ServerConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
     with running(create_app(AsyncEngine(built.engine), MODEL, config)) as port:
         yield port
@@ -275,7 +314,13 @@ def test_the_bundled_model_serves_the_captured_bodies_and_langchain_reads_the_an
         message = reply["choices"][0]["message"]
         assert message["role"] == "assistant" and (isinstance(message["content"], str) or message["tool_calls"])
     langchain_openai = pytest.importorskip("langchain_openai")
-    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=f"http://127.0.0.1:{bundled_port}/v1", api_key="x",
-                                      max_retries=0, max_tokens=8, temperature=0)
+    llm = langchain_openai.ChatOpenAI(
+        model=MODEL,
+        base_url=f"http://127.0.0.1:{bundled_port}/v1",
+        api_key="x",
+        max_retries=0,
+        max_tokens=8,
+        temperature=0,
+    )
     answer = llm.bind_tools([WEATHER]).invoke("What is the weather in Paris?")
     assert answer.invalid_tool_calls == [] and (answer.content or answer.tool_calls)

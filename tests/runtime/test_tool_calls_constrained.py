@@ -34,16 +34,35 @@ MODEL = "oscar-tiny"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MAX_TOKENS = 64  # a call of these tools is about 30 tokens
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the weather forecast for a city",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
-                   "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Rome"]},
-                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
-ALARM = {"type": "function", "function": {
-    "name": "set_alarm", "description": "Set an alarm",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["hour", "loud"],
-                   "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23},
-                                  "loud": {"type": "boolean"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather forecast for a city",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city", "days"],
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Oslo", "Rome"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+        },
+    },
+}
+ALARM = {
+    "type": "function",
+    "function": {
+        "name": "set_alarm",
+        "description": "Set an alarm",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["hour", "loud"],
+            "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}, "loud": {"type": "boolean"}},
+        },
+    },
+}
 TOOLS = [WEATHER, ALARM]
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MESSAGES = [{"role": "user", "content": "What will the weather be in Paris for the next 3 days?"}]
@@ -53,8 +72,13 @@ MESSAGES = [{"role": "user", "content": "What will the weather be in Paris for t
 def port():
     """The bundled model as ``serve`` serves it (oscar-int2 and its shipped rotations)."""
     config = EngineConfig(kv_memory_gb=0.05, max_num_seqs=4, max_num_batched_tokens=256)
-    built = assemble(BUNDLED_MODEL_DIR, str(specs_dir() / "oscar-int2.yaml"),
-                     str(BUNDLED_MODEL_DIR / "rotations" / "oscar-int2.safetensors"), device="cpu", config=config)
+    built = assemble(
+        BUNDLED_MODEL_DIR,
+        str(specs_dir() / "oscar-int2.yaml"),
+        str(BUNDLED_MODEL_DIR / "rotations" / "oscar-int2.safetensors"),
+        device="cpu",
+        config=config,
+    )
     with running(create_app(AsyncEngine(built.engine), MODEL, ServerConfig())) as port:
         yield port
 
@@ -85,21 +109,33 @@ def streamed_calls(port: int, body: dict) -> tuple[list[dict], str, str]:
         finish = choice["finish_reason"] or finish
         for entry in choice["delta"].get("tool_calls", []):
             if entry["index"] not in calls:
-                calls[entry["index"]] = {"id": entry["id"], "type": entry["type"],
-                                         "function": {"name": entry["function"]["name"], "arguments": ""}}
+                calls[entry["index"]] = {
+                    "id": entry["id"],
+                    "type": entry["type"],
+                    "function": {"name": entry["function"]["name"], "arguments": ""},
+                }
             calls[entry["index"]]["function"]["arguments"] += entry["function"].get("arguments", "")
     return [calls[i] for i in sorted(calls)], content, finish
 
 
 # (tool_choice, the names a call may have, finish_reason: OpenAI's and vLLM's "stop" for a named one)
-CHOICES = [("required", {"get_weather", "set_alarm"}, "tool_calls"),
-           ({"type": "function", "function": {"name": "set_alarm"}}, {"set_alarm"}, "stop")]
+CHOICES = [
+    ("required", {"get_weather", "set_alarm"}, "tool_calls"),
+    ({"type": "function", "function": {"name": "set_alarm"}}, {"set_alarm"}, "stop"),
+]
 
 
 @pytest.mark.parametrize("choice, names, finish_reason", CHOICES, ids=["required", "named"])
 def test_forced_calls_validate_against_the_tool_parameters(port, choice, names, finish_reason):
-    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice,
-            "parallel_tool_calls": False, "max_tokens": MAX_TOKENS, "temperature": 0}
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": choice,
+        "parallel_tool_calls": False,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+    }
     status, reply = post(port, body)
     assert status == 200, reply
     message, finish = reply["choices"][0]["message"], reply["choices"][0]["finish_reason"]
@@ -114,8 +150,15 @@ def test_forced_calls_validate_against_the_tool_parameters(port, choice, names, 
 def test_required_with_parallel_calls_sampled(port):
     """Parallel calls allowed, sampled: the array may run past ``max_tokens`` (then no calls and
     ``length``); whatever calls come back validate."""
-    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
-            "max_tokens": 2 * MAX_TOKENS, "temperature": 0.8, "seed": 3}
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "max_tokens": 2 * MAX_TOKENS,
+        "temperature": 0.8,
+        "seed": 3,
+    }
     status, reply = post(port, body)
     assert status == 200
     choice = reply["choices"][0]
@@ -128,8 +171,14 @@ def test_required_with_parallel_calls_sampled(port):
 
 def test_langchain_reads_a_forced_call_of_the_bundled_model(port):
     langchain_openai = pytest.importorskip("langchain_openai")
-    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
-                                      max_retries=0, temperature=0, max_tokens=MAX_TOKENS)
+    llm = langchain_openai.ChatOpenAI(
+        model=MODEL,
+        base_url=f"http://127.0.0.1:{port}/v1",
+        api_key="x",
+        max_retries=0,
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+    )
     for tool_choice, names in (("get_weather", {"get_weather"}), ("any", set(PARAMETERS))):
         bound = llm.bind_tools(TOOLS, tool_choice=tool_choice, parallel_tool_calls=False)
         answer = bound.invoke(MESSAGES[0]["content"])
@@ -141,4 +190,5 @@ def test_langchain_reads_a_forced_call_of_the_bundled_model(port):
         for piece in bound.stream(MESSAGES[0]["content"]):
             merged = piece if merged is None else merged + piece
         assert [(c["name"], c["args"]) for c in merged.tool_calls] == [
-            (c["name"], c["args"]) for c in answer.tool_calls]
+            (c["name"], c["args"]) for c in answer.tool_calls
+        ]

@@ -21,11 +21,18 @@ from oscar_compile.runtime.server.tool_protocol import Tool
 
 jsonschema = pytest.importorskip("jsonschema")
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                    "unit": {"type": "string", "enum": ["C", "F"]}},
-                   "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
+            "required": ["city"],
+        },
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters
 HERMES = TOOL_PARSERS["hermes"]()
 
@@ -62,32 +69,39 @@ def stream_pieces(stream, pieces: list[str]) -> list[dict]:
 
 
 def chop(text: str, size: int) -> list[str]:
-    return [text[i:i + size] for i in range(0, len(text), size)] or [""]
+    return [text[i : i + size] for i in range(0, len(text), size)] or [""]
 
 
 # --- hermes ------------------------------------------------------------------------------------
 
-TWO_CALLS = ('Let me look.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-             '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+TWO_CALLS = (
+    'Let me look.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
 
 
 def test_hermes_reads_content_and_calls():
     out = HERMES.extract(TWO_CALLS)
     assert out.content == "Let me look."
-    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("get_weather", {"city": "Paris"}),
-                                                                      ("get_time", {})]
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
     assert len({c.id for c in out.calls}) == 2 and all(c.id.startswith("chatcmpl-tool-") for c in out.calls)
     only = HERMES.extract('<tool_call>{"name": "f", "arguments": {"a": [1, "é"]}}</tool_call>')
     assert only.content is None and only.calls[0].arguments == '{"a": [1, "é"]}'
 
 
-@pytest.mark.parametrize("text", [
-    "no calls at all",
-    '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>',  # not JSON
-    '<tool_call>{"arguments": {}}</tool_call>',  # no name
-    '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',  # arguments not an object
-    '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>oops</tool_call>',  # one bad block
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no calls at all",
+        '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>',  # not JSON
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',  # arguments not an object
+        '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>oops</tool_call>',  # one bad block
+    ],
+)
 def test_hermes_without_valid_calls_returns_the_text_as_content(text):
     out = HERMES.extract(text)
     assert out.content == text and out.calls == []
@@ -112,9 +126,16 @@ def test_hermes_reads_an_unclosed_last_block():
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
-@pytest.mark.parametrize("text", [TWO_CALLS, "plain text with a < sign and <tool and <tool_c", "x\n\n  ",
-                                  '<tool_call>{"name": "f", "arguments": {"a": "</tool"}}</tool_call>',
-                                  '<tool_call>\n{"name": "get_time", "arguments": {}}\n'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        TWO_CALLS,
+        "plain text with a < sign and <tool and <tool_c",
+        "x\n\n  ",
+        '<tool_call>{"name": "f", "arguments": {"a": "</tool"}}</tool_call>',
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n',
+    ],
+)
 def test_hermes_streamed_rebuilds_what_the_whole_output_gives(text, size):
     whole = HERMES.extract(text)
     content, calls = accumulate(stream_pieces(HERMES.stream(), chop(text, size)))
@@ -143,10 +164,13 @@ def test_get_tool_parser_names_the_known_ones():
 
 # --- forced choices: the schema, and the output back to calls -----------------------------------
 
+
 def test_a_named_choice_constrains_the_output_to_the_function_arguments():
     plan, constraint = plan_tool_calls(
         request(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
-        parser=None, auto_enabled=False)
+        parser=None,
+        auto_enabled=False,
+    )
     assert constraint == StructuredOutputParams(json=WEATHER["function"]["parameters"], param="tool_choice")
     message, finish = plan.message('{"city": "Paris"}', "stop")
     assert message["content"] is None and finish == "stop"  # OpenAI's and vLLM's for a named function
@@ -156,12 +180,18 @@ def test_a_named_choice_constrains_the_output_to_the_function_arguments():
 
 def test_required_schema_is_an_array_of_calls_to_any_tool():
     schema = required_schema(tools(WEATHER, TIME), parallel_tool_calls=None)
-    good = [{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}},
-            {"name": "get_time", "parameters": {}}]
+    good = [
+        {"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}},
+        {"name": "get_time", "parameters": {}},
+    ]
     jsonschema.validate(good, schema)
-    for bad in ([], [{"name": "get_weather", "parameters": {"unit": "C"}}],  # city is required
-                [{"name": "nope", "parameters": {}}], [{"name": "get_time"}],
-                [{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "K"}}]):
+    for bad in (
+        [],
+        [{"name": "get_weather", "parameters": {"unit": "C"}}],  # city is required
+        [{"name": "nope", "parameters": {}}],
+        [{"name": "get_time"}],
+        [{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "K"}}],
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     single = required_schema(tools(WEATHER, TIME), parallel_tool_calls=False)
@@ -171,9 +201,18 @@ def test_required_schema_is_an_array_of_calls_to_any_tool():
 
 
 def test_required_schema_lifts_each_tools_defs_to_the_top():
-    with_defs = {"type": "function", "function": {"name": "move", "parameters": {
-        "type": "object", "properties": {"to": {"$ref": "#/$defs/point"}}, "required": ["to"],
-        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}}}}}
+    with_defs = {
+        "type": "function",
+        "function": {
+            "name": "move",
+            "parameters": {
+                "type": "object",
+                "properties": {"to": {"$ref": "#/$defs/point"}},
+                "required": ["to"],
+                "$defs": {"point": {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}},
+            },
+        },
+    }
     schema = required_schema(tools(with_defs, TIME), None)
     assert "point" in schema["$defs"] and "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
     jsonschema.validate([{"name": "move", "parameters": {"to": {"x": 1}}}], schema)
@@ -194,7 +233,9 @@ def test_a_required_output_becomes_calls():
     message, finish = plan.message(REQUIRED_OUT, "stop")
     assert message["content"] is None and finish == "tool_calls"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
-        ("get_weather", {"city": "Oslo"}), ("get_time", {})]
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {}),
+    ]
     cut = REQUIRED_OUT[:30]  # max_tokens ran out: no calls, the text as content, finish "length"
     assert plan.message(cut, "length") == ({"role": "assistant", "content": cut}, "length")
 
@@ -207,8 +248,14 @@ def test_forced_outputs_stream_as_the_whole_output_reads(size):
         assert content == (whole.content or "")
         assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in whole.calls]
     deltas = stream_pieces(RequiredCalls().stream(), chop(REQUIRED_OUT, 1))  # arguments as they are written
-    assert sum("arguments" in e["function"] and "name" not in e["function"]
-               for d in deltas for e in d.get("tool_calls", [])) > 4
+    assert (
+        sum(
+            "arguments" in e["function"] and "name" not in e["function"]
+            for d in deltas
+            for e in d.get("tool_calls", [])
+        )
+        > 4
+    )
     first = NamedCall("f").stream().feed('{"a', final=False)  # a named call starts at once
     assert first["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a'}
 

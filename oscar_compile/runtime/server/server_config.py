@@ -68,7 +68,8 @@ class ServerConfig:
             from oscar_compile.runtime.server.tool_parsers import TOOL_PARSERS
 
             if self.tool_call_parser not in TOOL_PARSERS:
-                raise ValueError(f"unknown tool_call_parser {self.tool_call_parser!r}; known: "
-                                 f"{', '.join(sorted(TOOL_PARSERS))}")
+                raise ValueError(
+                    f"unknown tool_call_parser {self.tool_call_parser!r}; known: {', '.join(sorted(TOOL_PARSERS))}"
+                )
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
