@@ -19,6 +19,7 @@ import pytest
 from oscar_compile import CompressionSpec, apply, calibrate
 from oscar_compile.runtime.core.sampling_params import RequestError, SamplingParams
 from oscar_compile.runtime.engine_config import EngineConfig, build_engine
+from oscar_compile.runtime.llm import LLM
 from oscar_compile.runtime.server.metrics import render_metrics
 from oscar_compile.runtime.worker.compressed_runner import compressed_layout, runner_factory
 
@@ -214,3 +215,14 @@ def test_the_choices_pages_are_reserved_at_admission(compressed, tokenizer, prom
     assert stats["window_pages_used"] == 3 + 3 * 2
     assert stats["quant_pages_used"] == 3
     assert stats["num_running"] == 1
+
+
+def test_generate_returns_the_choices_of_each_prompt_in_a_row(tiny_model, tokenizer, prompt):
+    """``LLM.generate`` (the exact runner, which keeps no pages: its forks copy nothing)."""
+    llm = LLM(tiny_model, tokenizer=tokenizer)
+    params = _sampled(9, n=3, max_tokens=6)
+    outs = llm.generate([prompt, prompt[:5]], params)
+    assert [(o.index, o.seed) for o in outs] == [(0, 9), (1, 10), (2, 11)] * 2
+    alone = llm.generate([prompt] * 3 + [prompt[:5]] * 3, [_sampled(9 + i, max_tokens=6) for i in range(3)] * 2)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+    assert len({tuple(o.token_ids) for o in outs[:3]}) == 3
