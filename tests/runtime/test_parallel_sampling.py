@@ -15,8 +15,10 @@ import copy
 import random
 
 import pytest
+import torch
 
 from oscar_compile import CompressionSpec, apply, calibrate
+from oscar_compile.loading import BUNDLED_MODEL_DIR
 from oscar_compile.runtime.core.sampling_params import RequestError, SamplingParams
 from oscar_compile.runtime.engine_config import EngineConfig, build_engine
 from oscar_compile.runtime.llm import LLM
@@ -226,3 +228,31 @@ def test_generate_returns_the_choices_of_each_prompt_in_a_row(tiny_model, tokeni
     alone = llm.generate([prompt] * 3 + [prompt[:5]] * 3, [_sampled(9 + i, max_tokens=6) for i in range(3)] * 2)
     assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
     assert len({tuple(o.token_ids) for o in outs[:3]}) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not (BUNDLED_MODEL_DIR / "config.json").exists(), reason="the bundled model is not shipped")
+def test_forked_choices_on_cuda_with_overlapped_steps_and_cuda_graphs():
+    """On the GPU (Triton kernels, CUDA graphs, the fork's copies queued on the compute stream
+    behind the prefill and before the next replay) overlapped steps give the tokens of one step
+    at a time; every choice differs and every page is freed."""
+    from oscar_compile.spec import specs_dir
+
+    prompts = ["def fibonacci(n):\n    " * 60, "The capital of France is"]  # (the first: INT2 history)
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=11, n=4, ignore_eos=True)
+    outputs = {}
+    for overlap in (True, False):
+        llm = LLM(
+            str(BUNDLED_MODEL_DIR),
+            str(specs_dir() / "hadamard-int2.yaml"),
+            device="cuda",
+            config=EngineConfig(overlap_steps=overlap),
+        )
+        outputs[overlap] = [o.token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.stats()
+        assert stats["window_pages_used"] == stats["quant_pages_used"] == 0
+        assert stats["fork_window_pages_copied"] > 0 and stats["fork_quant_pages_shared"] > 0
+        llm.close()
+    assert outputs[True] == outputs[False]
+    assert len({tuple(t) for t in outputs[True]}) == 8
