@@ -256,3 +256,17 @@ def test_forked_choices_on_cuda_with_overlapped_steps_and_cuda_graphs():
         llm.close()
     assert outputs[True] == outputs[False]
     assert len({tuple(t) for t in outputs[True]}) == 8
+
+
+def test_scoring_the_prompt_alone_gives_every_choice_its_logprobs(compressed, tokenizer, prompt):
+    """``max_tokens`` 0 with prompt logprobs (``echo`` with ``n``): each choice ends after the
+    prefill with the prompt's logprobs, and no token."""
+    engine = _engine(compressed, tokenizer)
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=0, prompt_logprobs=1, n=3))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert sorted(o.index for o in outs) == [0, 1, 2] and [o.request_finished for o in outs] == [False, False, True]
+    assert all(o.new_token_ids == [] and o.prompt_logprobs is seq.prompt_logprobs for o in outs)
+    assert seq.prompt_logprobs[0] is None and None not in seq.prompt_logprobs[1:]
+    assert engine.stats()["quant_pages_used"] == 0
