@@ -52,7 +52,7 @@ def served(tiny_model, tokenizer):
 
 
 def _complete(port, **body):
-    status, payload = post(port, "/v1/completions", {"model": MODEL, "prompt": PROMPT, **body})
+    status, payload = post(port, "/v1/completions", {"model": MODEL, "prompt": PROMPT} | body)
     assert status == 200, payload
     return payload
 
@@ -154,3 +154,15 @@ def test_a_client_that_leaves_aborts_every_choice(served):
     conn.close()
     stats = wait_idle(async_engine)
     assert stats["num_requests_aborted"] == aborted + 1 and stats["window_pages_used"] == 0
+
+
+def test_several_prompts_number_their_choices_prompt_by_prompt(served):
+    port, _ = served
+    other = PROMPT[:9]
+    body = _complete(port, prompt=[PROMPT, other], n=2, seed=4, **SAMPLED)
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"]["prompt_tokens"] == len(PROMPT) + len(other)
+    for p, ids in enumerate((PROMPT, other)):
+        for j in range(2):
+            [alone] = _complete(port, prompt=ids, seed=4 + j, **SAMPLED)["choices"]
+            assert body["choices"][2 * p + j]["text"] == alone["text"]
