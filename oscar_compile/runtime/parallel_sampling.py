@@ -15,7 +15,7 @@ choices by request id, so an abort ends them all.
 from __future__ import annotations
 
 from oscar_compile.runtime.core.scheduler import Scheduler
-from oscar_compile.runtime.core.sequence import Sequence
+from oscar_compile.runtime.core.sequence import Sequence, SequenceStatus
 
 
 class ChoiceForks:
@@ -39,7 +39,9 @@ class ChoiceForks:
     def fork(self, scheduler: Scheduler, runner) -> list[tuple[Sequence, list[Sequence]]]:
         """Give this step's choices their pages (after ``Scheduler.advance``: the prompt is
         cached) and queue the runner's page copies; returns (first choice, the others) per fork."""
-        done, self._pending = self._pending, []
+        # (a parent that no longer runs was aborted by a step that failed after ``expand``)
+        done = [(parent, choices) for parent, choices in self._pending if parent.status is SequenceStatus.RUNNING]
+        self._pending = []
         for parent, choices in done:
             runner.copy_pages(scheduler.fork(parent, choices))
         return done

@@ -270,3 +270,22 @@ def test_scoring_the_prompt_alone_gives_every_choice_its_logprobs(compressed, to
     assert all(o.new_token_ids == [] and o.prompt_logprobs is seq.prompt_logprobs for o in outs)
     assert seq.prompt_logprobs[0] is None and None not in seq.prompt_logprobs[1:]
     assert engine.stats()["quant_pages_used"] == 0
+
+
+def test_a_step_that_fails_after_drawing_the_choices_leaves_no_fork_behind(compressed, tokenizer, prompt):
+    """The async engine aborts the requests of a step that raised (a model error): the choices
+    it had drawn are dropped, and the next requests run."""
+    engine = _engine(compressed, tokenizer)
+    seq = engine.add_request(prompt, _sampled(1, n=2))
+    sample = engine.sampler.sample
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("a model error")
+
+    engine.sampler.sample = failing
+    with pytest.raises(RuntimeError, match="a model error"):
+        engine.step()
+    engine.sampler.sample = sample
+    assert [o.index for o in engine.abort_request(seq.request_id)] == [0]
+    [choices] = _run(engine, [(prompt, _sampled(1, n=2))])
+    assert sorted(choices) == [0, 1]
