@@ -30,8 +30,10 @@ class CompletionOutput:
     num_cached_prompt_tokens: int = 0
     # SamplingParams(prompt_logprobs=k): one per prompt token, the first None (vLLM's field)
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    # the seed the tokens were drawn with: the request's, else its default (sampling_params.default_seed)
+    # the seed the tokens were drawn with: the request's, else its default (sampling_params.default_seed),
+    # plus the choice's index
     seed: int | None = None
+    index: int = 0  # the choice, with SamplingParams.n > 1
 
 
 class LLM:
@@ -72,7 +74,9 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[CompletionOutput]:
-        """Prompts: a string, a list of token ids, or a list of either. One output per prompt."""
+        """Prompts: a string, a list of token ids, or a list of either. One output per prompt, or
+        with ``n`` > 1 its ``n`` choices in a row (``index`` 0 to n - 1; the prompt is prefilled
+        once and choice ``i`` draws with seed + i, as vLLM's ``n``)."""
         prompts = _as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
@@ -81,15 +85,14 @@ class LLM:
         all_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         for ids, p in zip(all_ids, params, strict=True):  # refuse the batch before queueing any of it
             self.engine.validate_request(ids, p)
-        outputs: dict[str, CompletionOutput] = {}
-        order = []
+        outputs: dict[tuple[str, int], CompletionOutput] = {}
         for ids, p in zip(all_ids, params, strict=True):
             seq = self.engine.add_request(ids, p)
-            outputs[seq.request_id] = CompletionOutput(prompt_token_ids=ids, seed=seq.seed)
-            order.append(seq.request_id)
+            for i in range(p.n):
+                outputs[seq.request_id, i] = CompletionOutput(prompt_token_ids=ids, seed=seq.seed + i, index=i)
         while self.engine.has_unfinished():
             for delta in self.engine.step():
-                out = outputs[delta.request_id]
+                out = outputs[delta.request_id, delta.index]
                 out.token_ids += delta.new_token_ids
                 out.text += delta.new_text
                 out.logprobs += delta.new_logprobs
@@ -98,7 +101,7 @@ class LLM:
                     out.prompt_logprobs = delta.prompt_logprobs
                 if delta.finished:
                     out.finish_reason = delta.finish_reason
-        return [outputs[request_id] for request_id in order]
+        return list(outputs.values())  # in insertion order: prompt by prompt, choice by choice
 
 
 def _as_prompt_list(prompts) -> list:

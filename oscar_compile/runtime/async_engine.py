@@ -73,8 +73,9 @@ class AsyncEngine:
     # ---- called from handlers (any thread) -----------------------------------------------------
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                sink: asyncio.Queue, tag: Any = None, arrival_time: float | None = None) -> None:
-        """Queue a request; its outputs arrive on ``sink`` as ``(tag, RequestOutput)``, or
-        ``(tag, exception)`` if it fails. Raises RequestError at once for a bad request.
+        """Queue a request; its outputs (of every choice, when ``params.n`` > 1) arrive on ``sink``
+        as ``(tag, RequestOutput)`` until one has ``request_finished``, or ``(tag, exception)`` if
+        it fails. Raises RequestError at once for a bad request.
         ``arrival_time``: when it came in, by ``time.monotonic()`` (default: now)."""
         if not self.is_alive:
             raise EngineDeadError("the engine thread is not running")
@@ -115,7 +116,7 @@ class AsyncEngine:
                 _, item = await sink.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                finished = item.request_finished
                 yield item
         finally:
             if not finished:
@@ -145,7 +146,7 @@ class AsyncEngine:
             self._publish_stats()  # before delivery: a client reads it after its output
             self._observe(self.engine.latencies)
             for out in outputs:
-                self._deliver(out.request_id, out, out.finished)
+                self._deliver(out.request_id, out, out.request_finished)
         with self._lock:
             self._closed = True
         self._fail_posted_adds(final_err)  # posted before the thread stopped: their handlers wait too
@@ -188,9 +189,8 @@ class AsyncEngine:
     def _drain_inbox(self) -> None:
         for command in self._posted():
             if command[0] == "abort":
-                out = self.engine.abort_request(command[1])
-                if out is not None:
-                    self._deliver(out.request_id, out, True)
+                for out in self.engine.abort_request(command[1]):
+                    self._deliver(out.request_id, out, out.request_finished)
                 continue
             if command[0] == "fail_all":
                 self._fail_all(command[1])

@@ -20,6 +20,11 @@ row's); the engine scores them at once (``worker/logprobs.py``, one host sync in
 only) and hands the list out with the sequence's first output. ``max_tokens`` 0 then finishes the
 sequence after its prefill: its one sampled token is dropped.
 
+Parallel sampling (``SamplingParams.n``, parallel_sampling.py): a request's first choice prefills
+the prompt; the step that samples its first token samples every choice's from the same row, and
+forks the choices once that step's counters advanced. Outputs carry their choice's ``index``;
+``request_finished`` says when the last choice of the request has ended.
+
 Latencies: a step leaves its observations (queue times, first tokens, inter-token gaps,
 end-to-end) in ``latencies``, replaced at the next step (runtime/latency.py): the async engine
 hands them to the server's histograms; offline, nobody has to read them.
@@ -40,6 +45,7 @@ from oscar_compile.runtime.core.scheduler import Scheduler, SchedulerOutput
 from oscar_compile.runtime.core.sequence import FinishReason, Sequence
 from oscar_compile.runtime.detokenizer import IncrementalDetokenizer
 from oscar_compile.runtime.latency import StepLatencies
+from oscar_compile.runtime.parallel_sampling import ChoiceForks
 from oscar_compile.runtime.worker.logits_controls import build_controls
 from oscar_compile.runtime.worker.logprobs import score_tokens
 from oscar_compile.runtime.worker.runner import Batch, ModelRunner
@@ -72,6 +78,8 @@ class RequestOutput:
     num_cached_prompt_tokens: int
     # with the first output of a request that asked for them: one per prompt token, the first None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0  # the choice (SamplingParams.n); ``finished`` is this choice's
+    request_finished: bool = False  # every choice of the request has ended
 
 
 @dataclass
@@ -96,7 +104,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self.seed = seed  # the base of the default seeds (sampling_params.default_seed)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._seqs: dict[str, Sequence] = {}
+        self._requests: dict[str, list[Sequence]] = {}  # request id -> its choices so far
+        self._forks = ChoiceForks()
         self.num_prompt_tokens_total = 0
         self.num_batched_tokens_total = 0  # every token run, prefill and recomputation included
         self.num_generation_tokens_total = 0
@@ -120,6 +129,11 @@ class LLMEngine:
             raise RequestError("prompt", f"prompt token ids must be integers in [0, {vocab})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise RequestError("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
+        if params.n > 1 and not hasattr(self.runner, "copy_pages"):
+            raise RequestError("n", "this engine's runner cannot fork choices: n must be 1")
+        if params.n > self.scheduler.max_num_seqs:
+            raise RequestError("n", f"n = {params.n} choices exceed this server's {self.scheduler.max_num_seqs} "
+                               "sequences at once (--max-num-seqs)")
         if num_prompt + 1 > self.max_model_len:
             raise RequestError(
                 "prompt",
@@ -136,16 +150,18 @@ class LLMEngine:
                 code="context_length_exceeded",
             )
         num_tokens = min(num_prompt + params.max_tokens, self.max_model_len)
-        if not self.page_manager.can_ever_fit(num_tokens):
+        if not self.page_manager.can_ever_fit(num_tokens, params.n, num_prompt):
+            choices = f" in each of {params.n} choices" if params.n > 1 else ""
             raise RequestError(
                 "max_tokens",
-                f"{num_tokens} tokens do not fit the KV cache pages even for one request alone",
+                f"{num_tokens} tokens{choices} do not fit the KV cache pages even for one request alone",
                 code="context_length_exceeded",
             )
 
-    def max_new_tokens(self, num_prompt_tokens: int) -> int:
-        """The most tokens a prompt of this length may generate (context and pages)."""
-        limit = min(self.max_model_len, self.page_manager.max_seq_len())
+    def max_new_tokens(self, num_prompt_tokens: int, num_choices: int = 1) -> int:
+        """The most tokens a prompt of this length may generate in each of ``num_choices``
+        choices (context and pages)."""
+        limit = min(self.max_model_len, self.page_manager.max_seq_len(num_choices, num_prompt_tokens))
         return max(limit - num_prompt_tokens, 0)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -154,26 +170,31 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         self.validate_request(prompt_token_ids, params)
         seq = Sequence(prompt_token_ids, params, request_id, arrival_time)
-        if seq.request_id in self._seqs:
+        if seq.request_id in self._requests:
             raise RequestError("request_id", f"request id {seq.request_id!r} is already running")
         if params.seed is None:
             seq.seed = default_seed(self.seed, seq.request_id)
             logger.debug("request %s samples with the default seed %d", seq.request_id, seq.seed)
-        seq.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens)
+        self._add_detokenizer(seq)
         self.scheduler.add(seq)
-        self._seqs[seq.request_id] = seq
+        self._requests[seq.request_id] = [seq]
         self.num_prompt_tokens_total += seq.num_prompt_tokens
         return seq
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its pages; None if it is unknown or already done."""
-        seq = self._seqs.get(request_id)
-        if seq is None:
-            return None
-        self._finish(seq, FinishReason.ABORT)
+    def _add_detokenizer(self, seq: Sequence) -> None:
+        seq.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, seq.params.stop, seq.params.skip_special_tokens)
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Stop every choice of a request now and free its pages: one output per choice that was
+        running (none if the request is unknown or already done)."""
+        choices = [seq for seq in self._requests.get(request_id, ()) if not seq.is_finished]
+        if not choices:
+            return []
         self.num_requests_aborted += 1
-        return self._output(seq, [], [], finished=True)
+        for seq in choices:
+            self._finish(seq, FinishReason.ABORT)
+        return [self._output(seq, [], [], finished=True) for seq in choices]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -193,6 +214,10 @@ class LLMEngine:
         if not out.is_empty:
             self.scheduler.advance(out)  # after the read: block hashes need the real tokens
             self.num_batched_tokens_total += out.num_batched_tokens
+        for parent, choices in self._forks.fork(self.scheduler, self.runner):  # queued before the next forward
+            for seq in choices:
+                self._add_detokenizer(seq)
+            self._requests[parent.request_id] += choices
         if launched is not None:
             if self.overlap:
                 self._in_flight = launched
@@ -215,10 +240,11 @@ class LLMEngine:
                 if seq.num_cached_tokens + n == seq.num_tokens + seq.num_pending]
         if not rows:
             return None
-        seqs = [out.seqs[i] for i in rows]
+        # a first choice drawing its first token brings the request's other choices: the same row
+        seqs, rows = self._forks.expand([out.seqs[i] for i in rows], rows)
         # a decode step samples every row: no gather (and no copy of the index). The logits may
         # then be a replayed CUDA graph's output buffer: sampling is queued before the next replay.
-        if len(rows) < len(out.seqs):
+        if rows != list(range(len(out.seqs))):
             logits = logits[to_device(rows, torch.int64, logits.device)]
         # None unless a request uses penalties, logit_bias or min_tokens: then nothing more runs
         controls = build_controls(seqs, self.eos_token_ids, logits.shape[-1], logits.device,
@@ -331,10 +357,16 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         seq.detokenizer.flush()
         self.sampler.forget(seq.seq_id)
-        self._seqs.pop(seq.request_id, None)
-        self.num_requests_finished += 1
-        if reason is not FinishReason.ABORT:
-            self.latencies.finished(seq, time.monotonic())
+        if self._request_finished(seq):
+            self._requests.pop(seq.request_id, None)
+            self.num_requests_finished += 1
+            if reason is not FinishReason.ABORT:
+                self.latencies.finished(seq, time.monotonic())
+
+    def _request_finished(self, seq: Sequence) -> bool:
+        """Whether every choice of ``seq``'s request has ended (a first choice that was to fork
+        and ends before it does ends the request)."""
+        return all(s.is_finished for s in self._requests.get(seq.request_id, [seq]))
 
     def _output(self, seq: Sequence, new_ids: list[int], new_logprobs: list[TokenLogprob],
                 finished: bool, prompt_logprobs: list[TokenLogprob | None] | None = None) -> RequestOutput:
@@ -343,7 +375,8 @@ class LLMEngine:
             new_text=seq.detokenizer.take_delta(finished), new_logprobs=new_logprobs,
             finished=finished, finish_reason=seq.finish_reason.value if finished else None,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-            num_cached_prompt_tokens=seq.num_cached_prompt_tokens, prompt_logprobs=prompt_logprobs)
+            num_cached_prompt_tokens=seq.num_cached_prompt_tokens, prompt_logprobs=prompt_logprobs,
+            index=seq.choice_index, request_finished=finished and self._request_finished(seq))
 
     # ---- stats -------------------------------------------------------------------------------
     def _count_generated(self, num_tokens: int) -> None:
@@ -396,4 +429,8 @@ class LLMEngine:
             stats[f"{pool.kind}_pages_used"] = pool.num_used
             stats[f"{pool.kind}_pages_cached"] = pool.num_cached
             stats[f"{pool.kind}_pages_free"] = pool.num_free
+            stats[f"{pool.kind}_pages_shared"] = pool.num_shared
+        for kind in ("window", "quant"):  # parallel sampling: the pages choices took at their fork
+            stats[f"fork_{kind}_pages_shared"] = bm.num_fork_pages_shared[kind]
+            stats[f"fork_{kind}_pages_copied"] = bm.num_fork_pages_copied[kind]
         return stats

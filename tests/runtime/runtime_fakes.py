@@ -79,6 +79,14 @@ class IdentityCache:
                     for r in range(P):
                         store[(page, r)] = self.host.pop((copy.offset, kind, j, r))
 
+    def copy_pages(self, copy) -> None:
+        """Copy page contents for forked choices (a ``PageCopy``), as the runner does."""
+        for store, src, dst in ((self.window, copy.window_src, copy.window_dst),
+                                (self.quant, copy.quant_src, copy.quant_dst)):
+            for s, d in zip(src, dst, strict=True):
+                for r in range(self.layout.page_size):
+                    store[(d, r)] = store.get((s, r), GARBAGE)
+
     def check(self, seq: Sequence) -> None:
         """Every cached position reads back its own identity."""
         h = self.bm.history_len(seq)

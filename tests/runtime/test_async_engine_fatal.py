@@ -30,7 +30,7 @@ class FatalEngine:
         self.running.append(request_id)
 
     def abort_request(self, request_id):
-        return None
+        return []
 
     def has_unfinished(self):
         return bool(self.running)

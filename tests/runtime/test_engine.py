@@ -140,8 +140,9 @@ def test_abort_frees_the_pages_at_once(tiny_model, tokenizer):
     seq = engine.add_request(random_prompts(tokenizer, 1, seed=5)[0] * 2, SamplingParams(max_tokens=50))
     engine.step()
     assert seq.has_pages
-    out = engine.abort_request(seq.request_id)
-    assert out.finished and out.finish_reason == "abort" and engine.abort_request(seq.request_id) is None
+    [out] = engine.abort_request(seq.request_id)
+    assert out.finished and out.finish_reason == "abort" and out.request_finished
+    assert engine.abort_request(seq.request_id) == []
     assert_all_pages_free(engine)
     assert not engine.has_unfinished()
 

@@ -17,6 +17,10 @@ What is checked, per setting:
 - each generation is what the server returns for the same request sent alone, and equals the
   stop-less generation of the same prompt cut before its first stop string.
 
+And ``local-chat-completions`` with ``apply_chat_template`` on the ``generate_until`` task (two
+documents, to keep CI short): its bodies equal the fixture captured from the real client
+(fixtures/lm_eval_0.4.13_chat.json) and its generations the server's answers.
+
 Nothing is downloaded: the task data are local JSON files, the tokenizer is the bundled folder
 (or the server's routes), and the hub is off (``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE``).
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before datasets / huggingface_hub read them
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -152,14 +157,19 @@ class Recorder:
         return await self.app(scope, replay, send)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """The bundled model as ``serve`` serves it (oscar-int2 spec and shipped rotations), with an
-    8-token step budget so that prompts are prefilled in chunks."""
+def serve():
+    """(the recorded app, the assembled engine): the bundled model as ``serve`` serves it
+    (oscar-int2 spec and shipped rotations), with an 8-token step budget so that prompts are
+    prefilled in chunks."""
     config = EngineConfig(kv_memory_gb=0.05, max_num_seqs=4, max_num_batched_tokens=8)
     built = assemble(BUNDLED_MODEL_DIR, str(specs_dir() / "oscar-int2.yaml"),
                      str(BUNDLED_MODEL_DIR / "rotations" / "oscar-int2.safetensors"), device="cpu", config=config)
-    app = Recorder(create_app(AsyncEngine(built.engine), MODEL))
+    return Recorder(create_app(AsyncEngine(built.engine), MODEL)), built
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    app, built = serve()
     tasks = tmp_path_factory.mktemp("lm_eval_tasks")
     write_tasks(tasks)
     # lm-eval's built-in tasks stay out of the index: building it reads thousands of YAML files (~30 s).
@@ -178,6 +188,13 @@ def model_args(port: int, backend: str, num_concurrent: int) -> str:
     if backend == "huggingface":
         args += f",tokenizer={BUNDLED_MODEL_DIR}"
     return args
+
+
+def chat_model(port: int):
+    """lm-eval's ``local-chat-completions`` as the README's chat command builds it: no tokenizer on
+    the client (the server renders the messages with the model's chat template)."""
+    args = f"base_url=http://127.0.0.1:{port}/v1/chat/completions,model={MODEL},num_concurrent=1,max_retries=1,timeout=60"
+    return get_model("local-chat-completions").create_from_arg_string(args, {})
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -277,3 +294,33 @@ def test_lm_eval_local_completions(served, backend, num_concurrent):
         assert not any(s in text for s in expected_stops)
         cut += text != full
     assert cut, "no generation met a stop string: the stop list was not exercised"
+
+
+CHAT_FIXTURE = Path(__file__).parent / "fixtures" / "lm_eval_0.4.13_chat.json"
+CHAT_DOCS = 2  # of GEN_DOCS: each generation costs about 2 s on the CPU
+
+
+def test_lm_eval_local_chat_completions(served):
+    """A ``generate_until`` task through ``local-chat-completions`` with ``apply_chat_template``:
+    the bodies on the wire are the captured fixture's (fixtures/capture_lm_eval_chat.py), and each
+    generation is what the server answers that body sent alone, the messages rendered through the
+    model's chat template."""
+    port, built, recorder, task_manager = served
+    chat_body = json.loads(CHAT_FIXTURE.read_text())
+    recorder.seen.clear()
+    out = lm_eval.simple_evaluate(model=chat_model(port), tasks=["oscar_local_gen"], apply_chat_template=True,
+                                  limit=CHAT_DOCS, task_manager=task_manager, log_samples=True,
+                                  random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+    bodies = [body for path, body in recorder.seen if path == "/v1/chat/completions"]
+    assert len(bodies) == CHAT_DOCS and bodies[0] == chat_body
+    for body, doc in zip(bodies, GEN_DOCS, strict=False):
+        # lm-eval keeps 4 stop strings on chat (``stop[:4]``) and, with no client tokenizer, adds no eos
+        assert body == {**chat_body, "messages": [{"role": "user", "content": doc["prompt"]}]}
+    assert chat_body["stop"] == STOPS[:4] and chat_body["max_tokens"] == MAX_GEN_TOKS
+    samples = out["samples"]["oscar_local_gen"]
+    for body, sample in zip(bodies, samples, strict=True):
+        status, reply = post(port, "/v1/chat/completions", body)
+        assert status == 200, reply
+        assert sample["resps"][0][0] == reply["choices"][0]["message"]["content"]
+        rendered = built.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, return_dict=False)
+        assert reply["usage"]["prompt_tokens"] == len(rendered)

@@ -65,8 +65,8 @@ def _run(engine, requests, abort_after: int | None = None):
             outputs[out.request_id].append(out)
         steps += 1
         if steps == abort_after:
-            aborted = engine.abort_request(seqs[0].request_id)
-            assert aborted is not None and aborted.finished
+            [aborted] = engine.abort_request(seqs[0].request_id)
+            assert aborted.finished
     for pool in (engine.page_manager.window_pool, engine.page_manager.quant_pool):
         assert pool.num_used == 0 and all(count == 0 for count in pool.ref_counts)
     return [dict(ids=s.output_token_ids, reason=s.finish_reason, text=s.detokenizer.text,

@@ -213,3 +213,53 @@ def test_random_workload_with_shared_prefixes_stays_consistent(layout, history_h
         assert pool.num_used == 0 and pool.num_free + pool.num_cached == pool.num_pages
         pool.reset_prefix_cache()
         assert pool.num_free == pool.num_pages
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("prompt_len", [3, 16, 20, 50, 70])
+@pytest.mark.parametrize("hit", [False, True])
+def test_forked_choices_read_the_prompt_and_then_their_own_tokens(layout, prompt_len, hit):
+    """Parallel sampling: choices forked from a cached prompt (after a prefix hit or not) read it
+    back whole, share its final sink and full history pages (one reference more each) and copy
+    the rest into the pages reserved at admission; each then grows on its own pages."""
+    bm = make_bm(**layout)
+    cache = IdentityCache(bm)
+    prompt = [(7 * i) % 89 + 3 for i in range(prompt_len)]
+    if hit:  # the prompt's blocks in the prefix cache, its sequence gone
+        first = Sequence(list(prompt))
+        admit(bm, cache, first)
+        bm.deallocate(first)
+    parent = Sequence(list(prompt), SamplingParams(n=3))
+    num_window, num_quant = bm.window_pool.num_used, bm.quant_pool.num_used
+    admit(bm, cache, parent)
+    reserved = (len(parent.fork_window_pages), len(parent.fork_quant_pages))
+    assert reserved == bm.fork_need(parent)
+    children = [parent.fork(i) for i in (1, 2)]
+    cache.copy_pages(bm.fork(parent, children))
+    choices = [parent, *children]
+    assert not parent.num_forks and parent.fork_window_pages == parent.fork_quant_pages == []
+    assert [c.seq_id for c in choices] == sorted(c.seq_id for c in choices)
+    # every page taken is a page of a choice: the reservation was exact
+    holders = {p for c in choices for p in c.window_pages}, {p for c in choices for p in c.quant_pages}
+    assert (len(holders[0]), len(holders[1])) == (bm.window_pool.num_used - num_window,
+                                                  bm.quant_pool.num_used - num_quant)
+    S0, W = layout["sink"], layout["recent"]
+    shared_quant = max(prompt_len - S0 - W, 0) // P
+    assert bm.quant_pool.num_shared == shared_quant and bm.window_pool.num_shared == min(prompt_len, S0) // P
+    rng = random.Random(prompt_len)
+    for _ in range(12):
+        for c in choices:
+            check_page_invariants(bm, choices)
+            cache.check(c)
+            num_new = rng.randrange(1, 6)
+            c.token_ids += [rng.randrange(3, 97) for _ in range(num_new)]  # each its own tokens
+            assert bm.can_append(c, num_new)
+            bm.may_append(c, num_new)
+            cache.write(c, num_new)
+            c.num_cached_tokens += num_new
+            bm.commit(c)
+    for c in choices:
+        cache.check(c)
+        bm.deallocate(c)
+    check_page_invariants(bm, [])
+    assert bm.window_pool.num_used == bm.quant_pool.num_used == bm.quant_pool.num_shared == 0

@@ -103,7 +103,7 @@ def test_many_concurrent_clients(client):
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 3.5}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x " * 600}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),

@@ -130,6 +130,20 @@ def test_bf16_split_over_two_ranks_equals_one():
     _assert_equal_and_exercised(single, split, staged=False)
 
 
+def test_forked_choices_split_over_two_ranks_equal_one():
+    """n = 3: every rank copies the forked choices' window pages and partial history page."""
+    spec = _small_windows(shipped_spec("hadamard-int2"))  # (its rotations need no data)
+    config = EngineConfig(num_window_pages=12, num_quant_pages=20, max_num_seqs=4)
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    prompt = _prompts()[0][:70]  # history 22 tokens: a full page shared, a partial one copied
+    with LLM(None, spec, None, device="cpu", config=config) as one:
+        single = [o.token_ids for o in one.generate(prompt, params)]
+        assert one.engine.stats()["fork_quant_pages_copied"] == 2
+    with LLM(None, spec, None, device="cpu", config=config, tensor_parallel_size=2) as two:
+        assert [o.token_ids for o in two.generate(prompt, params)] == single
+    assert len({tuple(t) for t in single}) == 3
+
+
 def test_the_server_reports_each_rank_and_fails_loudly_in_bounded_time_when_a_rank_dies(capsys):
     import multiprocessing
     import threading

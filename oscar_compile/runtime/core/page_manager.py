@@ -55,6 +55,20 @@ Swapping. ``swap_out`` moves a preempted sequence's page contents to a range of 
 (swap_space.py; the runner copies) and drops its page references, keeping its counters;
 ``swap_in`` gives it fresh pages and the runner copies the contents back before it runs. A staged
 sequence is not swapped (its staging pages are large): it is recomputed, staged again.
+
+Parallel sampling (``SamplingParams.n``). A request of n choices is one sequence (choice 0) until
+its prompt is cached; then ``fork`` gives each other choice its own pages, as they were at that
+moment: the final sink pages and the full history pages are *shared* (one more reference: their
+content never changes again), the rest of the window pages (a partial sink page, the recent
+ring) and the partial last history page, which every choice demotes its own tokens into, are
+*copied* into fresh pages (``PageCopy``: the runner copies them on the device before the next
+forward). So every choice reads the prompt exactly as the request alone would, and the prompt's
+full pages are held once. A prefix-cache hit is no substitute: ring pages are never shared, and
+a hit reads the prefix back quantized where the prefill attended to it in full precision. The
+copies' pages are taken at admission (``fork_need``), so a fork never waits for memory; a
+sequence that has yet to fork is recomputed if preempted, never swapped (its reserved pages
+hold nothing). A forked choice is an ordinary sequence: swapped out, it takes its shared pages
+along as private copies; recomputed, it may hit the prompt's pages in the prefix cache.
 """
 
 from __future__ import annotations
@@ -88,6 +102,17 @@ class PrefixMatch:
 
 
 @dataclass(frozen=True)
+class PageCopy:
+    """Device copies of a fork: page ``window_src[k]`` into ``window_dst[k]`` (and so for quant),
+    every layer, destinations fresh."""
+
+    window_src: tuple[int, ...]
+    window_dst: tuple[int, ...]
+    quant_src: tuple[int, ...]
+    quant_dst: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class SwapCopy:
     """Pages to copy to (swap out) or from (swap in) the host range at byte ``offset``: window
     pages first, then history pages, in the sequence's table order."""
@@ -113,6 +138,9 @@ class PageManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.num_prefix_queried_tokens = 0
         self.num_prefix_hit_tokens = 0
+        # pages the choices of forked requests took: shared by reference, or copied (by kind)
+        self.num_fork_pages_shared = {"window": 0, "quant": 0}
+        self.num_fork_pages_copied = {"window": 0, "quant": 0}
 
     # ---- sizes -------------------------------------------------------------------------------
     def history_len(self, seq: Sequence, num_cached_tokens: int | None = None) -> int:
@@ -121,16 +149,22 @@ class PageManager:
         floor = max(0, seq.num_prefix_cached_tokens - self.layout.sink)
         return self.layout.num_history_tokens(L, floor)
 
-    def max_seq_len(self) -> int:
-        """The longest sequence the pools can hold on their own (0 if its windows do not fit)."""
+    def max_seq_len(self, num_choices: int = 1, num_prompt_tokens: int = 0) -> int:
+        """The longest sequence the pools can hold on their own (0 if its windows do not fit); with
+        ``num_choices``, the longest each choice of a request of ``num_prompt_tokens`` can reach
+        (its prompt's shared pages counted once, the rest ``num_choices`` times)."""
         layout = self.layout
-        if layout.num_window_pages_per_seq > self.window_pool.num_pages:
+        shared_window, shared_quant, _ = self._fork_split(num_prompt_tokens) if num_choices > 1 else (0, 0, 0)
+        per_choice = layout.num_window_pages_per_seq - shared_window
+        if shared_window + num_choices * per_choice > self.window_pool.num_pages:
             return 0
-        return self.quant_pool.num_pages * layout.page_size + layout.sink + layout.recent
+        num_quant = shared_quant + (self.quant_pool.num_pages - shared_quant) // num_choices
+        return num_quant * layout.page_size + layout.sink + layout.recent
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        """Whether one sequence of ``num_tokens`` fits the pools on its own (else it never runs)."""
-        return num_tokens <= self.max_seq_len()
+    def can_ever_fit(self, num_tokens: int, num_choices: int = 1, num_prompt_tokens: int = 0) -> bool:
+        """Whether a request of ``num_tokens`` (each of its choices) fits the pools on its own
+        (else it never runs)."""
+        return num_tokens <= self.max_seq_len(num_choices, num_prompt_tokens)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -180,8 +214,9 @@ class PageManager:
         floor = max(0, match.num_tokens - self.layout.sink)
         history = self.layout.num_history_tokens(match.num_tokens + num_new_tokens, floor)
         num_quant = self.layout.num_quant_pages_for(history) - len(match.quant_pages)
-        return (num_window <= self._num_available(self.window_pool, match.window_pages)
-                and num_quant <= self._num_available(self.quant_pool, match.quant_pages)
+        fork_window, fork_quant = self.fork_need(seq)
+        return (num_window + fork_window <= self._num_available(self.window_pool, match.window_pages)
+                and num_quant + fork_quant <= self._num_available(self.quant_pool, match.quant_pages)
                 and num_staging <= self.staging_pool.num_available)
 
     def allocate(self, seq: Sequence, match: PrefixMatch, num_staging: int = 0) -> None:
@@ -200,6 +235,9 @@ class PageManager:
         seq.num_cached_prompt_tokens = min(match.num_tokens, seq.num_prompt_tokens)
         seq.num_committed_blocks = len(match.window_pages) + len(match.quant_pages)
         seq.staging_pages = [self.staging_pool.allocate() for _ in range(num_staging)]
+        fork_window, fork_quant = self.fork_need(seq)
+        seq.fork_window_pages = [self.window_pool.allocate() for _ in range(fork_window)]
+        seq.fork_quant_pages = [self.quant_pool.allocate() for _ in range(fork_quant)]
         if num_staging:
             self.num_staged_prefills += 1
             self.peak_staging_pages = max(self.peak_staging_pages, self.staging_pool.num_used)
@@ -257,13 +295,17 @@ class PageManager:
             self.quant_pool.release(page)
         for page in reversed(seq.window_pages):
             self.window_pool.release(page)
+        for pool, pages in ((self.window_pool, seq.fork_window_pages), (self.quant_pool, seq.fork_quant_pages)):
+            for page in pages:
+                pool.release(page)
         self.end_staging(seq)
         seq.window_pages, seq.quant_pages = [], []
+        seq.fork_window_pages, seq.fork_quant_pages = [], []
 
     # ---- swapping ----------------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
         """Host room for ``seq``'s pages (staged or empty sequences are recomputed instead)."""
-        return (self.swap_space is not None and not seq.is_staged and seq.num_cached_tokens > 0
+        return (self.swap_space is not None and not seq.is_staged and not seq.num_forks and seq.num_cached_tokens > 0
                 and self.swap_space.can_fit(len(seq.window_pages), len(seq.quant_pages)))
 
     def swap_out(self, seq: Sequence) -> SwapCopy:
@@ -291,6 +333,56 @@ class PageManager:
         seq.swap = None
         return SwapCopy(offset, tuple(seq.window_pages), tuple(seq.quant_pages))
 
+    # ---- parallel sampling -------------------------------------------------------------------
+    def _fork_split(self, num_cached_tokens: int) -> tuple[int, int, int]:
+        """(shared window pages, shared quant pages, quant pages) of a sequence forked with
+        ``num_cached_tokens`` cached in the standard state: its final sink pages and full history
+        pages are shared."""
+        layout = self.layout
+        history = layout.num_history_tokens(num_cached_tokens)
+        shared_window = min(num_cached_tokens // layout.page_size, layout.num_sink_pages)
+        return shared_window, history // layout.page_size, layout.num_quant_pages_for(history)
+
+    def fork_need(self, seq: Sequence) -> tuple[int, int]:
+        """(window, quant) pages the other choices of ``seq`` take when it forks, once its prompt
+        is cached; (0, 0) for a sequence that does not fork (any more)."""
+        if not seq.num_forks:
+            return 0, 0
+        shared_window, shared_quant, num_quant = self._fork_split(seq.num_prompt_tokens)
+        return (seq.num_forks * (self.layout.num_window_pages_per_seq - shared_window),
+                seq.num_forks * (num_quant - shared_quant))
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> PageCopy:
+        """Pages for the choices ``children`` of ``parent``, whose prompt is cached and which has
+        generated nothing (module docstring, "Parallel sampling"): shared pages get a reference,
+        the others are copied into the pages reserved at admission."""
+        shared_window, shared_quant, num_quant = self._fork_split(parent.num_cached_tokens)
+        num_window = len(parent.window_pages) - shared_window
+        if (parent.is_staged or parent.num_cached_tokens != parent.num_prompt_tokens
+                or len(children) != parent.num_forks or len(parent.quant_pages) != num_quant
+                or len(parent.fork_window_pages) != len(children) * num_window
+                or len(parent.fork_quant_pages) != len(children) * (num_quant - shared_quant)):
+            raise RuntimeError(f"{parent} cannot fork {len(children)} choices in this state")
+        window_src: list[int] = []
+        window_dst: list[int] = []
+        quant_src: list[int] = []
+        quant_dst: list[int] = []
+        for child in children:
+            child.window_pages = _fork_table(self.window_pool, parent.window_pages, shared_window,
+                                             parent.fork_window_pages, window_src, window_dst)
+            child.quant_pages = _fork_table(self.quant_pool, parent.quant_pages, shared_quant,
+                                            parent.fork_quant_pages, quant_src, quant_dst)
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.num_prefix_cached_tokens = parent.num_prefix_cached_tokens
+            child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+            child.block_hashes = list(parent.block_hashes)
+            child.num_committed_blocks = parent.num_committed_blocks
+        parent.num_forks = 0
+        for kind, shared, copied in (("window", shared_window, window_dst), ("quant", shared_quant, quant_dst)):
+            self.num_fork_pages_shared[kind] += shared * len(children)
+            self.num_fork_pages_copied[kind] += len(copied)
+        return PageCopy(tuple(window_src), tuple(window_dst), tuple(quant_src), tuple(quant_dst))
+
     # ---- helpers -----------------------------------------------------------------------------
     def _update_hashes(self, seq: Sequence) -> None:
         P = self.layout.page_size
@@ -309,3 +401,15 @@ class PageManager:
     def _num_available(pool: PagePool, matched: tuple[int, ...]) -> int:
         """Available pages once the matched ones (maybe sitting in the eviction list) are taken."""
         return pool.num_available - sum(1 for page in matched if pool.is_cached_unused(page))
+
+
+def _fork_table(pool: PagePool, table: list[int], num_shared: int, reserved: list[int],
+                src: list[int], dst: list[int]) -> list[int]:
+    """A choice's copy of ``table``: its first ``num_shared`` pages shared (one more reference),
+    each other one copied into a page taken from ``reserved`` (the pair appended to src / dst)."""
+    for page in table[:num_shared]:
+        pool.acquire(page)
+    copies = [reserved.pop() for _ in table[num_shared:]]
+    src += table[num_shared:]
+    dst += copies
+    return table[:num_shared] + copies

@@ -5,6 +5,8 @@ A page is in exactly one of three states:
 - **cached**: unreferenced but holding a registered block (hash -> page), kept for prefix reuse
   and evicted least-recently-released first when a fresh page is needed;
 - **free**: unreferenced and holding nothing worth keeping.
+A used page referenced by more than one sequence (a prefix-cache hit, or a prompt page of the
+choices of one request: page_manager, "Parallel sampling") is *shared*: ``num_shared`` counts them.
 Fresh pages come from the free list first so cached content lives as long as possible.
 """
 
@@ -28,6 +30,7 @@ class PagePool:
         self._page_of_hash: dict[bytes, int] = {}
         self._hash_of_page: dict[int, bytes] = {}
         self.num_evictions = 0
+        self.num_shared = 0  # pages with more than one reference (kept as they change: read each step)
 
     @property
     def num_free(self) -> int:
@@ -73,11 +76,13 @@ class PagePool:
                 raise RuntimeError(f"{self.kind} page {page} is free, it cannot be shared")
             del self._cached[page]
         self.ref_counts[page] += 1
+        self.num_shared += self.ref_counts[page] == 2
 
     def release(self, page: int) -> None:
         if self.ref_counts[page] <= 0:
             raise RuntimeError(f"{self.kind} page {page} released more times than referenced")
         self.ref_counts[page] -= 1
+        self.num_shared -= self.ref_counts[page] == 1
         if self.ref_counts[page] == 0:
             if page in self._hash_of_page:
                 self._cached[page] = None

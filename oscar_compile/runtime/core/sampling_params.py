@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_N = 16  # choices per request (parallel sampling): each one holds its own window pages
 MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
 MAX_LOGIT_BIAS = 100.0  # OpenAI: a bias is in [-100, 100]
 # Below this temperature sampling is greedy: dividing logits by ~0 only overflows.
@@ -114,6 +115,9 @@ class SamplingParams:
     ``max_tokens`` 0: score the prompt, generate nothing.
 
     ``structured_output``: the constraint the output must match (``StructuredOutputParams``).
+
+    ``n`` (1 to ``MAX_N``): choices drawn for the prompt, as vLLM's ``n``. The prompt is prefilled
+    once, then forked (page_manager, "Parallel sampling"); choice ``i`` draws with ``seed + i``.
     """
 
     max_tokens: int = 16
@@ -134,6 +138,7 @@ class SamplingParams:
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     structured_output: StructuredOutputParams | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -143,6 +148,7 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         _check_int("max_tokens", self.max_tokens, low=0 if self.prompt_logprobs is not None else 1)
+        _check_int("n", self.n, low=1, high=MAX_N)
         _check_number("temperature", self.temperature, low=0.0)
         _check_number("top_p", self.top_p, low=0.0, high=1.0)
         if self.top_p == 0.0:

@@ -18,6 +18,11 @@ A prompt that needs several chunks is admitted with its staging pages (page_mana
 demotion") or waits at the head of the queue until they are free; one whose history the staging
 pool could never hold is admitted only when the step's budget takes the whole prompt at once.
 
+A request of n choices (parallel sampling) is admitted as one sequence with the pages its
+choices will take reserved, and counts as n against ``max_num_seqs``; once its prompt is cached
+``fork`` puts the choices into ``running`` right after it (their seq_ids were reserved at its
+arrival, so the order below holds).
+
 Invariant (tested): every running sequence arrived before every waiting one, so ``running`` is
 sorted by arrival and ``running[-1]`` is the newest.
 """
@@ -28,7 +33,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from oscar_compile.runtime.core.page_manager import PageManager, SwapCopy
+from oscar_compile.runtime.core.page_manager import PageCopy, PageManager, SwapCopy
 from oscar_compile.runtime.core.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -96,7 +101,7 @@ class Scheduler:
         if seq.num_prompt_tokens < 1:
             raise ValueError("prompt must hold at least one token")
         num_tokens = self.max_num_tokens(seq)
-        if not self.page_manager.can_ever_fit(num_tokens):
+        if not self.page_manager.can_ever_fit(num_tokens, seq.params.n, seq.num_prompt_tokens):
             raise ValueError(
                 f"a sequence of {num_tokens} tokens needs more KV pages than the cache holds; "
                 "lower max_tokens or raise the KV memory"
@@ -132,6 +137,16 @@ class Scheduler:
             self.page_manager.deallocate(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> PageCopy:
+        """Run the other choices of ``parent`` (its prompt just cached) from the next step on; the
+        runner copies the returned pages before that step's forward."""
+        copy = self.page_manager.fork(parent, children)
+        for child in children:
+            child.status = SequenceStatus.RUNNING
+        index = self.running.index(parent) + 1
+        self.running[index:index] = children
+        return copy
 
     # ---- helpers -----------------------------------------------------------------------------
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -178,6 +193,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if len(self.running) + 1 + seq.num_forks > self.max_num_seqs:
+                break  # its choices would not fit the sequence slots
             num_new = (self._swap_in(seq, budget, out) if seq.status is SequenceStatus.SWAPPED
                        else self._admit(seq, budget))
             if not num_new:

@@ -47,6 +47,11 @@ class Sequence:
     sequence's table of full-precision staging pages: its history rows wait there, unquantized,
     until the last prompt chunk (deferred demotion, see page_manager). ``swap`` is where its
     pages sit in host swap space while it is swapped out: ``(offset, num_window, num_quant)``.
+    Parallel sampling (``params.n`` > 1): the request's first sequence is choice 0; once its prompt
+    is cached it forks ``num_forks`` more (``fork``; page_manager, "Parallel sampling"), choice
+    ``i`` with ``seed + i`` and the seq_id ``child_seq_ids[i - 1]`` reserved at its creation, so
+    that the choices sort by arrival right after it. ``fork_window_pages`` / ``fork_quant_pages``
+    are the pages reserved for them at admission.
     ``prompt_logprobs`` (only when ``params.prompt_logprobs`` asks): one entry per prompt token,
     ``None`` for the first (nothing predicts it) and until the prefill reaches it; the engine fills
     entry ``p + 1`` from the logits at position ``p``.
@@ -61,13 +66,20 @@ class Sequence:
     """
 
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                 request_id: str | None = None, arrival_time: float | None = None):
-        self.seq_id = next(_seq_counter)  # also the arrival order: FCFS and preemption use it
+                 request_id: str | None = None, arrival_time: float | None = None,
+                 choice_index: int = 0, seq_id: int | None = None):
+        # also the arrival order: FCFS and preemption use it
+        self.seq_id = next(_seq_counter) if seq_id is None else seq_id
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.params = params if params is not None else SamplingParams()
         self.seed = self.params.seed if self.params.seed is not None else default_seed(0, self.request_id)
+        self.choice_index = choice_index
+        self.num_forks = self.params.n - 1 if choice_index == 0 else 0
+        self.child_seq_ids = [next(_seq_counter) for _ in range(self.num_forks)]
+        self.fork_window_pages: list[int] = []
+        self.fork_quant_pages: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.window_pages: list[int] = []
@@ -123,7 +135,8 @@ class Sequence:
 
     @property
     def has_pages(self) -> bool:
-        return bool(self.window_pages or self.quant_pages or self.staging_pages)
+        return bool(self.window_pages or self.quant_pages or self.staging_pages
+                    or self.fork_window_pages or self.fork_quant_pages)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -138,11 +151,23 @@ class Sequence:
         """Add a sampled token; its K/V enters the cache at the next step."""
         self.token_ids.append(int(token_id))
 
+    def fork(self, index: int) -> Sequence:
+        """Choice ``index`` of this request, before its first token: the prompt's tokens and
+        state, no pages yet (``PageManager.fork`` gives them)."""
+        child = Sequence(self.prompt_token_ids, self.params, self.request_id, self.arrival_time,
+                         choice_index=index, seq_id=self.child_seq_ids[index - 1])
+        child.seed = self.seed + index  # the sampler takes it mod 2^64
+        child.prompt_logprobs = self.prompt_logprobs  # complete once the prompt is in: read only
+        child.first_scheduled_time = self.first_scheduled_time
+        return child
+
     def reset_cache_state(self) -> None:
         """Forget everything cached (after preemption): the tokens stay and will be recomputed."""
         self.window_pages = []
         self.quant_pages = []
         self.staging_pages = []
+        self.fork_window_pages = []
+        self.fork_quant_pages = []
         self.num_cached_tokens = 0
         self.num_prefix_cached_tokens = 0
         self.num_committed_blocks = 0

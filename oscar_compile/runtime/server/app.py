@@ -285,10 +285,11 @@ class _Server:
             lambda: [self.tokenizer.encode(p) if isinstance(p, str) else p for p in texts])
         self._check_prompts(prompts, "prompt")
         max_tokens = self._max_tokens("max_tokens", req.max_tokens, prompts, DEFAULT_COMPLETION_MAX_TOKENS,
-                                      scoring=req.num_prompt_logprobs() is not None)
+                                      scoring=req.num_prompt_logprobs() is not None, n=req.n)
         params = self._sampling_params(req.sampling_params, max_tokens, req.logprobs)
         fmt = Formatter("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
-                        self.tokenizer, req.logprobs is not None, echo=req.echo, prompt_logprobs=req.prompt_logprobs)
+                        self.tokenizer, req.logprobs is not None, echo=req.echo, prompt_logprobs=req.prompt_logprobs,
+                        n=req.n)
         return await self._respond(request, fmt, prompts, params, req.stream, req.stream_options, arrival)
 
     async def chat_completions(self, request: Request):
@@ -300,11 +301,12 @@ class _Server:
         self._check_prompts([ids], "messages")
         field, requested = req.requested_max_tokens()
         max_tokens = self._max_tokens(field, requested, [ids], self.config.default_chat_max_tokens,
-                                      scoring=req.prompt_logprobs is not None)
+                                      scoring=req.prompt_logprobs is not None, n=req.n)
         params = with_tool_constraint(self._sampling_params(req.sampling_params, max_tokens, req.num_logprobs()),
                                       constraint)
         fmt = Formatter("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
-                        self.tokenizer, req.logprobs, prompt_logprobs=req.prompt_logprobs, tool_calls=tool_plan)
+                        self.tokenizer, req.logprobs, prompt_logprobs=req.prompt_logprobs, tool_calls=tool_plan,
+                        n=req.n)
         return await self._respond(request, fmt, [ids], params, req.stream, req.stream_options, arrival)
 
     def _check_prompts(self, prompts: list[list[int]], param: str) -> None:
@@ -316,12 +318,12 @@ class _Server:
                 raise RequestError(param, str(err), err.code) from None
 
     def _max_tokens(self, field: str, requested: int | None, prompts: list[list[int]], default: int,
-                    scoring: bool = False) -> int:
-        """``requested`` if every prompt leaves room for it, else a 400 naming ``field`` (as
-        OpenAI and vLLM refuse it, rather than cutting the output short); without one,
-        ``default`` capped by that room. 0 only when ``scoring`` the prompt."""
-        longest = max(len(ids) for ids in prompts)
-        room = self.engine.max_new_tokens(longest)
+                    scoring: bool = False, n: int = 1) -> int:
+        """``requested`` if every prompt leaves room for it in each of its ``n`` choices (the
+        pages of all of them counted), else a 400 naming ``field`` (as OpenAI and vLLM refuse it,
+        rather than cutting the output short); without one, ``default`` capped by that room. 0
+        only when ``scoring`` the prompt."""
+        room, longest = min((self.engine.max_new_tokens(len(ids), n), len(ids)) for ids in prompts)
         if requested is None:
             return max(min(default, room), 1)
         if requested < (0 if scoring else 1):
@@ -332,7 +334,8 @@ class _Server:
             if longest + room >= context:
                 what = f"This model's maximum context length is {context} tokens"
             else:
-                what = f"The KV cache holds at most {longest + room} tokens for one request"
+                each = f" in each of {n} choices" if n > 1 else ""
+                what = f"The KV cache holds at most {longest + room} tokens{each} for one request"
             raise RequestError(field, f"{what}. However, you requested {longest + requested} tokens "
                                f"({longest} in the prompt, {requested} in the completion). "
                                f"Please reduce the prompt or {field}.", code="context_length_exceeded")
@@ -359,7 +362,7 @@ class _Server:
             return _ReleasingStream(self._stream(fmt, outputs, prompts, include_usage), release,
                                     media_type="text/event-stream", headers=_SSE_HEADERS)
         try:
-            task = asyncio.ensure_future(self._collect(outputs, prompts))
+            task = asyncio.ensure_future(self._collect(outputs, prompts, params.n))
             while not task.done():
                 await asyncio.wait([task], timeout=_DISCONNECT_POLL_S)
                 if not task.done() and await request.is_disconnected():
@@ -373,8 +376,10 @@ class _Server:
 
     async def _generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                         arrival: float) -> AsyncIterator[tuple[int, Any]]:
-        """(choice index, RequestOutput) for every prompt; leaving early (the client gone, the
-        deadline passed) aborts the unfinished, which frees their pages."""
+        """(choice index, RequestOutput) for every prompt and choice (prompt ``i``'s choice ``j``
+        is choice ``i * n + j``, as OpenAI numbers them); leaving early (the client gone, the
+        deadline passed) aborts the unfinished requests, every choice of them, which frees their
+        pages."""
         deadline = self._deadline(arrival)
         sink: asyncio.Queue = asyncio.Queue()
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -387,9 +392,9 @@ class _Server:
                 index, item = await self._next(sink, deadline)
                 if isinstance(item, BaseException):
                     raise item
-                if item.finished:
+                if item.request_finished:
                     pending.discard(index)
-                yield index, item
+                yield index * params.n + item.index, item
         finally:
             for index in pending:
                 self.async_engine.abort(ids[index])
@@ -405,19 +410,23 @@ class _Server:
                            code="request_timeout") from None
 
     @staticmethod
-    async def _collect(outputs: AsyncIterator[tuple[int, Any]], prompts: list[list[int]]) -> list[Choice]:
-        choices = [Choice(i, prompt_token_ids=ids) for i, ids in enumerate(prompts)]
+    def _choices(prompts: list[list[int]], n: int) -> list[Choice]:
+        return [Choice(i * n + j, prompt_token_ids=ids) for i, ids in enumerate(prompts) for j in range(n)]
+
+    async def _collect(self, outputs: AsyncIterator[tuple[int, Any]], prompts: list[list[int]], n: int
+                       ) -> list[Choice]:
+        choices = self._choices(prompts, n)
         async for index, out in outputs:
             choices[index].add(out)
         return choices
 
     async def _stream(self, fmt: Formatter, outputs: AsyncIterator[tuple[int, Any]],
                       prompts: list[list[int]], include_usage: bool) -> AsyncIterator[str]:
-        choices = [Choice(i, prompt_token_ids=ids) for i, ids in enumerate(prompts)]
-        started = [False] * len(prompts)  # a completion's first chunk carries the echoed prompt
+        choices = self._choices(prompts, fmt.n)
+        started = [False] * len(choices)  # a completion's first chunk carries the echoed prompt
         try:
             if fmt.kind == "chat":
-                for i in range(len(prompts)):
+                for i in range(len(choices)):
                     yield sse(fmt.chunk(i, None, first=True))
             async for index, out in outputs:
                 offset = len(choices[index].text) + fmt.echo_offset(choices[index])

@@ -79,6 +79,8 @@ _PAGES = (
     ("oscar_kv_pages_cached", "Unreferenced KV pages kept for prefix reuse (evictable).",
      "pages_cached"),
     ("oscar_kv_pages_free", "KV pages holding nothing.", "pages_free"),
+    ("oscar_kv_pages_shared", "KV pages referenced by more than one sequence (prefix-cache hits, and the "
+     "prompt pages the choices of an n > 1 request share).", "pages_shared"),
 )
 PAGE_KINDS = ("window", "quant", "staging")  # staging: full-precision history of chunked prefills
 
@@ -167,6 +169,13 @@ class SnapshotCollector:
             for page_kind in PAGE_KINDS:
                 pages.add_metric([page_kind], stats[f"{page_kind}_{suffix}"])
             yield pages
+        forked = CounterMetricFamily(
+            "oscar_forked_pages_total", "Pages the choices of n > 1 requests took when they forked from the prompt: "
+            'shared by reference (how="shared") or copied on the device (how="copied").', labels=["kind", "how"])
+        for kind in ("window", "quant"):
+            for how in ("shared", "copied"):
+                forked.add_metric([kind, how], stats[f"fork_{kind}_pages_{how}"])
+        yield forked
         yield from _rank_metrics(stats)
         ignored = CounterMetricFamily(
             "oscar_ignored_request_fields_total",

@@ -7,7 +7,9 @@ names it in a warning and counts it in ``/metrics``, and ``--strict-fields`` mak
 means its default, as OpenAI accepts ``null`` for its nullable fields (``n``, ``stream``,
 penalties...).
 Fields OpenAI defines but this server does not implement are accepted only at their neutral
-value (``n: 1``...) and refused otherwise, naming the field. The sampling controls follow vLLM:
+value and refused otherwise, naming the field. ``n`` (1 to 16) returns that many choices per
+prompt (the prompt is prefilled once; choice ``i`` draws with ``seed + i``); ``best_of``, which
+vLLM removed, is accepted only as ``null`` or equal to ``n``. The sampling controls follow vLLM:
 ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (OpenAI's), and the vLLM-style
 extensions ``repetition_penalty``, ``min_p``, ``min_tokens``, ``top_k``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``prompt_logprobs``; ``null`` means the default for each of them.
@@ -40,6 +42,7 @@ from pydantic import BaseModel, Field
 from oscar_compile.runtime.core.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_N,
     MAX_PENALTY,
     RequestError,
     SamplingParams,
@@ -103,8 +106,8 @@ class _Common(_Strict):
 
     def check(self) -> None:
         """Refuse what the field types allow but OpenAI / vLLM refuse, or this server lacks."""
-        if self.n != 1:
-            raise RequestError("n", f"only n = 1 is supported, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise RequestError("n", f"n must be between 1 and {MAX_N}, got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
@@ -171,6 +174,7 @@ class _Common(_Strict):
             min_p=self.min_p or 0.0,
             min_tokens=self.min_tokens or 0,
             prompt_logprobs=self.num_prompt_logprobs(),
+            n=self.n,
         )
 
     def num_prompt_logprobs(self) -> int | None:
@@ -187,8 +191,9 @@ class CompletionRequest(_Common):
 
     def check(self) -> None:
         super().check()
-        if self.best_of not in (None, 1):
-            raise RequestError("best_of", "best_of is not supported")
+        if self.best_of not in (None, self.n):
+            raise RequestError("best_of", f"best_of must be null or equal to n ({self.n}), got {self.best_of}: "
+                               "choosing the best of more samples than returned is not supported (vLLM removed it)")
         if self.suffix:
             raise RequestError("suffix", "suffix is not supported")
 

@@ -47,12 +47,13 @@ class Choice:
             self.finish_reason = out.finish_reason
 
 
-def usage(choices: list[Choice]) -> dict[str, Any]:
-    prompt = sum(c.num_prompt_tokens for c in choices)
+def usage(choices: list[Choice], n: int = 1) -> dict[str, Any]:
+    """Each prompt's tokens once (its ``n`` choices are consecutive), every choice's completion."""
+    prompt = sum(c.num_prompt_tokens for c in choices[::n])
     completion = sum(len(c.token_ids) for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_prompt_tokens for c in choices)}}
+            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_prompt_tokens for c in choices[::n])}}
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -62,11 +63,11 @@ def sse(payload: dict[str, Any] | str) -> str:
 
 
 class Formatter:
-    """Builds bodies for one request: ``kind`` is "completion" or "chat"."""
+    """Builds bodies for one request: ``kind`` is "completion" or "chat"; ``n`` choices per prompt."""
 
     def __init__(self, kind: str, request_id: str, created: int, model: str, tokenizer,
                  want_logprobs: bool, echo: bool = False, prompt_logprobs: int | None = None,
-                 tool_calls: ToolCallPlan | None = None):
+                 tool_calls: ToolCallPlan | None = None, n: int = 1):
         self.kind = kind
         self.request_id = request_id
         self.created = created
@@ -77,6 +78,7 @@ class Formatter:
         self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs: k, or None for none
         self.tool_calls = tool_calls  # chat: the output is read for tool calls (tool_calls.py)
         self._tool_streams: dict[int, ChoiceToolStream] = {}  # per streamed choice
+        self.n = n
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -153,7 +155,7 @@ class Formatter:
                 if self.prompt_logprobs is not None:
                     body["prompt_logprobs"] = self._prompt_logprobs(c.prompt_logprobs)
             bodies.append(body)
-        whole = {**self._envelope(bodies, chunk=False), "usage": usage(choices)}
+        whole = {**self._envelope(bodies, chunk=False), "usage": usage(choices, self.n)}
         if self.kind == "chat" and self.prompt_logprobs is not None:  # vLLM: top level, the one prompt's
             whole["prompt_logprobs"] = self._prompt_logprobs(choices[0].prompt_logprobs if choices else None)
         return whole
@@ -202,7 +204,7 @@ class Formatter:
         return self._envelope([body], chunk=True)
 
     def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
-        return {**self._envelope([], chunk=True), "usage": usage(choices)}
+        return {**self._envelope([], chunk=True), "usage": usage(choices, self.n)}
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

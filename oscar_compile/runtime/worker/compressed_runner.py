@@ -31,6 +31,7 @@ from oscar_compile.runtime.worker.runner import Batch
 from oscar_compile.runtime.worker.staging import StagedStep, allocate_staging_pools, layer_op_constants
 from oscar_compile.runtime.worker.step_inputs import StepInputs
 from oscar_compile.runtime.worker.swapper import HostSwap
+from oscar_compile.runtime.worker.transfer import to_device
 
 # an attention implementation name with no registered mask function: create_causal_mask returns None
 _NO_MASK_IMPLEMENTATION = "oscar_paged"
@@ -143,14 +144,30 @@ class CompressedRunner:
                     raise ValueError(f"layer {i}: no oscar::attention / cache_write call found in its graph")
                 self.staging_pools[i] = allocate_staging_pools(layout, num_pages + 1, dtype, self.device)
 
-    def _host_swap(self, layout: CacheLayout, num_bytes: int) -> HostSwap:
+    def _pool_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every pool tensor indexed by window page id, and every one indexed by quant page id."""
         window, quant = [], []
         for i, pools in enumerate(self.pools):
-            if layout.format_of(i).full_precision_pages:
+            if self.layout.format_of(i).full_precision_pages:
                 quant += pools
             else:
                 window += pools[:2]
                 quant += pools[2:]
+        return window, quant
+
+    def copy_pages(self, copy) -> None:
+        """Copy pages for forked choices (page_manager.PageCopy), queued before the next run on
+        the compute stream, after the forward that filled the sources."""
+        for tensors, src, dst in zip(self._pool_tensors(), (copy.window_src, copy.quant_src),
+                                     (copy.window_dst, copy.quant_dst), strict=True):
+            if not src:
+                continue
+            src_ids, dst_ids = (to_device(list(ids), torch.int64, self.device) for ids in (src, dst))
+            for tensor in tensors:
+                tensor.index_copy_(0, dst_ids, tensor.index_select(0, src_ids))
+
+    def _host_swap(self, layout: CacheLayout, num_bytes: int) -> HostSwap:
+        window, quant = self._pool_tensors()
         swapper = HostSwap(num_bytes, window, quant, self.device)
         has_windows = layout.num_window_pages_per_seq > 0  # else no window page is ever swapped
         if swapper.quant_page_bytes != layout.quant_page_bytes or (

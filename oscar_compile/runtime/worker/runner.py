@@ -102,6 +102,10 @@ class ModelRunner(Protocol):
     ``swap(swap_out, swap_in)`` (lists of ``page_manager.SwapCopy``) copies page contents to host
     swap space and back, queued before the next ``run``; the engine calls it only when the block
     manager has swap space (runners with ``supports_swapping``).
+
+    ``copy_pages(copy)`` (a ``page_manager.PageCopy``) copies page contents into fresh pages for
+    the choices of a forked request, queued before the next ``run``; a runner without it cannot
+    serve ``n`` > 1.
     """
 
     vocab_size: int
@@ -138,3 +142,6 @@ class RecomputeRunner:
             rows.append(logits[-1])
             every[i] = logits
         return torch.cat([torch.stack(rows)] + [every[i] for i in batch.logit_rows])
+
+    def copy_pages(self, copy) -> None:
+        """Forked choices (``n`` > 1): this runner keeps no page content, so nothing to copy."""

@@ -220,6 +220,13 @@ class TensorParallelRunner:
 
         self._checked(copy)
 
+    def copy_pages(self, copy) -> None:
+        def fork():
+            self.ranks.send(("copy_pages", copy))
+            self.local.copy_pages(copy)
+
+        self._checked(fork)
+
     def close(self) -> None:
         """Tell the other ranks to return, after any step in flight (idempotent; a broken group is
         left as it is)."""
@@ -244,6 +251,9 @@ def follow_steps(runner, ranks: RankGroup) -> None:
             return
         if message[0] == "swap":
             runner.swap(message[1], message[2])
+            continue
+        if message[0] == "copy_pages":
+            runner.copy_pages(message[1])
             continue
         if message[0] != "run":
             raise TensorParallelError(f"unknown step message {message[0]!r}")
