@@ -62,7 +62,16 @@ class ScriptedEngine(AsyncEngine):
                 (
                     tag,
                     RequestOutput(
-                        request_id, [1], piece, [], last, "stop" if last else None, len(prompt_token_ids), i + 1, 0
+                        request_id,
+                        [1],
+                        piece,
+                        [],
+                        last,
+                        "stop" if last else None,
+                        len(prompt_token_ids),
+                        i + 1,
+                        0,
+                        request_finished=last,
                     ),
                 )
             )
