@@ -32,6 +32,8 @@ class CompletionOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # the seed the tokens were drawn with: the request's, else its default (sampling_params.default_seed)
     seed: int | None = None
+    # why this request failed alone (finish_reason "abort"): its structured-output constraint did not compile
+    error: Exception | None = None
 
 
 class LLM:
@@ -98,6 +100,7 @@ class LLM:
                     out.prompt_logprobs = delta.prompt_logprobs
                 if delta.finished:
                     out.finish_reason = delta.finish_reason
+                    out.error = delta.error
         return [outputs[request_id] for request_id in order]
 
 

@@ -36,7 +36,9 @@ class StructuredOutputParams:
 
     Kept as plain data so core stays free of the grammar engines: a backend in
     ``runtime/structured_output/`` compiles it, and ``key`` is what its compile cache is keyed on.
-    ``param`` prefixes every error so the server can name the field the client sent.
+    ``param`` prefixes every error so the server can name the field the client sent;
+    ``value_param``, when the constraint's value sits elsewhere than ``{param}.{kind}`` (OpenAI's
+    ``response_format.json_schema.schema``), is the field a compile error of that value names.
     """
 
     json: dict | str | None = None
@@ -45,6 +47,7 @@ class StructuredOutputParams:
     choice: list[str] | None = None
     grammar: str | None = None
     param: str = "structured_outputs"
+    value_param: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
