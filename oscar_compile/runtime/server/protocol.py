@@ -43,7 +43,9 @@ from oscar_compile.runtime.core.sampling_params import (
     MAX_PENALTY,
     RequestError,
     SamplingParams,
+    StructuredOutputParams,
 )
+from oscar_compile.runtime.server.structured_outputs import structured_output_params
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy completions API default
 MAX_STOP_SEQUENCES = 64  # OpenAI: "up to 4 sequences"; vLLM: unbounded
@@ -86,6 +88,17 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class StructuredOutputsRequest(_Strict):
+    """vLLM's ``structured_outputs`` (mapped in structured_outputs.py); ``json`` is ``json_``
+    here, pydantic models own a ``json`` attribute."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Common(_Strict):
     model: str | None = None
     max_tokens: int | None = None
@@ -113,6 +126,9 @@ class _Common(_Strict):
     min_p: float | None = None
     min_tokens: int | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # structured output (server/structured_outputs.py): OpenAI's and vLLM's, on both routes
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     def check(self) -> None:
         """Refuse what the field types allow but OpenAI / vLLM refuse, or this server lacks."""
@@ -125,6 +141,7 @@ class _Common(_Strict):
         self._check_stops()
         self._check_metadata()
         self.token_logit_bias()
+        self.structured_output()
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options", "stream_options is only allowed with stream: true")
 
@@ -184,7 +201,11 @@ class _Common(_Strict):
             min_p=self.min_p or 0.0,
             min_tokens=self.min_tokens or 0,
             prompt_logprobs=self.num_prompt_logprobs(),
+            structured_output=self.structured_output(),
         )
+
+    def structured_output(self) -> StructuredOutputParams | None:
+        return structured_output_params(self.structured_outputs, self.response_format)
 
     def num_prompt_logprobs(self) -> int | None:
         """The k best to return at each prompt position (None: the prompt is not scored)."""
@@ -269,7 +290,6 @@ class ChatCompletionRequest(_Common):
     tools: list[Any] | None = None
     tool_choice: Any | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
 
     def check(self) -> None:
@@ -281,8 +301,6 @@ class ChatCompletionRequest(_Common):
             raise RequestError("tools", "tool calling is not supported")
         if self.tool_choice not in (None, "none"):
             raise RequestError("tool_choice", "tool calling is not supported")
-        if self.response_format not in (None, {"type": "text"}):
-            raise RequestError("response_format", "only response_format {type: text} is supported")
         if self.stream and self.prompt_logprobs is not None:
             raise RequestError("prompt_logprobs", "prompt_logprobs is not supported with stream: true on chat")
         if self.top_logprobs is not None and not self.logprobs:
