@@ -28,12 +28,14 @@ def response_format_params(response_format: dict[str, Any]) -> StructuredOutputP
     if kind == "json_object":
         return StructuredOutputParams(json_object=True, param="response_format")
     if kind != "json_schema":
-        raise RequestError("response_format.type",
-                           f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+        raise RequestError(
+            "response_format.type", f"response_format.type must be text, json_object or json_schema, got {kind!r}"
+        )
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict):
-        raise RequestError("response_format.json_schema",
-                           "response_format.json_schema must be an object with name and schema")
+        raise RequestError(
+            "response_format.json_schema", "response_format.json_schema must be an object with name and schema"
+        )
     where = "response_format.json_schema"
     if not isinstance(spec.get("name"), str) or not spec["name"]:
         raise RequestError(f"{where}.name", f"{where}.name must be a non-empty string")
@@ -45,8 +47,9 @@ def response_format_params(response_format: dict[str, Any]) -> StructuredOutputP
     return StructuredOutputParams(json=schema, param=where, value_param=f"{where}.schema")
 
 
-def structured_output_params(structured_outputs, response_format: dict[str, Any] | None
-                             ) -> StructuredOutputParams | None:
+def structured_output_params(
+    structured_outputs, response_format: dict[str, Any] | None
+) -> StructuredOutputParams | None:
     """The request's constraint, from whichever of the two fields it sent (``structured_outputs``:
     protocol.StructuredOutputsRequest)."""
     from_format = response_format_params(response_format) if response_format is not None else None
@@ -55,5 +58,6 @@ def structured_output_params(structured_outputs, response_format: dict[str, Any]
     if from_format is not None:
         raise RequestError("structured_outputs", "send either response_format or structured_outputs, not both")
     so = structured_outputs
-    return StructuredOutputParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                                  json_object=bool(so.json_object))
+    return StructuredOutputParams(
+        json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar, json_object=bool(so.json_object)
+    )
