@@ -232,3 +232,55 @@ def test_overlapped_steps_give_the_constrained_outputs_of_plain_steps(tiny_model
     else:  # a random 64-wide model may ramble inside a string: then it must still be a prefix of valid JSON
         assert json_reason == "length" and json_text.startswith('{"name":"')
     assert choice_text in choices and choice_reason == "stop"
+
+
+def _counting(run, calls: list):
+    def counted(batch, *pending):
+        calls.append(batch.num_seqs)
+        return run(batch, *pending)
+
+    return counted
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_structured_output_on_cuda_with_overlapped_steps_and_cuda_graphs():
+    """On the GPU (decode steps replayed from CUDA graphs, overlapped steps: the mask of step t+1
+    filled while its forward runs, after the grammars took token t) a batch mixing constrained
+    and plain requests gives the tokens of one-step-at-a-time stepping, and valid output."""
+    from oscar_compile.loading import BUNDLED_MODEL_DIR
+
+    if not (BUNDLED_MODEL_DIR / "config.json").exists():
+        pytest.skip("the bundled model is not shipped")
+    choices = ["red", "green", "dark blue"]
+    prompts = ["A user as JSON:", "import os\n", "Colour:", "Code:", "A user as JSON:"]
+    params = [
+        SamplingParams(max_tokens=150, temperature=0.0, structured_output=StructuredOutputParams(json=SCHEMA)),
+        SamplingParams(max_tokens=30, temperature=0.0),
+        SamplingParams(
+            max_tokens=10, temperature=0.8, seed=4, structured_output=StructuredOutputParams(choice=choices)
+        ),
+        SamplingParams(
+            max_tokens=12, temperature=0.0, structured_output=StructuredOutputParams(regex="[0-9]{3}-[a-z]{2}")
+        ),
+        SamplingParams(max_tokens=150, temperature=0.7, seed=9, structured_output=StructuredOutputParams(json=SCHEMA)),
+    ]
+    outputs = {}
+    for overlap in (True, False):
+        llm = LLM(str(BUNDLED_MODEL_DIR), device="cuda", config=EngineConfig(overlap_steps=overlap))
+        assert llm.engine.overlap is overlap and llm.engine.runner.graphs is not None
+        replays = []
+        run = llm.engine.runner.graphs.run
+        llm.engine.runner.graphs.run = _counting(run, replays)
+        outputs[overlap] = [(o.token_ids, o.finish_reason, o.text) for o in llm.generate(prompts, params)]
+        assert replays  # the decode steps ran from CUDA graphs
+        plain = llm.generate(prompts[1:2], params[1])[0].token_ids
+        llm.close()
+    assert outputs[True] == outputs[False]
+    (_, r0, t0), (ids1, _, _), (_, r2, t2), (_, r3, t3), (_, r4, t4) = outputs[True]
+    assert ids1 == plain  # the plain neighbour is untouched by the masks
+    for reason, text in ((r0, t0), (r4, t4)):
+        assert reason == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert r2 == "stop" and t2 in choices
+    assert r3 == "stop" and re.fullmatch("[0-9]{3}-[a-z]{2}", t3)
