@@ -142,6 +142,48 @@ def test_compile_errors_name_their_field(manager, params, param):
     assert "/project/" not in str(info.value)  # the engine's C++ log prefix is dropped
 
 
+class _GatedBackend:
+    """The xgrammar backend, whose compiles wait for ``gate``: a compile that takes its time."""
+
+    def __init__(self, inner, gate):
+        self.inner, self.gate = inner, gate
+
+    def compile(self, params):
+        assert self.gate.wait(30)
+        return self.inner.compile(params)
+
+    def new_grammar(self, compiled):
+        return self.inner.new_grammar(compiled)
+
+
+def test_a_request_waits_for_its_compile_and_can_be_aborted_meanwhile(tiny_model, tokenizer):
+    import threading
+
+    from oscar_compile.runtime.core.sequence import SequenceStatus
+    from oscar_compile.runtime.structured_output import StructuredOutputManager
+    from oscar_compile.runtime.structured_output.backend_xgrammar import XgrammarBackend
+
+    gate = threading.Event()
+    vocab = len(tokenizer)
+    manager = StructuredOutputManager(lambda: _GatedBackend(XgrammarBackend(tokenizer, vocab, [0]), gate), vocab)
+    engine = build_engine(tiny_model, tokenizer, EngineConfig(num_window_pages=0, num_quant_pages=256))
+    engine._structured = manager  # build_engine takes no manager; the engine's own would not wait
+    regex = StructuredOutputParams(regex="[a-z]{4}")
+    waiting = engine.add_request([5, 6], SamplingParams(max_tokens=8, temperature=0.0, structured_output=regex))
+    aborted = engine.add_request([7, 8], SamplingParams(max_tokens=8, structured_output=regex))
+    plain = engine.add_request([9, 10], SamplingParams(max_tokens=3, temperature=0.0))
+    while not plain.is_finished:
+        engine.step()
+    assert waiting.status is SequenceStatus.WAITING and waiting.num_output_tokens == 0 and not waiting.has_pages
+    assert engine.abort_request(aborted.request_id).finish_reason == "abort" and manager.num_waiting == 1
+    assert engine.has_unfinished()
+    gate.set()
+    while engine.has_unfinished():
+        engine.step()
+    assert re.fullmatch("[a-z]{4}", waiting.detokenizer.text) and waiting.finish_reason.value == "stop"
+    manager.shutdown()
+
+
 @pytest.fixture(scope="module")
 def bundled_llm():
     from oscar_compile.loading import BUNDLED_MODEL_DIR
