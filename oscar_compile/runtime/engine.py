@@ -49,7 +49,7 @@ from oscar_compile.runtime.core.sequence import FinishReason, Sequence
 from oscar_compile.runtime.detokenizer import IncrementalDetokenizer
 from oscar_compile.runtime.latency import StepLatencies
 from oscar_compile.runtime.structured_output import StructuredOutputManager, xgrammar_manager
-from oscar_compile.runtime.worker.logits_controls import build_controls
+from oscar_compile.runtime.worker.logits_controls import LogitsControls, build_controls
 from oscar_compile.runtime.worker.logprobs import score_tokens
 from oscar_compile.runtime.worker.runner import Batch, ModelRunner
 from oscar_compile.runtime.worker.sampler import DeviceSample, Sampler, to_device
@@ -101,7 +101,7 @@ class _Forwarded:
 
     seqs: list[Sequence]
     logits: torch.Tensor
-    controls: object
+    controls: LogitsControls | None
 
 
 class LLMEngine:

@@ -20,6 +20,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from oscar_compile.runtime.engine_config import EngineConfig, build_engine  # noqa: E402
 from oscar_compile.runtime.llm import LLM  # noqa: E402
 from oscar_compile.runtime.structured_output import xgrammar_manager  # noqa: E402
+from oscar_compile.runtime.structured_output.backend import StructuredOutputBackend  # noqa: E402
 from oscar_compile.runtime.worker.compressed_runner import compressed_layout, runner_factory  # noqa: E402
 
 # no maxLength: xgrammar 0.2.9 lets a string with maxLength hold raw control characters, which
@@ -104,6 +105,29 @@ def test_backend_compiles_once_advances_and_terminates(manager, tokenizer):
     assert manager.fill_bitmask([seq]) is None  # no constrained row: no bitmask at all
 
 
+def test_the_batch_fill_equals_row_by_row(manager, tokenizer):
+    """xgrammar's threaded batch fill writes what each grammar writes alone, in its own row."""
+    from oscar_compile.runtime.core.sequence import Sequence
+
+    kinds = [
+        StructuredOutputParams(json=SCHEMA),
+        StructuredOutputParams(regex="[0-9]+x"),
+        StructuredOutputParams(choice=["ab", "cd"]),
+    ]
+    seqs = [Sequence([1], SamplingParams(structured_output=k)) for k in kinds]
+    plain = Sequence([1], SamplingParams())
+    for seq in seqs:
+        _ready(manager, seq)
+    _walk(manager, seqs[0], tokenizer.encode('{"name":"'))
+    _walk(manager, seqs[1], tokenizer.encode("12"))
+    batch = manager.fill_bitmask([seqs[0], plain, seqs[1], seqs[2]])
+    alone = [manager.fill_bitmask([seq]) for seq in seqs]
+    assert torch.equal(batch[[0, 2, 3]], torch.cat(alone)) and (batch[1] == -1).all()
+    assert len({tuple(row.flatten().tolist()) for row in alone}) == 3
+    for seq in seqs:
+        manager.remove(seq.seq_id)
+
+
 def test_a_refused_token_terminates_and_whitespace_is_refused(manager, tokenizer):
     from oscar_compile.runtime.core.sequence import Sequence
 
@@ -142,7 +166,7 @@ def test_compile_errors_name_their_field(manager, params, param):
     assert "/project/" not in str(info.value)  # the engine's C++ log prefix is dropped
 
 
-class _GatedBackend:
+class _GatedBackend(StructuredOutputBackend):
     """The xgrammar backend, whose compiles wait for ``gate``: a compile that takes its time."""
 
     def __init__(self, inner, gate):

@@ -71,3 +71,9 @@ class StructuredOutputBackend(ABC):
 
     @abstractmethod
     def new_grammar(self, compiled: Any) -> Grammar: ...
+
+    def fill_bitmask(self, grammars: list[Grammar], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Fill ``bitmask[rows[i]]`` from ``grammars[i]`` (this backend's); an engine may spread
+        the rows over threads."""
+        for grammar, row in zip(grammars, rows, strict=True):
+            grammar.fill_bitmask(bitmask, row)

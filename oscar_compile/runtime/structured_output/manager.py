@@ -132,8 +132,7 @@ class StructuredOutputManager:
             return None
         pin = torch.cuda.is_available()
         bitmask = torch.full((len(seqs), bitmask_width(self.vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
-        for b, grammar in rows:
-            grammar.fill_bitmask(bitmask, b)
+        self._backend.fill_bitmask([g for _, g in rows], bitmask, [b for b, _ in rows])
         return bitmask
 
 

@@ -105,8 +105,9 @@ class Sampler:
         self.token_cache.forget(seq_id)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-                 positions: list[int], controls: LogitsControls | None = None) -> SampleResult:
-        return self.sample(logits, params, seeds, positions, controls).result()
+                 positions: list[int], controls: LogitsControls | None = None,
+                 bitmask: torch.Tensor | None = None) -> SampleResult:
+        return self.sample(logits, params, seeds, positions, controls, bitmask).result()
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
