@@ -447,7 +447,9 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float]:
         bm = self.page_manager
-        stats = {"num_waiting": self.scheduler.num_waiting, "num_running": self.scheduler.num_running,
+        # a request whose grammar is compiling waits too (outside the scheduler)
+        compiling = self._structured.num_waiting if self._structured is not None else 0
+        stats = {"num_waiting": self.scheduler.num_waiting + compiling, "num_running": self.scheduler.num_running,
                  "num_preemptions": self.scheduler.num_preemptions,
                  "num_requests_finished": self.num_requests_finished,
                  "num_requests_aborted": self.num_requests_aborted,
