@@ -71,6 +71,7 @@ FEATURES = {
     "json_min_max_items": ("json", {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3}),
     "json_const_oneof": ("json", {"oneOf": [{"const": 1}, {"type": "string"}]}),
 }
+BATCH = 32  # the serving row's batch
 EBNF = 'root ::= "yes" | "no" | num\nnum ::= [0-9]+'
 LARK = 'start: "yes" | "no" | NUM\nNUM: /[0-9]+/'
 
@@ -132,7 +133,32 @@ def bench_xgrammar(tokenizer, vocab_size: int, tokens: list[int], repeat: int) -
         )
     features["ebnf"] = _try(lambda: compiler.compile_grammar(EBNF))
     features["lark"] = _try(lambda: compiler.compile_lark(LARK)) if hasattr(compiler, "compile_lark") else False
-    return {"tokenizer_s": tokenizer_s, "compile_ms": compile_ms, **walk, "features": features}
+    batch = _xgrammar_batch_fill(xgr, compiled, vocab_size, tokens, repeat)
+    return {"tokenizer_s": tokenizer_s, "compile_ms": compile_ms, **walk, **batch, "features": features}
+
+
+def _xgrammar_batch_fill(xgr, compiled, vocab_size: int, tokens: list[int], repeat: int, batch: int = BATCH) -> dict:
+    """One step of a batch: ``batch`` matchers spread over the instance's positions, their rows
+    filled one by one and on xgrammar's thread pool (``BatchGrammarMatcher``, what the server runs)."""
+    matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
+    for i, matcher in enumerate(matchers):
+        for token in tokens[: i * (len(tokens) - 1) // batch]:
+            matcher.accept_token(token)
+    bitmask = xgr.allocate_token_bitmask(batch, vocab_size)
+    pool = xgr.BatchGrammarMatcher()
+    loop, threaded = [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for row, matcher in enumerate(matchers):
+            matcher.fill_next_token_bitmask(bitmask, row)
+        t1 = time.perf_counter()
+        pool.batch_fill_next_token_bitmask(matchers, bitmask)
+        threaded.append(time.perf_counter() - t1)
+        loop.append(t1 - t0)
+    return {
+        f"batch{batch}_fill_ms_loop": statistics.median(loop) * 1e3,
+        f"batch{batch}_fill_ms_threaded": statistics.median(threaded) * 1e3,
+    }
 
 
 def bench_llguidance(tokenizer, vocab_size: int, tokens: list[int], repeat: int) -> dict:
@@ -224,6 +250,11 @@ def main() -> None:
             f"{r['advance_us_median']:>10.1f} {r['advance_us_p99']:>10.1f}  "
             f"{'all' if not missing else 'missing ' + ', '.join(missing)}"
         )
+    xg = results["engines"]["xgrammar"]
+    print(
+        f"xgrammar, one step of a batch of {BATCH} rows: {xg[f'batch{BATCH}_fill_ms_loop']:.2f} ms one by one, "
+        f"{xg[f'batch{BATCH}_fill_ms_threaded']:.2f} ms on its thread pool"
+    )
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 
