@@ -43,7 +43,8 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.cache_size = cache_size
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="oscar-grammar")
-        self._lock = threading.Lock()  # guards the cache and the backend's creation
+        self._lock = threading.Lock()  # guards the cache
+        self._backend_lock = threading.Lock()  # the backend's creation (~1 s): not under the cache's lock
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._waiting: dict[int, tuple[Sequence, Future]] = {}
         self._grammars: dict[int, Grammar] = {}
@@ -69,7 +70,7 @@ class StructuredOutputManager:
         return future
 
     def _compile(self, params: StructuredOutputParams):
-        with self._lock:
+        with self._backend_lock:
             if self._backend is None:
                 self._backend = self._make_backend()
         return self._backend.compile(params)
