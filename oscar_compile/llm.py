@@ -34,6 +34,8 @@ class CompletionOutput:
     # plus the choice's index
     seed: int | None = None
     index: int = 0  # the choice, with SamplingParams.n > 1
+    # why this request failed alone (finish_reason "abort"): its structured-output constraint did not compile
+    error: Exception | None = None
 
 
 class LLM:
@@ -101,6 +103,7 @@ class LLM:
                     out.prompt_logprobs = delta.prompt_logprobs
                 if delta.finished:
                     out.finish_reason = delta.finish_reason
+                    out.error = delta.error
         return list(outputs.values())  # in insertion order: prompt by prompt, choice by choice
 
 

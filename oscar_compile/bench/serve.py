@@ -23,7 +23,11 @@ real ``CompressedRunner`` on a synthetic batch whose caches are pre-filled to th
    prompts with deferred demotion (prompt-exact chunked prefill) against the old chunked prefill,
    with the peak staging memory; the time to swap a ``--swap-context``-token sequence out to host
    memory and back against recomputing it (see ``oscar_compile.bench.prefill_swap``).
-5. (``--tensor-parallel-size 1 2``) the decode and capacity rows with the model split over 2 GPUs
+5. (``--parts structured``, first shape only, INT2) the cost of structured output: a batch of
+   ``--structured-batch`` decoding under a ~10-field JSON schema against the same batch
+   unconstrained, with a 151,936-token tokenizer; mask time per step, compile time, TTFT (see
+   ``oscar_compile.bench.structured``).
+6. (``--tensor-parallel-size 1 2``) the decode and capacity rows with the model split over 2 GPUs
    beside the unsplit ones, each step's all-reduce time in the breakdown (``allred``); the KV
    budget is per GPU (see ``oscar_compile.bench.serve_tp``).
 ``--parts`` picks the sections (default: decode capacity e2e, the e2e rows only with
@@ -56,12 +60,14 @@ MODES = {"int2": "hadamard-int2", "bf16": "bf16"}
 GIB = 1024**3
 
 
-def random_model(shape: str, max_len: int, device: torch.device, seed: int = 0):
-    """A random-weight Qwen3 of ``shape`` (bfloat16 on CUDA, float32 on CPU)."""
+def random_model(shape: str, max_len: int, device: torch.device, seed: int = 0, vocab_size: int | None = None):
+    """A random-weight Qwen3 of ``shape`` (bfloat16 on CUDA, float32 on CPU), with the shape's
+    vocabulary unless ``vocab_size`` is given."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     heads = TINY_HEADS if shape == "tiny" else HEADS
-    config = Qwen3Config(**SHAPES[shape], **heads, max_position_embeddings=max_len, tie_word_embeddings=False)
+    sizes = {**SHAPES[shape], **({"vocab_size": vocab_size} if vocab_size else {})}
+    config = Qwen3Config(**sizes, **heads, max_position_embeddings=max_len, tie_word_embeddings=False)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -286,6 +292,8 @@ def run(args) -> dict:
                 del model
                 gc.collect()
                 _empty_cache(device)
+    if "structured" in args.parts:
+        _structured_part(args, device, result)
     if args.e2e_batches and "e2e" in args.parts:
         from oscar_compile.bench.e2e import e2e_rows
 
@@ -348,6 +356,22 @@ def _prefill_swap_parts(args, device: torch.device, result: dict) -> None:
     _empty_cache(device)
 
 
+def _structured_part(args, device: torch.device, result: dict) -> None:
+    from oscar_compile.bench import bpe_tokenizer, structured
+
+    shape = args.shapes[0]
+    max_len = args.structured_prompt + args.structured_output + 1
+    model = random_model(shape, max_len, device, vocab_size=bpe_tokenizer.QWEN3_VOCAB_SIZE)
+    kv_memory = args.e2e_kv_memory if device.type == "cuda" else None
+    result["structured"] = structured.structured_rows(
+        model, mode_spec(shape, "int2"), bpe_tokenizer.load(), shape, args.structured_batch, args.structured_prompt,
+        args.structured_output, kv_memory, lambda: _sync(device))
+    _save(result, args.out)
+    del model
+    gc.collect()
+    _empty_cache(device)
+
+
 def _save(result: dict, path: str | None) -> None:
     if path:
         with open(path, "w") as f:
@@ -398,6 +422,10 @@ def print_tables(result: dict) -> None:
         from oscar_compile.bench.prefill_swap import print_tables as print_prefill_swap
 
         print_prefill_swap(result)
+    if result.get("structured"):
+        from oscar_compile.bench.structured import print_rows
+
+        print_rows(result["structured"])
     if result["e2e"]:
         print(f"\n{'system':>16} {'batch':>5} {'tok/s':>9} {'user tok/s':>10} {'host %':>6}  note")
     for e in result["e2e"]:
@@ -429,7 +457,10 @@ def main(argv=None) -> int:
     parser.add_argument("--compare-unfused", action="store_true",
                         help="also time decode steps of models rewritten without the fused elementwise ops")
     parser.add_argument("--parts", nargs="+", default=["decode", "capacity", "e2e"],
-                        choices=("decode", "capacity", "e2e", "ttft", "swap"), help="sections to run")
+                        choices=("decode", "capacity", "e2e", "ttft", "swap", "structured"), help="sections to run")
+    parser.add_argument("--structured-batch", type=int, default=32, help="batch of the structured-output row")
+    parser.add_argument("--structured-prompt", type=int, default=512, help="prompt tokens of the structured row")
+    parser.add_argument("--structured-output", type=int, default=256, help="generated tokens of the structured row")
     parser.add_argument("--ttft-contexts", nargs="+", type=int, default=[32768, 131072],
                         help="prompt lengths of the TTFT rows (--parts ttft)")
     parser.add_argument("--swap-context", type=int, default=100000,

@@ -8,7 +8,8 @@ core for types, then cache / kernels; tests/test_import_rules.py holds the rule)
 - ``worker/``: what touches the device: the model runners, step inputs, CUDA graphs, the
   sampler, the swapper, staged attention and the tensor-parallel runner;
 - here: the engine loop (``engine``, ``async_engine``, ``detokenizer``) and ``engine_config``
-  (``EngineConfig``, ``build_engine``);
+  (``EngineConfig``, ``build_engine``); ``structured_output/``, the grammar backends and their
+  manager, at the engine's level;
 - ``server/``: the OpenAI protocol models, the app factory and routes, admission and shutdown.
 
 Importing this package is cheap: the public names below load their modules (and torch) on first
@@ -25,6 +26,7 @@ _EXPORTS = {
     "LLMEngine": "engine",
     "RequestOutput": "engine",
     "SamplingParams": "core.sampling_params",
+    "StructuredOutputParams": "core.sampling_params",
     "RequestError": "core.sampling_params",
     "CacheLayout": "core.page_plan",
     "LayerFormat": "core.page_plan",

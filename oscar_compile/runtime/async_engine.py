@@ -145,8 +145,8 @@ class AsyncEngine:
                 continue
             self._publish_stats()  # before delivery: a client reads it after its output
             self._observe(self.engine.latencies)
-            for out in outputs:
-                self._deliver(out.request_id, out, out.request_finished)
+            for out in outputs:  # a request that failed alone (its grammar did not compile) gets its error
+                self._deliver(out.request_id, out.error if out.error is not None else out, out.request_finished)
         with self._lock:
             self._closed = True
         self._fail_posted_adds(final_err)  # posted before the thread stopped: their handlers wait too

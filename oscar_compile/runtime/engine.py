@@ -25,6 +25,13 @@ the prompt; the step that samples its first token samples every choice's from th
 forks the choices once that step's counters advanced. Outputs carry their choice's ``index``;
 ``request_finished`` says when the last choice of the request has ended.
 
+Structured output (``SamplingParams.structured_output``): a constrained request waits in the
+``structured_output`` manager until its grammar is compiled (off this thread), then is scheduled;
+a compile error finishes it alone (``RequestOutput.error``). A step whose sampled rows include a
+constrained one samples after the previous step's tokens are read and the grammars advanced by
+them, with the bitmask filled on the host while the forward runs: the order is spelled out in
+``runtime/structured_output/__init__.py``. A terminated grammar stops its request (``stop``).
+
 Latencies: a step leaves its observations (queue times, first tokens, inter-token gaps,
 end-to-end) in ``latencies``, replaced at the next step (runtime/latency.py): the async engine
 hands them to the server's histograms; offline, nobody has to read them.
@@ -33,6 +40,7 @@ hands them to the server's histograms; offline, nobody has to read them.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -46,13 +54,15 @@ from oscar_compile.runtime.core.sequence import FinishReason, Sequence
 from oscar_compile.runtime.detokenizer import IncrementalDetokenizer
 from oscar_compile.runtime.latency import StepLatencies
 from oscar_compile.runtime.parallel_sampling import ChoiceForks
-from oscar_compile.runtime.worker.logits_controls import build_controls
+from oscar_compile.runtime.structured_output import StructuredOutputManager, xgrammar_manager
+from oscar_compile.runtime.worker.logits_controls import LogitsControls, build_controls
 from oscar_compile.runtime.worker.logprobs import score_tokens
 from oscar_compile.runtime.worker.runner import Batch, ModelRunner
 from oscar_compile.runtime.worker.sampler import DeviceSample, Sampler, to_device
 
 logger = logging.getLogger(__name__)
 _THROUGHPUT_WINDOW_S = 10.0
+_COMPILE_WAIT_S = 0.05
 
 
 @dataclass
@@ -80,6 +90,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     index: int = 0  # the choice (SamplingParams.n); ``finished`` is this choice's
     request_finished: bool = False  # every choice of the request has ended
+    error: Exception | None = None  # why the request failed alone (a grammar that did not compile)
 
 
 @dataclass
@@ -88,12 +99,24 @@ class _Launched:
 
     seqs: list[Sequence]
     sample: DeviceSample
+    grammars_advanced: bool = False  # structured output: its tokens were fed to the grammars
+
+
+@dataclass
+class _Forwarded:
+    """A step whose forward is queued and whose sampling waits for the grammars (structured
+    output): ``logits`` row j is ``seqs[j]``'s."""
+
+    seqs: list[Sequence]
+    logits: torch.Tensor
+    controls: LogitsControls | None
 
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer, page_manager: PageManager,
                  max_model_len: int, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 eos_token_ids: list[int] | tuple[int, ...] = (), overlap: bool = True, seed: int = 0):
+                 eos_token_ids: list[int] | tuple[int, ...] = (), overlap: bool = True, seed: int = 0,
+                 structured_output: StructuredOutputManager | None = None):
         self.runner = runner
         self.overlap = overlap and bool(getattr(runner, "supports_pending_tokens", False))
         self._in_flight: _Launched | None = None
@@ -113,6 +136,8 @@ class LLMEngine:
         self.num_requests_aborted = 0
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self.latencies = StepLatencies()  # the last step's observations (runtime/latency.py)
+        self._structured = structured_output  # made at the first constrained request if None
+        self._structured_lock = threading.Lock()
 
     # ---- requests ----------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -176,7 +201,10 @@ class LLMEngine:
             seq.seed = default_seed(self.seed, seq.request_id)
             logger.debug("request %s samples with the default seed %d", seq.request_id, seq.seed)
         self._add_detokenizer(seq)
-        self.scheduler.add(seq)
+        if params.structured_output is not None:
+            self.structured_output.add(seq)  # scheduled once its grammar is compiled
+        else:
+            self.scheduler.add(seq)
         self._requests[seq.request_id] = [seq]
         self.num_prompt_tokens_total += seq.num_prompt_tokens
         return seq
@@ -197,11 +225,38 @@ class LLMEngine:
         return [self._output(seq, [], [], finished=True) for seq in choices]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        compiling = self._structured is not None and self._structured.num_waiting > 0
+        return self.scheduler.has_unfinished() or self._in_flight is not None or compiling
+
+    @property
+    def structured_output(self) -> StructuredOutputManager:
+        """The grammar manager (xgrammar over the engine's tokenizer unless one was given); any
+        thread may ask for it: the server compiles a request's constraint before submitting it."""
+        with self._structured_lock:
+            if self._structured is None:
+                self._structured = xgrammar_manager(self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids))
+            return self._structured
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar is ready; fail those whose compile failed."""
+        if self._structured is None or not self._structured.num_waiting:
+            return []
+        if not self.scheduler.has_unfinished() and self._in_flight is None:
+            self._structured.wait(_COMPILE_WAIT_S)  # nothing else to run: do not spin
+        ready, failed = self._structured.take_ready()
+        for seq in ready:
+            self.scheduler.add(seq)
+        outputs = []
+        for seq, err in failed:
+            self._finish(seq, FinishReason.ABORT)
+            outputs.append(self._output(seq, [], [], finished=True))
+            outputs[-1].error = err
+        return outputs
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.latencies = StepLatencies()
+        failed = self._admit_compiled()
         out = self.scheduler.schedule()
         now = time.monotonic()
         for seq in out.seqs:
@@ -210,7 +265,11 @@ class LLMEngine:
             self.runner.swap(out.swap_out, out.swap_in)
         launched = self._launch(out) if not out.is_empty else None
         previous, self._in_flight = self._in_flight, None
-        outputs = self._read_samples(previous) if previous is not None else []
+        if isinstance(launched, _Forwarded):  # the forward runs while the grammars take step t's tokens
+            if previous is not None:
+                self._advance_grammars(previous)
+            launched = self._sample(launched)
+        outputs = failed + (self._read_samples(previous) if previous is not None else [])
         if not out.is_empty:
             self.scheduler.advance(out)  # after the read: block hashes need the real tokens
             self.num_batched_tokens_total += out.num_batched_tokens
@@ -225,9 +284,10 @@ class LLMEngine:
                 outputs += self._read_samples(launched)
         return outputs
 
-    def _launch(self, out: SchedulerOutput) -> _Launched | None:
+    def _launch(self, out: SchedulerOutput) -> _Launched | _Forwarded | None:
         """Run the step's forward; sample the rows whose new tokens reach the last known or
-        pending token of their sequence (not mid-prompt chunks)."""
+        pending token of their sequence (not mid-prompt chunks). When one of them has a grammar,
+        return before sampling (``_Forwarded``): its mask needs the tokens still in flight."""
         pending_src = ({seq.seq_id: j for j, seq in enumerate(self._in_flight.seqs)}
                        if self._in_flight is not None else {})
         batch = self._build_batch(out, pending_src)
@@ -250,12 +310,30 @@ class LLMEngine:
         controls = build_controls(seqs, self.eos_token_ids, logits.shape[-1], logits.device,
                                   self._in_flight.sample.token_ids if self._in_flight else None, pending_src,
                                   self.sampler.token_cache)
+        forwarded = _Forwarded(seqs, logits, controls)
+        if self._structured is not None and any(self._structured.is_constrained(s) for s in seqs):
+            return forwarded
+        return self._sample(forwarded)
+
+    def _sample(self, forwarded: _Forwarded) -> _Launched:
+        seqs = forwarded.seqs
+        bitmask = self._structured.fill_bitmask(seqs) if self._structured is not None else None
         # the position of the token each row draws: after its known and pending tokens
-        sample = self.sampler.sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
-                                     [s.num_tokens + s.num_pending for s in seqs], controls)
+        sample = self.sampler.sample(forwarded.logits, [s.params for s in seqs], [s.seed for s in seqs],
+                                     [s.num_tokens + s.num_pending for s in seqs], forwarded.controls, bitmask)
         for seq in seqs:
             seq.num_pending += 1
         return _Launched(seqs, sample)
+
+    def _advance_grammars(self, launched: _Launched) -> None:
+        """Feed a read step's tokens to the grammars of its live rows (once per step)."""
+        if launched.grammars_advanced or self._structured is None:
+            return
+        launched.grammars_advanced = True
+        token_ids = launched.sample.result().token_ids
+        for seq, token_id in zip(launched.seqs, token_ids, strict=True):
+            if not seq.is_finished:
+                self._structured.accept(seq, token_id)
 
     def _score_prompts(self, out: SchedulerOutput, batch: Batch, logits: torch.Tensor) -> None:
         """Fill the prompt logprobs of the ``logit_rows``: the logits at position ``p`` score
@@ -282,6 +360,7 @@ class LLMEngine:
 
     def _read_samples(self, launched: _Launched) -> list[RequestOutput]:
         """Append a launched step's tokens (waiting for its copies); ended sequences drop theirs."""
+        self._advance_grammars(launched)
         result = launched.sample.result()
         now = time.monotonic()  # the host has the tokens: what the client can get
         outputs = []
@@ -349,6 +428,8 @@ class LLMEngine:
             return FinishReason.STOP  # the stop token's text is not part of the output
         if seq.detokenizer.append(token_id):
             return FinishReason.STOP
+        if self._structured is not None and self._structured.is_terminated(seq):
+            return FinishReason.STOP  # the grammar is complete (its stop token is not EOS here)
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
@@ -357,6 +438,8 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         seq.detokenizer.flush()
         self.sampler.forget(seq.seq_id)
+        if self._structured is not None:
+            self._structured.remove(seq.seq_id)
         if self._request_finished(seq):
             self._requests.pop(seq.request_id, None)
             self.num_requests_finished += 1
@@ -397,7 +480,9 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float]:
         bm = self.page_manager
-        stats = {"num_waiting": self.scheduler.num_waiting, "num_running": self.scheduler.num_running,
+        # a request whose grammar is compiling waits too (outside the scheduler)
+        compiling = self._structured.num_waiting if self._structured is not None else 0
+        stats = {"num_waiting": self.scheduler.num_waiting + compiling, "num_running": self.scheduler.num_running,
                  "num_preemptions": self.scheduler.num_preemptions,
                  "num_requests_finished": self.num_requests_finished,
                  "num_requests_aborted": self.num_requests_aborted,

@@ -85,3 +85,26 @@ def test_tensor_parallel_rows_over_two_ranks(tmp_path):
     for c in result["capacity"]:  # a rank's pages hold half the KV heads
         _, unsplit = build_model("tiny", c["mode"], 128, torch.device("cpu"))
         assert c["max_seqs"] == int(0.002 * GIB) // (_bytes_per_seq(unsplit, 96) // 2) >= 2
+
+
+def test_structured_part_smoke(tmp_path, monkeypatch):
+    """``--parts structured`` on the CPU (the overlapped compressed runner), with the tests' small
+    tokenizer standing in for the 151,936-token one (training that takes a minute): both runs,
+    the mask and compile times, the TTFTs."""
+    import pytest
+
+    pytest.importorskip("xgrammar")
+    from oscar_compile.bench import bpe_tokenizer
+    from oscar_compile.testing import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    monkeypatch.setattr(bpe_tokenizer, "load", lambda: tokenizer)
+    monkeypatch.setattr(bpe_tokenizer, "QWEN3_VOCAB_SIZE", len(tokenizer))
+    out = tmp_path / "structured.json"
+    assert main(["--shapes", "tiny", "--device", "cpu", "--parts", "structured", "--structured-batch", "3",
+                 "--structured-prompt", "12", "--structured-output", "10", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["structured"]
+    assert row["vocab_size"] == len(tokenizer) and row["compile_ms"] > 0 and row["ttft_cold_ms"] > 0
+    assert row["plain"]["generated_tokens"] == 30 and row["plain"]["full_batch_decode_step_ms"] > 0
+    assert row["json"]["num_mask_fills"] > 0 and row["json"]["mask_ms_per_step"] > 0
+    assert row["decode_step_cost"] is not None

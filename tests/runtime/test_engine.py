@@ -266,9 +266,10 @@ def test_a_batch_without_controls_builds_none_and_finished_requests_leave_no_cop
     seen = []
     sample = engine.sampler.sample
 
-    def spy(logits, params, seeds, positions, controls=None):
+    def spy(logits, params, seeds, positions, controls=None, bitmask=None):
         seen.append(controls)
-        return sample(logits, params, seeds, positions, controls)
+        assert bitmask is None  # no grammar either
+        return sample(logits, params, seeds, positions, controls, bitmask)
 
     engine.sampler.sample = spy
     prompts = random_prompts(tokenizer, 3, seed=5)

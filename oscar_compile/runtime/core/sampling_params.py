@@ -37,7 +37,9 @@ class StructuredOutputParams:
 
     Kept as plain data so core stays free of the grammar engines: a backend in
     ``runtime/structured_output/`` compiles it, and ``key`` is what its compile cache is keyed on.
-    ``param`` prefixes every error so the server can name the field the client sent.
+    ``param`` prefixes every error so the server can name the field the client sent;
+    ``value_param``, when the constraint's value sits elsewhere than ``{param}.{kind}`` (OpenAI's
+    ``response_format.json_schema.schema``), is the field a compile error of that value names.
     """
 
     json: dict | str | None = None
@@ -46,6 +48,7 @@ class StructuredOutputParams:
     choice: list[str] | None = None
     grammar: str | None = None
     param: str = "structured_outputs"
+    value_param: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -149,6 +152,10 @@ class SamplingParams:
             _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         _check_int("max_tokens", self.max_tokens, low=0 if self.prompt_logprobs is not None else 1)
         _check_int("n", self.n, low=1, high=MAX_N)
+        if self.n > 1 and self.structured_output is not None:
+            # a forked choice would need its own copy of the grammar state (not built yet)
+            raise RequestError("n", "n > 1 is not supported with a structured-output constraint "
+                                    "(response_format, structured_outputs or a forced tool_choice)")
         _check_number("temperature", self.temperature, low=0.0)
         _check_number("top_p", self.top_p, low=0.0, high=1.0)
         if self.top_p == 0.0:

@@ -355,6 +355,8 @@ class _Server:
                        params: SamplingParams, stream: bool, stream_options, arrival: float):
         for ids in prompts:  # refuse before queueing anything
             self.engine.validate_request(ids, params)
+        if params.structured_output is not None:  # a bad schema or regex is a 400 now (compiled once, cached)
+            await asyncio.wrap_future(self.engine.structured_output.compile(params.structured_output))
         release = self.admission.enter()
         outputs = self._generate(prompts, params, fmt.request_id, arrival)
         if stream:

@@ -46,8 +46,10 @@ from oscar_compile.runtime.core.sampling_params import (
     MAX_PENALTY,
     RequestError,
     SamplingParams,
+    StructuredOutputParams,
 )
 from oscar_compile.runtime.server.strict_model import StrictModel as _Strict
+from oscar_compile.runtime.server.structured_outputs import structured_output_params
 from oscar_compile.runtime.server.tool_protocol import AssistantToolCall, ToolFields
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy completions API default
@@ -74,6 +76,17 @@ def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's ``structured_outputs`` (mapped in structured_outputs.py); ``json`` is ``json_``
+    here, pydantic models own a ``json`` attribute."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Common(_Strict):
@@ -103,6 +116,9 @@ class _Common(_Strict):
     min_p: float | None = None
     min_tokens: int | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # structured output (server/structured_outputs.py): OpenAI's and vLLM's, on both routes
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     def check(self) -> None:
         """Refuse what the field types allow but OpenAI / vLLM refuse, or this server lacks."""
@@ -115,6 +131,7 @@ class _Common(_Strict):
         self._check_stops()
         self._check_metadata()
         self.token_logit_bias()
+        self.structured_output()
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options", "stream_options is only allowed with stream: true")
 
@@ -175,7 +192,11 @@ class _Common(_Strict):
             min_tokens=self.min_tokens or 0,
             prompt_logprobs=self.num_prompt_logprobs(),
             n=self.n,
+            structured_output=self.structured_output(),
         )
+
+    def structured_output(self) -> StructuredOutputParams | None:
+        return structured_output_params(self.structured_outputs, self.response_format)
 
     def num_prompt_logprobs(self) -> int | None:
         """The k best to return at each prompt position (None: the prompt is not scored)."""
@@ -265,7 +286,6 @@ class ChatCompletionRequest(_Common, ToolFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
 
     def check(self) -> None:
@@ -274,8 +294,6 @@ class ChatCompletionRequest(_Common, ToolFields):
         for index, message in enumerate(self.messages):
             message.check(index)
         self.check_tools()
-        if self.response_format not in (None, {"type": "text"}):
-            raise RequestError("response_format", "only response_format {type: text} is supported")
         if self.stream and self.prompt_logprobs is not None:
             raise RequestError("prompt_logprobs", "prompt_logprobs is not supported with stream: true on chat")
         if self.top_logprobs is not None and not self.logprobs:

@@ -16,9 +16,11 @@ which is the same draw, in float32. The hash is the same on every device; ``log1
 an ulp between CPU and CUDA, so equal noise across devices is not promised, on one device it is.
 
 Logprobs are those of the model's distribution (log-softmax of the raw logits, before the logit
-controls of logits_controls.py (penalties, logit_bias, min_tokens), temperature and filtering),
+controls of logits_controls.py (penalties, logit_bias, min_tokens), the grammar mask
+(grammar_mask.py), temperature and filtering),
 the convention of the OpenAI API and vLLM's default. The controls come in as a ``LogitsControls``
-that is None when no request of the batch uses one: that path runs exactly what it ran without them.
+that is None when no request of the batch uses one, the bitmask likewise: that path runs exactly
+what it ran without them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from oscar_compile.runtime.core.sampling_params import SamplingParams
+from oscar_compile.runtime.worker.grammar_mask import apply_token_bitmask
 from oscar_compile.runtime.worker.logits_controls import LogitsControls, TokenCache, apply_controls
 from oscar_compile.runtime.worker.transfer import to_device
 
@@ -58,6 +61,7 @@ class DeviceSample:
         self.wanted = wanted
         tensors = [token_ids] + ([chosen] if chosen is not None else []) + (list(top) if top else [])
         self._event = None
+        self._result: SampleResult | None = None
         if token_ids.is_cuda:
             self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
             for h, t in zip(self._host, tensors, strict=True):
@@ -68,6 +72,12 @@ class DeviceSample:
             self._host = tensors
 
     def result(self) -> SampleResult:
+        """The samples on the host (converted once: the engine may read them twice)."""
+        if self._result is None:
+            self._result = self._read()
+        return self._result
+
+    def _read(self) -> SampleResult:
         if self._event is not None:
             self._event.synchronize()
         ids = self._host[0].tolist()
@@ -95,21 +105,27 @@ class Sampler:
         self.token_cache.forget(seq_id)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-                 positions: list[int], controls: LogitsControls | None = None) -> SampleResult:
-        return self.sample(logits, params, seeds, positions, controls).result()
+                 positions: list[int], controls: LogitsControls | None = None,
+                 bitmask: torch.Tensor | None = None) -> SampleResult:
+        return self.sample(logits, params, seeds, positions, controls, bitmask).result()
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-               positions: list[int], controls: LogitsControls | None = None) -> DeviceSample:
+               positions: list[int], controls: LogitsControls | None = None,
+               bitmask: torch.Tensor | None = None) -> DeviceSample:
         """Draw one token per row, without waiting for the device. Row ``b`` draws with the noise
         of ``(seeds[b], positions[b])`` (the request's seed, the absolute position of the token
         drawn). ``controls`` (built by ``logits_controls.build_controls``) change the logits that
-        are sampled, not the logprobs."""
+        are sampled, not the logprobs; so does ``bitmask`` (a grammar's allowed tokens, int32
+        ``[B, ceil(V / 32)]`` on the host, pinned: copied without waiting; grammar_mask.py),
+        applied after them."""
         # logits: [B, V] any float dtype; computed in float32
         logits = logits.float()
         controlled = logits
         if controls is not None:
             controlled = apply_controls(logits, controls)
+        if bitmask is not None:
+            controlled = apply_token_bitmask(controlled, bitmask.to(logits.device, non_blocking=True))
         token_ids = controlled.argmax(dim=-1)
         # the rows that draw, decided on the host (no copy, no sync); the filtering and the
         # [B, V] noise run on those rows only: every step of them is row-wise
