@@ -199,7 +199,8 @@ def test_a_request_waits_for_its_compile_and_can_be_aborted_meanwhile(tiny_model
     while not plain.is_finished:
         engine.step()
     assert waiting.status is SequenceStatus.WAITING and waiting.num_output_tokens == 0 and not waiting.has_pages
-    assert engine.abort_request(aborted.request_id).finish_reason == "abort" and manager.num_waiting == 1
+    [out] = engine.abort_request(aborted.request_id)
+    assert out.finish_reason == "abort" and manager.num_waiting == 1
     assert engine.has_unfinished() and engine.stats()["num_waiting"] == 1  # counted for admission
     gate.set()
     while engine.has_unfinished():

@@ -22,7 +22,7 @@ from typing import Any
 
 from oscar_compile.runtime.core.sampling_params import RequestError, StructuredOutputParams
 from oscar_compile.runtime.server.tool_parsers.base import DeltaBuilder, ExtractedToolCalls, ToolCall, ToolCallStream
-from oscar_compile.runtime.server.tool_parsers.json_calls import StreamedCall, call_from_object
+from oscar_compile.runtime.server.tool_parsers.json_calls import StreamedCall, parse_call
 from oscar_compile.runtime.server.tool_protocol import Tool
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -105,13 +105,27 @@ class RequiredCalls:
             items = json.loads(text)
         except ValueError:
             return ExtractedToolCalls(text, [])
-        calls = [call_from_object(item, "parameters") for item in items] if isinstance(items, list) else [None]
+        # each call's arguments as written, so the whole answer equals what the stream sends
+        calls = [parse_call(item, "parameters") for item in _item_texts(text)] if isinstance(items, list) else [None]
         if not calls or any(call is None for call in calls):
             return ExtractedToolCalls(text, [])
         return ExtractedToolCalls(None, calls)
 
     def stream(self) -> ToolCallStream:
         return _RequiredStream()
+
+
+def _item_texts(text: str) -> list[str]:
+    """The text of each item of the JSON array ``text`` (known to parse), as written."""
+    decoder, pos, items = json.JSONDecoder(), text.index("[") + 1, []
+    while True:
+        while text[pos] in " \t\n\r,":
+            pos += 1
+        if text[pos] == "]":
+            return items
+        _, end = decoder.raw_decode(text, pos)
+        items.append(text[pos:end])
+        pos = end
 
 
 class _RequiredStream(ToolCallStream):
