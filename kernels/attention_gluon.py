@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import triton
 
+from oscar_compile.formats.cache import CACHE_FORMAT_VERSION, code_layout
 from oscar_compile.kernels.attention_blocks_triton import merge_partials
 from oscar_compile.kernels.attention_gluon_tiles import (
     NEG_INIT,
@@ -284,6 +285,12 @@ def _decode_kernel(
 
 
 # ------------------------------------------------------------------ host side
+# The byte orders (formats.cache.code_layout) this kernel decodes: its fp16-operand fragments are
+# built from planar rows, so INT2 at head_dim 128 (masked since cache format version 2) runs the
+# Triton kernel until the 8-bit integer decode of issue #32 takes it.
+CODE_LAYOUTS_READ = ("planar",)
+
+
 def gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits: int, group_size: int, N: int,
                              B: int) -> str | None:
     """Why the Gluon kernel does not take this call (None: it does). Shapes and dtypes only."""
@@ -299,6 +306,10 @@ def gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits: int, group_siz
         return f"group_size {group_size} below head_dim {D} (one scale group per token)"
     if P % 16:
         return f"page_size {P} is not a multiple of 16"
+    layout = code_layout(bits, D, P)
+    if layout not in CODE_LAYOUTS_READ:
+        return (f"{layout} INT{bits} pages (cache format version {CACHE_FORMAT_VERSION}: this kernel reads "
+                f"{'/'.join(CODE_LAYOUTS_READ)} code rows; the masked INT2 decode is issue #32's)")
     if H_q % H_kv or H_q // H_kv > 32:
         return f"{H_q} query heads over {H_kv} KV heads"
     if k_win.dtype not in (torch.bfloat16, torch.float16) or q.dtype not in (torch.bfloat16, torch.float16):

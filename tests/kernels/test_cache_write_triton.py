@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from oscar_compile.formats.op_args import CacheWriteArgs
 from oscar_compile.kernels.cache_write_ref import cache_write_ref
 from oscar_compile.kernels.rotate_ref import rotate_ref
 from oscar_compile.kernels.testing import build_case, random_kv, with_standard_history_lens
@@ -151,3 +152,46 @@ def test_triton_write_with_rotation(tdevice, fused, rot_heads):
     db = quant.dequantize(b.pools.k_codes, b.pools.k_scale, b.pools.k_zero, 2, 64)
     step = b.pools.k_scale.float().repeat_interleave(64, dim=-1)
     assert bool(((da - db).abs() <= step * 1.01 + 1e-3).all())
+
+
+
+def _on_stale_pages(write, byte: int = 0xA5):
+    """``write``, whose first call fills the code pools with ``byte`` first (pages a previous owner left)."""
+    calls = []
+
+    def call(*args, **kwargs):
+        if not calls:
+            a = CacheWriteArgs(*args, **kwargs)
+            a.k_codes.fill_(byte)
+            a.v_codes.fill_(byte)
+        calls.append(1)
+        return write(*args, **kwargs)
+
+    return call
+
+
+@pytest.mark.parametrize("chunk,block_t,hits", [(5, 16, None), (3, None, [40, 70])], ids=["chunks", "hits"])
+def test_triton_write_masked_pages_match_reference(tdevice, chunk, block_t, hits):
+    """INT2 at head_dim 128 (masked pages, 4 tokens per key byte): chunk edges and hit starts
+    inside 4-token groups, 16-row programs whose groups straddle programs, then decode steps, over
+    code pools full of stale bytes (a write clears its own bit pairs; no page is zeroed when
+    taken): the pools equal the reference's bitwise."""
+    from functools import partial
+
+    from oscar_compile.kernels.cache_write_triton import cache_write_triton
+
+    kw = dict(num_kv_heads=2, head_dim=128, page_size=16, sink=16, recent=16, bits=2, group_size=128,
+              seed=15, chunk=chunk, hits=hits, extra_tokens=3)
+    cases = []
+    for write, dev in ((cache_write_ref, "cpu"), (partial(cache_write_triton, block_t=block_t), tdevice)):
+        case = build_case([70, 95], write=_on_stale_pages(write), device=dev, **kw)
+        gen = torch.Generator().manual_seed(17)
+        for _ in range(3):  # decode steps: one demotion per sequence each
+            k, v = random_kv(2, 2, 128, gen), random_kv(2, 2, 128, gen)
+            cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=dev)
+            write(k.to(dev), v.to(dev), cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
+                  16, 16, 2, 128, case.clip_k, case.clip_v, history_lens=case.history_lens)
+            case.append(k.to(dev), v.to(dev), cu)
+        cases.append(case)
+    for a, b, name in zip(cases[1].pools, cases[0].pools, cases[0].pools._fields, strict=True):
+        assert torch.equal(a.cpu(), b), name
