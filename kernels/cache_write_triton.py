@@ -234,3 +234,28 @@ def cache_write_triton(
         BLOCK_T=block_t, CLIP_LOW=min(zero_low_bits(k_win.dtype), zero_low_bits(v_win.dtype)), MASKED=masked,
         num_warps=num_warps, enable_fp_fusion=False,
     )
+
+
+def compile_offline(bits: int = 2, head_dim: int = 128, page_size: int = 16, block_t: int = 1,
+                    num_warps: int = 1, has_hist: bool = True):
+    """Compile the write for sm_90 without a GPU (CI: the masked INT2 rows' reshapes and atomics
+    must build for the device, not only run in the interpreter). bf16 windows, fp16 scales, the
+    clip on; returns Triton's compiled kernel (``.asm["ptx"]``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptrs = dict(k_ptr="bf16", v_ptr="bf16", rot_ptr="bf16", mean_ptr="bf16", cu_ptr="i32", lens_ptr="i32",
+                hist_ptr="i32", wt_ptr="i32", qt_ptr="i32", kwin_ptr="bf16", vwin_ptr="bf16", kc_ptr="u8",
+                ks_ptr="fp16", kz_ptr="fp16", vc_ptr="u8", vs_ptr="fp16", vz_ptr="fp16", kc32_ptr="i32")
+    sig = {name: f"*{t}" for name, t in ptrs.items()}
+    sig.update({name: "i32" for name in ("N", "B", "stride_kn", "stride_kh", "stride_vn", "stride_vh",
+                                         "stride_wt", "stride_qt", "klo", "khi")})
+    sig.update(kfrac="fp32", vlo="i32", vhi="i32", vfrac="fp32")
+    consts = dict(H=8, D=head_dim, P=page_size, SINK=64, RECENT=256, BITS=bits, GROUP=head_dim, CLIP_K=True,
+                  CLIP_V=True, HAS_ROT=False, HAS_MEAN=False, ROT_HEADS=1, HAS_HIST=has_hist, BLOCK_T=block_t,
+                  CLIP_LOW=16, MASKED=code_layout(bits, head_dim, page_size) == "masked")
+    sig.update({k: "constexpr" for k in consts})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))}
+    src = ASTSource(_cache_write_kernel, sig, consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "enable_fp_fusion": False})

@@ -31,8 +31,6 @@ decode rows with :func:`read_code_rows`; both take unpacked codes ``[n, H_kv, D]
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from oscar_compile import quant
@@ -43,9 +41,9 @@ ROW_BYTES = MASKED_HEAD_DIM * 2 // 8  # 32: one token row of INT2 codes at head_
 BLOCK_BYTES = BLOCK * ROW_BYTES  # 512
 
 
-@functools.cache
 def key_byte_map() -> tuple[torch.Tensor, torch.Tensor]:
-    """(byte [16, 128], bit pair [16, 128]) int64: where the key code of (row r, channel c) lives."""
+    """(byte [16, 128], bit pair [16, 128]) int64: where the key code of (row r, channel c) lives.
+    (Built on each call, not cached: a call under torch.export's tracing makes traced tensors.)"""
     r = torch.arange(BLOCK).view(BLOCK, 1)
     c = torch.arange(MASKED_HEAD_DIM).view(1, MASKED_HEAD_DIM)
     s, hh, t, b = c // 32, (c // 16) % 2, (c // 4) % 4, c % 4
@@ -53,7 +51,6 @@ def key_byte_map() -> tuple[torch.Tensor, torch.Tensor]:
     return byte, (r % 4).expand_as(byte).contiguous()
 
 
-@functools.cache
 def value_byte_map() -> tuple[torch.Tensor, torch.Tensor]:
     """(byte [16, 128], bit pair [16, 128]) int64: where the value code of (row r, channel c) lives."""
     r = torch.arange(BLOCK).view(BLOCK, 1)
@@ -87,13 +84,17 @@ def _pack_blocks(codes: torch.Tensor, kind: str) -> torch.Tensor:
     return out.to(torch.uint8)
 
 
-def _unpack_blocks(packed: torch.Tensor, kind: str) -> torch.Tensor:
-    """[..., 512] uint8 -> codes [..., 16, 128] uint8."""
+def unpack_blocks(packed: torch.Tensor, kind: str) -> torch.Tensor:
+    """[..., 512] uint8 -> codes [..., 16, 128] uint8. In uint8 ops only (a gather, a logical
+    shift, an AND and an XOR: (c + 2) mod 4 is c ^ 2), so the ONNX step graph traces it as it is."""
     if packed.shape[-1] != BLOCK_BYTES:
         raise ValueError(f"a masked block is {BLOCK_BYTES} bytes, got {tuple(packed.shape)}")
-    byte, pair = (m.to(packed.device) for m in _byte_map(kind))
-    gathered = packed.to(torch.int32)[..., byte.flatten()].view(*packed.shape[:-1], BLOCK, MASKED_HEAD_DIM)
-    return _stored((gathered >> (2 * pair)) & 3, pair).to(torch.uint8)
+    byte, pair = _byte_map(kind)
+    shift = (2 * pair).flatten().to(device=packed.device, dtype=torch.uint8)
+    top = torch.where(pair == 3, 2, 0).flatten().to(device=packed.device, dtype=torch.uint8)
+    gathered = packed[..., byte.flatten().to(packed.device)]  # [..., 2048]
+    codes = ((gathered >> shift) & 3) ^ top
+    return codes.reshape(*packed.shape[:-1], BLOCK, MASKED_HEAD_DIM)
 
 
 def _check_page(codes: torch.Tensor) -> None:
@@ -114,7 +115,7 @@ def unpack_key_page(packed: torch.Tensor) -> torch.Tensor:
     _check_page(packed)
     P = packed.shape[-2]
     blocks = packed.reshape(*packed.shape[:-2], P // BLOCK, BLOCK_BYTES)
-    return _unpack_blocks(blocks, "k").reshape(*packed.shape[:-2], P, MASKED_HEAD_DIM)
+    return unpack_blocks(blocks, "k").reshape(*packed.shape[:-2], P, MASKED_HEAD_DIM)
 
 
 def pack_value_page(codes: torch.Tensor) -> torch.Tensor:
@@ -130,7 +131,7 @@ def unpack_value_page(packed: torch.Tensor) -> torch.Tensor:
     _check_page(packed)
     P = packed.shape[-2]
     blocks = packed.reshape(*packed.shape[:-2], P // BLOCK, BLOCK_BYTES)
-    return _unpack_blocks(blocks, "v").reshape(*packed.shape[:-2], P, MASKED_HEAD_DIM)
+    return unpack_blocks(blocks, "v").reshape(*packed.shape[:-2], P, MASKED_HEAD_DIM)
 
 
 def pack_page(codes: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
@@ -157,7 +158,7 @@ def read_code_rows(pool: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, 
         return quant.unpack_codes(pool[pages, :, rows], bits)
     blk = rows // BLOCK
     blocks = pool.view(pool.shape[0], pool.shape[1], P // BLOCK, BLOCK_BYTES)[pages, :, blk]  # [n, H, 512]
-    codes = _unpack_blocks(blocks, kind)  # [n, H, 16, 128]
+    codes = unpack_blocks(blocks, kind)  # [n, H, 16, 128]
     return codes[torch.arange(len(rows), device=pool.device), :, rows % BLOCK]
 
 
@@ -178,6 +179,6 @@ def write_code_rows(
     flat = pages.long() * (P // BLOCK) + rows.long() // BLOCK  # block id, [n]
     ids, inv = torch.unique(flat, return_inverse=True)
     bp, bb = ids // (P // BLOCK), ids % (P // BLOCK)
-    dense = _unpack_blocks(blocks[bp, :, bb], kind)  # [m, H, 16, 128]
+    dense = unpack_blocks(blocks[bp, :, bb], kind)  # [m, H, 16, 128]
     dense[inv, :, rows.long() % BLOCK] = codes.to(torch.uint8)
     blocks[bp, :, bb] = _pack_blocks(dense, kind)

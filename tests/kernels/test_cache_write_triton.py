@@ -195,3 +195,34 @@ def test_triton_write_masked_pages_match_reference(tdevice, chunk, block_t, hits
         cases.append(case)
     for a, b, name in zip(cases[1].pools, cases[0].pools, cases[0].pools._fields, strict=True):
         assert torch.equal(a.cpu(), b), name
+
+
+_COMPILE = """
+import json
+from oscar_compile.kernels.cache_write_triton import compile_offline
+out = []
+for bits, block_t, num_warps in [(2, 1, 1), (2, 16, 4), (4, 1, 1)]:
+    ptx = compile_offline(bits, 128, 16, block_t, num_warps).asm["ptx"]
+    out.append({"local": ("ld.local" in ptx) or ("st.local" in ptx), "and": ptx.count("red.global.gpu.relaxed.and"),
+                "or": ptx.count("red.global.gpu.relaxed.or")})
+print(json.dumps(out))
+"""
+
+
+def test_masked_write_compiles_for_sm90_with_fire_and_forget_atomics():
+    """An offline sm_90 compile of the write (decode: 1 row, 1 warp; prefill: 16 rows, 4 warps):
+    masked INT2 key rows become ``red`` AND / OR (no returned value to wait for), no spills;
+    INT4 (planar) has none. In a child process: under TRITON_INTERPRET=1 the kernel is an
+    interpreter function."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    decode, prefill, int4 = json.loads(res.stdout.strip().splitlines()[-1])
+    assert not any(r["local"] for r in (decode, prefill, int4))
+    assert decode["and"] >= 1 and decode["or"] >= 1 and prefill["and"] >= 1 and prefill["or"] >= 1
+    assert int4["and"] == int4["or"] == 0
