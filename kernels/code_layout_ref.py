@@ -156,10 +156,10 @@ def read_code_rows(pool: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, 
     P, D = pool.shape[2], pool.shape[3] * 8 // bits
     if code_layout(bits, D, P) == "planar":
         return quant.unpack_codes(pool[pages, :, rows], bits)
-    blk = rows // BLOCK
-    blocks = pool.view(pool.shape[0], pool.shape[1], P // BLOCK, BLOCK_BYTES)[pages, :, blk]  # [n, H, 512]
-    codes = unpack_blocks(blocks, kind)  # [n, H, 16, 128]
-    return codes[torch.arange(len(rows), device=pool.device), :, rows % BLOCK]
+    blocks = pool.view(pool.shape[0], pool.shape[1], P // BLOCK, BLOCK_BYTES)
+    ids, inv = torch.unique(pages.long() * (P // BLOCK) + rows.long() // BLOCK, return_inverse=True)
+    dense = unpack_blocks(blocks[ids // (P // BLOCK), :, ids % (P // BLOCK)], kind)  # [m, H, 16, 128]: each block once
+    return dense[inv, :, rows.long() % BLOCK]
 
 
 def write_code_rows(
