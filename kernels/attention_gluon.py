@@ -10,7 +10,8 @@ stalled at about 2x cuDNN BF16). Here the layouts are explicit:
   data moves between threads). Thread (warp w, lane 4 g + t) reads bytes ``[t WP/4, (t + 1) WP/4)``
   of the planar key rows of tokens ``16 w + g`` and ``16 w + g + 8`` from the step's
   shared-memory stage: one 8-byte read each (INT2, D = 128).
-- **The cache format is the planar one** (docs/cache-format.md): the contraction index of the
+- **It reads planar code rows** (docs/cache-format.md; INT4, and INT2 at head_dim 64: INT2 at
+  head_dim 128 is masked since cache format version 2, ``CODE_LAYOUTS_READ``): the contraction index of the
   key dot is a permutation of the channels, kappa = 16 (mu + n_mu p) + 8 i0 + 2 t + e for the
   code of channel WP p + 4 n_mu t + 4 mu + 2 i0 + e (plane p, byte t WP/4 + 4 mu + 2 i0 + e),
   so the query is loaded in that order, once per program (``_kappa_channel``).
