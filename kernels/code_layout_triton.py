@@ -36,19 +36,30 @@ def load_code_bytes(c_ptr, rows, rmask, IS_KEY: tl.constexpr, MASKED: tl.constex
     j = tl.arange(0, WP)[None, :]
     if not MASKED:
         return tl.load(c_ptr + rows[:, None] * WP + j, mask=rmask[:, None], other=0)
+    R: tl.constexpr = rows.shape[0]
     r = (rows % 16)[:, None]
-    base = (rows[:, None] - r) * 32  # the block's first byte
-    out = tl.zeros([rows.shape[0], WP], tl.int32)
-    for pl in tl.static_range(4):  # plane pl: channels 32 pl + j
-        if IS_KEY:  # channel 32 s + 16 hh + 4 t + b, s = pl: byte 128 (r // 4) + 32 t + 8 s + 4 hh + b
-            off = 128 * (r // 4) + 32 * ((j // 4) % 4) + 8 * pl + 4 * (j // 16) + j % 4
-            pair = r % 4
-        else:  # channel 16 w + g + 8 j0 + 64 j1: byte 16 (8 w + g) + r, bit pair j0 + 2 j1
-            w = 2 * (pl % 2) + j // 16
-            off = 16 * (8 * w + j % 8) + r
-            pair = (j // 8) % 2 + 2 * (pl // 2)
-        b = tl.load(c_ptr + base + off, mask=rmask[:, None], other=0).to(tl.int32)
-        out = out | (_fix_top((b >> (2 * pair)) & 3, pair) << (2 * pl))
+    ok = rmask[:, None]
+    if IS_KEY:  # 32-bit words: word 32 (r // 4) + 8 t + 2 s + hh holds channels 32 s + 16 hh + 4 t + b in byte b
+        k = tl.arange(0, WP // 4)[None, :]  # planar word k = 4 hh + t: planar bytes 4 k .. 4 k + 3 of plane s
+        words = c_ptr.to(tl.pointer_type(tl.int32)) + (rows[:, None] - r) * 8 + 32 * (r // 4)
+        shift = (2 * (r % 4)).to(tl.int32)
+        top = tl.where(r % 4 == 3, 0x02020202, 0)  # pair 3: (c + 2) mod 4 is c ^ 2
+        acc = tl.zeros([R, WP // 4], tl.int32)
+        for pl in tl.static_range(4):
+            wd = tl.load(words + 8 * (k % 4) + 2 * pl + k // 4, mask=ok, other=0)
+            acc = acc | ((((wd >> shift) & 0x03030303) ^ top) << (2 * pl))
+        b = tl.arange(0, 4)[None, None, :]
+        out = tl.reshape((acc[:, :, None] >> (8 * b)) & 0xFF, (R, WP))
+    else:  # channel 16 w + g + 8 j0 + 64 j1: byte 16 (8 w + g) + r, bit pair j0 + 2 j1; planes h and h + 2 share it
+        base = (rows[:, None] - r) * 32  # the block's first byte
+        j0 = (j // 8) % 2
+        out = tl.zeros([R, WP], tl.int32)
+        for half in tl.static_range(2):
+            bt = tl.load(c_ptr + base + 16 * (8 * (2 * half + j // 16) + j % 8) + r, mask=ok, other=0).to(tl.int32)
+            for j1 in tl.static_range(2):
+                pair = j0 + 2 * j1
+                out = out | (_fix_top((bt >> (2 * pair)) & 3, pair) << (2 * (half + 2 * j1)))
+    out = tl.where(ok, out, 0)
     return out.to(tl.uint8)
 
 
