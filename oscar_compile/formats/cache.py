@@ -29,6 +29,11 @@ from dataclasses import asdict, dataclass
 
 FULL_PRECISION_BITS = 16  # history rows kept as they are: no codes, no scale / zero
 SCALE_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}  # the spec's scale_dtype choices
+# Byte order of the INT2 code pages in the pools: "planar" (the rows of docs/cache-format.md), or
+# "masked" (issue #32: bit pairs in the order of the 8-bit wgmma fragments, kernels/
+# attention_gluon_int8_pack.py). Every reader and writer follows it; the attention dispatch sends
+# INT2 decode on sm_90 to the 8-bit integer kernel only when the pools hold the masked layout.
+INT2_CODE_LAYOUT = "planar"
 _SCALE_DTYPE_ALIASES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
