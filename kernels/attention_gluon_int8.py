@@ -320,7 +320,11 @@ MAXNREG = 128  # 4 programs per SM; 96 spills (1.75x slower, prototype run 3)
 PROGRAMS_PER_SM = 65536 // (MAXNREG * 128)
 MIN_SPLIT_TOKENS = 2 * STEP_TOKENS  # shorter histories are not split
 WINDOW_STEP_COST = 4  # history steps one 64-token BF16 window tile costs
-DET_SPLIT_TOKENS = 4096  # deterministic mode: history splits of this many tokens, aligned to position 0
+# deterministic mode: history splits of this many tokens, aligned to position 0. H200 (results
+# 2026-12-03-h200-int2-decode-int8-product, run 1): 4096 cost 3.9x the default plan at 8k / 1
+# (two 32-step chains), 1.33x at 128k / 1 and 5-6 % at batch 32; 2048 is the default plan's own
+# split at 128k / 1.
+DET_SPLIT_TOKENS = 2048
 
 
 def plan_int8_launch(N: int, H_kv: int, g: int, max_hist: int, sink: int, recent: int, device,
@@ -328,7 +332,9 @@ def plan_int8_launch(N: int, H_kv: int, g: int, max_hist: int, sink: int, recent
     """(nsplit, nwin) from shapes only (CUDA-graph safe): the history programs of one split
     (N * H_kv * head groups) sized to whole waves of the resident programs, at least 2 steps per
     split and at most MAX_SPLIT_TOKENS per split; the window programs share sink + recent so
-    that their chain is no longer than a split's. Deterministic: DET_SPLIT_TOKENS per split and
+    that their chain is no longer than a split's, within the wave's free slots when the history
+    fits one wave (H200, run 1: 32k / 1, 64 splits + 6 window programs on 528 slots 17.0 µs,
+    + 2 window programs 15.4 µs). Deterministic: DET_SPLIT_TOKENS per split and
     the window programs planned from that split alone (no batch or table width in either)."""
     win_tiles = triton.cdiv(sink + recent, 64) + 1
     if deterministic:
@@ -345,7 +351,10 @@ def plan_int8_launch(N: int, H_kv: int, g: int, max_hist: int, sink: int, recent
     if precision > nsplit:  # several waves anyway: whole ones
         nsplit = triton.cdiv(precision, fit) * fit
     nsplit = triton.cdiv(steps, triton.cdiv(steps, nsplit))
-    return nsplit, plan_window_splits(win_tiles, max(1, triton.cdiv(steps, nsplit) // WINDOW_STEP_COST))
+    nwin = plan_window_splits(win_tiles, max(1, triton.cdiv(steps, nsplit) // WINDOW_STEP_COST))
+    if nsplit < fit:  # one wave: the window programs take the slots left, not a second wave
+        nwin = max(1, min(nwin, fit - nsplit))
+    return nsplit, nwin
 
 
 def _words(x: torch.Tensor) -> torch.Tensor:

@@ -72,12 +72,17 @@ def test_masking_a_word_gives_the_signed_code_times_4_to_the_j():
             assert torch.equal(signed, want * 4**j), j
 
 
-def test_heads_per_program_and_plan():
+def test_heads_per_program_and_plan(monkeypatch):
     from oscar_compile.kernels import attention_gluon_int8 as k8
 
     assert [k8.heads_per_program(g) for g in (1, 2, 3, 4, 5, 6, 8, 12, 16)] == [1, 2, 3, 4, 1, 3, 4, 4, 4]
     dev = torch.device("cpu")  # 4 SMs stand in: 16 slots
     assert k8.plan_int8_launch(1, 8, 4, 256, 64, 256, dev) == (1, 1)
+    monkeypatch.setattr(k8, "num_sms", lambda device: 132)  # an H200: 528 slots
+    assert k8.plan_int8_launch(1, 8, 4, 32768 - 320, 64, 256, dev) == (64, 2)  # windows within the wave
+    assert k8.plan_int8_launch(1, 8, 4, 8192 - 320, 64, 256, dev) == (31, 6)
+    assert k8.plan_int8_launch(32, 8, 4, 131072 - 320, 64, 256, dev)[1] == 1
+    monkeypatch.undo()
     ns, nw = k8.plan_int8_launch(1, 2, 4, 131072, 64, 256, dev)
     assert ns * 2 >= 16 and -(-131072 // 128 // ns) >= 2 and nw >= 1
     # deterministic: the split count follows the table width only, the window programs nothing
