@@ -1,8 +1,9 @@
 """Launch-plan sweep of the 8-bit integer Hopper decode (``bench.kernels --parts int8-variants``).
 
 At one (context, batch) of the benchmark layer: the default plan, half and twice its history
-splits, one history step per split, one / two / twice the planned window programs, the
-deterministic mode (fixed 4096-token splits, in-order merge), and the merge of the default
+splits, one history step per split, one / two / twice the planned window programs, the merge as
+a programmatic dependent launch, the first step loaded before / after the query work, the
+deterministic mode (fixed 2048-token splits, in-order merge), and the merge of the default
 plan's partials alone (``merge_us``: what batch 1 pays after the decode launch). Same timing as
 the attention table (CUDA-graph replays over L2-flushing layer buffers).
 """
@@ -34,7 +35,9 @@ def bench_int8_variants(ctx: int, B: int) -> list[dict]:
     nsplit, nwin = plan_int8_launch(B, H_KV, g, max_hist, SINK, RECENT, dev)
     steps = -(-max_hist // STEP_TOKENS)
     sweep = [dict(), dict(nsplit=max(1, nsplit // 2)), dict(nsplit=2 * nsplit), dict(nsplit=steps),
-             dict(win_splits=1), dict(win_splits=2), dict(win_splits=2 * nwin), dict(deterministic=True)]
+             dict(win_splits=1), dict(win_splits=2), dict(win_splits=2 * nwin), dict(pdl=True),
+             dict(early_load=True), dict(early_load=False), dict(early_load=True, pdl=True), dict(deterministic=True),
+             dict(deterministic=True, pdl=True)]
     out = []
     for kw in sweep:
         row = {"context": ctx, "batch": B, "planned_nsplit": nsplit, "planned_nwin": nwin, **kw}

@@ -81,13 +81,16 @@ def test_decode_matches_reference(sink, recent, H_q, H_kv):
 
 
 @needs_sm90
-@pytest.mark.parametrize("nsplit,win_splits", [(1, 1), (3, 2), (7, 3), (40, 6)])
-def test_forced_splits_match_reference(nsplit, win_splits):
+@pytest.mark.parametrize("nsplit,win_splits,early,pdl", [(1, 1, False, False), (3, 2, True, False),
+                                                         (7, 3, False, True), (40, 6, True, True)])
+def test_forced_splits_match_reference(nsplit, win_splits, early, pdl):
     """History in 1 / 3 / 7 / 40 splits (40: most of them empty), windows shared by several
-    programs (6 > the window tiles: some get none); the last window program takes the chunk."""
+    programs (6 > the window tiles: some get none); the last window program takes the chunk. The
+    first step loaded before or after the query work; the merge launched as a dependent or not."""
     case = build_case([700, 70, 20, 1300], 2, 128, 16, 16, 128, 2, 128, torch.float16, seed=2,
                       extra_tokens=2, device="cuda")
-    got, want = run_both(case, [1, 2, 1, 1], 8, seed=3, nsplit=nsplit, win_splits=win_splits)
+    got, want = run_both(case, [1, 2, 1, 1], 8, seed=3, nsplit=nsplit, win_splits=win_splits, early_load=early,
+                         pdl=pdl)
     assert rel_err(got, want) < TOL
 
 
@@ -178,7 +181,8 @@ def test_dispatch_runs_the_int8_kernel_on_masked_pools(monkeypatch):
 
 
 @needs_sm90
-def test_cuda_graph_replay_follows_new_lengths():
+@pytest.mark.parametrize("pdl", [False, True])
+def test_cuda_graph_replay_follows_new_lengths(pdl):
     """Grid and plan come from shapes only: a captured launch replayed after the cache grew
     (cache_lens and the pools changed in place) matches the reference at the new lengths."""
     from oscar_compile.kernels.attention_gluon_int8 import attention_gluon_int8
@@ -189,10 +193,10 @@ def test_cuda_graph_replay_follows_new_lengths():
     args = make_args(case, [1, 1], 8, seed=15)
     margs = with_masked(args)
     kc, vc = margs[9], margs[12]
-    attention_gluon_int8(*margs)  # compile outside the capture
+    attention_gluon_int8(*margs, pdl=pdl)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = attention_gluon_int8(*margs)
+        out = attention_gluon_int8(*margs, pdl=pdl)
     gen = torch.Generator().manual_seed(16)
     more = 270
     kk, vv = (random_kv(2 * more, 2, 128, gen, device="cuda") for _ in range(2))
