@@ -412,7 +412,7 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="8k and 32k at batch 1 and 8 only")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--shapes", nargs="+", metavar="CTXxB",
-                    help="attention table at these (context x batch) only, e.g. 131072x32 8192x1")
+                    help="attention table (and int8-variants) at these (context x batch) only, e.g. 131072x32 8192x1")
     ap.add_argument("--parts", nargs="+",
                     choices=("attention", "variants", "gluon-variants", "int8-variants", "extend", "write",
                              "write-variants"),
@@ -452,7 +452,8 @@ def main(argv=None) -> None:
         from oscar_compile.bench.kernels_int8 import bench_int8_variants
 
         result["int8_variants"] = []
-        for ctx, B in ((8192, 1), (32768, 1), (131072, 1), (8192, 32), (32768, 32), (131072, 32)):
+        for ctx, B in (shapes if args.shapes else
+                       ((8192, 1), (32768, 1), (131072, 1), (8192, 32), (32768, 32), (131072, 32))):
             result["int8_variants"] += bench_int8_variants(ctx, B)
         print(json.dumps(result["int8_variants"]), flush=True)
     if "extend" in args.parts:  # chunks 2 and 4 of an 8k prompt, one deep into a 32k prompt

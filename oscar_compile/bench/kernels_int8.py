@@ -1,8 +1,8 @@
 """Launch-plan sweep of the 8-bit integer Hopper decode (``bench.kernels --parts int8-variants``).
 
 At one (context, batch) of the benchmark layer: the default plan, half and twice its history
-splits, one history step per split, one / two / twice the planned window programs, the merge as
-a programmatic dependent launch, the first step loaded before / after the query work, the
+splits, twice the planned window programs, the merge as a programmatic dependent launch, the
+first step loaded the other way round (before / after the query work; with and without it), the
 deterministic mode (fixed 2048-token splits, in-order merge), and the merge of the default
 plan's partials alone (``merge_us``: what batch 1 pays after the decode launch). Same timing as
 the attention table (CUDA-graph replays over L2-flushing layer buffers).
@@ -28,16 +28,21 @@ from oscar_compile.bench.kernel_setup import (
 def bench_int8_variants(ctx: int, B: int) -> list[dict]:
     from oscar_compile.bench.kernels import _decode_case
     from oscar_compile.kernels.attention_blocks_triton import merge_partials
-    from oscar_compile.kernels.attention_gluon_int8 import STEP_TOKENS, attention_gluon_int8, plan_int8_launch
+    from oscar_compile.kernels.attention_gluon_int8 import (
+        EARLY_STEPS,
+        STEP_TOKENS,
+        attention_gluon_int8,
+        plan_int8_launch,
+    )
 
     dev, q, kn, cu, lens, nbytes, layers, max_hist = _decode_case(ctx, B)
     g = H_Q // H_KV
     nsplit, nwin = plan_int8_launch(B, H_KV, g, max_hist, SINK, RECENT, dev)
     steps = -(-max_hist // STEP_TOKENS)
-    sweep = [dict(), dict(nsplit=max(1, nsplit // 2)), dict(nsplit=2 * nsplit), dict(nsplit=steps),
-             dict(win_splits=1), dict(win_splits=2), dict(win_splits=2 * nwin), dict(pdl=True),
-             dict(early_load=True), dict(early_load=False), dict(early_load=True, pdl=True), dict(deterministic=True),
-             dict(deterministic=True, pdl=True)]
+    early = -(-steps // nsplit) <= EARLY_STEPS  # the planned choice
+    sweep = [dict(), dict(nsplit=max(1, nsplit // 2)), dict(nsplit=2 * nsplit), dict(win_splits=2 * nwin),
+             dict(pdl=True), dict(early_load=not early), dict(early_load=not early, pdl=True),
+             dict(deterministic=True), dict(deterministic=True, pdl=True)]
     out = []
     for kw in sweep:
         row = {"context": ctx, "batch": B, "planned_nsplit": nsplit, "planned_nwin": nwin, **kw}
