@@ -454,7 +454,7 @@ def main(argv=None) -> None:
         result["int8_variants"] = []
         for ctx, B in (shapes if args.shapes else
                        ((8192, 1), (32768, 1), (131072, 1), (8192, 32), (32768, 32), (131072, 32))):
-            result["int8_variants"] += bench_int8_variants(ctx, B)
+            result["int8_variants"] += bench_int8_variants(ctx, B, _decode_case(ctx, B))
         print(json.dumps(result["int8_variants"]), flush=True)
     if "extend" in args.parts:  # chunks 2 and 4 of an 8k prompt, one deep into a 32k prompt
         result["extend"] = [bench_extend(c, b, check=not args.no_check) for c, b in EXTEND_SHAPES]

@@ -25,8 +25,8 @@ from oscar_compile.bench.kernel_setup import (
 )
 
 
-def bench_int8_variants(ctx: int, B: int) -> list[dict]:
-    from oscar_compile.bench.kernels import _decode_case
+def bench_int8_variants(ctx: int, B: int, decode_case: tuple) -> list[dict]:
+    """``decode_case``: bench.kernels._decode_case(ctx, B) (inputs, the L2-flushing layers)."""
     from oscar_compile.kernels.attention_blocks_triton import merge_partials
     from oscar_compile.kernels.attention_gluon_int8 import (
         EARLY_STEPS,
@@ -35,7 +35,7 @@ def bench_int8_variants(ctx: int, B: int) -> list[dict]:
         plan_int8_launch,
     )
 
-    dev, q, kn, cu, lens, nbytes, layers, max_hist = _decode_case(ctx, B)
+    dev, q, kn, cu, lens, nbytes, layers, max_hist = decode_case
     g = H_Q // H_KV
     nsplit, nwin = plan_int8_launch(B, H_KV, g, max_hist, SINK, RECENT, dev)
     steps = -(-max_hist // STEP_TOKENS)
@@ -61,6 +61,6 @@ def bench_int8_variants(ctx: int, B: int) -> list[dict]:
     out.append({"context": ctx, "batch": B, "partials": ns,
                 "merge_us": graph_time_us([lambda: merge_partials(po, pl, res, ns)] * 8)})
     print(json.dumps(out[-1]), flush=True)
-    del layers
+    del layers, decode_case
     torch.cuda.empty_cache()
     return out
