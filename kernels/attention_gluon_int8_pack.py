@@ -69,16 +69,27 @@ def unpack_values(packed: torch.Tensor) -> torch.Tensor:
     return c.reshape(*lead, 16, 128).to(torch.uint8)
 
 
+CHUNK_PAGES = 4096  # pages converted at a time (the int32 intermediates are 64x a page's bytes)
+
+
 def masked_codes(planar: torch.Tensor, keys: bool) -> torch.Tensor:
     """Planar INT2 code pages [N_q, H_kv, 16, 32] -> the same pages in the masked layout."""
-    codes = quant.unpack_codes(planar, 2)  # [N_q, H_kv, 16, 128]
-    return (pack_keys if keys else pack_values)(codes).view(planar.shape)
+    pack = pack_keys if keys else pack_values
+    out = torch.empty_like(planar)
+    for a in range(0, planar.shape[0], CHUNK_PAGES):
+        part = planar[a:a + CHUNK_PAGES]
+        out[a:a + CHUNK_PAGES] = pack(quant.unpack_codes(part, 2)).view(part.shape)
+    return out
 
 
 def planar_codes(masked: torch.Tensor, keys: bool) -> torch.Tensor:
     """Inverse of :func:`masked_codes`."""
-    codes = (unpack_keys if keys else unpack_values)(masked.reshape(*masked.shape[:2], 512))
-    return quant.pack_codes(codes, 2)
+    unpack = unpack_keys if keys else unpack_values
+    out = torch.empty_like(masked)
+    for a in range(0, masked.shape[0], CHUNK_PAGES):
+        part = masked[a:a + CHUNK_PAGES]
+        out[a:a + CHUNK_PAGES] = quant.pack_codes(unpack(part.reshape(*part.shape[:2], 512)), 2).view(part.shape)
+    return out
 
 
 def masked_pools(pools):
