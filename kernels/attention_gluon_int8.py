@@ -4,8 +4,9 @@ Why: the fp16-operand Gluon kernel (attention_gluon.py) is bound by issue, at 64
 thread per 128 tokens, most of them decoding codes into fp16. ``wgmma.m64n8k32.s32.s8.s8`` takes
 integer codes as they are: with the masked code layout (attention_gluon_int8_tiles.py,
 docs/cache-format.md) one LOP3 turns a stored word into an A register, and a 128-token step takes
-467 instructions (bench/results/2026-12-03-h200-int2-decode-int8-wgmma: 4.1-4.3x cuDNN BF16 at
-128k / 32, 62-65 % of HBM, against 3.2x).
+467 instructions. H200, bench/results/2026-12-03-h200-int2-decode-int8-product (one run): 4.21x
+cuDNN BF16 at 128k / 32 (64 % of HBM) and 4.66x at 32k / 32, against 3.17x and 3.45x for the
+fp16-operand kernel; 3.80x at 128k / 1, 1.66x at 8k / 1 (latency-bound, see that README).
 
 - **One warpgroup per program, 128 history tokens per step, the query heads on N = 8.** Keys:
   S^T [128 tokens, 8] = codes [128, 128 channels] . q^T, four k32 wgmma with one s32 accumulator
@@ -29,7 +30,7 @@ docs/cache-format.md) one LOP3 turns a stored word into an A register, and a 128
   ``DET_SPLIT_TOKENS``, aligned to absolute history positions, a fixed number of window programs,
   and a merge that folds the partials one by one in split order. An empty partial folds in as an
   exact no-op, so the output does not depend on how many splits the table width asks for: a
-  token's result is the same in any batch, eager or replayed.
+  token's result is bitwise the same in any batch and at any table width.
 
 Scope (``int8_unsupported_reason``): sm_90, INT2, head_dim 128 (a value tile needs 128 channels on M;
 head_dim 64 runs attention_gluon), one fp16 scale group per token, pages of 16 tokens (the layout's
