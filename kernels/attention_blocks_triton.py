@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from oscar_compile.kernels.code_layout_triton import load_code_bytes
+
 NEG_INIT = tl.constexpr(-1.0e30)
 
 
@@ -301,21 +303,23 @@ def _value_plane(acc, zacc, pv, zs, vb, p, PL: tl.constexpr, BITS: tl.constexpr,
 def history_block(q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, z2, z3,
                   kc_ptr, vc_ptr, ks, kz, vs, vz, rowq, tmask, qk_scale,
                   ROWS: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
-                  GROUP: tl.constexpr, NG: tl.constexpr, NPL: tl.constexpr, USE_ASM: tl.constexpr):
+                  GROUP: tl.constexpr, NG: tl.constexpr, NPL: tl.constexpr, USE_ASM: tl.constexpr,
+                  MASKED: tl.constexpr):
     """Attend to BN quantized history tokens (flat pool rows ``rowq``: [BN], masked by tmask).
 
     Keys, with k = s (c - z) per group: q . k = sum_g s_g (q_g . c_g - z_g * sum(q_g)), so the
     dots run on codes and the scale/zero cost two multiply-adds per score. Values:
     sum_n p_n s_n (c_n - z_n) = (p s) @ c - sum_n p_n s_n z_n; the second term is one number per
     row and group (z0..z3), subtracted when the output is written.
+    Over masked INT2 pages (MASKED) the code bytes are gathered into planar rows first.
     Units: decoded codes of plane i are c * 2^(BITS * i + CODE_EXP) (decode_plane), so the caller
     passes q planes divided by 2^(BITS * i), group sums g0..g3 times 2^CODE_EXP and qk_scale
     times 2^-CODE_EXP; a_i accumulates in units of plane i's factor (the caller rescales).
     q0..q3: [ROWS, WP] fp16; ks, kz, vs, vz: [BN, NG] scales / zeros (group_params).
     """
-    c = tl.arange(0, WP)[None, :]
-    kb = tl.load(kc_ptr + rowq[:, None] * WP + c, mask=tmask[:, None], other=0)  # [BN, WP] u8
-    vb = tl.load(vc_ptr + rowq[:, None] * WP + c, mask=tmask[:, None], other=0)
+    # [BN, WP] u8 planar bytes (gathered from masked INT2 blocks when MASKED: code_layout_triton)
+    kb = load_code_bytes(kc_ptr, rowq, tmask, True, MASKED, WP)
+    vb = load_code_bytes(vc_ptr, rowq, tmask, False, MASKED, WP)
     s = tl.zeros([ROWS, BN], tl.float32)
     dg = tl.zeros([ROWS, BN], tl.float32)
     s, dg = _key_plane(s, dg, kb, q0, pick4((0 * WP) // GROUP, g0, g1, g2, g3), 0, BITS, WP, GROUP,

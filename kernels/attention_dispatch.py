@@ -5,10 +5,10 @@
   paged BF16 kernel; its ``extend_unsupported_reason`` says which calls, on any CUDA GPU);
   Gluon on sm_90 (H100 / H200) for every call it takes (decode-like INT2 and INT4 batches, see
   ``attention_gluon.gluon_unsupported_reason``); the fused Triton kernel for the rest (the
-  prefill calls the extend path refuses, 16-bit layers, other GPUs). When the pools hold the
-  masked INT2 code layout (``formats.cache.INT2_CODE_LAYOUT``), INT2 decode on sm_90 goes to the
-  8-bit integer kernel (``attention_gluon_int8``: head_dim 128, fp16 scales, 16-token pages, any
-  GQA group, ragged lengths, prefix hits, 1-2 tokens per sequence; ``int8_unsupported_reason``).
+  prefill calls the extend path refuses, 16-bit layers, other GPUs). INT2 decode on sm_90 over
+  masked code pages (``formats.cache.code_layout``: head_dim 128) goes to the 8-bit integer
+  kernel (``attention_gluon_int8``: fp16 scales, 16-token pages, any GQA group, ragged lengths,
+  prefix hits, 1-2 tokens per sequence; ``int8_unsupported_reason``).
 - ``gluon``: the same, but a device or Triton that cannot run Gluon at all is an error, not a
   silent fallback (a benchmark that asked for Gluon must not time Triton).
 - ``triton``: the fused Triton kernel everywhere (no extend path either).
@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from oscar_compile.formats.cache import INT2_CODE_LAYOUT
+from oscar_compile.formats.cache import code_layout
 from oscar_compile.formats.op_args import AttentionArgs
 
 ENV = "OSCAR_ATTENTION_KERNEL"
@@ -77,7 +77,7 @@ def choose_attention_kernel(q: torch.Tensor, k: torch.Tensor, k_win: torch.Tenso
             return "extend", "prefill-like call over INT-b history"
     if problem is not None:
         return "triton", problem
-    if bits == 2 and INT2_CODE_LAYOUT == "masked":
+    if code_layout(bits, q.shape[-1], k_win.shape[2]) == "masked":
         from oscar_compile.kernels.attention_gluon_int8 import int8_unsupported_reason
 
         why_not = int8_unsupported_reason(q, k, k_win, k_codes, k_scale, bits, group_size, q.shape[0], num_seqs)

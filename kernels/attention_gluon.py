@@ -10,7 +10,8 @@ stalled at about 2x cuDNN BF16). Here the layouts are explicit:
   data moves between threads). Thread (warp w, lane 4 g + t) reads bytes ``[t WP/4, (t + 1) WP/4)``
   of the planar key rows of tokens ``16 w + g`` and ``16 w + g + 8`` from the step's
   shared-memory stage: one 8-byte read each (INT2, D = 128).
-- **The cache format is the planar one** (docs/cache-format.md): the contraction index of the
+- **It reads planar code rows** (docs/cache-format.md; INT4, and INT2 at head_dim 64: INT2 at
+  head_dim 128 is masked since cache format version 2, ``CODE_LAYOUTS_READ``): the contraction index of the
   key dot is a permutation of the channels, kappa = 16 (mu + n_mu p) + 8 i0 + 2 t + e for the
   code of channel WP p + 4 n_mu t + 4 mu + 2 i0 + e (plane p, byte t WP/4 + 4 mu + 2 i0 + e),
   so the query is loaded in that order, once per program (``_kappa_channel``).
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import triton
 
+from oscar_compile.formats.cache import CACHE_FORMAT_VERSION, code_layout
 from oscar_compile.kernels.attention_blocks_triton import merge_partials
 from oscar_compile.kernels.attention_gluon_tiles import (
     NEG_INIT,
@@ -284,6 +286,12 @@ def _decode_kernel(
 
 
 # ------------------------------------------------------------------ host side
+# The byte orders (formats.cache.code_layout) this kernel decodes: its fp16-operand fragments are
+# built from planar rows, so INT2 at head_dim 128 (masked since cache format version 2) runs the
+# Triton kernel until the 8-bit integer decode of issue #32 takes it.
+CODE_LAYOUTS_READ = ("planar",)
+
+
 def gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits: int, group_size: int, N: int,
                              B: int) -> str | None:
     """Why the Gluon kernel does not take this call (None: it does). Shapes and dtypes only."""
@@ -299,6 +307,10 @@ def gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits: int, group_siz
         return f"group_size {group_size} below head_dim {D} (one scale group per token)"
     if P % 16:
         return f"page_size {P} is not a multiple of 16"
+    layout = code_layout(bits, D, P)
+    if layout not in CODE_LAYOUTS_READ:
+        return (f"{layout} INT{bits} pages (cache format version {CACHE_FORMAT_VERSION}: this kernel reads "
+                f"{'/'.join(CODE_LAYOUTS_READ)} code rows; the masked INT2 decode is issue #32's)")
     if H_q % H_kv or H_q // H_kv > 32:
         return f"{H_q} query heads over {H_kv} KV heads"
     if k_win.dtype not in (torch.bfloat16, torch.float16) or q.dtype not in (torch.bfloat16, torch.float16):

@@ -3,7 +3,7 @@ wgmma fragments, the decode of 2-bit codes into them, and the loads of one 64-to
 
 Each layout is written as a linear layout, so that a thread's loads are its share of the A
 fragment and ``convert_layout(..., assert_trivial=True)`` moves no data (docs/cache-format.md,
-"How the Hopper kernel reads the planar rows").
+"How the fp16-operand Hopper kernel reads the planar rows").
 """
 from __future__ import annotations
 

@@ -19,18 +19,19 @@ from __future__ import annotations
 import torch
 
 from oscar_compile import quant
+from oscar_compile.kernels.code_layout_ref import read_code_rows
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, check_window_config, history_lens_of, window_slot
 
 
 def gather_cached(
     i: int, L: int, window_table: torch.Tensor, quant_table: torch.Tensor,
     win: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-    sink: int, recent: int, bits: int, group_size: int, history_len: int | None = None,
+    sink: int, recent: int, bits: int, group_size: int, history_len: int | None = None, *, kind: str,
 ) -> torch.Tensor:
     """Dense float32 [L, H_kv, D] view of one sequence's cached keys (or values), positions 0..L-1.
 
     history_len: h, the positions [S0, S0 + h) read from the history; None: the standard
-    max(0, L - W - S0).
+    max(0, L - W - S0). kind: "k" or "v", the pools' byte order (``code_layout_ref``).
     """
     P = win.shape[2]
     H, D = win.shape[1], win.shape[3]
@@ -48,8 +49,8 @@ def gather_cached(
         if bits == FULL_PRECISION_BITS:
             out[hist] = codes[page, :, row].float()
         else:
-            out[hist] = quant.dequantize(codes[page, :, row], scale[page, :, row], zero[page, :, row],
-                                         bits, group_size)
+            out[hist] = quant.dequantize_groups(read_code_rows(codes, page, row, kind, bits), scale[page, :, row],
+                                                zero[page, :, row], group_size)
     return out
 
 
@@ -90,8 +91,8 @@ def attention_ref(
 
     def gather(i: int, L: int):
         geometry = (sink, recent, bits, group_size, hists[i])
-        kc = gather_cached(i, L, *common, k_win, k_codes, k_scale, k_zero, *geometry)
-        vc = gather_cached(i, L, *common, v_win, v_codes, v_scale, v_zero, *geometry)
+        kc = gather_cached(i, L, *common, k_win, k_codes, k_scale, k_zero, *geometry, kind="k")
+        vc = gather_cached(i, L, *common, v_win, v_codes, v_scale, v_zero, *geometry, kind="v")
         return kc, vc
 
     return attend_over_cache(q, k, v, cu_seqlens, cache_lens, scale, gather)

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from oscar_compile.formats.cache import code_layout
 from oscar_compile.kernels.attention_blocks_triton import (
     CODE_EXP,
     NEG_INIT,
@@ -70,7 +71,7 @@ def _attn_kernel(
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_C: tl.constexpr,
     SPLIT: tl.constexpr, WIN_SPLIT: tl.constexpr, USE_ASM: tl.constexpr, DOT_DT: tl.constexpr,
-    HAS_HIST: tl.constexpr,
+    HAS_HIST: tl.constexpr, MASKED: tl.constexpr,
 ):
     # planes of the accumulator: as the codes pack; a 16-bit history splits D in two, as the
     # full-precision kernel does
@@ -163,7 +164,7 @@ def _attn_kernel(
                         q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, z2, z3,
                         kc_ptr, vc_ptr, ks, kz, vs, vz, rowq, tmask,
                         qk_scale * plane_factor(-CODE_EXP), ROWS, BLOCK_N, BITS, WP, GROUP, NG, NPL,
-                        USE_ASM)
+                        USE_ASM, MASKED)
                     rowq, tmask, ks, kz, vs, vz = rowq_n, tmask_n, ks_n, kz_n, vs_n, vz_n
                 # the value accumulators hold plane i in units of its code factor (a0..a3 start at
                 # zero, so the history is all they hold here)
@@ -436,6 +437,7 @@ def attention_triton(
         BLOCK_W=block_w, BLOCK_C=16 if block_m == 1 else 64,
         SPLIT=nsplit > 0, WIN_SPLIT=nwin > 1,
         DOT_DT=dot_dtype(k_win.dtype), HAS_HIST=history_lens is not None,
+        MASKED=code_layout(bits, D, P) == "masked",
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": cap} if cap else {}),
     )
     try:

@@ -54,9 +54,9 @@ def dequantize_cache_ref(cache_lens, window_table, quant_table, k_win, v_win, k_
         if L > cols * P:
             raise ValueError(f"sequence {i}: {L} cached tokens, the tables hold at most {cols * P}")
         geometry = (sink, recent, bits, group_size, hists[i])
-        for win, codes, scale, zero, pages in ((k_win, k_codes, k_scale, k_zero, k_pages),
-                                               (v_win, v_codes, v_scale, v_zero, v_pages)):
-            dense = gather_cached(i, L, window_table, quant_table, win, codes, scale, zero, *geometry)
+        for kind, win, codes, scale, zero, pages in (("k", k_win, k_codes, k_scale, k_zero, k_pages),
+                                                     ("v", v_win, v_codes, v_scale, v_zero, v_pages)):
+            dense = gather_cached(i, L, window_table, quant_table, win, codes, scale, zero, *geometry, kind=kind)
             pos = torch.arange(L, device=k_win.device)
             pages[table[i, pos // P].long(), :, pos % P] = dense.to(k_win.dtype)
     return k_pages, v_pages, table

@@ -3,8 +3,9 @@
 One program per (scratch page, KV head) writes the keys and values of the P positions the page
 holds (the run of pages it falls in names the sequence: seq_of_program), in position order:
 sink and ring slots copied from the window pools, history rows dequantized from the planar
-codes (plane i of a row's WP = D * b / 8 bytes holds channels [i WP, (i + 1) WP): one
-contiguous tile per plane) with the scale and zero of
+codes (masked INT2 blocks are gathered into planar bytes first: code_layout_triton; plane i
+of a row's WP = D * b / 8 bytes holds channels [i WP, (i + 1) WP): one contiguous tile per
+plane) with the scale and zero of
 group c // G, s * (code - z) in float32 as ``quant.dequantize`` computes it, then rounded to the
 window dtype. Bitwise the reference: the float32 value is the same product, and the rounding to
 bfloat16 is done on the bits (round to nearest even), because the Triton interpreter's float32
@@ -18,8 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from oscar_compile.formats.cache import code_layout
 from oscar_compile.kernels.attention_blocks_triton import page_rows, seq_of_program, window_slot_of
 from oscar_compile.kernels.cache_dequant_ref import scratch_columns
+from oscar_compile.kernels.code_layout_triton import load_code_bytes
 from oscar_compile.kernels.pools import check_window_config
 from oscar_compile.quant import SUPPORTED_BITS
 
@@ -35,7 +38,7 @@ def round_to_bf16(x):
 @triton.jit
 def _dequant_rows(win_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, wrow, qrow, drow, in_win,
                   in_hist, ok, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                  ROUND_BF16: tl.constexpr):
+                  ROUND_BF16: tl.constexpr, IS_KEY: tl.constexpr, MASKED: tl.constexpr):
     """Rows wrow (window pool) or qrow (history pools), [BLOCK_T] each, -> out rows drow, one
     plane (WP contiguous channels, one shift and mask of the packed bytes) at a time."""
     WP: tl.constexpr = D * BITS // 8
@@ -43,7 +46,7 @@ def _dequant_rows(win_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, wrow, qrow, 
     NPL: tl.constexpr = 8 // BITS
     j = tl.arange(0, WP)[None, :]
     hm = in_hist[:, None]
-    b = tl.load(codes_ptr + qrow[:, None] * WP + j, mask=hm, other=0).to(tl.int32)  # [BLOCK_T, WP]
+    b = load_code_bytes(codes_ptr, qrow, in_hist, IS_KEY, MASKED, WP).to(tl.int32)  # [BLOCK_T, WP] planar
     for pl in tl.static_range(NPL):
         c = pl * WP + j  # the plane's channels
         w = tl.load(win_ptr + wrow[:, None] * D + c, mask=in_win[:, None], other=0.0)
@@ -67,7 +70,7 @@ def _dequant_cache_kernel(
     vs_ptr, vz_ptr, kout_ptr, vout_ptr, B, stride_wt, stride_qt,
     H_KV: tl.constexpr, D: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr,
     RECENT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
-    HAS_HIST: tl.constexpr, ROUND_BF16: tl.constexpr,
+    HAS_HIST: tl.constexpr, ROUND_BF16: tl.constexpr, MASKED: tl.constexpr,
 ):
     s = tl.program_id(0)  # the scratch page
     h = tl.program_id(1)
@@ -90,9 +93,9 @@ def _dequant_cache_kernel(
             qrow = page_rows(qt_ptr + i.to(tl.int64) * stride_qt, p - SINK, in_hist, h, H_KV, P)
             drow = (s.to(tl.int64) * H_KV + h) * P + r
             _dequant_rows(kwin_ptr, kc_ptr, ks_ptr, kz_ptr, kout_ptr, wrow, qrow, drow, in_win,
-                          in_hist, ok, D, BITS, GROUP, ROUND_BF16)
+                          in_hist, ok, D, BITS, GROUP, ROUND_BF16, True, MASKED)
             _dequant_rows(vwin_ptr, vc_ptr, vs_ptr, vz_ptr, vout_ptr, wrow, qrow, drow, in_win,
-                          in_hist, ok, D, BITS, GROUP, ROUND_BF16)
+                          in_hist, ok, D, BITS, GROUP, ROUND_BF16, False, MASKED)
 
 
 def dequantize_cache_triton(cache_lens, window_table, quant_table, k_win, v_win, k_codes, k_scale,
@@ -138,7 +141,8 @@ def dequantize_cache_triton(cache_lens, window_table, quant_table, k_win, v_win,
         quant_table, *pools, k_pages, v_pages, B, window_table.stride(0), quant_table.stride(0),
         H_KV=H, D=D, P=P, SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size,
         BLOCK_T=triton.next_power_of_2(P), HAS_HIST=history_lens is not None,
-        ROUND_BF16=k_win.dtype == torch.bfloat16, num_warps=num_warps)
+        ROUND_BF16=k_win.dtype == torch.bfloat16, MASKED=code_layout(bits, D, P) == "masked",
+        num_warps=num_warps)
     return k_pages, v_pages, table
 
 
@@ -157,7 +161,8 @@ def compile_offline(window_dtype: str = "bf16", scale_dtype: str = "fp16", bits:
     sig = {name: f"*{t}" for name, t in ptrs.items()}
     sig.update(B="i32", stride_wt="i32", stride_qt="i32")
     consts = dict(H_KV=8, D=head_dim, P=page_size, SINK=64, RECENT=256, BITS=bits, GROUP=group_size,
-                  BLOCK_T=triton.next_power_of_2(page_size), HAS_HIST=has_hist, ROUND_BF16=wdt == "bf16")
+                  BLOCK_T=triton.next_power_of_2(page_size), HAS_HIST=has_hist, ROUND_BF16=wdt == "bf16",
+                  MASKED=code_layout(bits, head_dim, page_size) == "masked")
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))}  # as the JIT specializes pointers
     src = ASTSource(_dequant_cache_kernel, sig, consts, attrs=attrs)

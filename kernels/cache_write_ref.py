@@ -25,6 +25,10 @@ Details that are easy to get wrong:
 - keys and values are quantized independently: keys with ``clip_k``, values with ``clip_v``;
   the scale dtype is the pools' (``k_scale.dtype``), and codes use the scale/zero already rounded
   to it (``oscar_compile.quant.quantize`` does this).
+- the codes go into the pools in the layer's byte order (``code_layout_ref.write_code_rows``):
+  in a masked INT2 page a key byte holds 4 tokens, so a write sets its own bit pairs and keeps
+  the others (a page need not be zeroed when it is taken; the Triton write clears and sets its
+  bit pairs the same way).
 - ``cache_lens`` is not advanced here: the caller does it after the write.
 """
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from oscar_compile import quant
+from oscar_compile.kernels.code_layout_ref import write_code_rows
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, check_window_config, history_lens_of, window_slot
 
 
@@ -81,10 +86,10 @@ def _store_history(xk, xv, pages, rows, k_codes, k_scale, k_zero, v_codes, v_sca
         k_codes[pages, :, rows] = xk
         v_codes[pages, :, rows] = xv
         return
-    for x, clip, codes, scale, zero in ((xk, clip_k, k_codes, k_scale, k_zero),
-                                        (xv, clip_v, v_codes, v_scale, v_zero)):
-        packed, s, z = quant.quantize(x, bits, group_size, clip, scale.dtype)
-        codes[pages, :, rows] = packed
+    for kind, x, clip, codes, scale, zero in (("k", xk, clip_k, k_codes, k_scale, k_zero),
+                                              ("v", xv, clip_v, v_codes, v_scale, v_zero)):
+        c, s, z = quant.quantize_groups(quant.clip_per_token(x, clip), bits, group_size, scale.dtype)
+        write_code_rows(codes, pages, rows, c, kind, bits)
         scale[pages, :, rows] = s
         zero[pages, :, rows] = z
 

@@ -19,24 +19,33 @@ by exactly one row, and a slot whose p_old < S0 + h holds no token (after a pref
 history row is already written and may be shared) and demotes nothing.
 Tokens are rounded to the window dtype before quantization (what one-by-one writing stores).
 A layer kept at 16 bits (BITS = 16) copies the demoted rows into its full-precision history.
+Codes go into the pools in the layer's byte order (``formats.cache.code_layout``): planar rows,
+or masked INT2 blocks (``code_layout_triton``), where a key row's bit pairs share 32-bit words
+with 3 other tokens and are cleared and set with atomics (AND, then OR), so rows of one launch
+(a bulk write's neighbours, a chunk edge, a hit start) and of earlier launches never clobber
+one another, and no page needs zeroing when it is taken.
 With ``rot_k`` the incoming keys are unrotated: k <- ((k - mean) @ rot).to(k.dtype) in float32
 (``input_precision='ieee'``), matching ``oscar::rotate`` up to float32 summation order.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from oscar_compile.formats.cache import code_layout
 from oscar_compile.kernels.attention_blocks_triton import seq_of_rows, window_slot_of
 from oscar_compile.kernels.cache_write_ref import check_cache_write_args
+from oscar_compile.kernels.code_layout_triton import store_key_codes, store_value_codes
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS
-from oscar_compile.kernels.quant_triton import clip_indices, clip_rows, quantize_rows, zero_low_bits
+from oscar_compile.kernels.quant_triton import clip_indices, clip_rows, quantize_codes, quantize_rows, zero_low_bits
 
 
 @triton.jit
-def _write_one(x_new, old, x_ptr_win, codes_ptr, scale_ptr, zero_ptr, rows_win, win_mask, rows_q,
+def _write_one(x_new, old, x_ptr_win, codes_ptr, codes32_ptr, scale_ptr, zero_ptr, rows_win, win_mask, rows_q,
                quant_mask, demote, lo_idx, hi_idx, frac, CLIP: tl.constexpr, CLIP_LOW: tl.constexpr,
-               BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+               BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+               MASKED: tl.constexpr, IS_KEY: tl.constexpr):
     # x_new: [BLOCK_T, D] new tokens in the window dtype, old: the ring slots' occupants (loaded
     # by the caller);
     # rows_*: flat row indices into the pools
@@ -48,12 +57,19 @@ def _write_one(x_new, old, x_ptr_win, codes_ptr, scale_ptr, zero_ptr, rows_win, 
         src = tl.where(demote[:, None], old, x_new).to(tl.float32)
         if CLIP:
             src = clip_rows(src, lo_idx, hi_idx, frac, CLIP_LOW)
-        packed, scale, zero = quantize_rows(src, BLOCK_T, D, BITS, GROUP, scale_ptr.dtype.element_ty)
         NG: tl.constexpr = D // GROUP
-        WP: tl.constexpr = D * BITS // 8
-        c = tl.arange(0, WP)[None, :]
         g = tl.arange(0, NG)[None, :]
-        tl.store(codes_ptr + rows_q[:, None] * WP + c, packed, mask=quant_mask[:, None])
+        if MASKED:  # INT2 at head_dim 128 in 16-token blocks (code_layout_triton)
+            code, scale, zero = quantize_codes(src, BLOCK_T, D, BITS, GROUP, scale_ptr.dtype.element_ty)
+            if IS_KEY:
+                store_key_codes(codes32_ptr, rows_q, quant_mask, code, BLOCK_T)
+            else:
+                store_value_codes(codes_ptr, rows_q, quant_mask, code, BLOCK_T)
+        else:
+            packed, scale, zero = quantize_rows(src, BLOCK_T, D, BITS, GROUP, scale_ptr.dtype.element_ty)
+            WP: tl.constexpr = D * BITS // 8
+            c = tl.arange(0, WP)[None, :]
+            tl.store(codes_ptr + rows_q[:, None] * WP + c, packed, mask=quant_mask[:, None])
         tl.store(scale_ptr + rows_q[:, None] * NG + g, scale, mask=quant_mask[:, None])
         tl.store(zero_ptr + rows_q[:, None] * NG + g, zero, mask=quant_mask[:, None])
     # every thread's read of the old ring value is done before any thread overwrites the slot
@@ -64,13 +80,13 @@ def _write_one(x_new, old, x_ptr_win, codes_ptr, scale_ptr, zero_ptr, rows_win, 
 @triton.jit(do_not_specialize=["N", "B"])  # one compile for every batch (Triton specializes 1 and multiples of 16)
 def _cache_write_kernel(
     k_ptr, v_ptr, rot_ptr, mean_ptr, cu_ptr, lens_ptr, hist_ptr, wt_ptr, qt_ptr,
-    kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+    kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kc32_ptr,
     N, B, stride_kn, stride_kh, stride_vn, stride_vh, stride_wt, stride_qt,
     klo, khi, kfrac, vlo, vhi, vfrac,
     H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, CLIP_K: tl.constexpr, CLIP_V: tl.constexpr,
     HAS_ROT: tl.constexpr, HAS_MEAN: tl.constexpr, ROT_HEADS: tl.constexpr, HAS_HIST: tl.constexpr,
-    BLOCK_T: tl.constexpr, CLIP_LOW: tl.constexpr,
+    BLOCK_T: tl.constexpr, CLIP_LOW: tl.constexpr, MASKED: tl.constexpr,
 ):
     h = tl.program_id(1) % H
     do_k = tl.program_id(1) < H  # program_id(1) // H picks the keys (0) or the values (1)
@@ -132,14 +148,14 @@ def _cache_write_kernel(
             kin = tl.dot(x, rot, input_precision="ieee").to(k_ptr.dtype.element_ty)
         k_new = kin.to(kwin_ptr.dtype.element_ty)
         k_old = tl.load(kwin_ptr + rows_win[:, None] * D + d, mask=demote[:, None], other=0.0)
-        _write_one(k_new, k_old, kwin_ptr, kc_ptr, ks_ptr, kz_ptr, rows_win, win_mask, rows_q,
-                   quant_mask, demote, klo, khi, kfrac, CLIP_K, CLIP_LOW, BLOCK_T, D, BITS, GROUP)
+        _write_one(k_new, k_old, kwin_ptr, kc_ptr, kc32_ptr, ks_ptr, kz_ptr, rows_win, win_mask, rows_q,
+                   quant_mask, demote, klo, khi, kfrac, CLIP_K, CLIP_LOW, BLOCK_T, D, BITS, GROUP, MASKED, True)
     else:
         vin = tl.load(v_ptr + n[:, None] * stride_vn + h * stride_vh + d, mask=valid[:, None], other=0.0)
         v_new = vin.to(vwin_ptr.dtype.element_ty)
         v_old = tl.load(vwin_ptr + rows_win[:, None] * D + d, mask=demote[:, None], other=0.0)
-        _write_one(v_new, v_old, vwin_ptr, vc_ptr, vs_ptr, vz_ptr, rows_win, win_mask, rows_q,
-                   quant_mask, demote, vlo, vhi, vfrac, CLIP_V, CLIP_LOW, BLOCK_T, D, BITS, GROUP)
+        _write_one(v_new, v_old, vwin_ptr, vc_ptr, vc_ptr, vs_ptr, vz_ptr, rows_win, win_mask, rows_q,
+                   quant_mask, demote, vlo, vhi, vfrac, CLIP_V, CLIP_LOW, BLOCK_T, D, BITS, GROUP, MASKED, False)
 
 
 def _check_pool_layout(pools) -> None:
@@ -201,19 +217,45 @@ def cache_write_triton(
     if num_warps is None:
         num_warps = 1 if block_t == 1 else 4
     B = cache_lens.shape[0]
+    masked = code_layout(bits, D, k_win.shape[2]) == "masked"
     klo, khi, kfrac = clip_indices(clip_k, D)
     vlo, vhi, vfrac = clip_indices(clip_v, D)
     dummy = k_win  # stands in for absent optional pointers (never read)
     _cache_write_kernel[(triton.cdiv(N, block_t), 2 * H)](
         k, v, rot_k if rot_k is not None else dummy, mean_k if mean_k is not None else dummy,
         cu_seqlens, cache_lens, history_lens if history_lens is not None else cache_lens,
-        window_table, quant_table, *pools,
+        window_table, quant_table, *pools, pools[2].view(torch.int32) if masked else pools[2],
         N, B, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         window_table.stride(0), quant_table.stride(0), klo, khi, kfrac, vlo, vhi, vfrac,
         H=H, D=D, P=k_win.shape[2], SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size,
         CLIP_K=clip_k < 1.0, CLIP_V=clip_v < 1.0, HAS_ROT=rot_k is not None,
         HAS_MEAN=mean_k is not None, ROT_HEADS=1 if rot_k is None else rot_k.shape[0],
         HAS_HIST=history_lens is not None,
-        BLOCK_T=block_t, CLIP_LOW=min(zero_low_bits(k_win.dtype), zero_low_bits(v_win.dtype)),
+        BLOCK_T=block_t, CLIP_LOW=min(zero_low_bits(k_win.dtype), zero_low_bits(v_win.dtype)), MASKED=masked,
         num_warps=num_warps, enable_fp_fusion=False,
     )
+
+
+def compile_offline(bits: int = 2, head_dim: int = 128, page_size: int = 16, block_t: int = 1,
+                    num_warps: int = 1, has_hist: bool = True):
+    """Compile the write for sm_90 without a GPU (CI: the masked INT2 rows' reshapes and atomics
+    must build for the device, not only run in the interpreter). bf16 windows, fp16 scales, the
+    clip on; returns Triton's compiled kernel (``.asm["ptx"]``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptrs = dict(k_ptr="bf16", v_ptr="bf16", rot_ptr="bf16", mean_ptr="bf16", cu_ptr="i32", lens_ptr="i32",
+                hist_ptr="i32", wt_ptr="i32", qt_ptr="i32", kwin_ptr="bf16", vwin_ptr="bf16", kc_ptr="u8",
+                ks_ptr="fp16", kz_ptr="fp16", vc_ptr="u8", vs_ptr="fp16", vz_ptr="fp16", kc32_ptr="i32")
+    sig = {name: f"*{t}" for name, t in ptrs.items()}
+    sig.update({name: "i32" for name in ("N", "B", "stride_kn", "stride_kh", "stride_vn", "stride_vh",
+                                         "stride_wt", "stride_qt", "klo", "khi")})
+    sig.update(kfrac="fp32", vlo="i32", vhi="i32", vfrac="fp32")
+    consts = dict(H=8, D=head_dim, P=page_size, SINK=64, RECENT=256, BITS=bits, GROUP=head_dim, CLIP_K=True,
+                  CLIP_V=True, HAS_ROT=False, HAS_MEAN=False, ROT_HEADS=1, HAS_HIST=has_hist, BLOCK_T=block_t,
+                  CLIP_LOW=16, MASKED=code_layout(bits, head_dim, page_size) == "masked")
+    sig.update({k: "constexpr" for k in consts})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))}
+    src = ASTSource(_cache_write_kernel, sig, consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "enable_fp_fusion": False})

@@ -12,7 +12,8 @@ rounding per torch op:
   rounded division (``div_rn``; Triton's default float division is approximate), s = 1 where max == min;
 - scale/zero rounded to the scale dtype (round to nearest even), codes computed from the rounded
   values: ``rint(div_rn(x, s) + z)`` (round half to even, like ``torch.round``, by the 1.5 * 2^23 trick), clamped.
-- planar packing: byte j of a row holds code j + i * D / n at bit offset b * i.
+- planar packing: byte j of a row holds code j + i * D / n at bit offset b * i (``quantize_rows``;
+  ``quantize_codes`` leaves the codes unpacked for the masked INT2 pages, ``code_layout_triton``).
 """
 from __future__ import annotations
 
@@ -104,9 +105,20 @@ def round_half_even(y):
 def quantize_rows(x, R: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                   SCALE_DT: tl.constexpr):
     """x: [R, D] float32 (already clipped) -> packed [R, D*BITS/8] uint8, scale, zero [R, D/GROUP]."""
-    NG: tl.constexpr = D // GROUP
     NPL: tl.constexpr = 8 // BITS  # codes per byte = planes
     WP: tl.constexpr = D // NPL  # bytes per row
+    code, scale, zero = quantize_codes(x, R, D, BITS, GROUP, SCALE_DT)
+    planes = tl.reshape(code, (R, NPL, WP))
+    shift = (tl.arange(0, NPL) * BITS)[None, :, None]
+    packed = tl.sum(planes << shift, axis=1)  # disjoint bits: the sum is an OR
+    return packed.to(tl.uint8), scale, zero
+
+
+@triton.jit
+def quantize_codes(x, R: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                   SCALE_DT: tl.constexpr):
+    """x: [R, D] float32 (already clipped) -> codes [R, D] int32 (unpacked), scale, zero [R, D/GROUP]."""
+    NG: tl.constexpr = D // GROUP
     QMAX: tl.constexpr = (1 << BITS) - 1
     xg = tl.reshape(x, (R, NG, GROUP))
     mn = tl.min(xg, axis=2)
@@ -125,7 +137,4 @@ def quantize_rows(x, R: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP
     z32 = zero.to(tl.float32)[:, :, None]
     y = tl.math.div_rn(xg, tl.broadcast_to(s32, xg.shape)) + z32
     code = tl.minimum(tl.maximum(round_half_even(y), 0.0), QMAX * 1.0).to(tl.int32)
-    planes = tl.reshape(code, (R, NPL, WP))
-    shift = (tl.arange(0, NPL) * BITS)[None, :, None]
-    packed = tl.sum(planes << shift, axis=1)  # disjoint bits: the sum is an OR
-    return packed.to(tl.uint8), scale, zero
+    return tl.reshape(code, (R, D)), scale, zero

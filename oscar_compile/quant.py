@@ -14,7 +14,9 @@ one vector x of D channels, already in rotated coordinates:
    code = clamp(round_half_to_even(x / s + z), 0, 2^b - 1); dequant = s * (code - z).
 3. planar packing: n = 8 / b codes per byte; byte j of a row holds channels j, j + D/n, ...,
    at bit offsets 0, b, 2b, ... A kernel unpacks a contiguous block of D/n channels from the
-   whole byte row with one shift and one mask.
+   whole byte row with one shift and one mask. (The cache's pools store INT2 at head_dim 128 in
+   another byte order, per 16-token block: ``formats.cache.code_layout``,
+   ``kernels/code_layout_ref.py``.)
 """
 from __future__ import annotations
 

@@ -163,3 +163,83 @@ def test_the_driver_imports_numpy_and_onnxruntime_only():
 
     code = "import sys, oscar_compile.onnx; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_driver_cache_format_version_is_the_library_s(setup, tmp_path):
+    """The driver's own copy of the version (it imports no torch) equals formats.cache's, and an
+    export written under another cache format version is refused."""
+    import json
+    import shutil
+
+    from oscar_compile.formats.cache import CACHE_FORMAT_VERSION
+    from oscar_compile.onnx import driver
+
+    assert driver.CACHE_FORMAT_VERSION == CACHE_FORMAT_VERSION
+    root, _, _ = setup
+    old = tmp_path / "old"
+    shutil.copytree(root / "onnx", old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    assert manifest["cache_format_version"] == CACHE_FORMAT_VERSION and manifest["code_layout"] == "planar"
+    manifest["cache_format_version"] = 1
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="KV-cache format version 1"):
+        OnnxGenerator(old)
+
+
+def test_driver_masked_blocks_equal_the_reference_pack():
+    """The driver's one-token-at-a-time OR into masked blocks (numpy) equals code_layout_ref's
+    bulk pack of the same codes, also for a partly filled last block."""
+    from oscar_compile.kernels import code_layout_ref as cl
+    from oscar_compile.onnx.driver import _MaskedBlocks
+
+    codes = torch.randint(0, 4, (40, 2, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    for kind, maps in (("k", cl.key_byte_map()), ("v", cl.value_byte_map())):
+        blocks = _MaskedBlocks(2, maps[0].numpy(), maps[1].numpy())
+        for start, stop in ((0, 1), (1, 5), (5, 6), (6, 40)):  # one token, a quad edge, a bulk run
+            blocks.extend(codes[start:stop].numpy())
+        padded = torch.cat([codes, torch.zeros(8, 2, 128, dtype=torch.uint8)])  # 48 rows: 3 blocks
+        dense = padded.view(3, 16, 2, 128).transpose(1, 2)  # [blocks, H, 16, D]
+        want = cl.pack_page(dense, kind, 2).reshape(3, 2, 512)
+        # rows never written hold zero bytes, not the pack of code 0 (whose pair 3 stores 2)
+        got = torch.from_numpy(blocks.view.copy())
+        assert got.shape == want.shape
+        written = cl.unpack_blocks(got, kind).transpose(1, 2).reshape(48, 2, 128)[:40]
+        assert torch.equal(written, codes)
+        assert torch.equal(got[:2], want[:2])  # the two full blocks, bytewise
+
+
+@pytest.fixture(scope="module")
+def masked_setup(tmp_path_factory):
+    """One layer at head_dim 128: INT2 history in masked 16-token blocks (cache format version 2)."""
+    root = tmp_path_factory.mktemp("onnx128")
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("qwen3", num_layers=1, num_heads=2, num_kv_heads=1, head_dim=128, vocab_size=len(tokenizer))
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    (root / "spec.yaml").write_text(SPEC_YAML)
+    spec = CompressionSpec.from_yaml(root / "spec.yaml")
+    rot = calibrate(model, spec, [torch.randint(0, len(tokenizer), (2, 96))])
+    rot.save(root / "rot.safetensors")
+    assert main(["export", "--format", "onnx", "--model", str(root / "model"), "--spec", str(root / "spec.yaml"),
+                 "--rotations", str(root / "rot.safetensors"), "--out", str(root / "onnx"), "--quiet"]) == 0
+    return root, spec, rot
+
+
+def test_masked_history_logits_and_tokens_equal_apply(masked_setup):
+    """Teacher-forced logits over 21 decode steps (the history grows across a block edge, each
+    step ORing one token into its block) within tolerance of apply(), and greedy tokens equal."""
+    from oscar_compile.bench.onnx_cpu import teacher_forced_logits
+
+    root, spec, rot = masked_setup
+    gen = OnnxGenerator(root / "onnx", num_threads=1)
+    assert gen.manifest["code_layout"] == "masked"
+    prompt, continuation = _prompt(5), _prompt(6)[:21]
+    cache = gen.new_cache()
+    got = [gen.step(prompt, cache)[-1]] + [gen.step([t], cache)[-1] for t in continuation]
+    assert cache.layers[0].num_history == PROMPT_LEN + 21 - 16 - 32  # 53: 3 full blocks and 5 rows
+    model = _applied(root, spec, rot)
+    want = teacher_forced_logits(model, prompt, continuation).numpy()
+    assert np.abs(np.stack(got) - want).max() < LOGIT_TOLERANCE
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, PROMPT_LEN:]
+    assert gen.generate(prompt, 6) == expected.tolist()

@@ -17,7 +17,9 @@ several modules are written here once:
   BF16 mode, the ``oscar::*_bf16`` ops); windows would only add a second page table. A 16-bit
   layer *beside* INT-b layers keeps the windows, whose page tables are shared by all layers;
 - the scale / zero dtypes and their byte sizes (:data:`SCALE_DTYPE_BYTES`; the reference
-  quantizer maps the same names to torch dtypes).
+  quantizer maps the same names to torch dtypes);
+- the byte order of the codes in a page (:func:`code_layout`) and the cache format version
+  (:data:`CACHE_FORMAT_VERSION`) that every reader of stored cache state checks.
 
 Plain integers and strings only, so the bookkeeping tests run anywhere (docs/cache-format.md).
 """
@@ -29,12 +31,39 @@ from dataclasses import asdict, dataclass
 
 FULL_PRECISION_BITS = 16  # history rows kept as they are: no codes, no scale / zero
 SCALE_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}  # the spec's scale_dtype choices
-# Byte order of the INT2 code pages in the pools: "planar" (the rows of docs/cache-format.md), or
-# "masked" (issue #32: bit pairs in the order of the 8-bit wgmma fragments, kernels/
-# attention_gluon_int8_pack.py). Every reader and writer follows it; the attention dispatch sends
-# INT2 decode on sm_90 to the 8-bit integer kernel only when the pools hold the masked layout.
-INT2_CODE_LAYOUT = "planar"
 _SCALE_DTYPE_ALIASES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+CACHE_FORMAT_VERSION = 2  # 1: planar code rows everywhere; 2: INT2 at head_dim 128 in masked 16-token blocks
+MASKED_BLOCK_TOKENS = 16  # token rows of one masked block (512 bytes of INT2 codes at head_dim 128)
+MASKED_HEAD_DIM = 128  # the one head_dim whose INT2 pages are masked (see code_layout)
+
+
+def code_layout(bits: int, head_dim: int, page_size: int) -> str:
+    """How a layer's code pools order their bytes: ``"masked"`` or ``"planar"`` (16-bit history rows:
+    ``"rows"``), both cache format version :data:`CACHE_FORMAT_VERSION` (docs/cache-format.md).
+
+    ``masked`` (the byte order of the INT2 decode on 8-bit integer wgmma, issue #32;
+    ``kernels/code_layout_ref.py``) for INT2 at head_dim 128 with pages of a multiple of 16 tokens;
+    ``planar`` rows for the rest: INT4 (it takes the new decode only if its error budget holds, not
+    measured yet), head_dim 64 (its value tile has one m64 tile of channels, so where the 4 rows of
+    a value byte come from, two KV heads per program or a second accumulator per k-half, is a
+    kernel choice still to measure; fixing a byte order now would make that choice), and pages
+    that are not a multiple of 16 tokens (a masked value byte holds 4 channels of one of 16 rows).
+    """
+    if bits == FULL_PRECISION_BITS:
+        return "rows"
+    if bits == 2 and head_dim == MASKED_HEAD_DIM and page_size % MASKED_BLOCK_TOKENS == 0:
+        return "masked"
+    return "planar"
+
+
+def check_cache_format_version(found, where: str) -> None:
+    """Refuse cache state (or a graph that reads it) written under another cache format version."""
+    if found != CACHE_FORMAT_VERSION:
+        raise ValueError(f"{where}: KV-cache format version {found!r}, this library (cache format version "
+                         f"{CACHE_FORMAT_VERSION}) reads only its own: the INT2 code byte order differs "
+                         f"(docs/cache-format.md); re-export or re-create it with this version")
 
 
 def scale_dtype_bytes(name: str) -> int:

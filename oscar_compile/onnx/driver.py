@@ -7,7 +7,9 @@ Per layer, token-major buffers (the graph inputs are their first rows, no copies
 - a ring of W slots [W, H, D] float32: the recent window. A new token at position >= S0 takes
   the slot of the oldest when the ring is full, and that oldest token is demoted: quantized by
   ``quantize.onnx`` (all layers' demotions of a step in one call) and appended to the history;
-- history codes [N, H, D * b / 8] uint8 and scale / zero [N, H, D / G], grown by doubling.
+- history codes [N, H, D * b / 8] uint8 (planar rows), or [ceil(N / 16), H, 512] for masked INT2
+  (16-token blocks, each demoted token's bit pairs ORed in), and scale / zero [N, H, D / G],
+  grown by doubling.
 Writing T tokens at once leaves the same state as writing them one by one, as in the PyTorch cache
 (docs/cache-format.md): a prompt's middle goes to the history through the same quantizer.
 """
@@ -22,7 +24,9 @@ import numpy as np
 
 MANIFEST = "manifest.json"
 FORMAT = "oscar_compile.onnx"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest names the cache format version and the codes' byte order
+CACHE_FORMAT_VERSION = 2  # oscar_compile.formats.cache.CACHE_FORMAT_VERSION (a test keeps them equal)
+BLOCK = 16  # tokens of a masked history block
 _SCALE_DTYPES = {"float16": np.float16, "float32": np.float32}
 
 
@@ -45,6 +49,40 @@ class _Grown:
     @property
     def view(self) -> np.ndarray:
         return self.data[:self.num]
+
+
+class _MaskedBlocks:
+    """History codes in masked 16-token blocks [NB, H, 512] uint8 (docs/cache-format.md), grown by
+    doubling; ``view`` is the blocks holding the first ``num`` tokens. The buffer starts zeroed
+    and a token's bit pairs are written once, so each demotion ORs them in (``np.bitwise_or.at``:
+    a value byte takes 4 channels of one token, a key byte one channel of 4 tokens)."""
+
+    def __init__(self, num_kv_heads: int, byte: np.ndarray, pair: np.ndarray):
+        self.data = np.zeros((1, num_kv_heads, 32 * BLOCK), dtype=np.uint8)
+        self.byte, self.pair = byte, pair  # [16, D] each: where (row, channel) lives
+        self.num = 0
+
+    def extend(self, codes: np.ndarray) -> None:
+        """Append tokens' unpacked codes [m, H, D] uint8."""
+        m, H, _ = codes.shape
+        need = -(-(self.num + m) // BLOCK)
+        if need > len(self.data):
+            grown = np.zeros((max(need, 2 * len(self.data)), *self.data.shape[1:]), dtype=np.uint8)
+            grown[:len(self.data)] = self.data
+            self.data = grown
+        n = np.arange(self.num, self.num + m)
+        blk, row = n // BLOCK, n % BLOCK
+        pair = self.pair[row]  # [m, D]
+        p3 = pair[:, None, :]
+        stored = (np.where(p3 == 3, codes ^ 2, codes) << (2 * p3)).astype(np.uint8)  # pair 3: (c + 2) mod 4
+        blocks = np.broadcast_to(blk[:, None], pair.shape).ravel()
+        for h in range(H):
+            np.bitwise_or.at(self.data[:, h, :], (blocks, self.byte[row].ravel()), stored[:, h, :].ravel())
+        self.num += m
+
+    @property
+    def view(self) -> np.ndarray:
+        return self.data[:-(-self.num // BLOCK)]
 
 
 @dataclass
@@ -92,7 +130,7 @@ class LayerState:
 
     @property
     def num_history(self) -> int:
-        return self.history["hist_k_codes"].num
+        return self.history["hist_k_scale"].num
 
     def nbytes(self) -> int:
         """Bytes of the state the graphs read: windows as held, history rows in use."""
@@ -132,6 +170,10 @@ class OnnxGenerator:
         if m.get("format") != FORMAT or m.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{path}: format {m.get('format')!r} version {m.get('format_version')!r}, "
                              f"this driver reads {FORMAT} version {FORMAT_VERSION}")
+        if m.get("cache_format_version") != CACHE_FORMAT_VERSION:
+            raise ValueError(f"{path}: KV-cache format version {m.get('cache_format_version')!r}, this driver "
+                             f"reads cache format version {CACHE_FORMAT_VERSION} (the INT2 code byte order "
+                             f"differs: docs/cache-format.md); re-export with this version")
         self.manifest = m
         options = ort.SessionOptions()
         if num_threads:
@@ -154,9 +196,13 @@ class OnnxGenerator:
         def window(num_tokens: int) -> np.ndarray:
             return np.zeros((num_tokens, H, D), np.float32)
 
+        masked = m["code_layout"] == "masked"
+        maps = {kind: (np.asarray(mp["byte"]), np.asarray(mp["pair"]))
+                for kind, mp in m.get("code_layout_maps", {}).items()}
         layers = []
         for _ in range(m["num_layers"]):
-            history = {f"hist_{kind}_{part}": _Grown(*rows[part])
+            history = {f"hist_{kind}_{part}": _MaskedBlocks(H, *maps[kind]) if masked and part == "codes"
+                       else _Grown(*rows[part])
                        for kind in ("k", "v") for part in ("codes", "scale", "zero")}
             layers.append(LayerState(sink_k=window(m["sink_tokens"]), sink_v=window(m["sink_tokens"]),
                                      ring_k=window(m["recent_tokens"]), ring_v=window(m["recent_tokens"]),

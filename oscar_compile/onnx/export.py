@@ -5,8 +5,10 @@ Writes to ``out_dir``: ``step.onnx`` (weights inside), ``quantize.onnx`` and ``m
 graphs' input and output names, EOS ids) plus the tokenizer files. Graphs use opset 21 and
 standard ops only; both pass ``onnx.checker``.
 
-2-bit codes travel as planar-packed uint8 (docs/cache-format.md) and are unpacked with BitShift /
-BitwiseAnd: ONNX 1.20 (opset 25) has UINT2 and ``DequantizeLinear`` over it, but our zero point is
+2-bit codes travel as uint8 in the cache format's byte order (docs/cache-format.md): planar rows,
+or, for INT2 at head_dim 128, masked 16-token blocks (the manifest's ``code_layout`` and
+``cache_format_version``, which the driver checks), unpacked with Gather / BitShift / BitwiseAnd
+/ BitwiseXor: ONNX 1.20 (opset 25) has UINT2 and ``DequantizeLinear`` over it, but our zero point is
 fractional (z = -min / s), which DequantizeLinear cannot take, and the uint2 element order
 (consecutive elements per byte) is not our planar one; the unpack + ``s * (code - z)`` is the
 reference dequantization op for op (``quant.dequantize``), so the graph matches it bitwise.
@@ -25,6 +27,8 @@ from .._version import __version__
 from ..architectures import ModelFingerprint, attention_modules
 from ..artifact import Rotations
 from ..checkpoint import compression_of, write_tokenizer
+from ..formats.cache import CACHE_FORMAT_VERSION, MASKED_BLOCK_TOKENS, code_layout
+from ..kernels.code_layout_ref import BLOCK_BYTES
 from ..loading import load_model
 from ..passes.apply import resolve_layers
 from ..passes.fold_values import fold_value_rotation
@@ -37,7 +41,7 @@ logger = logging.getLogger(__name__)
 OPSET = 21
 MANIFEST = "manifest.json"
 FORMAT = "oscar_compile.onnx"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: cache_format_version and code_layout in the manifest (onnx/driver.py)
 QUANTIZE_OUTPUTS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
 
 
@@ -75,7 +79,8 @@ def _shift_translations() -> dict:
 
     aten = torch.ops.aten
     return {aten.__rshift__.Scalar: right, aten.__lshift__.Scalar: left,
-            aten.bitwise_right_shift.Tensor_Scalar: right, aten.bitwise_left_shift.Tensor_Scalar: left}
+            aten.bitwise_right_shift.Tensor_Scalar: right, aten.bitwise_left_shift.Tensor_Scalar: left,
+            aten.__rshift__.Tensor: right, aten.bitwise_right_shift.Tensor: right}  # masked blocks: per-code shifts
 
 
 def _export(module: torch.nn.Module, args: tuple, path: Path, input_names: list[str], output_names: list[str],
@@ -88,25 +93,36 @@ def _export(module: torch.nn.Module, args: tuple, path: Path, input_names: list[
     onnx.checker.check_model(onnx.load(str(path)), full_check=True)
 
 
-def _example_cache(num_layers: int, H: int, D: int, layer) -> list[torch.Tensor]:
-    """Cache inputs of a step that has 2 sink, 3 history and 4 recent tokens (sizes are dynamic).
+def onnx_code_layout(bits: int, head_dim: int) -> str:
+    """The byte order of the export's history codes: the cache format's for 16-token pages (the
+    driver's history is a run of 16-token blocks when it is masked)."""
+    return code_layout(bits, head_dim, MASKED_BLOCK_TOKENS)
+
+
+def _example_cache(num_layers: int, H: int, D: int, layer, masked: bool) -> list[torch.Tensor]:
+    """Cache inputs of a step that has 2 sink, 3 history and 4 recent tokens (sizes are dynamic;
+    masked codes: 2 blocks, so the exporter sees blocks and rows as separate sizes).
 
     Distinct tensors per layer: given one object twice, the exporter would bind both layers to
     one graph input."""
     kv = layer.kv_cache
     sdt = getattr(torch, kv.scale_dtype)
     width, groups = D * kv.bits // 8, D // kv.group_size
+    codes = (2, H, BLOCK_BYTES) if masked else (3, H, width)
     one = [torch.randn(2, H, D), torch.randn(2, H, D),
-           torch.randint(0, 255, (3, H, width), dtype=torch.uint8), torch.rand(3, H, groups).to(sdt),
-           torch.rand(3, H, groups).to(sdt), torch.randint(0, 255, (3, H, width), dtype=torch.uint8),
+           torch.randint(0, 255, codes, dtype=torch.uint8), torch.rand(3, H, groups).to(sdt),
+           torch.rand(3, H, groups).to(sdt), torch.randint(0, 255, codes, dtype=torch.uint8),
            torch.rand(3, H, groups).to(sdt), torch.rand(3, H, groups).to(sdt),
            torch.randn(4, H, D), torch.randn(4, H, D)]
     return [t.clone() for _ in range(num_layers) for t in one]
 
 
-def _dynamic_cache_shapes(num_layers: int) -> list[dict]:
+def _dynamic_cache_shapes(num_layers: int, masked: bool) -> list[dict]:
     sink, hist, recent = (torch.export.Dim(n, min=0) for n in ("num_sink", "num_history", "num_recent"))
     per_field = {"sink_k": sink, "sink_v": sink, "recent_k": recent, "recent_v": recent}
+    if masked:
+        blocks = torch.export.Dim("num_history_blocks", min=0)
+        per_field.update(hist_k_codes=blocks, hist_v_codes=blocks)
     return [{0: per_field.get(name, hist)} for _ in range(num_layers) for name in CACHE_FIELDS]
 
 
@@ -147,17 +163,18 @@ def export_onnx(model_dir: str | Path, spec: CompressionSpec | str | Path,
         means = rotations.k_mean if layer.key.center else [None] * fp.num_layers
         kv = layer.kv_cache
         out_dir.mkdir(parents=True, exist_ok=True)
-        step = StepGraph(model, rot_k, means, kv.bits, kv.group_size).eval()
+        masked = onnx_code_layout(kv.bits, fp.head_dim) == "masked"
+        step = StepGraph(model, rot_k, means, kv.bits, kv.group_size, masked).eval()
         T = torch.export.Dim("num_new", min=1)
         ids = torch.randint(0, fp_vocab(model), (1, 3))
         _export(step, (ids, torch.arange(9, 12).view(1, 3),
-                       *_example_cache(fp.num_layers, fp.num_kv_heads, fp.head_dim, layer)),
+                       *_example_cache(fp.num_layers, fp.num_kv_heads, fp.head_dim, layer, masked)),
                 out_dir / "step.onnx", ["input_ids", "position_ids", *cache_input_names(fp.num_layers)],
                 ["logits", *new_kv_output_names(fp.num_layers)],
-                ({1: T}, {1: T}, tuple(_dynamic_cache_shapes(fp.num_layers))))  # *cache: one nested tuple
+                ({1: T}, {1: T}, tuple(_dynamic_cache_shapes(fp.num_layers, masked))))  # *cache: one nested tuple
         steps.update()
         quantize = QuantizeGraph(kv.bits, kv.group_size, layer.key.clip_ratio, layer.value.clip_ratio,
-                                 kv.scale_dtype).eval()
+                                 kv.scale_dtype, masked).eval()
         n = torch.export.Dim("num_tokens", min=1)
         x = torch.randn(2, fp.num_kv_heads, fp.head_dim)
         _export(quantize, (x, x.clone()), out_dir / "quantize.onnx", ["k", "v"], list(QUANTIZE_OUTPUTS),
@@ -171,6 +188,15 @@ def export_onnx(model_dir: str | Path, spec: CompressionSpec | str | Path,
             f"INT{kv.bits} history")
 
 
+def _layout_maps() -> dict:
+    """Where the masked layout puts each (token row, channel) code: byte and bit pair [16][128] per
+    kind, from ``code_layout_ref`` (the driver, numpy only, writes demoted tokens with them)."""
+    from ..kernels.code_layout_ref import key_byte_map, value_byte_map
+
+    return {kind: {"byte": byte.tolist(), "pair": pair.tolist()}
+            for kind, (byte, pair) in (("k", key_byte_map()), ("v", value_byte_map()))}
+
+
 def fp_vocab(model) -> int:
     return model.config.get_text_config().vocab_size
 
@@ -181,6 +207,8 @@ def _write_manifest(out_dir: Path, model, tokenizer, fp: ModelFingerprint, layer
     kv = layer.kv_cache
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__, "opset": OPSET,
+        "cache_format_version": CACHE_FORMAT_VERSION, "code_layout": onnx_code_layout(kv.bits, fp.head_dim),
+        **({"code_layout_maps": _layout_maps()} if onnx_code_layout(kv.bits, fp.head_dim) == "masked" else {}),
         "num_layers": fp.num_layers, "num_kv_heads": fp.num_kv_heads, "head_dim": fp.head_dim,
         "vocab_size": fp_vocab(model),
         "max_position_embeddings": model.config.get_text_config().max_position_embeddings,

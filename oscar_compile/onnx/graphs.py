@@ -9,7 +9,10 @@ ONNX graphs compute what ``apply()`` + ``generate()`` compute, in the same float
 Cache state of one layer, token-major so a driver passes the first n rows of a preallocated
 buffer without a copy (H = H_kv, D = head_dim, G = group size, b = bits):
   sink_k, sink_v           [S, H, D] float32      the first min(L, S0) positions
-  hist_k_codes, _v_codes   [N, H, D * b / 8] uint8 planar-packed codes (docs/cache-format.md)
+  hist_k_codes, _v_codes   [N, H, D * b / 8] uint8 planar-packed codes, or, where the cache
+                           format stores masked INT2 (INT2 at D = 128: formats.cache.code_layout),
+                           [ceil(N / 16), H, 512] uint8: 16-token blocks in the pools' byte
+                           order (kernels/code_layout_ref.py), the last one partly filled
   hist_k_scale/_zero, v    [N, H, D / G] scale dtype
   recent_k, recent_v       [R, H, D] float32      the recent window, in any order (a ring)
 Attention is a sum over keys, so the order of cached tokens does not matter; only the new tokens
@@ -22,6 +25,7 @@ from torch import nn
 
 from .. import quant
 from ..attention_override import override_attention
+from ..kernels.code_layout_ref import unpack_blocks
 
 CACHE_FIELDS = ("sink_k", "sink_v", "hist_k_codes", "hist_k_scale", "hist_k_zero",
                 "hist_v_codes", "hist_v_scale", "hist_v_zero", "recent_k", "recent_v")
@@ -60,11 +64,12 @@ class StepGraph(nn.Module):
     New keys leave rotated (and centred): k' = (RoPE(k) - mu) R_K; values in the R_V basis.
     """
 
-    def __init__(self, model: nn.Module, rot_k: list[torch.Tensor], k_mean: list, bits: int, group_size: int):
+    def __init__(self, model: nn.Module, rot_k: list[torch.Tensor], k_mean: list, bits: int, group_size: int,
+                 masked: bool = False):
         super().__init__()
         self.model = model
         self.num_layers = len(rot_k)
-        self.bits, self.group_size = bits, group_size
+        self.bits, self.group_size, self.masked = bits, group_size, masked
         for i, (r, mu) in enumerate(zip(rot_k, k_mean, strict=True)):
             self.register_buffer(f"rot_k_{i}", r.float().contiguous())  # [H_kv, D, D]
             self.register_buffer(f"k_mean_{i}", (mu if mu is not None else torch.zeros(r.shape[:2])).float())
@@ -79,8 +84,8 @@ class StepGraph(nn.Module):
             k_rot = torch.einsum("htd,hde->hte", k[0].float() - mean.unsqueeze(1), rot)  # [H_kv, T, D]
             q_rot = torch.einsum("hgtd,hde->hgte", q[0].float().reshape(H_kv, g, T, D), rot)
             v_new = v[0].float()  # [H_kv, T, D]
-            hist_k = quant.dequantize(kc, ks, kz, self.bits, self.group_size)  # [N, H_kv, D]
-            hist_v = quant.dequantize(vc, vs, vz, self.bits, self.group_size)
+            hist_k = self._dequantize(kc, ks, kz, "k")  # [N, H_kv, D]
+            hist_v = self._dequantize(vc, vs, vz, "v")
             keys = torch.cat([sink_k, hist_k, recent_k], dim=0).transpose(0, 1)  # [H_kv, L, D]
             vals = torch.cat([sink_v, hist_v, recent_v], dim=0).transpose(0, 1)
             keys = torch.cat([keys, k_rot], dim=1)
@@ -91,6 +96,14 @@ class StepGraph(nn.Module):
             return out.unsqueeze(0).to(q.dtype), None
 
         return fn
+
+    def _dequantize(self, codes, scale, zero, kind: str) -> torch.Tensor:
+        """History rows [N, H_kv, D] float32 from planar rows or masked 16-token blocks."""
+        if not self.masked:
+            return quant.dequantize(codes, scale, zero, self.bits, self.group_size)
+        blocks = unpack_blocks(codes, kind)  # [NB, H_kv, 16, D]
+        rows = blocks.transpose(1, 2).reshape(-1, blocks.shape[1], blocks.shape[3])  # [16 NB, H_kv, D]
+        return quant.dequantize_groups(rows[: scale.shape[0]], scale, zero, self.group_size)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *cache_flat: torch.Tensor):
         n = len(CACHE_FIELDS)
@@ -110,15 +123,23 @@ class QuantizeGraph(nn.Module):
     forward(k [n, H_kv, D] float32, v [n, H_kv, D] float32) -> (k_codes [n, H_kv, D*b/8] uint8,
     k_scale, k_zero [n, H_kv, D/G], v_codes, v_scale, v_zero): ``quant.quantize`` (per-token clip
     at the rho-quantile, per-group min-max, round half to even, planar packing), keys with
-    ``clip_k`` and values with ``clip_v``.
+    ``clip_k`` and values with ``clip_v``. ``masked``: the codes leave unpacked, [n, H_kv, D]
+    uint8, and the driver ORs each token's bit pairs into its 16-token block.
     """
 
-    def __init__(self, bits: int, group_size: int, clip_k: float, clip_v: float, scale_dtype: str):
+    def __init__(self, bits: int, group_size: int, clip_k: float, clip_v: float, scale_dtype: str,
+                 masked: bool = False):
         super().__init__()
         self.bits, self.group_size, self.clip_k, self.clip_v = bits, group_size, clip_k, clip_v
-        self.scale_dtype = scale_dtype
+        self.scale_dtype, self.masked = scale_dtype, masked
 
     def forward(self, k: torch.Tensor, v: torch.Tensor):
-        kq = quant.quantize(k, self.bits, self.group_size, self.clip_k, self.scale_dtype)
-        vq = quant.quantize(v, self.bits, self.group_size, self.clip_v, self.scale_dtype)
+        if self.masked:
+            kq = quant.quantize_groups(quant.clip_per_token(k, self.clip_k), self.bits, self.group_size,
+                                       self.scale_dtype)
+            vq = quant.quantize_groups(quant.clip_per_token(v, self.clip_v), self.bits, self.group_size,
+                                       self.scale_dtype)
+        else:
+            kq = quant.quantize(k, self.bits, self.group_size, self.clip_k, self.scale_dtype)
+            vq = quant.quantize(v, self.bits, self.group_size, self.clip_v, self.scale_dtype)
         return (*kq, *vq)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from oscar_compile.formats.cache import code_layout
+from oscar_compile.kernels.attention_gluon import CODE_LAYOUTS_READ
 from oscar_compile.kernels.attention_ref import attention_ref
 from oscar_compile.kernels.testing import build_case, random_kv
 
@@ -39,6 +41,10 @@ def run_both(case, chunk_lens, H_q, seed=0, **kw):
     cu = torch.tensor([0] + chunk_lens, device="cuda").cumsum(0).to(torch.int32)
     args = (q, k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
             D ** -0.5, case.sink, case.recent, case.bits, case.group_size, case.history_lens)
+    if code_layout(case.bits, D, case.pools.k_win.shape[2]) not in CODE_LAYOUTS_READ:
+        with pytest.raises(ValueError, match="masked"):
+            attention_gluon(*args, **kw)
+        pytest.skip("masked INT2 pages (cache format version 2): this kernel refuses them (checked above)")
     got = attention_gluon(*args, **kw)
     torch.cuda.synchronize()
     return got, attention_ref(*args)
@@ -113,8 +119,8 @@ def test_page_sizes_and_empty_history(page_size, bits):
 @needs_sm90
 def test_large_values_keep_the_softmax_finite():
     """Scores far from 0 (keys 30x larger): the running max must move across tiles correctly."""
-    case = build_case([900, 300], 1, 128, 16, 16, 32, 2, 128, torch.float16, seed=10,
-                      extra_tokens=2, device="cuda")
+    case = build_case([900, 300], 1, 128, 16, 16, 32, 4, 128, torch.float16, seed=10,
+                      extra_tokens=2, device="cuda")  # INT4: INT2 at head_dim 128 is masked
     gen = torch.Generator().manual_seed(11)
     q = random_kv(2, 4, 128, gen, device="cuda") * 30
     k, v = random_kv(2, 1, 128, gen, device="cuda"), random_kv(2, 1, 128, gen, device="cuda")
@@ -122,7 +128,7 @@ def test_large_values_keep_the_softmax_finite():
 
     cu = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
     args = (q, k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
-            128 ** -0.5, case.sink, case.recent, 2, 128)
+            128 ** -0.5, case.sink, case.recent, 4, 128)
     got = attention_gluon(*args)
     assert torch.isfinite(got).all() and rel_err(got, attention_ref(*args)) < TOL
 
@@ -130,11 +136,12 @@ def test_large_values_keep_the_softmax_finite():
 @needs_sm90
 def test_dispatch_runs_gluon_for_decode_and_extend_for_prefill(monkeypatch):
     """The op on an H200: decode goes to Gluon, a prefill chunk to the extend path (dequantize
-    once, paged BF16 kernel); forcing Gluon or Triton works."""
+    once, paged BF16 kernel); forcing Gluon or Triton works. INT4: INT2 at head_dim 128 is masked
+    (cache format version 2) and runs the Triton kernel until issue #32's decode lands."""
     from oscar_compile.kernels import attention_dispatch as ad
     from oscar_compile.kernels import ops
 
-    case = build_case([300, 90], 2, 128, 16, 16, 32, 2, 128, torch.float16, seed=12,
+    case = build_case([300, 90], 2, 128, 16, 16, 32, 4, 128, torch.float16, seed=12,
                       extra_tokens=40, device="cuda")
     gen = torch.Generator().manual_seed(13)
     for chunk_lens, expected in (([1, 1], "gluon"), ([37, 3], "extend")):
@@ -143,9 +150,9 @@ def test_dispatch_runs_gluon_for_decode_and_extend_for_prefill(monkeypatch):
         q, k, v = (random_kv(n, h, 128, gen, device="cuda") for h in (8, 2, 2))
         cu = torch.tensor([0] + chunk_lens, device="cuda").cumsum(0).to(torch.int32)
         args = (q, k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
-                128 ** -0.5, 16, 32, 2, 128)
+                128 ** -0.5, 16, 32, 4, 128)
         assert ad.choose_attention_kernel(q, k, case.pools.k_win, case.pools.k_codes,
-                                          case.pools.k_scale, 2, 128, 2, case.window_table,
+                                          case.pools.k_scale, 4, 128, 2, case.window_table,
                                           case.quant_table)[0] == expected
         want = attention_ref(*args)
         for forced in ("auto", "gluon", "triton"):
@@ -161,13 +168,13 @@ def test_cuda_graph_replay_follows_new_lengths():
     from oscar_compile.kernels.attention_gluon import attention_gluon
     from oscar_compile.kernels.cache_write_ref import cache_write_ref
 
-    case = build_case([400, 100], 2, 128, 16, 16, 32, 2, 128, torch.float16, seed=14,
-                      extra_tokens=80, device="cuda")
+    case = build_case([400, 100], 2, 128, 16, 16, 32, 4, 128, torch.float16, seed=14,
+                      extra_tokens=80, device="cuda")  # INT4: INT2 at head_dim 128 is masked
     gen = torch.Generator().manual_seed(15)
     q, k, v = (random_kv(2, h, 128, gen, device="cuda") for h in (8, 2, 2))
     cu = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
     args = (q, k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
-            128 ** -0.5, 16, 32, 2, 128)
+            128 ** -0.5, 16, 32, 4, 128)
     attention_gluon(*args)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -176,7 +183,7 @@ def test_cuda_graph_replay_follows_new_lengths():
     kk, vv = (random_kv(2 * more, 2, 128, gen, device="cuda") for _ in range(2))
     step = torch.tensor([0, more, 2 * more], dtype=torch.int32, device="cuda")
     cache_write_ref(kk, vv, step, case.cache_lens, case.window_table, case.quant_table, *case.pools,
-                    16, 32, 2, 128, case.clip_k, case.clip_v)
+                    16, 32, 4, 128, case.clip_k, case.clip_v)
     case.cache_lens += more
     graph.replay()
     torch.cuda.synchronize()

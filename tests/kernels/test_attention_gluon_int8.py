@@ -1,8 +1,7 @@
 """The 8-bit integer Hopper decode kernel against attention_ref (GPU, sm_90 only: Gluon has no interpreter).
 
-The cache is written by the reference writer in the planar layout and its code pools are
-converted to the masked layout the kernel reads (attention_gluon_int8_pack); the reference reads
-the planar pools. Cases: ragged lengths, page boundaries, an empty INT2 segment, contexts shorter
+The cache is written by the reference writer in the masked layout (cache format version 2), which
+the kernel and the reference both read. Cases: ragged lengths, page boundaries, an empty INT2 segment, contexts shorter
 than sink + recent, GQA 1 / 2 / 4 / 8 / 16 (more than 4 heads: several head groups per KV head),
 forced history and window splits, prefix-cache hits, two-token chunks, CUDA-graph replay, queries
 and keys with outlier channels (``random_kv``), large scores, the deterministic mode. Tolerance:
@@ -14,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar_compile.kernels.attention_gluon_int8_pack import masked_codes, masked_pools
 from oscar_compile.kernels.attention_ref import attention_ref
 from oscar_compile.kernels.testing import build_case, random_kv
 
@@ -43,18 +41,11 @@ def make_args(case, chunk_lens, H_q, seed=0, q_gain=1.0):
             D ** -0.5, case.sink, case.recent, case.bits, case.group_size, case.history_lens)
 
 
-def with_masked(args):
-    """The same call on masked copies of the code pools (argument 7 .. 14 are the pools)."""
-    from oscar_compile.kernels.pools import CachePools
-
-    return (*args[:7], *masked_pools(CachePools(*args[7:15])), *args[15:])
-
-
 def run_both(case, chunk_lens, H_q, seed=0, q_gain=1.0, **kw):
     from oscar_compile.kernels.attention_gluon_int8 import attention_gluon_int8
 
     args = make_args(case, chunk_lens, H_q, seed, q_gain)
-    got = attention_gluon_int8(*with_masked(args), **kw)
+    got = attention_gluon_int8(*args, **kw)
     torch.cuda.synchronize()
     return got, attention_ref(*args)
 
@@ -143,9 +134,9 @@ def test_deterministic_mode_is_batch_invariant():
 
     case = build_case([9000, 300, 20000], 2, 128, 16, 64, 256, 2, 128, torch.float16, seed=18, extra_tokens=2,
                       device="cuda")
-    args = with_masked(make_args(case, [1, 1, 1], 8, seed=19))
+    args = make_args(case, [1, 1, 1], 8, seed=19)
     batch = attention_gluon_int8(*args, deterministic=True)
-    ref = attention_ref(*make_args(case, [1, 1, 1], 8, seed=19))
+    ref = attention_ref(*args)
     assert rel_err(batch, ref) < TOL
     q, k, v, cu = args[:4]
     one = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
@@ -160,23 +151,20 @@ def test_deterministic_mode_is_batch_invariant():
 
 
 @needs_sm90
-def test_dispatch_runs_the_int8_kernel_on_masked_pools(monkeypatch):
-    """With the masked layout declared, INT2 decode goes to this kernel through the op; head_dim 64
-    does not (it stays with the planar Gluon kernel)."""
+def test_dispatch_runs_the_int8_kernel_for_int2_decode(monkeypatch):
+    """INT2 decode at head_dim 128 goes to this kernel through the op."""
     from oscar_compile.kernels import attention_dispatch as ad
     from oscar_compile.kernels import ops
 
-    monkeypatch.setattr(ad, "INT2_CODE_LAYOUT", "masked")
     monkeypatch.setattr(ad, "_used", {})  # (the other dispatch tests count what ran)
     monkeypatch.delenv(ad.ENV, raising=False)
     case = build_case([300, 90], 2, 128, 16, 16, 32, 2, 128, torch.float16, seed=12, extra_tokens=4,
                       device="cuda")
     args = make_args(case, [1, 1], 8, seed=13)
-    margs = with_masked(args)
-    q, k = margs[0], margs[1]
-    kernel, _ = ad.choose_attention_kernel(q, k, margs[7], margs[9], margs[10], 2, 128, 2, margs[5], margs[6])
+    q, k = args[0], args[1]
+    kernel, _ = ad.choose_attention_kernel(q, k, args[7], args[9], args[10], 2, 128, 2, args[5], args[6])
     assert kernel == "gluon_int8"
-    assert rel_err(ops.attention(*margs), attention_ref(*args)) < TOL
+    assert rel_err(ops.attention(*args), attention_ref(*args)) < TOL
     assert "gluon_int8" in ad.kernels_in_use()
 
 
@@ -191,12 +179,10 @@ def test_cuda_graph_replay_follows_new_lengths(pdl):
     case = build_case([400, 100], 2, 128, 16, 16, 32, 2, 128, torch.float16, seed=14, extra_tokens=300,
                       device="cuda")
     args = make_args(case, [1, 1], 8, seed=15)
-    margs = with_masked(args)
-    kc, vc = margs[9], margs[12]
-    attention_gluon_int8(*margs, pdl=pdl)  # compile outside the capture
+    attention_gluon_int8(*args, pdl=pdl)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = attention_gluon_int8(*margs, pdl=pdl)
+        out = attention_gluon_int8(*args, pdl=pdl)
     gen = torch.Generator().manual_seed(16)
     more = 270
     kk, vv = (random_kv(2 * more, 2, 128, gen, device="cuda") for _ in range(2))
@@ -204,8 +190,6 @@ def test_cuda_graph_replay_follows_new_lengths(pdl):
     cache_write_ref(kk, vv, step, case.cache_lens, case.window_table, case.quant_table, *case.pools,
                     16, 32, 2, 128, case.clip_k, case.clip_v)
     case.cache_lens += more
-    kc.copy_(masked_codes(case.pools.k_codes, True))
-    vc.copy_(masked_codes(case.pools.v_codes, False))
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(out, attention_ref(*args)) < TOL

@@ -328,3 +328,28 @@ def test_every_cuda_registration_names_an_existing_triton_wrapper():
     for module, name in sorted(pairs):
         assert ops._triton_impl(module, name) is not None, f"oscar_compile.kernels.{module}.{name}"
 
+
+
+# ----------------------------------------------------------------------------- masked INT2 pages
+@pytest.mark.parametrize("chunk,hits", [(None, None), (5, None), (1, None), (3, [40, 90])],
+                         ids=["bulk", "chunks", "decode", "hits"])
+def test_masked_pages_hold_the_pack_of_the_quantized_tokens(chunk, hits):
+    """INT2 at head_dim 128 (masked pages): after a bulk write, chunk edges inside 4-token groups,
+    decode steps and prefix-hit starts, each history row holds the quantizer's codes of its token
+    and each full page is the bulk pack (code_layout_ref.pack_page) of its 16 rows."""
+    from oscar_compile.kernels import code_layout_ref as cl
+    from oscar_compile.kernels.pools import history_lens_of
+
+    sink, recent, P, H = 16, 32, 16, 2
+    case = build_case([100, 150], H, 128, P, sink, recent, 2, 128, torch.float16, chunk=chunk, hits=hits, seed=7)
+    for i, h in enumerate(history_lens_of(case.cache_lens, case.history_lens, sink, recent)):
+        for kind, stream, clip, pool in (("k", case.keys[i], case.clip_k, case.pools.k_codes),
+                                         ("v", case.values[i], case.clip_v, case.pools.v_codes)):
+            x = quant.clip_per_token(stream[sink:sink + h], clip)
+            codes = quant.quantize_groups(x, 2, 128, torch.float16)[0]  # [h, H, D]
+            n_full = h // P
+            full = codes[:n_full * P].view(n_full, P, H, 128).transpose(1, 2)  # [pages, H, P, D]
+            assert torch.equal(pool[case.quant_table[i, :n_full].long()], cl.pack_page(full, kind, 2))
+            pos = torch.arange(h)
+            got = cl.read_code_rows(pool, case.quant_table[i, pos // P].long(), pos % P, kind, 2)
+            assert torch.equal(got, codes)

@@ -72,10 +72,11 @@ class KernelCache:
         pools = self.pools
         history_lens = self._history_lens(seq)
         h = None if history_lens is None else int(history_lens)
-        for win, codes, scale, zero, sign in ((pools.k_win, pools.k_codes, pools.k_scale, pools.k_zero, 1),
-                                              (pools.v_win, pools.v_codes, pools.v_scale, pools.v_zero, -1)):
+        for kind, win, codes, scale, zero, sign in (
+                ("k", pools.k_win, pools.k_codes, pools.k_scale, pools.k_zero, 1),
+                ("v", pools.v_win, pools.v_codes, pools.v_scale, pools.v_zero, -1)):
             got = gather_cached(0, L, window, quant, win, codes, scale, zero,
-                                self.layout.sink, self.layout.recent, 2, D, h)
+                                self.layout.sink, self.layout.recent, 2, D, h, kind=kind)
             expected = torch.tensor([sign * self.value(seq, p) for p in range(L)])
             assert torch.equal(got[:, 0, :], expected[:, None].expand(L, D)), f"{seq} reads wrong content"
 
