@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from oscar_compile.kernels.code_layout_triton import load_code_bytes
 
@@ -363,10 +364,13 @@ def store_rows(base, rows_ok, a0, a1, a2, a3, z0, z1, z2, z3, inv_l, WP: tl.cons
 
 @triton.jit(do_not_specialize=["NS"])
 def merge_kernel(po_ptr, pl_ptr, out_ptr, NS, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                 NS_P2: tl.constexpr):
+                 NS_P2: tl.constexpr, PDL: tl.constexpr = False):
     """out[r] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max); one program per (token, head)
-    row and BLOCK_D columns."""
+    row and BLOCK_D columns. PDL: launched as a programmatic dependent of the kernel that wrote
+    the partials, it waits for that kernel's writes here."""
     r = tl.program_id(0)
+    if PDL:
+        gdc_wait()
     sidx = tl.arange(0, NS_P2)
     ok = sidx < NS
     lse = tl.load(pl_ptr + r * NS + sidx, mask=ok, other=float("-inf"))
@@ -377,12 +381,14 @@ def merge_kernel(po_ptr, pl_ptr, out_ptr, NS, D: tl.constexpr, BLOCK_D: tl.const
     tl.store(out_ptr + r * D + d, res.to(out_ptr.dtype.element_ty))
 
 
-def merge_partials(po, pl, out, num_partials: int, block_d: int = 32) -> None:
+def merge_partials(po, pl, out, num_partials: int, block_d: int = 32, pdl: bool = False) -> None:
     """Combine num_partials normalised partials per output row (po: [rows * num_partials, D],
     pl: their log2-sum-exps) into out: [..., D]. Columns in blocks of ``block_d``: at batch 1 a
     program per (row, all of D) left the merge a chain of large loads on 32 programs (H200: 5 µs at
-    128k, 66 partials)."""
+    128k, 66 partials). ``pdl``: a programmatic dependent launch (sm_90), for a writer that lets
+    its dependents launch early (attention_gluon_int8)."""
     D = out.shape[-1]
     bd = min(block_d, D)
     merge_kernel[(out.numel() // D, D // bd)](po, pl, out, num_partials, D=D, BLOCK_D=bd,
-                                              NS_P2=triton.next_power_of_2(num_partials), num_warps=4)
+                                              NS_P2=triton.next_power_of_2(num_partials), PDL=pdl, num_warps=4,
+                                              launch_pdl=pdl)

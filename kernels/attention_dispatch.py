@@ -5,7 +5,10 @@
   paged BF16 kernel; its ``extend_unsupported_reason`` says which calls, on any CUDA GPU);
   Gluon on sm_90 (H100 / H200) for every call it takes (decode-like INT2 and INT4 batches, see
   ``attention_gluon.gluon_unsupported_reason``); the fused Triton kernel for the rest (the
-  prefill calls the extend path refuses, 16-bit layers, other GPUs).
+  prefill calls the extend path refuses, 16-bit layers, other GPUs). INT2 decode on sm_90 over
+  masked code pages (``formats.cache.code_layout``: head_dim 128) goes to the 8-bit integer
+  kernel (``attention_gluon_int8``: fp16 scales, 16-token pages, any GQA group, ragged lengths,
+  prefix hits, 1-2 tokens per sequence; ``int8_unsupported_reason``).
 - ``gluon``: the same, but a device or Triton that cannot run Gluon at all is an error, not a
   silent fallback (a benchmark that asked for Gluon must not time Triton).
 - ``triton``: the fused Triton kernel everywhere (no extend path either).
@@ -21,6 +24,7 @@ import os
 
 import torch
 
+from oscar_compile.formats.cache import code_layout
 from oscar_compile.formats.op_args import AttentionArgs
 
 ENV = "OSCAR_ATTENTION_KERNEL"
@@ -57,7 +61,7 @@ def choose_attention_kernel(q: torch.Tensor, k: torch.Tensor, k_win: torch.Tenso
                             k_codes: torch.Tensor, k_scale: torch.Tensor, bits: int,
                             group_size: int, num_seqs: int, window_table: torch.Tensor | None = None,
                             quant_table: torch.Tensor | None = None) -> tuple[str, str]:
-    """("gluon" | "extend" | "triton", why) for one CUDA call of ``oscar::attention`` (without the
+    """("gluon_int8" | "gluon" | "extend" | "triton", why) for one CUDA call of ``oscar::attention`` (without the
     tables, the extend path is not considered)."""
     forced = forced_kernel()
     if forced == "triton":
@@ -73,6 +77,12 @@ def choose_attention_kernel(q: torch.Tensor, k: torch.Tensor, k_win: torch.Tenso
             return "extend", "prefill-like call over INT-b history"
     if problem is not None:
         return "triton", problem
+    if code_layout(bits, q.shape[-1], k_win.shape[2]) == "masked":
+        from oscar_compile.kernels.attention_gluon_int8 import int8_unsupported_reason
+
+        why_not = int8_unsupported_reason(q, k, k_win, k_codes, k_scale, bits, group_size, q.shape[0], num_seqs)
+        if why_not is None:
+            return "gluon_int8", "sm_90, INT2 codes masked in place"
     from oscar_compile.kernels.attention_gluon import gluon_unsupported_reason
 
     why = gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits, group_size, q.shape[0], num_seqs)
@@ -87,6 +97,10 @@ def attention_cuda(a: AttentionArgs):
                                           a.cache_lens.shape[0], window_table=a.window_table,
                                           quant_table=a.quant_table)
     note_choice(kernel, why)
+    if kernel == "gluon_int8":
+        from oscar_compile.kernels.attention_gluon_int8 import attention_gluon_int8
+
+        return attention_gluon_int8(**a._asdict())
     if kernel == "gluon":
         from oscar_compile.kernels.attention_gluon import attention_gluon
 

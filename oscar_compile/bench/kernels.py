@@ -16,7 +16,10 @@ after a cached prefix) for the paged BF16 kernel, the fused INT2 kernel and the 
 history dequantized once, then the paged BF16 kernel), with the INT2 paths' errors. Parts
 ``variants`` and ``write-variants`` sweep the launch knobs (history splits, window programs,
 window block, merge; rows per program, warps) that the kernels' defaults come from;
-``gluon-variants`` the Gluon kernel's history splits and window programs.
+``gluon-variants`` the Gluon kernel's history splits and window programs; ``int8-variants`` those of
+the 8-bit integer kernel (bench/kernels_int8.py: splits, window programs, the deterministic mode,
+the merge alone). On sm_90 the attention table has a row for each Gluon kernel, the 8-bit integer
+one (``gluon_int8_fp16``) included.
 Prints a table; writes everything to JSON.
 """
 from __future__ import annotations
@@ -106,10 +109,12 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
     kernels = [(attention_triton, torch.float16, "int2_fp16", 2), (attention_triton, torch.float16, "int4_fp16", 4)]
     if gluon_runs():
         from oscar_compile.kernels.attention_gluon import attention_gluon
+        from oscar_compile.kernels.attention_gluon_int8 import attention_gluon_int8
 
-        kernels += [(attention_gluon, torch.float16, "gluon_fp16", 2),
-                    (attention_gluon, torch.float32, "gluon_fp32", 2),
-                    (attention_gluon, torch.float16, "gluon_int4_fp16", 4)]
+        # (INT2 at head_dim 128 is masked since cache format version 2: the fp16-operand Gluon kernel
+        # reads INT4 only here; its last INT2 rows are in bench/results/2026-12-03-h200-int2-decode-int8-product)
+        kernels += [(attention_gluon, torch.float16, "gluon_int4_fp16", 4),
+                    (attention_gluon_int8, torch.float16, "gluon_int8_fp16", 2)]
     for kernel, sdt, tag, bits in kernels:
         nbytes = quantized_bytes(B, ctx, sdt, bits)
         layers = [quantized_layer(B, ctx, sdt, dev, bits) for _ in range(num_buffers(nbytes))]
@@ -374,7 +379,7 @@ def print_table(rows: list[dict], write: dict) -> None:
     hdr = (f"{'ctx':>6} {'B':>3} {'sdpa_us':>8} {'bf16pg':>7} | {'triton':>7} {'%HBM':>5} {'x_sdpa':>6} "
            f"{'err':>7} | {'gluon':>7} {'%HBM':>5} {'x_sdpa':>6} {'err':>7} {'x_trit':>6} | "
            f"{'gl_fp32s':>8} {'x_sdpa':>6} | {'tri_int4':>8} {'x_sdpa':>6} {'gl_int4':>7} {'%HBM':>5} "
-           f"{'x_sdpa':>6} {'err':>7}")
+           f"{'x_sdpa':>6} {'err':>7} | {'gl_int8':>7} {'%HBM':>5} {'x_sdpa':>6} {'err':>7}")
     print(hdr)
     nan = float("nan")
     for r in rows:
@@ -388,7 +393,9 @@ def print_table(rows: list[dict], write: dict) -> None:
               f"{r['int4_fp16_us']:>8.1f} {r['int4_fp16_speedup_vs_sdpa']:>6.2f} "
               f"{r.get('gluon_int4_fp16_us', nan):>7.1f} "
               f"{r.get('gluon_int4_fp16_pct_hbm', nan):>5.1f} {r.get('gluon_int4_fp16_speedup_vs_sdpa', nan):>6.2f} "
-              f"{r.get('gluon_int4_fp16_rel_err', nan):>7.1e}")
+              f"{r.get('gluon_int4_fp16_rel_err', nan):>7.1e} | {r.get('gluon_int8_fp16_us', nan):>7.1f} "
+              f"{r.get('gluon_int8_fp16_pct_hbm', nan):>5.1f} {r.get('gluon_int8_fp16_speedup_vs_sdpa', nan):>6.2f} "
+              f"{r.get('gluon_int8_fp16_rel_err', nan):>7.1e}")
     print("write, decode step (µs per layer):", [(w["batch"], round(w["us_per_layer"], 2),
           round(w["us_per_layer_with_rotation"], 2), w.get("bitwise_equal")) for w in write["decode"]])
     print("write, prefill (tokens/s):", [(w["tokens"], f"{w['tokens_per_s']:.3g}", w.get("bitwise_equal"))
@@ -400,9 +407,13 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="bench_kernels.json")
     ap.add_argument("--quick", action="store_true", help="8k and 32k at batch 1 and 8 only")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--shapes", nargs="+", metavar="CTXxB",
+                    help="attention table (and int8-variants) at these (context x batch) only, e.g. 131072x32 8192x1")
     ap.add_argument("--parts", nargs="+",
-                    choices=("attention", "variants", "gluon-variants", "extend", "write", "write-variants"),
-                    default=["attention", "variants", "gluon-variants", "extend", "write", "write-variants"],
+                    choices=("attention", "variants", "gluon-variants", "int8-variants", "extend", "write",
+                             "write-variants"),
+                    default=["attention", "variants", "gluon-variants", "int8-variants", "extend", "write",
+                             "write-variants"],
                     help="which parts to run (default: all)")
     ap.add_argument("--profile", nargs=3, metavar=("CONTEXT", "BATCH", "KERNEL"),
                     help="only launch KERNEL (gluon or triton) 5 times at one shape, no graphs: for ncu")
@@ -419,11 +430,11 @@ def main(argv=None) -> None:
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": "Qwen3-8B layer H_q=32 H_kv=8 D=128",
               "sink": SINK, "recent": RECENT, "page": P, "bits": BITS, "group": GROUP,
               "hbm_bytes_per_s": HBM_BYTES_PER_S, "attention": [], "variants": []}
-    for ctx in ctxs if "attention" in args.parts else ():
-        for B in batches:
-            if B * ctx <= 4 * 1024 * 1024:
-                result["attention"].append(bench_attention(ctx, B, not args.no_check))
-                print(json.dumps(result["attention"][-1]), flush=True)
+    shapes = ([tuple(int(x) for x in sh.split("x")) for sh in args.shapes] if args.shapes else
+              [(ctx, B) for ctx in ctxs for B in batches if B * ctx <= 4 * 1024 * 1024])
+    for ctx, B in shapes if "attention" in args.parts else ():
+        result["attention"].append(bench_attention(ctx, B, not args.no_check))
+        print(json.dumps(result["attention"][-1]), flush=True)
     if "variants" in args.parts:
         for ctx, B in ((8192, 1), (32768, 1), (131072, 1), (8192, 8), (32768, 32)):
             result["variants"] += bench_variants(ctx, B)
@@ -433,6 +444,14 @@ def main(argv=None) -> None:
         for ctx, B in ((8192, 1), (8192, 8), (32768, 1), (32768, 8), (131072, 1), (131072, 32)):
             result["gluon_variants"] += bench_gluon_variants(ctx, B)
         print(json.dumps(result["gluon_variants"]), flush=True)
+    if "int8-variants" in args.parts and gluon_runs():
+        from oscar_compile.bench.kernels_int8 import bench_int8_variants
+
+        result["int8_variants"] = []
+        for ctx, B in (shapes if args.shapes else
+                       ((8192, 1), (32768, 1), (131072, 1), (8192, 32), (32768, 32), (131072, 32))):
+            result["int8_variants"] += bench_int8_variants(ctx, B, _decode_case(ctx, B))
+        print(json.dumps(result["int8_variants"]), flush=True)
     if "extend" in args.parts:  # chunks 2 and 4 of an 8k prompt, one deep into a 32k prompt
         result["extend"] = [bench_extend(c, b, check=not args.no_check) for c, b in EXTEND_SHAPES]
         print(json.dumps(result["extend"]), flush=True)

@@ -58,28 +58,27 @@ def _call_shapes(N=4, B=4, H_q=32, H_kv=8, D=128, P=16, wdt=torch.bfloat16):
 
 def test_dispatch_picks_gluon_only_for_what_it_takes(monkeypatch):
     """Shapes and dtypes only (CUDA-graph safe): decode-like batches with one scale group per
-    token and 16-token pages go to Gluon on a capable device when their pages are planar (INT4;
-    INT2 at head_dim 64), everything else to Triton, masked INT2 pages (head_dim 128, cache
-    format version 2) included."""
+    token and 16-token pages go to Gluon on a capable device (INT2 at head_dim 128, masked, to the
+    8-bit integer kernel; INT2 at head_dim 64 and INT4 to the fp16-operand one), everything else
+    to Triton."""
     monkeypatch.setattr(ad, "gluon_device_problem", lambda index: None)
     monkeypatch.delenv(ad.ENV, raising=False)
     q, k, k_win, k_codes, k_scale = _call_shapes()
-    assert ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, 4, 128, 4) == ("gluon", "sm_90")
+    assert ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, 2, 128, 4)[0] == "gluon_int8"
     assert ad.choose_attention_kernel(*_call_shapes(D=64), 2, 64, 4) == ("gluon", "sm_90")
-    kernel, why = ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, 2, 128, 4)
-    assert kernel == "triton" and "masked" in why
+    assert ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, 4, 128, 4) == ("gluon", "sm_90")
     refused = {
         "bits 8": (q, k, k_win, k_codes, k_scale, 8, 128, 4),
-        "group_size 64": (q, k, k_win, k_codes, k_scale, 4, 64, 4),
-        "prefill-like": (*_call_shapes(N=40), 4, 128, 4),
-        "page_size 8": (*_call_shapes(P=8), 4, 128, 4),
-        "head_dim 96": (*_call_shapes(D=96), 4, 96, 4),
-        "window dtype": (*_call_shapes(wdt=torch.float32), 4, 128, 4),
-        "query heads": (*_call_shapes(H_q=64, H_kv=1), 4, 128, 4),
+        "group_size 64": (q, k, k_win, k_codes, k_scale, 2, 64, 4),
+        "prefill-like": (*_call_shapes(N=40), 2, 128, 4),
+        "page_size 8": (*_call_shapes(P=8), 2, 128, 4),
+        "head_dim 96": (*_call_shapes(D=96), 2, 96, 4),
+        "window dtype": (*_call_shapes(wdt=torch.float32), 2, 128, 4),
+        "query heads": (*_call_shapes(H_q=64, H_kv=1), 4, 128, 4),  # (the INT2 kernel takes any group)
     }
     for name, call in refused.items():
         kernel, why = ad.choose_attention_kernel(*call)
-        assert kernel == "triton" and why and "masked" not in why, name
+        assert kernel == "triton" and why, name
     monkeypatch.setenv(ad.ENV, "triton")
     assert ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, 2, 128, 4)[0] == "triton"
 
