@@ -135,6 +135,7 @@ def test_metrics_say_which_attention_kernel_ran(monkeypatch):
 
     stats = {key: 0 for *_, key in metrics._SCALARS}
     stats.update({f"{kind}_{suffix}": 0 for *_, suffix in metrics._PAGES for kind in metrics.PAGE_KINDS})
+    stats.update({f"fork_{kind}_pages_{how}": 0 for kind in ("window", "quant") for how in ("shared", "copied")})
     monkeypatch.setattr(ad, "_used", {"gluon": "sm_90", "triton": 'a "prefill-like" batch'})
     text = metrics.render_metrics(stats)
     assert '\noscar_attention_kernel_info{kernel="gluon",reason="sm_90"} 1.0\n' in text
