@@ -106,3 +106,32 @@ def test_triton_linear_bf16_rows_on_the_gpu(n, k):
     x, w, _ = _inputs(n, k, "cuda", torch.bfloat16, bias=False)
     _rows_invariant(lambda rows: linear_triton(rows, w), x)
     torch.testing.assert_close(linear_triton(x, w).float(), linear_ref(x, w).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_reference_attention_rows_do_not_depend_on_the_chunking():
+    """Deterministic mode: a query row's output is the same whether its sequence's earlier
+    tokens came in its chunk or from the cache (L), and close to the plain reference."""
+    from oscar_compile.kernels.attention_ref import _attend, _attend_invariant
+
+    g = torch.Generator().manual_seed(4)
+    S, H_q, H_kv, D = 150, 6, 2, 64
+    q, k, v = (torch.randn(S, h, D, generator=g) for h in (H_q, H_kv, H_kv))
+    whole = _attend_invariant(q, k, v, 0, 0.125)
+    torch.testing.assert_close(whole, _attend(q, k, v, 0, 0.125), rtol=1e-5, atol=1e-5)
+    for L in (1, 63, 64, 100, 149):
+        assert torch.equal(_attend_invariant(q[L:], k, v, L, 0.125), whole[L:]), L
+        assert torch.equal(_attend_invariant(q[L : L + 1], k[: L + 1], v[: L + 1], L, 0.125), whole[L : L + 1]), L
+
+
+def test_reference_rotation_rows_are_batch_invariant():
+    from oscar_compile.kernels.rotate_ref import rotate_ref
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 4, 64, 128, generator=g)  # [B, H, T, D]
+    rot = torch.linalg.qr(torch.randn(2, 128, 128, generator=g))[0]
+    mean = torch.randn(2, 128, generator=g)
+    with deterministic():
+        full = rotate_ref(x, rot, mean)
+        for m in BATCHES:
+            assert torch.equal(rotate_ref(x[:, :, -m:], rot, mean), full[:, :, -m:]), m
+    torch.testing.assert_close(full, rotate_ref(x, rot, mean), rtol=1e-5, atol=1e-5)

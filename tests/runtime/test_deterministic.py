@@ -1,0 +1,64 @@
+"""Deterministic mode on the CPU (issue 31, item 4): a request's logprobs are bitwise the same
+alone, in a batch, and prefilled in chunks beside other requests' decode steps.
+
+The bundled model, as served (oscar-int2 with its shipped rotations, and the BF16 mode), prefix
+caching off (a prefix hit reads the shared prefix quantized: another semantics, item 2). Three
+prompts: one within the sink + recent windows (320 tokens) and two with INT2 history. With
+128-token steps the prompts prefill in staged chunks while the shorter ones decode, so every row
+meets other batch shapes than alone. In the default mode these cases differ in the last bits
+(issue 31: up to 9e-4 in float32); the test requires equality.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from oscar_compile.loading import BUNDLED_MODEL_DIR
+from oscar_compile.runtime import LLM, EngineConfig, SamplingParams
+from oscar_compile.spec import specs_dir
+
+pytestmark = pytest.mark.skipif(not (BUNDLED_MODEL_DIR / "config.json").exists(), reason="no bundled model")
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def _prompts() -> list[list[int]]:
+    ids = np.fromfile(BUNDLED_MODEL_DIR / "heldout.bin", dtype=np.uint16)[:6000].astype(int).tolist()
+    return [ids[0:200], ids[1000:1400], ids[3000:3450]]
+
+
+def _llm(spec: str, device: str = "cpu", **config) -> LLM:
+    rotations = BUNDLED_MODEL_DIR / "rotations" / f"{spec}.safetensors"
+    cfg = EngineConfig(deterministic=True, kv_memory_gb=0.25, enable_prefix_caching=False, **config)
+    return LLM(
+        str(BUNDLED_MODEL_DIR),
+        spec=str(specs_dir() / f"{spec}.yaml"),
+        rotations=str(rotations) if rotations.exists() else None,
+        device=device,
+        config=cfg,
+    )
+
+
+def _results(outputs) -> list[tuple[list[int], list[float]]]:
+    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outputs]
+
+
+def check_alone_together_chunked(spec: str, device: str = "cpu") -> None:
+    """Alone (one at a time), together (one prefill step), chunked (128-token steps, a fresh engine)."""
+    prompts = _prompts()
+    llm = _llm(spec, device)
+    alone = [_results(llm.generate([p], PARAMS))[0] for p in prompts]
+    together = _results(llm.generate(prompts, PARAMS))
+    chunked = _results(_llm(spec, device, max_num_batched_tokens=128).generate(prompts, PARAMS))
+    assert together == alone
+    assert chunked == alone
+
+
+@pytest.mark.parametrize("spec", ["oscar-int2", "bf16"])
+def test_logprobs_are_bitwise_the_same_alone_together_and_chunked(spec):
+    check_alone_together_chunked(spec)
+
+
+def test_the_engine_config_reaches_the_runner():
+    llm = _llm("oscar-int2")
+    assert llm.engine.runner.deterministic
