@@ -135,3 +135,22 @@ def test_reference_rotation_rows_are_batch_invariant():
         for m in BATCHES:
             assert torch.equal(rotate_ref(x[:, :, -m:], rot, mean), full[:, :, -m:]), m
     torch.testing.assert_close(full, rotate_ref(x, rot, mean), rtol=1e-5, atol=1e-5)
+
+
+def test_triton_rope_with_rotation_rows_are_batch_invariant(tdevice):
+    """The fused RoPE + key rotation: its column split and token packing follow the token count by
+    default; in deterministic mode one tiling serves every count."""
+    from oscar_compile.kernels.elementwise_triton import rope_triton
+
+    g = torch.Generator().manual_seed(6)
+    T, H_q, H_kv, D = 64, 4, 2, 128
+    q = torch.randn(1, H_q, T, D, generator=g).to(tdevice)
+    k = torch.randn(1, H_kv, T, D, generator=g).to(tdevice)
+    cos = torch.randn(1, T, D, generator=g).to(tdevice)
+    sin = torch.randn(1, T, D, generator=g).to(tdevice)
+    rot = torch.linalg.qr(torch.randn(H_kv, D, D, generator=g))[0].to(tdevice)
+    with deterministic():
+        q_all, k_all = rope_triton(q, k, cos, sin, rot)
+        for m in BATCHES:
+            q_m, k_m = rope_triton(q[:, :, -m:], k[:, :, -m:], cos[:, -m:], sin[:, -m:], rot)
+            assert torch.equal(q_m, q_all[:, :, -m:]) and torch.equal(k_m, k_all[:, :, -m:]), m
