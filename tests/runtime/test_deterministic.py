@@ -3,7 +3,8 @@ batch, joining a running batch and (on the CPU) prefilled in chunks beside other
 steps.
 
 The bundled model, as served (oscar-int2 with its shipped rotations, and the BF16 mode), prefix
-caching off (a prefix hit reads the shared prefix quantized: another semantics, item 2). Three
+caching off (a hit past the sink reads the shared prefix quantized: another semantics, item 2;
+hits at the sink and swap preemption are tested on the CPU at the end). Three
 prompts: one within the sink + recent windows (320 tokens) and two with INT2 history. With
 128-token steps the prompts prefill in staged chunks while the shorter ones decode, so every row
 meets other batch shapes than alone. In the default mode these cases differ in the last bits
@@ -31,7 +32,7 @@ def _prompts() -> list[list[int]]:
 
 def _llm(spec: str, device: str = "cpu", **config) -> LLM:
     rotations = BUNDLED_MODEL_DIR / "rotations" / f"{spec}.safetensors"
-    cfg = EngineConfig(deterministic=True, kv_memory_gb=0.25, enable_prefix_caching=False, **config)
+    cfg = EngineConfig(**{"deterministic": True, "kv_memory_gb": 0.25, "enable_prefix_caching": False, **config})
     return LLM(
         str(BUNDLED_MODEL_DIR),
         spec=str(specs_dir() / f"{spec}.yaml"),
@@ -92,6 +93,21 @@ def test_on_the_gpu_logprobs_are_bitwise_the_same_alone_together_and_joined(spec
     is not part of the GPU promise: the kernels read a chunk's own keys in other blocks than the
     cached ones (README, "Deterministic mode")."""
     check_batch_invariance(spec, "cuda", chunked=False)
+
+
+def test_resent_with_sink_hits_and_after_a_swap_preemption_bitwise():
+    """The cases that keep their semantics in this mode: a resend whose prefix hits stop at the
+    sink (``prefix_hits="sink"``: the rest is recomputed, staged), and a sequence swapped out and
+    back (its pages return as they were). A recompute of a sequence that had generated tokens is
+    another computation (README, "Preemption by swapping") and is not part of the promise."""
+    prompts = _prompts()
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0)
+    llm = _llm("oscar-int2", enable_prefix_caching=True, prefix_hits="sink")
+    alone = [_results(llm.generate([p], params))[0] for p in prompts]
+    assert _results(llm.generate(prompts, params)) == alone  # every prompt hits its own sink pages
+    tight = _llm("oscar-int2", num_window_pages=60, num_quant_pages=16, max_num_batched_tokens=128)
+    assert _results(tight.generate(prompts, params)) == alone
+    assert tight.engine.stats()["num_swap_preemptions"] >= 1
 
 
 def test_the_engine_config_reaches_the_runner():
