@@ -113,3 +113,10 @@ def test_resent_with_sink_hits_and_after_a_swap_preemption_bitwise():
 def test_the_engine_config_reaches_the_runner():
     llm = _llm("oscar-int2")
     assert llm.engine.runner.deterministic
+
+
+def test_the_serve_flag_sets_the_engine_config():
+    from oscar_compile.cli.serve import engine_config, parse_args
+
+    assert engine_config(parse_args(["--deterministic"])).deterministic
+    assert not engine_config(parse_args([])).deterministic
