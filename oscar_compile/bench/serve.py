@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from oscar_compile.kernels.determinism import deterministic
+from oscar_compile.kernels.determinism import LINEAR_RANGE, deterministic
 from oscar_compile.passes import apply
 from oscar_compile.runtime.worker.compressed_runner import CompressedRunner, compressed_layout
 from oscar_compile.runtime.worker.runner import Batch
@@ -137,7 +137,7 @@ _OPS = {
     "rotation": ("oscar::rope", "oscar::rotate"),  # fused, oscar::rope is RoPE and the rotation
     "norm_act": ("oscar::rms_norm", "oscar::silu_mul"),
 }
-_GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
+_GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", LINEAR_RANGE)  # the last: deterministic mode's matmul
 # tensor-parallel all-reduces: on CUDA the NCCL kernels (by name); on a CPU the calling thread's op
 # (gloo's own events run on its threads, spanning the wait for the other rank: not step time)
 _ALL_REDUCES = ("c10d::allreduce_",)
