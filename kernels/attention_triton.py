@@ -412,7 +412,7 @@ def attention_triton(
     nwin = 1
     if nsplit and win_splits:
         nwin = win_splits
-    elif nsplit and block_m == 1:  # (an extend chunk's own keys stay in one program: no gain)
+    elif nsplit and block_m == 1 and split_len is None:  # (an extend chunk's own keys stay in one program)
         nwin = window_programs(sink + recent, block_w, max_hist, block_n, nsplit)
     if seq_mask is not None and (block_m == 1 or nsplit):
         raise ValueError("seq_mask: prefill-like launches without history splits only")
