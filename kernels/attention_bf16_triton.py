@@ -23,7 +23,9 @@ from oscar_compile.kernels.attention_blocks_triton import (
     split_range,
     store_rows,
 )
+from oscar_compile.kernels.attention_split_plan import deterministic_launch, merge_partials_in_order
 from oscar_compile.kernels.attention_triton import LOG2E, check_output, dot_dtype, plan_launch, query_block_prefix
+from oscar_compile.kernels.determinism import split_tokens
 
 
 # B and nsplit stay specialized (1 / multiple of 16 / other): without, batch-1 decode measured up to
@@ -34,7 +36,7 @@ def _attn_bf16_kernel(
     out_ptr, po_ptr, pl_ptr, qk_scale, B, nsplit, sqn, sqh, skn, skh, svn, svh, stride_pt,
     H_KV: tl.constexpr, G_Q: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_DT: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_DT: tl.constexpr, SPLIT_LEN: tl.constexpr,
 ):
     NPL: tl.constexpr = 2
     WP: tl.constexpr = D // 2
@@ -48,7 +50,7 @@ def _attn_bf16_kernel(
         a0 = tl.zeros([ROWS, WP], tl.float32)
         a1 = tl.zeros([ROWS, WP], tl.float32)
         z0 = tl.zeros([ROWS], tl.float32)
-        do_hist, do_win, lo, hi = split_range(L, sid, nsplit, SPLIT, BLOCK_N)
+        do_hist, do_win, lo, hi = split_range(L, sid, nsplit, SPLIT, BLOCK_N, SPLIT_LEN)
         if do_hist:
             pt_row = pt_ptr + i.to(tl.int64) * stride_pt
             for n0 in range(lo, hi, BLOCK_N):
@@ -119,10 +121,18 @@ def attention_bf16_triton(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, 
         return out
     g = H_q // H_kv
     max_hist = page_table.shape[1] * P
-    block_m, rows, planned = plan_launch(N, B, H_kv, g, max_hist, q.device, block_n)
-    nsplit = planned if nsplit is None else nsplit
+    split_len = split_tokens()
+    if split_len is not None:  # deterministic mode: one launch shape for every batch
+        if seq_mask is not None or nsplit is not None:
+            raise ValueError("deterministic mode plans its own launch (no seq_mask or nsplit)")
+        block_m, rows, nsplit = deterministic_launch(max_hist, g, split_len, block_n)
+    else:
+        block_m, rows, planned = plan_launch(N, B, H_kv, g, max_hist, q.device, block_n)
+        nsplit = planned if nsplit is None else nsplit
     if seq_mask is not None and (block_m == 1 or nsplit):
         raise ValueError("seq_mask: prefill-like launches without history splits only")
+    if num_stages is None and split_len is not None:
+        num_stages = 2  # (pipelining moves loads, not arithmetic; fixed all the same)
     if num_stages is None:
         split_blocks = triton.cdiv(triton.cdiv(max_hist, block_n), nsplit) if nsplit else 0
         num_stages = 3 if B * H_kv <= 16 and split_blocks >= 8 else 2
@@ -142,10 +152,11 @@ def attention_bf16_triton(q, k, v, cu_seqlens, cache_lens, page_table, k_pages, 
         v.stride(1), page_table.stride(0),
         H_KV=H_kv, G_Q=g, D=D, P=P, BLOCK_M=block_m, ROWS=rows, BLOCK_N=block_n,
         BLOCK_C=16 if block_m == 1 else 64, SPLIT=nsplit > 0,
-        DOT_DT=dot_dtype(k_pages.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_DT=dot_dtype(k_pages.dtype), SPLIT_LEN=split_len or 0, num_warps=num_warps, num_stages=num_stages,
     )
     if nsplit:
-        merge_partials(po, pl, out, nsplit + 1)
+        merge = merge_partials_in_order if split_len is not None else merge_partials
+        merge(po, pl, out, nsplit + 1)
     return out
 
 

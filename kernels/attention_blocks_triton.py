@@ -148,17 +148,21 @@ def query_rows(q_ptr, cu_ptr, cub_ptr, lens_ptr, pid, h, i, sqn, sqh, G_Q: tl.co
 
 
 @triton.jit
-def split_range(n, sid, nsplit, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+def split_range(n, sid, nsplit, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr):
     """(do_hist, do_win, lo, hi) of program ``sid`` along the split axis, over ``n`` cached keys.
 
     With SPLIT, programs 0 .. nsplit - 1 take equal whole-block parts of [0, n) and program nsplit
-    takes the windows and the chunk; without, the one program takes everything. (The INT-b kernel
-    spells the same computation out: through this helper it ran slower on the H200.)
+    takes the windows and the chunk; without, the one program takes everything. SPLIT_LEN > 0
+    (deterministic mode): parts of SPLIT_LEN keys from key 0 instead, the last ones maybe empty.
+    (The INT-b kernel spells the same computation out: through this helper it ran slower on the H200.)
     """
     if SPLIT:
         do_hist = sid < nsplit
         do_win = sid == nsplit
-        chunk = tl.cdiv(tl.cdiv(n, nsplit), BLOCK_N) * BLOCK_N
+        if SPLIT_LEN > 0:
+            chunk = SPLIT_LEN
+        else:
+            chunk = tl.cdiv(tl.cdiv(n, nsplit), BLOCK_N) * BLOCK_N
         lo = tl.minimum(sid * chunk, n)
         hi = tl.minimum(lo + chunk, n)
     else:

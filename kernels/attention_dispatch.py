@@ -13,6 +13,10 @@
   silent fallback (a benchmark that asked for Gluon must not time Triton).
 - ``triton``: the fused Triton kernel everywhere (no extend path either).
 
+In deterministic mode (``kernels.determinism.split_tokens()`` set) the fused Triton kernel runs
+every call: it splits the history by that fixed number of tokens (attention_split_plan), which the
+extend path and the Gluon kernel do not honour yet.
+
 The choice reads shapes, dtypes and the device only (never tensor values): CUDA-graph safe. Each
 new (kernel, reason) is logged once, and ``kernels_in_use()`` reports what ran, for ``/metrics``.
 """
@@ -26,6 +30,7 @@ import torch
 
 from oscar_compile.formats.cache import code_layout
 from oscar_compile.formats.op_args import AttentionArgs
+from oscar_compile.kernels.determinism import split_tokens
 
 ENV = "OSCAR_ATTENTION_KERNEL"
 CHOICES = ("auto", "gluon", "triton")
@@ -66,6 +71,12 @@ def choose_attention_kernel(q: torch.Tensor, k: torch.Tensor, k_win: torch.Tenso
     forced = forced_kernel()
     if forced == "triton":
         return "triton", f"{ENV}=triton"
+    if split_tokens() is not None:
+        # deterministic mode: the kernels that take split_tokens() (attention_split_plan); the
+        # extend path splits a call by sequence and the Gluon kernel plans from the SM count
+        if forced == "gluon":
+            raise RuntimeError(f"{ENV}=gluon: the Gluon kernel has no deterministic mode yet")
+        return "triton", "deterministic mode"
     problem = gluon_device_problem(q.device.index or 0)
     if problem is not None and forced == "gluon":
         raise RuntimeError(f"{ENV}=gluon, but {problem}")

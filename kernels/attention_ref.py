@@ -20,6 +20,7 @@ import torch
 
 from oscar_compile import quant
 from oscar_compile.kernels.code_layout_ref import read_code_rows
+from oscar_compile.kernels.determinism import is_deterministic
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, check_window_config, history_lens_of, window_slot
 
 
@@ -68,6 +69,56 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, L: int, sca
     return torch.einsum("hts,shd->thd", p, vv)
 
 
+# deterministic mode: keys in blocks of this many positions from position 0, queries in groups of
+# this many rows (the last group zero-padded): every product below has one shape per model
+INVARIANT_KEY_BLOCK = 64
+INVARIANT_ROW_GROUP = 16
+
+
+def _attend_invariant(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, L: int, scale: float) -> torch.Tensor:
+    """``_attend`` with every row's bits independent of the chunk it came in (deterministic mode).
+
+    ``_attend``'s einsums and softmax reduce in an order that depends on T and L: a prompt
+    prefilled in chunks, or a decode step, gives other last bits than one prefill. Here each
+    product is a batch of ``[16, D] @ [D, 64]`` (scores) or ``[16, 64] @ [64, D]`` (values) GEMMs,
+    whatever T and L (16 query rows, zero-padded; block b of 64 keys holds positions
+    ``[64 b, 64 b + 64)``, wherever they came from: pools or chunk); each block's 64 weights are
+    summed alone, and the blocks are added one after another in position order (``cumsum`` is a
+    sequential scan): blocks past a row's position add exact zeros. The max over the visible keys
+    is exact, hence the same in every chunking.
+    q: [T, H_q, D] f32; keys, vals: [L + T, H_kv, D] f32 -> [T, H_q, D] f32."""
+    T, H_q, D = q.shape
+    S = keys.shape[0]
+    g = H_q // keys.shape[1]
+    blk, R = INVARIANT_KEY_BLOCK, INVARIANT_ROW_GROUP
+    nb = -(-S // blk)
+    kk = torch.zeros(nb * blk, H_q, D, dtype=torch.float32, device=keys.device)
+    vv = torch.zeros_like(kk)
+    kk[:S] = keys.repeat_interleave(g, dim=1)
+    vv[:S] = vals.repeat_interleave(g, dim=1)
+    k_blocks = kk.view(nb, blk, H_q, D).permute(2, 0, 3, 1).reshape(H_q * nb, D, blk)  # [H_q nb, D, 64]
+    v_blocks = vv.view(nb, blk, H_q, D).permute(2, 0, 1, 3).reshape(H_q * nb, blk, D)  # [H_q nb, 64, D]
+    key_pos = torch.arange(nb * blk, device=q.device).view(nb, blk)
+    rows = -(-T // R) * R
+    qp = torch.zeros(rows, H_q, D, dtype=torch.float32, device=q.device)
+    qp[:T] = q
+    out = torch.empty(rows, H_q, D, dtype=torch.float32, device=q.device)
+    for r0 in range(0, rows, R):
+        rq = qp[r0:r0 + R].permute(1, 0, 2)  # [H_q, R, D]
+        rq = rq[:, None].expand(H_q, nb, R, D).reshape(H_q * nb, R, D)
+        s = torch.bmm(rq, k_blocks).view(H_q, nb, R, blk) * scale
+        row_pos = L + r0 + torch.arange(R, device=q.device)
+        visible = key_pos[:, None, :] <= row_pos[None, :, None]  # [nb, R, 64]
+        s = s.masked_fill(~visible, float("-inf"))
+        m = s.amax(dim=(1, 3), keepdim=True)  # [H_q, 1, R, 1]: exact; a padding row sees key 0
+        p = torch.exp(s - m)  # [H_q, nb, R, 64]
+        l_row = p.sum(-1).cumsum(1)[:, -1]  # [H_q, R]
+        o = torch.bmm(p.reshape(H_q * nb, R, blk), v_blocks).view(H_q, nb, R, D)
+        o_row = o.cumsum(1)[:, -1]  # [H_q, R, D]
+        out[r0:r0 + R] = (o_row / l_row[..., None]).permute(1, 0, 2)
+    return out[:T]
+
+
 def attention_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
     cache_lens: torch.Tensor, window_table: torch.Tensor, quant_table: torch.Tensor,
@@ -110,5 +161,6 @@ def attend_over_cache(q, k, v, cu_seqlens, cache_lens, scale: float, gather) -> 
         kc, vc = gather(i, L)
         keys = torch.cat([kc, k[a:b].float()], dim=0)
         vals = torch.cat([vc, v[a:b].float()], dim=0)
-        out[a:b] = _attend(q[a:b].float(), keys, vals, L, scale)
+        attend = _attend_invariant if is_deterministic() else _attend
+        out[a:b] = attend(q[a:b].float(), keys, vals, L, scale)
     return out.to(q.dtype)

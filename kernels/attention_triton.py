@@ -15,6 +15,8 @@ per sequence, plus nwin programs for the windows (the last of them also takes th
 writes a normalised partial and its log-sum-exp, and merge_partials combines them. With
 nsplit = 0 (many query blocks, e.g. prefill) one program does everything and writes the output.
 Grid sizes and split counts come from tensor shapes only: no host sync, safe under CUDA graphs.
+Deterministic mode (kernels.determinism) plans one launch shape for every batch instead
+(attention_split_plan).
 The chunk is never written to a BF16 copy of the prefix: history stays packed in the pools.
 """
 from __future__ import annotations
@@ -41,6 +43,8 @@ from oscar_compile.kernels.attention_blocks_triton import (
     query_rows,
     store_rows,
 )
+from oscar_compile.kernels.attention_split_plan import deterministic_launch, merge_partials_in_order
+from oscar_compile.kernels.determinism import split_tokens
 from oscar_compile.kernels.device import num_sms
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, attention_output_for
 from oscar_compile.kernels.quant_triton import interpreting
@@ -71,7 +75,7 @@ def _attn_kernel(
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_C: tl.constexpr,
     SPLIT: tl.constexpr, WIN_SPLIT: tl.constexpr, USE_ASM: tl.constexpr, DOT_DT: tl.constexpr,
-    HAS_HIST: tl.constexpr, MASKED: tl.constexpr,
+    HAS_HIST: tl.constexpr, MASKED: tl.constexpr, SPLIT_LEN: tl.constexpr,
 ):
     # planes of the accumulator: as the codes pack; a 16-bit history splits D in two, as the
     # full-precision kernel does
@@ -109,7 +113,10 @@ def _attn_kernel(
                 lo = n_hist * 0
                 hi = n_hist
             else:
-                chunk = tl.cdiv(tl.cdiv(n_hist, nsplit), BLOCK_N) * BLOCK_N
+                if SPLIT_LEN > 0:  # deterministic mode: fixed parts from history position 0
+                    chunk = SPLIT_LEN
+                else:
+                    chunk = tl.cdiv(tl.cdiv(n_hist, nsplit), BLOCK_N) * BLOCK_N
                 lo = tl.minimum(sid * chunk, n_hist)
                 hi = tl.minimum(lo + chunk, n_hist)
             qt_row = qt_ptr + i.to(tl.int64) * stride_qt
@@ -394,13 +401,19 @@ def attention_triton(
         v_scale = v_zero = v_win
     # splits of 2 history blocks: measured on the H200 (bench.kernels variants, 2026-11-30) the
     # best at batch 1 for 8k-128k; 4 blocks (the paged BF16 kernel's choice) was 10-20 % slower
-    block_m, rows, planned = plan_launch(N, B, H_kv, g, max_hist, q.device, block_n, min_split_blocks=2,
-                                         prefill_rows=prefill_rows)
-    nsplit = planned if nsplit is None else nsplit
+    split_len = split_tokens()
+    if split_len is not None:  # deterministic mode: one launch shape for every batch
+        if seq_mask is not None or nsplit is not None or win_splits is not None:
+            raise ValueError("deterministic mode plans its own launch (no seq_mask, nsplit or win_splits)")
+        block_m, rows, nsplit = deterministic_launch(max_hist, g, split_len, block_n, prefill_rows)
+    else:
+        block_m, rows, planned = plan_launch(N, B, H_kv, g, max_hist, q.device, block_n, min_split_blocks=2,
+                                             prefill_rows=prefill_rows)
+        nsplit = planned if nsplit is None else nsplit
     nwin = 1
     if nsplit and win_splits:
         nwin = win_splits
-    elif nsplit and block_m == 1:  # (an extend chunk's own keys stay in one program: no gain)
+    elif nsplit and block_m == 1 and split_len is None:  # (an extend chunk's own keys stay in one program)
         nwin = window_programs(sink + recent, block_w, max_hist, block_n, nsplit)
     if seq_mask is not None and (block_m == 1 or nsplit):
         raise ValueError("seq_mask: prefill-like launches without history splits only")
@@ -436,7 +449,7 @@ def attention_triton(
         # the chunk's own keys in 16-key blocks for decode (T = 1), 64 for extend
         BLOCK_W=block_w, BLOCK_C=16 if block_m == 1 else 64,
         SPLIT=nsplit > 0, WIN_SPLIT=nwin > 1,
-        DOT_DT=dot_dtype(k_win.dtype), HAS_HIST=history_lens is not None,
+        DOT_DT=dot_dtype(k_win.dtype), HAS_HIST=history_lens is not None, SPLIT_LEN=split_len or 0,
         MASKED=code_layout(bits, D, P) == "masked",
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": cap} if cap else {}),
     )
@@ -448,5 +461,6 @@ def attention_triton(
         _note_asm_failure()
         launch(USE_ASM=False)
     if nsplit:
-        merge_partials(po, pl, out, nsplit + nwin)
+        merge = merge_partials_in_order if split_len is not None else merge_partials
+        merge(po, pl, out, nsplit + nwin)
     return out

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from oscar_compile.kernels.determinism import is_deterministic
 from oscar_compile.kernels.device import num_sms
 from oscar_compile.kernels.rotate_ref import check_rotate_args
 
@@ -165,8 +166,11 @@ def rope_triton(q, k, cos, sin, rot=None, mean=None, col_blocks: int | None = No
             rows = max(16, rows)
             # (one token: the TOKS == 1 path; else a fixed count, the tail masked, so that a
             # server's steps of 2, 3, ... tokens do not each compile a variant)
-            toks = 1 if NT == 1 else max(1, rows // (G + 1))
-            ncol = col_blocks or rope_column_blocks(triton.cdiv(NT, toks) * H_kv, D, q.device)
+            toks = 1 if NT == 1 and not is_deterministic() else max(1, rows // (G + 1))
+            if is_deterministic():  # one tiling of the rotation's K for every token count
+                ncol = col_blocks or max(1, D // 32)
+            else:
+                ncol = col_blocks or rope_column_blocks(triton.cdiv(NT, toks) * H_kv, D, q.device)
             if D % ncol or ncol & (ncol - 1):
                 raise ValueError(f"col_blocks must be a power of two dividing {D}, got {ncol}")
         rot_arg = rot.float().contiguous() if rot is not None else q

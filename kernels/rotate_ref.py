@@ -8,10 +8,15 @@ Math, per head h of x (H heads sharing H_r rotations, H_r = rot.shape[0] dividin
 - ``mean`` (keys only; queries are never centred) is subtracted *before* the rotation, in the
   original basis; the rotated mean ``mu R`` is not what is passed here.
 - All math in float32 (x is upcast first), the result is rounded once to x.dtype.
+- In deterministic mode (``kernels.determinism``) the product goes through ``linear_tiled``, so a
+  token's result does not depend on how many tokens share the call.
 """
 from __future__ import annotations
 
 import torch
+
+from oscar_compile.kernels.determinism import is_deterministic
+from oscar_compile.kernels.matmul_ref import linear_tiled
 
 
 def check_rotate_args(x: torch.Tensor, rot: torch.Tensor, mean: torch.Tensor | None) -> None:
@@ -34,5 +39,10 @@ def rotate_ref(x: torch.Tensor, rot: torch.Tensor, mean: torch.Tensor | None = N
     xf = x.float().reshape(B, H_r, H // H_r, T, D)  # [B, H_r, g, T, D]
     if mean is not None:
         xf = xf - mean.float().view(1, H_r, 1, 1, D)
-    out = torch.matmul(xf, rot.float().view(1, H_r, 1, D, D))
+    if is_deterministic():
+        rows = xf.transpose(0, 1).reshape(H_r, -1, D)  # [H_r, B * g * T, D]
+        out = torch.stack([linear_tiled(rows[r], rot[r].float().T) for r in range(H_r)])
+        out = out.view(H_r, B, H // H_r, T, D).transpose(0, 1)
+    else:
+        out = torch.matmul(xf, rot.float().view(1, H_r, 1, D, D))
     return out.reshape(B, H, T, D).to(x.dtype)

@@ -23,6 +23,7 @@ _LAZY = {
     "SamplingParams": ".runtime.core.sampling_params",
     "save_compressed": ".checkpoint",
     "load_compressed": ".checkpoint",
+    "deterministic": ".kernels.determinism",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -30,6 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .calibration import calibrate
     from .checkpoint import load_compressed, save_compressed
     from .compress import compress
+    from .kernels.determinism import deterministic
     from .llm import LLM
     from .passes import apply, backend
     from .runtime.core.sampling_params import SamplingParams
@@ -54,6 +56,7 @@ __all__ = [
     "backend",
     "calibrate",
     "compress",
+    "deterministic",
     "load_compressed",
     "save_compressed",
     "__version__",

@@ -9,6 +9,7 @@ server. ``oscar_compile.runtime.LLM`` stays the name users import.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,11 +52,17 @@ class LLM:
     ``tensor_parallel_size=N`` splits the model over ``N`` processes, one per device (this one is
     rank 0 and runs the engine; ``oscar_compile.tensor_parallel``): it needs a plain model
     directory and a spec, and the ranks stop with ``close()`` (or at exit).
+
+    ``deterministic=True`` (or ``EngineConfig(deterministic=True)``): a request's logprobs do not
+    depend on the batch it shares, nor on the run (``oscar_compile.kernels.determinism``).
     """
 
     def __init__(self, model: str | Path | torch.nn.Module | None = None, spec=None, rotations=None,
                  tokenizer=None, device: str = "auto", dtype: torch.dtype | None = None,
-                 config: EngineConfig | None = None, make_runner=None, tensor_parallel_size: int = 1):
+                 config: EngineConfig | None = None, make_runner=None, tensor_parallel_size: int = 1,
+                 deterministic: bool = False):
+        if deterministic:  # the same as EngineConfig(deterministic=True)
+            config = dataclasses.replace(config or EngineConfig(), deterministic=True)
         built = assemble(model, spec, rotations, tokenizer=tokenizer, device=device, dtype=dtype, config=config,
                          make_runner=make_runner, tensor_parallel_size=tensor_parallel_size)
         self.model = built.model

@@ -211,6 +211,8 @@ FORWARDS_ALLOWED = {
     ("jit_watch.py", "before"): "Triton's compile hook, chained",
     ("jit_watch.py", "after"): "Triton's compile hook, chained",
     ("testing.py", "write"): "a test's write call passed on as it came, with history_lens added",
+    ("determinism.py", "func"): "a torch function mode passes every torch call on as it came",
+    ("determinism.py", "batch_invariant_linear"): "F.linear's own arguments, as the mode received them",
 }
 
 

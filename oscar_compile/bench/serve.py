@@ -30,6 +30,7 @@ real ``CompressedRunner`` on a synthetic batch whose caches are pre-filled to th
 6. (``--tensor-parallel-size 1 2``) the decode and capacity rows with the model split over 2 GPUs
    beside the unsplit ones, each step's all-reduce time in the breakdown (``allred``); the KV
    budget is per GPU (see ``oscar_compile.bench.serve_tp``).
+``--deterministic`` runs every part in deterministic mode (issue 31: its cost against the default).
 ``--parts`` picks the sections (default: decode capacity e2e, the e2e rows only with
 ``--e2e-batches``). Prints tables and writes JSON. ``--shapes tiny --device cpu`` is the CPU
 smoke run CI uses.
@@ -44,6 +45,7 @@ import time
 
 import torch
 
+from oscar_compile.kernels.determinism import LINEAR_RANGE, deterministic
 from oscar_compile.passes import apply
 from oscar_compile.runtime.worker.compressed_runner import CompressedRunner, compressed_layout
 from oscar_compile.runtime.worker.runner import Batch
@@ -141,7 +143,7 @@ _OPS = {
     "rotation": ("oscar::rope", "oscar::rotate"),  # fused, oscar::rope is RoPE and the rotation
     "norm_act": ("oscar::rms_norm", "oscar::silu_mul"),
 }
-_GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
+_GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", LINEAR_RANGE)  # the last: deterministic mode's matmul
 # tensor-parallel all-reduces: on CUDA the NCCL kernels (by name); on a CPU the calling thread's op
 # (gloo's own events run on its threads, spanning the wait for the other rank: not step time)
 _ALL_REDUCES = ("c10d::allreduce_",)
@@ -261,7 +263,8 @@ def run(args) -> dict:
     group, so a run stopped by a time limit still leaves what it measured."""
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     max_len = max(args.contexts + args.capacity_contexts + [args.e2e_prompt + args.e2e_output]) + 1
-    result = dict(device=_device_line(device), command=args.command, decode=[], capacity=[], e2e=[])
+    result = dict(device=_device_line(device), command=args.command, deterministic=args.deterministic, decode=[],
+                  capacity=[], e2e=[])
     if "ttft" in args.parts or "swap" in args.parts:
         result.update(ttft=[], swap=[])
         _prefill_swap_parts(args, device, result)
@@ -467,6 +470,9 @@ def main(argv=None) -> int:
                         help="sequence length of the swap row (--parts swap)")
     parser.add_argument("--tensor-parallel-size", nargs="+", type=int, default=[1], metavar="N",
                         help="decode and capacity rows with the model split over N GPUs (e.g. 1 2: side by side)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="run every part in deterministic mode (batch-invariant matmuls, fixed attention "
+                             "splits; EngineConfig(deterministic=True)), to measure what it costs")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
@@ -475,7 +481,9 @@ def main(argv=None) -> int:
         argv if argv is not None else __import__("sys").argv[1:])
     if any(n != 1 for n in args.tensor_parallel_size) and (set(args.parts) & {"ttft", "swap"} or args.e2e_batches):
         parser.error("--tensor-parallel-size above 1 runs the decode and capacity parts only")
-    print_tables(run(args))
+    with deterministic(args.deterministic):  # the runners, their graph captures and steps run in this thread
+        result = run(args)
+    print_tables(result)
     return 0
 
 

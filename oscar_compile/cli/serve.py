@@ -58,6 +58,10 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
     parser.add_argument("--prefix-hits", choices=("history", "sink"), default="history",
                         help="what a prefix-cache hit reuses: sink and INT-b history pages (the continuation reads "
                              "the shared prefix quantized), or the sink only (a hit computes what a miss does)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="batch invariance and run-to-run determinism: the same request gives the same "
+                             "logprobs alone or in any batch (batch-invariant matmuls, fixed attention splits; "
+                             "CUDA graphs stay on). Slower: see the README")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="launch decode steps eagerly (no CUDA graphs)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="run one step at a time "
@@ -168,7 +172,8 @@ def engine_config(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         enable_prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
                         overlap_steps=not args.no_overlap, prefill_staging_memory_gb=args.prefill_staging_memory,
-                        swap_space_gb=args.swap_space, prefix_hits=args.prefix_hits)
+                        swap_space_gb=args.swap_space, prefix_hits=args.prefix_hits,
+                        deterministic=args.deterministic)
 
 
 def compression_for(args: argparse.Namespace, model_dir):

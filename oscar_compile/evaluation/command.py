@@ -64,6 +64,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "(quick runs; default: the spec's own)")
     add_device_options(p)
     p.add_argument("--seed", type=int, default=0, help="needle prompt seed")
+    p.add_argument("--deterministic", action="store_true", help="batch-invariant matmuls and fixed attention "
+                   "splits: scores independent of --batch-size and of the order of the windows")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
     return p
@@ -77,7 +79,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         metric_queries=args.metric_queries, needle_per_cell=args.needle_per_cell,
         needle_depths=tuple(args.needle_depths), needle_mode=args.needle_mode, batch_size=args.batch_size,
         calib_tokens=args.calib_tokens,
-        tasks=tuple(args.tasks), seed=args.seed, progress=not args.quiet)
+        tasks=tuple(args.tasks), seed=args.seed, progress=not args.quiet, deterministic=args.deterministic)
 
 
 def run(args: argparse.Namespace) -> int:

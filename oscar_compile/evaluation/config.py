@@ -43,6 +43,7 @@ class EvalConfig:
     tasks: tuple[str, ...] = TASKS
     seed: int = 0
     progress: bool = False
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         self.specs, self.contexts = tuple(self.specs), tuple(int(c) for c in self.contexts)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..architectures import ModelFingerprint
+from ..kernels.determinism import deterministic
 from ..loading import load_model, resolve_device
 from .config import EvalConfig
 from .heldout import bos_id, heldout_windows, read_tokens, resolve_paths
@@ -42,6 +43,11 @@ def evaluate(config: EvalConfig | None = None, **settings) -> dict:
     cfg = config if config is not None else EvalConfig(**settings)
     if config is not None and settings:
         raise TypeError("pass either an EvalConfig or keyword settings, not both")
+    with deterministic(cfg.deterministic):  # batch-invariant linears and attention splits when asked
+        return _evaluate(cfg)
+
+
+def _evaluate(cfg: EvalConfig) -> dict:
     t0 = time.time()
     model_dir, data_path, calib_path = resolve_paths(cfg.model, cfg.data, cfg.calib)
     methods = resolve_methods(cfg.specs)  # fail on a bad name before loading anything

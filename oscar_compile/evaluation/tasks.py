@@ -54,8 +54,10 @@ def perplexity(model: nn.Module, methods: dict[str, Quantizers], windows: torch.
         for name, quantizers in methods.items():
             logits = simulated_logits(model, quantizers, ids, starts, logits_to_keep=ppl_tokens + 1,
                                       label=name)[:, :-1]
-            nll[name] += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                               reduction="sum"))
+            losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+            # each window's sum, added in window order: the total does not depend on the batch size
+            for window_sum in losses.view(targets.shape).double().sum(1).tolist():
+                nll[name] += window_sum
         count += targets.numel()
     return {name: {"ppl": math.exp(total / count), "nll": total / count, "tokens": count}
             for name, total in nll.items()}

@@ -59,6 +59,10 @@ class EngineConfig:
     prefix_hits: str = "history"
     # the base of the seeds of requests that give none (sampling_params.default_seed); vLLM's --seed
     seed: int = 0
+    # batch invariance and run-to-run determinism (kernels/determinism.py): batch-invariant linear
+    # layers, attention split by a fixed number of tokens; vLLM's VLLM_BATCH_INVARIANT=1, SGLang's
+    # --enable-deterministic-inference
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
@@ -139,7 +143,8 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
     page_manager = PageManager(layout, num_window, num_quant, config.enable_prefix_caching,
                                  num_staging_pages=num_staging, swap_space=swap if swap.num_bytes else None)
     if runner is None:
-        runner = make_runner(page_manager) if make_runner is not None else RecomputeRunner(model)
+        runner = make_runner(page_manager) if make_runner is not None else RecomputeRunner(
+            model, deterministic=config.deterministic)
     page_manager.history_hits = (config.prefix_hits == "history"
                                   and bool(getattr(runner, "supports_history_hits", False)))
     if not getattr(runner, "supports_staging", False):  # e.g. the exact RecomputeRunner: nothing to stage

@@ -44,6 +44,7 @@ from torch import nn
 
 from oscar_compile.architectures import ModelFingerprint, decoder_layers
 from oscar_compile.artifact import ArtifactError, Rotations
+from oscar_compile.kernels.determinism import is_deterministic
 
 _COLWISE = ("colwise",)  # output features (rows of the weight) split in contiguous chunks
 _ROWWISE = ("rowwise",)  # input features split; partial outputs summed over the ranks
@@ -125,10 +126,29 @@ def _split_linear(linear: nn.Linear, style: str, rank: int, world_size: int) -> 
         linear.in_features //= world_size
 
 
+def sum_in_rank_order(partial: torch.Tensor, group=None) -> torch.Tensor:
+    """The sum of every rank's ``partial``, added in rank order: ``((p0 + p1) + p2) + ...``.
+
+    Why: NCCL and gloo pick their all-reduce algorithm (ring, tree) and its chunking from the
+    message size, so an element's order of additions, and its last bits, change with the number
+    of rows in the step. Gathering the partials and adding them here fixes the order for every
+    element and every size (deterministic mode; one all-gather instead of one all-reduce)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(partial) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, partial.contiguous(), group=group)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
 def _all_reduce_hook(group):
     import torch.distributed as dist
 
     def hook(module, args, output):
+        if is_deterministic():
+            return sum_in_rank_order(output, group)
         dist.all_reduce(output, group=group)  # in place: the partial sums of every rank
         return output
 

@@ -96,3 +96,13 @@ def test_same_file_for_calibration_and_evaluation_is_refused(slice_args, tmp_pat
     with pytest.raises(ValueError, match="same file"):
         evaluate(model=args[1], calib=str(copy), specs=["bf16"], contexts=[192], ppl_tokens=32, gen_tokens=8,
                  metric_queries=16)
+
+
+def test_deterministic_perplexity_does_not_depend_on_the_batch_size(slice_args):
+    """``--deterministic``: batch-invariant linears, and each window's loss added in window order
+    (a batch-wide sum once made batch 1 and batch 4 differ in the last digits)."""
+    root, args = slice_args
+    runs = [evaluate(model=args[1], specs=["bf16", "kivi-int2-g32-r64"], contexts=[192], num_samples=4,
+                     ppl_tokens=32, tasks=["perplexity"], batch_size=b, deterministic=True)["perplexity"]
+            for b in (1, 4)]
+    assert runs[0] == runs[1]

@@ -26,6 +26,7 @@ import torch
 
 from oscar_compile.cache.hf_cache import OscarCache
 from oscar_compile.formats.cache import CacheLayout, LayerFormat
+from oscar_compile.kernels.determinism import deterministic as deterministic_mode
 from oscar_compile.kernels.pools import allocate_layer_pools
 from oscar_compile.runtime.worker.runner import Batch
 from oscar_compile.runtime.worker.staging import StagedStep, allocate_staging_pools, layer_op_constants
@@ -75,7 +76,8 @@ class CompressedRunner:
     ``max_seq_len`` bounds one sequence (it sizes the page-table mirrors); ``max_num_seqs`` and
     ``max_num_batched_tokens`` size the step buffers (they grow if a step needs more).
     ``cuda_graphs``: replay captured graphs for decode steps of up to ``max_graph_batch``
-    sequences on CUDA (captured here, once per padded batch size).
+    sequences on CUDA (captured here, once per padded batch size). ``deterministic``: every forward,
+    the graphs' captures included, runs under ``kernels.determinism.deterministic()``.
     """
 
     supports_history_hits = True  # the INT-b ops get Batch.history_lens (see page_manager)
@@ -87,12 +89,13 @@ class CompressedRunner:
     def __init__(self, model: torch.nn.Module, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
                  max_seq_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  cuda_graphs: bool = True, max_graph_batch: int = 64, num_staging_pages: int = 0,
-                 swap_bytes: int = 0):
+                 swap_bytes: int = 0, deterministic: bool = False):
         report = getattr(model, "_oscar_compile_report", None)
         if report is None:
             raise ValueError("CompressedRunner needs a model rewritten by oscar_compile.apply")
         self.model = model
         self.layout = layout
+        self.deterministic = deterministic
         # transformers renamed the forward's past_key_values to cache (5.2x): look it up once, not per step
         parameters = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
@@ -280,7 +283,8 @@ class CompressedRunner:
         kwargs = {self.cache_kwarg: cache}
         if rows is not None and self.keeps_logit_rows:
             kwargs["logits_to_keep"] = rows
-        with _without_hf_masks(self.model.config):
+        mode = deterministic_mode() if self.deterministic else contextlib.nullcontext()
+        with mode, _without_hf_masks(self.model.config):
             logits = self.model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=True,
                                 **kwargs).logits[0]
         return logits if rows is None or self.keeps_logit_rows else logits[rows]
@@ -322,7 +326,7 @@ def runner_kwargs(model: torch.nn.Module, page_manager, config=None) -> dict:
                   max_seq_len=min(max_model_len, page_manager.max_seq_len()))
     if config is not None:
         kwargs.update(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                      cuda_graphs=config.cuda_graphs)
+                      cuda_graphs=config.cuda_graphs, deterministic=config.deterministic)
     swap = page_manager.swap_space
     kwargs.update(num_staging_pages=page_manager.staging_pool.num_pages,
                   swap_bytes=swap.num_bytes if swap is not None else 0)

@@ -12,6 +12,7 @@ as the fallback when no compressed runner is available.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -19,6 +20,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from oscar_compile.formats.cache import CacheLayout
+from oscar_compile.kernels.determinism import deterministic as deterministic_mode
 
 
 @dataclass(frozen=True)
@@ -123,8 +125,9 @@ class RecomputeRunner:
     supports_history_hits = True  # no cache, so any hit state is fine
     supports_prompt_logits = True
 
-    def __init__(self, model: torch.nn.Module, device: torch.device | str | None = None):
+    def __init__(self, model: torch.nn.Module, device: torch.device | str | None = None, deterministic: bool = False):
         self.model = model.eval()
+        self.deterministic = deterministic
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.vocab_size = config.vocab_size
@@ -138,7 +141,8 @@ class RecomputeRunner:
             ids = torch.tensor([list(batch.context_token_ids[i][:num_context])], device=self.device)
             # logits_to_keep: only the last position's logits are materialized (a logit row's: all new ones)
             keep = num_new if i in batch.logit_rows else 1
-            logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0].float()
+            with deterministic_mode() if self.deterministic else contextlib.nullcontext():
+                logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0].float()
             rows.append(logits[-1])
             every[i] = logits
         return torch.cat([torch.stack(rows)] + [every[i] for i in batch.logit_rows])

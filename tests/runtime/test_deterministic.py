@@ -1,0 +1,122 @@
+"""Deterministic mode (issue 31, item 4): a request's logprobs are bitwise the same alone, in a
+batch, joining a running batch and (on the CPU) prefilled in chunks beside other requests' decode
+steps.
+
+The bundled model, as served (oscar-int2 with its shipped rotations, and the BF16 mode), prefix
+caching off (a hit past the sink reads the shared prefix quantized: another semantics, item 2;
+hits at the sink and swap preemption are tested on the CPU at the end). Three
+prompts: one within the sink + recent windows (320 tokens) and two with INT2 history. With
+128-token steps the prompts prefill in staged chunks while the shorter ones decode, so every row
+meets other batch shapes than alone. In the default mode these cases differ in the last bits
+(issue 31: up to 9e-4 in float32); the test requires equality. The GPU variant (marker ``gpu``)
+runs the same cases with CUDA graphs, chunking aside.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from oscar_compile.loading import BUNDLED_MODEL_DIR
+from oscar_compile.runtime import LLM, EngineConfig, SamplingParams
+from oscar_compile.spec import specs_dir
+
+pytestmark = pytest.mark.skipif(not (BUNDLED_MODEL_DIR / "config.json").exists(), reason="no bundled model")
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def _prompts() -> list[list[int]]:
+    ids = np.fromfile(BUNDLED_MODEL_DIR / "heldout.bin", dtype=np.uint16)[:6000].astype(int).tolist()
+    return [ids[0:200], ids[1000:1400], ids[3000:3450]]
+
+
+def _llm(spec: str, device: str = "cpu", **config) -> LLM:
+    rotations = BUNDLED_MODEL_DIR / "rotations" / f"{spec}.safetensors"
+    cfg = EngineConfig(**{"deterministic": True, "kv_memory_gb": 0.25, "enable_prefix_caching": False, **config})
+    return LLM(
+        str(BUNDLED_MODEL_DIR),
+        spec=str(specs_dir() / f"{spec}.yaml"),
+        rotations=str(rotations) if rotations.exists() else None,
+        device=device,
+        config=cfg,
+    )
+
+
+def _results(outputs) -> list[tuple[list[int], list[float]]]:
+    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outputs]
+
+
+def _joined(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """The first prompt decodes alone for 3 steps, then the others join (their prefill beside its
+    decode rows: mixed steps, eager launches, where alone it replays CUDA graphs on a GPU)."""
+    engine = llm.engine
+    seqs = [engine.add_request(prompts[0], PARAMS)]
+    got = {seqs[0].request_id: ([], [])}
+    for _ in range(3):
+        _collect(engine.step(), got)
+    for p in prompts[1:]:
+        seqs.append(engine.add_request(p, PARAMS))
+        got[seqs[-1].request_id] = ([], [])
+    while engine.has_unfinished():
+        _collect(engine.step(), got)
+    return [got[s.request_id] for s in seqs]
+
+
+def _collect(deltas, got) -> None:
+    for delta in deltas:
+        tokens, logprobs = got[delta.request_id]
+        tokens += delta.new_token_ids
+        logprobs += [lp.logprob for lp in delta.new_logprobs]
+
+
+def check_batch_invariance(spec: str, device: str, chunked: bool) -> None:
+    """Alone (one at a time), together (one prefill step), joining a running batch and, with
+    ``chunked``, in 128-token steps on a fresh engine: the same tokens and logprobs, bitwise."""
+    prompts = _prompts()
+    llm = _llm(spec, device)
+    alone = [_results(llm.generate([p], PARAMS))[0] for p in prompts]
+    assert _results(llm.generate(prompts, PARAMS)) == alone
+    assert _joined(llm, prompts) == alone
+    if chunked:
+        assert _results(_llm(spec, device, max_num_batched_tokens=128).generate(prompts, PARAMS)) == alone
+
+
+@pytest.mark.parametrize("spec", ["oscar-int2", "bf16"])
+def test_logprobs_are_bitwise_the_same_alone_together_joined_and_chunked(spec):
+    check_batch_invariance(spec, "cpu", chunked=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["oscar-int2", "bf16"])
+def test_on_the_gpu_logprobs_are_bitwise_the_same_alone_together_and_joined(spec):
+    """CUDA graphs on (decode alone replays them; a mixed step launches eagerly). Chunked prefill
+    is not part of the GPU promise: the kernels read a chunk's own keys in other blocks than the
+    cached ones (README, "Deterministic mode")."""
+    check_batch_invariance(spec, "cuda", chunked=False)
+
+
+def test_resent_with_sink_hits_and_after_a_swap_preemption_bitwise():
+    """The cases that keep their semantics in this mode: a resend whose prefix hits stop at the
+    sink (``prefix_hits="sink"``: the rest is recomputed, staged), and a sequence swapped out and
+    back (its pages return as they were). A recompute of a sequence that had generated tokens is
+    another computation (README, "Preemption by swapping") and is not part of the promise."""
+    prompts = _prompts()
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0)
+    llm = _llm("oscar-int2", enable_prefix_caching=True, prefix_hits="sink")
+    alone = [_results(llm.generate([p], params))[0] for p in prompts]
+    assert _results(llm.generate(prompts, params)) == alone  # every prompt hits its own sink pages
+    tight = _llm("oscar-int2", num_window_pages=60, num_quant_pages=16, max_num_batched_tokens=128)
+    assert _results(tight.generate(prompts, params)) == alone
+    assert tight.engine.stats()["num_swap_preemptions"] >= 1
+
+
+def test_the_engine_config_reaches_the_runner():
+    llm = _llm("oscar-int2")
+    assert llm.engine.runner.deterministic
+
+
+def test_the_serve_flag_sets_the_engine_config():
+    from oscar_compile.cli.serve import engine_config, parse_args
+
+    assert engine_config(parse_args(["--deterministic"])).deterministic
+    assert not engine_config(parse_args([])).deterministic
