@@ -348,7 +348,7 @@ out = []
 for masked in (False, True):
     consts = dict(H_KV=8, G_Q=4, D=128, P=16, SINK=64, RECENT=256, BITS=2, GROUP=128, BLOCK_M=1, ROWS=16,
                   BLOCK_N=128, BLOCK_W=32, BLOCK_C=16, SPLIT=True, WIN_SPLIT=False, USE_ASM=True,
-                  DOT_DT=triton.language.bfloat16, HAS_HIST=True, MASKED=masked)
+                  DOT_DT=triton.language.bfloat16, HAS_HIST=True, MASKED=masked, SPLIT_LEN=0)
     s = dict(sig, **{k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))}
     ptx = triton.compile(ASTSource(_attn_kernel, s, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
