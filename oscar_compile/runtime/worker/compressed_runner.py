@@ -25,10 +25,11 @@ import math
 import torch
 
 from oscar_compile.cache.hf_cache import OscarCache
+from oscar_compile.cache.op_constants import layer_op_constants
 from oscar_compile.formats.cache import CacheLayout, LayerFormat
 from oscar_compile.kernels.pools import allocate_layer_pools
 from oscar_compile.runtime.worker.runner import Batch
-from oscar_compile.runtime.worker.staging import StagedStep, allocate_staging_pools, layer_op_constants
+from oscar_compile.runtime.worker.staging import StagedStep, allocate_staging_pools
 from oscar_compile.runtime.worker.step_inputs import StepInputs
 from oscar_compile.runtime.worker.swapper import HostSwap
 
