@@ -1,12 +1,15 @@
-"""Summarize paired.py's JSON lines: perplexity per semantics with standard errors, the paired
-relative cost of decode-consistent prefill, and the needle accuracy per length.
+"""Summarize paired.py's JSON lines, or run.sh's ``oscar-compile eval`` folders: perplexity per
+semantics with standard errors, the paired relative cost of decode-consistent prefill, and the
+needle accuracy per length.
 
     python3 eval/results/2026-12-03-cpu-prefill-semantics/summarize.py results.jsonl > summary.md
+    python3 eval/results/2026-12-03-cpu-prefill-semantics/summarize.py OUT_DIR_OF_RUN_SH > summary.md
 """
 import json
 import math
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 PE, DC = "prompt-exact", "decode-consistent"
 
@@ -17,8 +20,26 @@ def _se(xs):
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n) if n > 1 else float("nan")
 
 
+def _rows_of_runs(folder: Path) -> list[dict]:
+    """run.sh's result folders as paired.py's rows (the needle per cell: one row per prompt)."""
+    rows = []
+    for path in sorted(folder.glob("*/results.json")):
+        res = json.loads(path.read_text())
+        s = res["settings"]["prefill_semantics"]
+        for c, by_method in res.get("perplexity", {}).items():
+            if c.isdigit():
+                nll = by_method["oscar-int2"]["window_nll"]
+                rows += [dict(task="ppl", context=int(c), window=k, semantics=s, nll=x) for k, x in enumerate(nll)]
+        for cell in res.get("needle", {}).get("cells", {}).get("oscar-int2", []):
+            for k in range(cell["total"]):  # the cell's prompts in order: only the count of correct ones is kept
+                rows.append(dict(task="needle", length=cell["length"], prompt=f"{cell['depth']}/{k}", semantics=s,
+                                 correct=int(k < cell["correct"])))
+    return rows
+
+
 def main(path: str) -> None:
-    rows = [json.loads(line) for line in open(path)]
+    source = Path(path)
+    rows = _rows_of_runs(source) if source.is_dir() else [json.loads(line) for line in open(source)]
     ppl = defaultdict(dict)  # (context, window) -> {semantics: nll}
     needle = defaultdict(dict)  # (length, prompt) -> {semantics: correct}
     for r in rows:
@@ -42,6 +63,7 @@ def main(path: str) -> None:
         print(f"| {c} | {n} | {ppl_se(m_pe, pe)} | {ppl_se(m_dc, dc)} | "
               f"{100 * math.expm1(m_d):+.3f} % ({100 * _se(diff):.3f} %) |")
     print()
+    # (from run.sh's folders the per-prompt pairing is not kept: "differ" is then |correct_a - correct_b| per cell)
     print("| length | prompts | needle prompt-exact | needle decode-consistent | prompts that differ |")
     print("|---|---:|---:|---:|---:|")
     for L in sorted({k[0] for k in needle}):
