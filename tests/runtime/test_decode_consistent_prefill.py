@@ -7,6 +7,7 @@ tokens equal, chosen-token logprobs within 1e-3 (float32; float summation order 
 prompt-exact default the recomputed sequences of the tiny-swap-space case differ from generate()
 (that file's test_tiny_swap_space_falls_back_to_recompute); here they may not.
 """
+
 import copy
 
 import pytest
@@ -20,18 +21,22 @@ from oscar_compile.runtime import LLM, SamplingParams
 from oscar_compile.runtime.core.sequence import SequenceStatus
 from oscar_compile.runtime.engine_config import EngineConfig
 
-SPEC = CompressionSpec.from_dict({
-    "kv_cache": {"bits": 2, "group_size": 16, "sink_tokens": 4, "recent_tokens": 8, "page_size": 4},
-    "key": {"center": True}, "value": {"granularity": "per_head"},
-})
+SPEC = CompressionSpec.from_dict(
+    {
+        "kv_cache": {"bits": 2, "group_size": 16, "sink_tokens": 4, "recent_tokens": 8, "page_size": 4},
+        "key": {"center": True},
+        "value": {"granularity": "per_head"},
+    }
+)
 BUDGET, NEW = 16, 24
 PARAMS = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
 @pytest.fixture(scope="module")
 def setup(tokenizer, tiny_model):
-    rot = calibrate(tiny_model, SPEC, [torch.randint(0, len(tokenizer), (2, 48),
-                                                     generator=torch.Generator().manual_seed(0))])
+    rot = calibrate(
+        tiny_model, SPEC, [torch.randint(0, len(tokenizer), (2, 48), generator=torch.Generator().manual_seed(0))]
+    )
     ref = copy.deepcopy(tiny_model)
     apply(ref, SPEC, rot)
     set_prefill_semantics(ref, DECODE_CONSISTENT)
@@ -41,9 +46,15 @@ def setup(tokenizer, tiny_model):
         """(greedy tokens, their logprobs) of generate() under decode-consistent prefill."""
         key = tuple(prompt)
         if key not in cache:
-            out = ref.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                               output_logits=True, return_dict_in_generate=True)
-            tokens = out.sequences[0, len(prompt):].tolist()
+            out = ref.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=NEW,
+                min_new_tokens=NEW,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            tokens = out.sequences[0, len(prompt) :].tolist()
             logits = torch.stack(out.logits, dim=1)[0].float().log_softmax(-1)
             cache[key] = tokens, [logits[i, t].item() for i, t in enumerate(tokens)]
         return cache[key]
@@ -58,8 +69,15 @@ def _prompts(vocab, lengths, seed=1):
 
 def _llm(setup, **kwargs):
     tokenizer, model, rot, *_ = setup
-    config = EngineConfig(**{"num_window_pages": 64, "num_quant_pages": 256, "max_num_batched_tokens": BUDGET,
-                             "prefill_semantics": DECODE_CONSISTENT, **kwargs})
+    config = EngineConfig(
+        **{
+            "num_window_pages": 64,
+            "num_quant_pages": 256,
+            "max_num_batched_tokens": BUDGET,
+            "prefill_semantics": DECODE_CONSISTENT,
+            **kwargs,
+        }
+    )
     return LLM(copy.deepcopy(model), spec=SPEC, rotations=rot, tokenizer=tokenizer, config=config)
 
 
@@ -123,9 +141,10 @@ def test_generate_on_the_served_model_follows_the_engine(setup):
     expected = setup[3]
     prompt = _prompts(400, [45], seed=4)[0]
     llm = _llm(setup)
-    out = llm.engine.runner.model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW,
-                                           do_sample=False)
-    assert out[0, len(prompt):].tolist() == expected(prompt)[0]
+    out = llm.engine.runner.model.generate(
+        torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False
+    )
+    assert out[0, len(prompt) :].tolist() == expected(prompt)[0]
 
 
 def test_prompt_exact_differs(setup):
