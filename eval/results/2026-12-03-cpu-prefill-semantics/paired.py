@@ -8,6 +8,7 @@ result appended to a JSON-lines file as soon as it exists. So a run stopped earl
 
     PYTHONPATH=. python3 eval/results/2026-12-03-cpu-prefill-semantics/paired.py OUT.jsonl [ROUNDS]
 """
+
 import json
 import sys
 import time
@@ -47,16 +48,22 @@ def main(out: str, rounds: int = WINDOWS) -> None:
             for c in CONTEXTS:
                 for s in PREFILL_SEMANTICS:
                     t0 = time.time()
-                    r = perplexity(model, methods, windows[c][k:k + 1], PPL_TOKENS, 1, semantics=s)[method.name]
-                    f.write(json.dumps(dict(task="ppl", context=c, window=k, semantics=s, nll=r["nll"],
-                                            seconds=time.time() - t0)) + "\n")
+                    r = perplexity(model, methods, windows[c][k : k + 1], PPL_TOKENS, 1, semantics=s)[method.name]
+                    f.write(
+                        json.dumps(
+                            dict(task="ppl", context=c, window=k, semantics=s, nll=r["nll"], seconds=time.time() - t0)
+                        )
+                        + "\n"
+                    )
                     f.flush()
                 for s in PREFILL_SEMANTICS:
                     case = order[c][k]
                     cell = needle_accuracy(model, methods, [case], "context", 1, pad_id(tok, model), False, s)
                     ok = cell[method.name][0]["correct"]
-                    f.write(json.dumps(dict(task="needle", length=c, prompt=k, depth=case.depth, semantics=s,
-                                            correct=ok)) + "\n")
+                    f.write(
+                        json.dumps(dict(task="needle", length=c, prompt=k, depth=case.depth, semantics=s, correct=ok))
+                        + "\n"
+                    )
                     f.flush()
 
 

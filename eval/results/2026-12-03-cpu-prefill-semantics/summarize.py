@@ -5,6 +5,7 @@ needle accuracy per length.
     python3 eval/results/2026-12-03-cpu-prefill-semantics/summarize.py results.jsonl > summary.md
     python3 eval/results/2026-12-03-cpu-prefill-semantics/summarize.py OUT_DIR_OF_RUN_SH > summary.md
 """
+
 import json
 import math
 import sys
@@ -32,8 +33,15 @@ def _rows_of_runs(folder: Path) -> list[dict]:
                 rows += [dict(task="ppl", context=int(c), window=k, semantics=s, nll=x) for k, x in enumerate(nll)]
         for cell in res.get("needle", {}).get("cells", {}).get("oscar-int2", []):
             for k in range(cell["total"]):  # the cell's prompts in order: only the count of correct ones is kept
-                rows.append(dict(task="needle", length=cell["length"], prompt=f"{cell['depth']}/{k}", semantics=s,
-                                 correct=int(k < cell["correct"])))
+                rows.append(
+                    dict(
+                        task="needle",
+                        length=cell["length"],
+                        prompt=f"{cell['depth']}/{k}",
+                        semantics=s,
+                        correct=int(k < cell["correct"]),
+                    )
+                )
     return rows
 
 
@@ -47,8 +55,10 @@ def main(path: str) -> None:
             ppl[(r["context"], r["window"])][r["semantics"]] = r["nll"]
         else:
             needle[(r["length"], r["prompt"])][r["semantics"]] = r["correct"]
-    print("| context | windows | ppl prompt-exact (SE) | ppl decode-consistent (SE) "
-          "| decode-consistent cost, paired (SE) |")
+    print(
+        "| context | windows | ppl prompt-exact (SE) | ppl decode-consistent (SE) "
+        "| decode-consistent cost, paired (SE) |"
+    )
     print("|---|---:|---:|---:|---:|")
     for c in sorted({k[0] for k in ppl}):
         pairs = [v for k, v in sorted(ppl.items()) if k[0] == c and len(v) == 2]
@@ -60,8 +70,10 @@ def main(path: str) -> None:
         def ppl_se(m, xs):
             return f"{math.exp(m):.4f} ({math.exp(m) * _se(xs):.4f})"
 
-        print(f"| {c} | {n} | {ppl_se(m_pe, pe)} | {ppl_se(m_dc, dc)} | "
-              f"{100 * math.expm1(m_d):+.3f} % ({100 * _se(diff):.3f} %) |")
+        print(
+            f"| {c} | {n} | {ppl_se(m_pe, pe)} | {ppl_se(m_dc, dc)} | "
+            f"{100 * math.expm1(m_d):+.3f} % ({100 * _se(diff):.3f} %) |"
+        )
     print()
     # (from run.sh's folders the per-prompt pairing is not kept: "differ" is then |correct_a - correct_b| per cell)
     print("| length | prompts | needle prompt-exact | needle decode-consistent | prompts that differ |")
