@@ -159,8 +159,9 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
         runner = make_runner(page_manager) if make_runner is not None else RecomputeRunner(model)
     quantizes = config.layout is not None and not config.layout.is_full_precision  # else both semantics agree
     if decode_consistent and quantizes and getattr(runner, "prefill_semantics", PROMPT_EXACT) != DECODE_CONSISTENT:
-        raise ValueError(f"{type(runner).__name__} does not run decode-consistent prefill (build it with the "
-                         "engine config: runner_factory(model, layout, config))")
+        raise NotImplementedError(f"{type(runner).__name__} does not run decode-consistent prefill (the compressed "
+                                  "runner built from this config does: runner_factory(model, layout, config); "
+                                  "tensor-parallel runners do not yet)")
     page_manager.history_hits = (config.prefix_hits == "history"
                                   and bool(getattr(runner, "supports_history_hits", False)))
     if not getattr(runner, "supports_staging", False):  # e.g. the exact RecomputeRunner: nothing to stage
