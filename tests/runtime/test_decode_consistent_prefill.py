@@ -180,3 +180,14 @@ def test_prompt_logprobs_equal_teacher_forced_decode_steps(setup):
         rows.append(res.logits[0, -1].float().log_softmax(-1))
     want = [rows[p][prompt[p + 1]].item() for p in range(len(prompt) - 1)]
     assert [e.logprob for e in out.prompt_logprobs[1:]] == pytest.approx(want, abs=1e-4)
+
+
+def test_a_runner_without_it_is_refused(setup):
+    from oscar_compile.runtime.engine_config import build_engine
+    from oscar_compile.runtime.worker.runner import RecomputeRunner
+
+    tokenizer, model, *_ = setup
+    layout = _llm(setup).engine.page_manager.layout
+    config = EngineConfig(prefill_semantics=DECODE_CONSISTENT, layout=layout, num_window_pages=8, num_quant_pages=8)
+    with pytest.raises(NotImplementedError, match="RecomputeRunner does not run decode-consistent"):
+        build_engine(model, tokenizer, config, runner=RecomputeRunner(model))
