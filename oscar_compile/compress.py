@@ -15,6 +15,7 @@ import torch
 from oscar_compile.artifact import Rotations
 from oscar_compile.calibration import calibrate
 from oscar_compile.passes import apply
+from oscar_compile.passes.apply import set_prefill_semantics
 from oscar_compile.runtime.engine_config import EngineConfig
 from oscar_compile.runtime.worker.compressed_runner import compressed_layout, runner_factory
 from oscar_compile.spec import CompressionSpec
@@ -43,4 +44,5 @@ def compress(model: torch.nn.Module, spec, rotations, config: EngineConfig | Non
     apply(model, spec, rotations, values_folded=values_folded)
     layout = compressed_layout(model, spec)
     config = dataclasses.replace(config or EngineConfig(), layout=layout)
+    set_prefill_semantics(model, config.prefill_semantics)  # generate() on the served model reads as the engine
     return config, runner_factory(model, layout, config)

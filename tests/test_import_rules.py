@@ -202,7 +202,7 @@ UNRELATED_ARGS_READS = {
     ("sites.py", "update.args[2]"): "HF Cache.update's value_states",
     ("sites.py", "attention.args[2]"): "the HF attention function's value",
     ("swap_attention.py", "u.args[1]"): "operator.getitem's index",
-    ("staging.py", "node.args[1]"): "cache.nodes.layer_inputs' layer index (a graph node, not an oscar:: op)",
+    ("op_constants.py", "node.args[1]"): "cache.nodes.layer_inputs' layer index (a graph node, not an oscar:: op)",
     ("graphs.py", "cache_flat[i * n:(i + 1) * n]"): "the ONNX graph's flat cache inputs, one layer's at a time",
 }
 OP_ARGS_MODULE = ROOT / PACKAGE / "formats" / "op_args.py"

@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from ..formats.cache import LayerFormat
 from ..kernels.pools import allocate_layer_pools, num_quant_pages_needed, num_window_pages_per_seq
 from .contract import PagedAttentionCache
+from .decode_consistent import run_decode_consistent
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -168,12 +169,18 @@ class OscarCache(Cache, PagedAttentionCache):
     the same two over its own pages.
     """
 
-    def __init__(self, layers: list[LayerFormat | None]):
+    def __init__(self, layers: list[LayerFormat | None], decode_consistent: dict | None = None):
         """``layers[i]``: the pools of layer i; None gives a placeholder ``DynamicLayer`` (a cache
-        that keeps its pages itself, as the runtime's StepCache)."""
+        that keeps its pages itself, as the runtime's StepCache).
+
+        ``decode_consistent``: None for the prompt-exact prefill semantics; else the decode-consistent
+        one (formats/prefill.py), with each INT-b layer's op constants (``cache.op_constants``:
+        layer index -> ``OpConstants``) for :func:`~oscar_compile.cache.decode_consistent.run_decode_consistent`."""
         layers = [DynamicLayer() if g is None else _new_layer(g) for g in layers]
         super().__init__(layers=layers)
         self.step_mask: torch.Tensor | None = None  # [B, T] bool: the real new tokens of this forward
+        self.decode_consistent = decode_consistent
+        self._outputs: dict[int, torch.Tensor] = {}  # decode-consistent outputs, until the graph hands in its own
 
     def begin_step(self, attention_mask: torch.Tensor | None, num_new: int) -> None:
         """Record which of the ``num_new`` tokens of the coming forward are real (not padding)."""
@@ -197,9 +204,15 @@ class OscarCache(Cache, PagedAttentionCache):
         counts = mask.sum(dim=1, dtype=torch.int32)
         state.reserve(state.cache_lens + counts)
         cu = _cu_seqlens(counts)
-        return (*_flatten(mask, q, k, v), cu, *state.op_inputs(), cu, None)  # standard rings: no history_lens
+        inputs = (*_flatten(mask, q, k, v), cu, *state.op_inputs(), cu, None)  # standard rings: no history_lens
+        if self.decode_consistent is None or layer.full_precision_pages:
+            return inputs
+        c = self.decode_consistent[layer_idx]
+        self._outputs[layer_idx], inputs = run_decode_consistent(inputs, layer, c.scale, c.clip_k, c.clip_v)
+        return inputs
 
     def oscar_layer_outputs(self, layer_idx: int, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        out = self._outputs.pop(layer_idx, out)
         mask = self._mask(q)
         state = self.layers[layer_idx]
         state.cache_lens += mask.sum(dim=1, dtype=torch.int32)

@@ -55,9 +55,15 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
     parser.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
                         help="host memory preempted sequences swap to (default 4; 0: recompute them)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix reuse")
-    parser.add_argument("--prefix-hits", choices=("history", "sink"), default="history",
+    parser.add_argument("--prefix-hits", choices=("history", "sink"), default=None,
                         help="what a prefix-cache hit reuses: sink and INT-b history pages (the continuation reads "
-                             "the shared prefix quantized), or the sink only (a hit computes what a miss does)")
+                             "the shared prefix quantized), or the sink only (a hit computes what a miss does); "
+                             "default: history under prompt-exact prefill, sink under decode-consistent")
+    parser.add_argument("--prefill-semantics", choices=("prompt-exact", "decode-consistent"), default="prompt-exact",
+                        help="what prompt tokens read from the cache: prompt-exact (the prompt in full precision, "
+                             "as generate() over a whole prompt) or decode-consistent (as a decode step at their "
+                             "position: chunked, batched and recomputed prefills equal the decode steps; CPU only) "
+                             "(default: %(default)s)")
     parser.add_argument("--deterministic", action="store_true",
                         help="batch invariance and run-to-run determinism: the same request gives the same "
                              "logprobs alone or in any batch (batch-invariant matmuls, fixed attention splits; "
@@ -173,7 +179,7 @@ def engine_config(args: argparse.Namespace):
                         enable_prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
                         overlap_steps=not args.no_overlap, prefill_staging_memory_gb=args.prefill_staging_memory,
                         swap_space_gb=args.swap_space, prefix_hits=args.prefix_hits,
-                        deterministic=args.deterministic)
+                        prefill_semantics=args.prefill_semantics, deterministic=args.deterministic)
 
 
 def compression_for(args: argparse.Namespace, model_dir):

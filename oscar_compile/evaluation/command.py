@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from ..formats.prefill import PREFILL_SEMANTICS
 from .config import EvalConfig
 from .names import BUILTIN_VARIANT_NAMES, DEFAULT_METHODS, NEEDLE_MODES, TASKS
 
@@ -58,6 +59,10 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--needle-depths", nargs="+", type=float, default=list(d.needle_depths), metavar="D")
     p.add_argument("--needle-mode", choices=NEEDLE_MODES, default=d.needle_mode,
                    help="context: haystack cached, then the question; prompt: one prefill (default: %(default)s)")
+    p.add_argument("--prefill-semantics", choices=PREFILL_SEMANTICS, default=d.prefill_semantics,
+                   help="what prompt tokens read from the cache, as the engine's option of the same name: "
+                   "prompt-exact (full precision within the prompt) or decode-consistent (as a decode step at "
+                   "their position would; default: %(default)s)")
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS), help="tasks to run (default: all)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per forward (default: %(default)s)")
     p.add_argument("--calib-tokens", type=int, default=None, help="cap every spec's calibration.num_tokens "
@@ -79,7 +84,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         metric_queries=args.metric_queries, needle_per_cell=args.needle_per_cell,
         needle_depths=tuple(args.needle_depths), needle_mode=args.needle_mode, batch_size=args.batch_size,
         calib_tokens=args.calib_tokens,
-        tasks=tuple(args.tasks), seed=args.seed, progress=not args.quiet, deterministic=args.deterministic)
+        tasks=tuple(args.tasks), prefill_semantics=args.prefill_semantics, seed=args.seed, progress=not args.quiet,
+        deterministic=args.deterministic)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..formats.prefill import PROMPT_EXACT, check_prefill_semantics
 from .names import DEFAULT_METHODS, NEEDLE_MODES, TASKS
 
 
@@ -19,6 +20,8 @@ class EvalConfig:
     metric_queries: last query positions scored by the per-layer metrics.
     needle_per_cell: prompts per (length, depth) cell; 0 skips the needle task.
     calib_tokens: cap on every spec's ``calibration.num_tokens`` (and seq_len), for quick runs.
+    prefill_semantics: what prompt tokens read from the cache (formats/prefill.py), as the
+    engine's ``--prefill-semantics``: the measured model is the served one.
     """
 
     model: str | None = None
@@ -41,6 +44,7 @@ class EvalConfig:
     batch_size: int = 4
     calib_tokens: int | None = None
     tasks: tuple[str, ...] = TASKS
+    prefill_semantics: str = PROMPT_EXACT
     seed: int = 0
     progress: bool = False
     deterministic: bool = False
@@ -61,6 +65,7 @@ class EvalConfig:
             raise ValueError(f"needle depths must lie in [0, 1], got {self.needle_depths}")
         if self.needle_mode not in NEEDLE_MODES:
             raise ValueError(f"needle_mode must be one of {NEEDLE_MODES}, got {self.needle_mode!r}")
+        check_prefill_semantics(self.prefill_semantics)
         unknown = set(self.tasks) - set(TASKS)
         if unknown:
             raise ValueError(f"unknown tasks {sorted(unknown)}; choose from {TASKS}")

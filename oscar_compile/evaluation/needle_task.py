@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..data.needle import PLAIN_QUESTION, TOKENIZER_BOS, NeedleSample, TokenAdapter, make_needle_sample
+from ..formats.prefill import PROMPT_EXACT
 from .names import NEEDLE_MODES
 from .quantizers import cache_starts
 from .simulate import simulated_logits
@@ -67,7 +68,8 @@ def needle_cases(tokenizer, haystack: Sequence[int], lengths: Sequence[int], dep
     return cases
 
 
-def _batch(cases: list[NeedleCase], mode: str, pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(cases: list[NeedleCase], mode: str, pad: int, device,
+           semantics: str = PROMPT_EXACT) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded [B, T] rows (prompt + answer[:-1]) and their cache schedule [B, T]."""
     rows = [c.sample.input_ids + c.sample.answer_ids[:-1] for c in cases]
     T = max(map(len, rows))
@@ -77,9 +79,9 @@ def _batch(cases: list[NeedleCase], mode: str, pad: int, device) -> tuple[torch.
     lengths = torch.tensor([c.sample.length for c in cases])
     if mode == "context":
         question = torch.tensor([c.question_len for c in cases])
-        starts = cache_starts(T, prefill=lengths - question, chunk=question)
+        starts = cache_starts(T, prefill=lengths - question, chunk=question, semantics=semantics)
     else:
-        starts = cache_starts(T, prefill=lengths)
+        starts = cache_starts(T, prefill=lengths, semantics=semantics)
     return ids.to(device), starts.to(device)
 
 
@@ -94,8 +96,11 @@ def _correct(logits: torch.Tensor, cases: list[NeedleCase], first: int) -> list[
 
 
 def needle_accuracy(model: nn.Module, methods: dict[str, Quantizers], cases: list[NeedleCase], mode: str = "context",
-                    batch_size: int = 8, pad: int = 0, progress: bool = False) -> dict[str, list[dict]]:
-    """{method: [{"length", "depth", "correct", "total"} per cell]}; prompts of one length share a batch."""
+                    batch_size: int = 8, pad: int = 0, progress: bool = False,
+                    semantics: str = PROMPT_EXACT) -> dict[str, list[dict]]:
+    """{method: [{"length", "depth", "correct", "total"} per cell]}; prompts of one length share a batch.
+    ``semantics``: the prefill semantics (formats/prefill.py); under ``decode-consistent`` both
+    modes read the cache as decode steps do, so they give the same cells."""
     if mode not in MODES:
         raise ValueError(f"needle mode must be one of {MODES}, got {mode!r}")
     device = next(model.parameters()).device
@@ -107,7 +112,7 @@ def needle_accuracy(model: nn.Module, methods: dict[str, Quantizers], cases: lis
 
         chunks = tqdm(chunks, desc="needle", unit="batch", leave=False)
     for chunk in chunks:
-        ids, starts = _batch(chunk, mode, pad, device)
+        ids, starts = _batch(chunk, mode, pad, device, semantics)
         first = chunk[0].sample.length - 1  # one length per batch: logits from the last prompt position on
         for name, quantizers in methods.items():
             logits = simulated_logits(model, quantizers, ids, starts, logits_to_keep=ids.shape[1] - first,

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from ..artifact import ArtifactError, Rotations
+from ..formats.prefill import DECODE_CONSISTENT, PROMPT_EXACT, check_prefill_semantics
 from ..quant import fake_quantize
 from ..spec import LayerSpec
 
@@ -55,15 +56,21 @@ class LayerQuantizer(Protocol):
 
 
 def cache_starts(num_tokens: int, prefill: torch.Tensor | int = 0, chunk: torch.Tensor | int = 0,
-                 device: torch.device | str = "cpu") -> torch.Tensor:
+                 device: torch.device | str = "cpu", semantics: str = PROMPT_EXACT) -> torch.Tensor:
     """Tokens already cached when each position's query runs: [B|1, T] long.
 
     Positions ``< prefill`` run as one prefill chunk (nothing cached: 0); the next ``chunk``
     positions run as a second chunk on top of the cached prefill (``prefill``); every later
     position is a decode step (``t``: all earlier tokens cached). ``prefill = chunk = 0`` is a
     teacher-forced decode of the whole sequence. prefill, chunk: ints or [B] tensors.
+
+    Under the ``decode-consistent`` prefill semantics (formats/prefill.py) a prompt token reads
+    the cache as a decode step at its position would, whatever the chunks: every position is
+    ``t``, the teacher-forced decode.
     """
     t = torch.arange(num_tokens, device=device)[None, :]  # [1, T]
+    if check_prefill_semantics(semantics) == DECODE_CONSISTENT:
+        return t.long()
     p = torch.as_tensor(prefill, device=device).reshape(-1, 1)  # [B|1, 1]
     c = torch.as_tensor(chunk, device=device).reshape(-1, 1)
     starts = torch.where(t < p, torch.zeros_like(t), torch.where(t < p + c, p, t))

@@ -113,7 +113,8 @@ def _run_tasks(cfg: EvalConfig, model, tokenizer, tokens: torch.Tensor, bos, qua
             results[task] = {"tokens": n}
             for c in cfg.contexts:
                 windows = heldout_windows(tokens, c, cfg.num_samples, bos)
-                results[task][str(c)] = fn(model, quantizers, windows, n, cfg.batch_size, cfg.progress)
+                results[task][str(c)] = fn(model, quantizers, windows, n, cfg.batch_size, cfg.progress,
+                                           cfg.prefill_semantics)
             timings[task] = _done(task, t0)
     if "needle" in cfg.tasks and cfg.needle_per_cell > 0:
         t0 = time.time()
@@ -137,7 +138,8 @@ def _needle(cfg: EvalConfig, model, tokenizer, tokens: torch.Tensor, quantizers:
         logger.warning("needle-in-a-haystack skipped: %s", err)
         return {"skipped": str(err)}
     cells = needle_accuracy(model, quantizers, cases, cfg.needle_mode, cfg.batch_size, pad_id(tokenizer, model),
-                            cfg.progress)
-    return {"mode": cfg.needle_mode, "layout": "plain", "lengths": sorted({c.sample.length for c in cases}),
+                            cfg.progress, cfg.prefill_semantics)
+    return {"mode": cfg.needle_mode, "prefill_semantics": cfg.prefill_semantics, "layout": "plain",
+            "lengths": sorted({c.sample.length for c in cases}),
             "depths": list(cfg.needle_depths), "per_cell": cfg.needle_per_cell, "cells": cells,
             "by_length": {name: {str(L): a for L, a in accuracy_by_length(c).items()} for name, c in cells.items()}}

@@ -1,8 +1,9 @@
 """End-task metrics on held-out windows: perplexity and greedy-token agreement with BF16.
 
 Both follow how the compressed cache is used: the context is prefilled in one chunk (full
-precision, as the real prefill attends), then the continuation goes through decode steps that
-read the quantized history (quantizers.cache_starts). A "context length" C is the whole window:
+precision, as the real prefill attends; under the decode-consistent prefill semantics, as decode
+steps read it), then the continuation goes through decode steps that read the quantized history
+(quantizers.cache_starts). A "context length" C is the whole window:
 ``C - M`` prefilled tokens and ``M`` scored ones, so every position stays inside the model's
 trained range.
 
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..formats.prefill import PROMPT_EXACT
 from .quantizers import LayerQuantizer, cache_starts
 from .simulate import simulated_logits
 
@@ -39,28 +41,33 @@ def batches(windows: torch.Tensor, batch_size: int, progress: bool, desc: str) -
 
 
 def perplexity(model: nn.Module, methods: dict[str, Quantizers], windows: torch.Tensor, ppl_tokens: int,
-               batch_size: int, progress: bool = False) -> dict[str, dict]:
-    """windows: [n, C] token ids -> {method: {"ppl", "nll", "tokens"}} over the last ``ppl_tokens`` of each."""
+               batch_size: int, progress: bool = False, semantics: str = PROMPT_EXACT) -> dict[str, dict]:
+    """windows: [n, C] token ids -> {method: {"ppl", "nll", "tokens", "nll_se", "window_nll"}} over the
+    last ``ppl_tokens`` of each. ``window_nll``: each window's mean NLL, in window order (two runs
+    on the same windows compare pairwise); ``nll_se``: the standard error of ``nll`` over windows.
+    ``semantics``: the prefill semantics the context is prefilled under (formats/prefill.py)."""
     C = windows.shape[1]
     if not 0 < ppl_tokens < C:
         raise ValueError(f"ppl_tokens ({ppl_tokens}) must be between 1 and the context length - 1 ({C - 1})")
     device = next(model.parameters()).device
-    starts = cache_starts(C, prefill=C - ppl_tokens, device=device)
-    nll = {name: 0.0 for name in methods}
-    count = 0
+    starts = cache_starts(C, prefill=C - ppl_tokens, device=device, semantics=semantics)
+    per_window: dict[str, list[float]] = {name: [] for name in methods}
     for ids in batches(windows, batch_size, progress, f"perplexity @{C}"):
         ids = ids.to(device)
         targets = ids[:, C - ppl_tokens:]  # [B, M]
         for name, quantizers in methods.items():
             logits = simulated_logits(model, quantizers, ids, starts, logits_to_keep=ppl_tokens + 1,
                                       label=name)[:, :-1]
-            losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
-            # each window's sum, added in window order: the total does not depend on the batch size
-            for window_sum in losses.view(targets.shape).double().sum(1).tolist():
-                nll[name] += window_sum
-        count += targets.numel()
-    return {name: {"ppl": math.exp(total / count), "nll": total / count, "tokens": count}
-            for name, total in nll.items()}
+            token_nll = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # [B, M]
+            per_window[name] += token_nll.double().mean(dim=1).tolist()
+    out = {}
+    for name, values in per_window.items():
+        n = len(values)
+        mean = sum(values) / n
+        se = math.sqrt(sum((x - mean) ** 2 for x in values) / (n - 1) / n) if n > 1 else float("nan")
+        out[name] = {"ppl": math.exp(mean), "nll": mean, "tokens": n * ppl_tokens, "nll_se": se,
+                     "window_nll": values}
+    return out
 
 
 def greedy_reference(model: nn.Module, prompts: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -88,14 +95,14 @@ def _quiet_generation_config(model: nn.Module) -> Iterator[None]:
 
 
 def agreement(model: nn.Module, methods: dict[str, Quantizers], windows: torch.Tensor, gen_tokens: int,
-              batch_size: int, progress: bool = False) -> dict[str, dict]:
+              batch_size: int, progress: bool = False, semantics: str = PROMPT_EXACT) -> dict[str, dict]:
     """windows: [n, C]; the first C - N tokens are the prompt -> {method: {"agreement", "prefix"}} in [0, 1]."""
     C = windows.shape[1]
     N = gen_tokens
     if not 0 < N < C:
         raise ValueError(f"gen_tokens ({N}) must be between 1 and the context length - 1 ({C - 1})")
     device = next(model.parameters()).device
-    starts = cache_starts(C - 1, prefill=C - N, device=device)
+    starts = cache_starts(C - 1, prefill=C - N, device=device, semantics=semantics)
     match = {name: 0.0 for name in methods}
     prefix = {name: 0.0 for name in methods}
     rows = 0

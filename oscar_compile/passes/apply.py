@@ -21,8 +21,11 @@ from torch import nn
 
 from ..architectures import ModelFingerprint, attention_modules
 from ..artifact import COMPRESSED_CONFIG_KEY, ArtifactError, Rotations
+from ..cache.decode_consistent import check_device
 from ..cache.hf_cache import OscarCache
+from ..cache.op_constants import layer_op_constants
 from ..formats.cache import LayerFormat, has_windows
+from ..formats.prefill import PROMPT_EXACT, check_prefill_semantics
 from ..quant import bits_per_element
 from ..spec import CompressionSpec, LayerSpec
 from ..spec_fit import fit_spec
@@ -36,6 +39,7 @@ from .trace import trace_attention
 
 logger = logging.getLogger(__name__)
 _APPLIED = "_oscar_compile_report"
+_DECODE_CONSISTENT = "_oscar_decode_consistent"  # set_prefill_semantics: the op constants, or None
 
 
 @dataclass
@@ -178,7 +182,7 @@ def _install_cache_hook(model: nn.Module, layers: list[LayerSpec]) -> None:
         if not isinstance(cache, OscarCache):
             if cache is not None and cache.get_seq_length() > 0:
                 raise ValueError("this model was rewritten by oscar_compile: continue with the OscarCache it returned")
-            cache = OscarCache(caches)
+            cache = OscarCache(caches, getattr(model, _DECODE_CONSISTENT, None))
             kwargs[key] = cache
         ids = kwargs.get("input_ids", args[0] if args else None)
         num_new = (ids if ids is not None else kwargs["inputs_embeds"]).shape[1]
@@ -187,6 +191,19 @@ def _install_cache_hook(model: nn.Module, layers: list[LayerSpec]) -> None:
         return args, kwargs
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def set_prefill_semantics(model: nn.Module, semantics: str) -> None:
+    """What prompt tokens of ``model`` (rewritten by :func:`apply`) read from the caches its forward
+    creates (``generate()``, ``model(..., use_cache=True)``): ``prompt-exact`` (the default) or
+    ``decode-consistent`` (formats/prefill.py; CPU only), as the engine's ``prefill_semantics``."""
+    if not hasattr(model, _APPLIED):
+        raise ValueError("set_prefill_semantics needs a model rewritten by oscar_compile.apply")
+    if check_prefill_semantics(semantics) == PROMPT_EXACT:
+        setattr(model, _DECODE_CONSISTENT, None)
+        return
+    check_device(next(model.parameters()).device)
+    setattr(model, _DECODE_CONSISTENT, layer_op_constants(model))
 
 
 def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: bool = True,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from oscar_compile.formats.cache import CacheLayout
+from oscar_compile.formats.prefill import DECODE_CONSISTENT, PROMPT_EXACT, check_prefill_semantics
 from oscar_compile.loading import BUNDLED_MODEL_DIR, load_model, resolve_device, resolve_model_dir  # noqa: F401
 from oscar_compile.runtime.core.page_manager import PageManager
 from oscar_compile.runtime.core.page_plan import GIB, plan_pages
@@ -55,8 +56,15 @@ class EngineConfig:
     num_staging_pages: int | None = None
     swap_space_gb: float = 4.0  # host memory preempted sequences swap to (pinned on CUDA); 0 = recompute
     # "history": prefix-cache hits reuse sink and INT-b history pages (the continuation reads the
-    # shared prefix quantized); "sink": hits stop at the sink, so a hit computes what a miss does
-    prefix_hits: str = "history"
+    # shared prefix quantized); "sink": hits stop at the sink, so a hit computes what a miss does.
+    # None: "history" under prompt-exact prefill, "sink" under decode-consistent prefill
+    prefix_hits: str | None = None
+    # what prompt tokens read from the cache (formats/prefill.py): "prompt-exact" (full precision
+    # within the prompt, staged across chunks) or "decode-consistent" (as the decode step at their
+    # position reads it; CPU only, no staging: chunked, batched and recomputed prefills then equal
+    # the decode steps). Hits past the sink would read the window of the hit quantized, so under
+    # decode-consistent prefill they stop at the sink until window snapshots exist (issue 31)
+    prefill_semantics: str = PROMPT_EXACT
     # the base of the seeds of requests that give none (sampling_params.default_seed); vLLM's --seed
     seed: int = 0
     # batch invariance and run-to-run determinism (kernels/determinism.py): batch-invariant linear
@@ -76,8 +84,15 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        decode_consistent = check_prefill_semantics(self.prefill_semantics) == DECODE_CONSISTENT
+        if self.prefix_hits is None:
+            self.prefix_hits = "sink" if decode_consistent else "history"
         if self.prefix_hits not in ("history", "sink"):
             raise ValueError(f"prefix_hits must be 'history' or 'sink', got {self.prefix_hits!r}")
+        if decode_consistent and self.prefix_hits == "history":
+            raise NotImplementedError("prefix_hits='history' with decode-consistent prefill: a hit past the sink "
+                                      "has only the quantized history of its window, where a miss reads it at "
+                                      "window precision (BF16 window snapshots are not built yet); use 'sink'")
         if (self.num_window_pages is None) != (self.num_quant_pages is None):
             raise ValueError("give both num_window_pages and num_quant_pages, or neither")
 
@@ -136,7 +151,9 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
         expected = config.expected_seq_len or min(max_model_len, 4096)
         plan = plan_pages(layout, kv_bytes, config.max_num_seqs, expected)
         num_window, num_quant = plan.num_window_pages, plan.num_quant_pages
-    num_staging = num_staging_pages(config, layout, num_quant, max_model_len)
+    # decode-consistent prefill reads earlier chunks quantized, as decode does: nothing to stage
+    decode_consistent = config.prefill_semantics == DECODE_CONSISTENT
+    num_staging = 0 if decode_consistent else num_staging_pages(config, layout, num_quant, max_model_len)
     logger.info("KV pages: %d window (%d B each), %d quant (%d B each), %d staging (%d B each)", num_window,
                 layout.window_page_bytes, num_quant, layout.quant_page_bytes, num_staging, layout.window_page_bytes)
     swap = SwapSpace(int(config.swap_space_gb * GIB), layout.window_page_bytes, layout.quant_page_bytes)
@@ -145,6 +162,11 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
     if runner is None:
         runner = make_runner(page_manager) if make_runner is not None else RecomputeRunner(
             model, deterministic=config.deterministic)
+    quantizes = config.layout is not None and not config.layout.is_full_precision  # else both semantics agree
+    if decode_consistent and quantizes and getattr(runner, "prefill_semantics", PROMPT_EXACT) != DECODE_CONSISTENT:
+        raise NotImplementedError(f"{type(runner).__name__} does not run decode-consistent prefill (the compressed "
+                                  "runner built from this config does: runner_factory(model, layout, config); "
+                                  "tensor-parallel runners do not yet)")
     page_manager.history_hits = (config.prefix_hits == "history"
                                   and bool(getattr(runner, "supports_history_hits", False)))
     if not getattr(runner, "supports_staging", False):  # e.g. the exact RecomputeRunner: nothing to stage

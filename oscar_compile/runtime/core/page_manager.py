@@ -49,7 +49,9 @@ pages (the same bulk write ``generate()`` does) and ``end_staging`` frees the st
 Staging pages are reserved whole at admission, so a staged prefill never waits for staging
 memory midway (no deadlock between half-staged prompts). Not staged: a prompt that fits one chunk
 (exact already), one whose history stays empty, a hit past the sink (its history rows are shared
-INT-b pages), and the BF16 mode (nothing is quantized).
+INT-b pages), the BF16 mode (nothing is quantized), and decode-consistent prefill
+(formats/prefill.py: later chunks must read earlier ones quantized, as decode does; the engine
+then builds no staging pool).
 
 Swapping. ``swap_out`` moves a preempted sequence's page contents to a range of host swap space
 (swap_space.py; the runner copies) and drops its page references, keeping its counters;

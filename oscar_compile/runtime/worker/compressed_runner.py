@@ -24,12 +24,15 @@ import math
 
 import torch
 
+from oscar_compile.cache.decode_consistent import check_device, run_decode_consistent
 from oscar_compile.cache.hf_cache import OscarCache
+from oscar_compile.cache.op_constants import layer_op_constants
 from oscar_compile.formats.cache import CacheLayout, LayerFormat
+from oscar_compile.formats.prefill import DECODE_CONSISTENT, PROMPT_EXACT, check_prefill_semantics
 from oscar_compile.kernels.determinism import deterministic as deterministic_mode
 from oscar_compile.kernels.pools import allocate_layer_pools
 from oscar_compile.runtime.worker.runner import Batch
-from oscar_compile.runtime.worker.staging import StagedStep, allocate_staging_pools, layer_op_constants
+from oscar_compile.runtime.worker.staging import StagedStep, allocate_staging_pools
 from oscar_compile.runtime.worker.step_inputs import StepInputs
 from oscar_compile.runtime.worker.swapper import HostSwap
 from oscar_compile.runtime.worker.transfer import to_device
@@ -50,6 +53,7 @@ class StepCache(OscarCache):
         self.history_lens = inputs["history_lens"]
         self.window_table = inputs["window_table"]
         self.quant_table = inputs["quant_table"]
+        self._outputs: dict[int, torch.Tensor] = {}  # decode-consistent outputs, until the graph hands in its own
 
     def begin_step(self, attention_mask, num_new: int) -> None:  # the runner packs tokens itself
         pass
@@ -61,10 +65,16 @@ class StepCache(OscarCache):
             return (*flat, self.cu, self.cache_lens, self.quant_table, *pools, self.cu, None)
         if self.staged is not None:  # staged rows run here, the graph's ops take the others
             return self.staged.layer_inputs(layer_idx, *flat, pools)
-        return (*flat, self.cu, self.cache_lens, self.window_table, self.quant_table, *pools, self.cu,
-                self.history_lens)
+        inputs = (*flat, self.cu, self.cache_lens, self.window_table, self.quant_table, *pools, self.cu,
+                  self.history_lens)
+        if self.runner.decode_consistent is None:
+            return inputs
+        c = self.runner.decode_consistent[layer_idx]  # every row runs here, the graph's ops get an empty chunk
+        self._outputs[layer_idx], inputs = run_decode_consistent(inputs, layer, c.scale, c.clip_k, c.clip_v)
+        return inputs
 
     def oscar_layer_outputs(self, layer_idx: int, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        out = self._outputs.pop(layer_idx, out)
         if self.staged is not None and not self.runner.layout.format_of(layer_idx).full_precision_pages:
             out = self.staged.merge(layer_idx, out)
         return out.unsqueeze(0)  # [N, H, D] -> [1, N, H, D]
@@ -89,7 +99,7 @@ class CompressedRunner:
     def __init__(self, model: torch.nn.Module, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
                  max_seq_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  cuda_graphs: bool = True, max_graph_batch: int = 64, num_staging_pages: int = 0,
-                 swap_bytes: int = 0, deterministic: bool = False):
+                 swap_bytes: int = 0, deterministic: bool = False, prefill_semantics: str = PROMPT_EXACT):
         report = getattr(model, "_oscar_compile_report", None)
         if report is None:
             raise ValueError("CompressedRunner needs a model rewritten by oscar_compile.apply")
@@ -109,6 +119,14 @@ class CompressedRunner:
         self.pools = [self._layer_pools(layout, i, num_window_pages + 1, num_quant_pages + 1, dtype)
                       for i in range(self.num_layers)]
         self._init_staging(layout, num_staging_pages, dtype)
+        self.prefill_semantics = check_prefill_semantics(prefill_semantics)
+        # layer -> OpConstants under decode-consistent prefill (cache/decode_consistent.py), else None
+        self.decode_consistent = None
+        if prefill_semantics == DECODE_CONSISTENT and not layout.is_full_precision:
+            if num_staging_pages:
+                raise ValueError("decode-consistent prefill stages nothing: build the runner without staging pages")
+            check_device(self.device)
+            self.decode_consistent = layer_op_constants(model)
         self.swapper = self._host_swap(layout, swap_bytes) if swap_bytes else None
         longest = max_seq_len if max_seq_len is not None else num_quant_pages * layout.page_size
         self.quant_width = min(num_quant_pages, math.ceil(longest / layout.page_size))
@@ -329,7 +347,8 @@ def runner_kwargs(model: torch.nn.Module, page_manager, config=None) -> dict:
                       cuda_graphs=config.cuda_graphs, deterministic=config.deterministic)
     swap = page_manager.swap_space
     kwargs.update(num_staging_pages=page_manager.staging_pool.num_pages,
-                  swap_bytes=swap.num_bytes if swap is not None else 0)
+                  swap_bytes=swap.num_bytes if swap is not None else 0,
+                  prefill_semantics=getattr(config, "prefill_semantics", PROMPT_EXACT))
     return kwargs
 
 

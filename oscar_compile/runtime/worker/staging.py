@@ -19,51 +19,17 @@ full-precision page ops (the BF16 mode's, or 16-bit layers without windows) stor
 it is already: they run the whole batch as usual.
 
 The op constants of each layer (attention scale, clip ratios) are read from the rewritten graph's
-own op calls (:func:`layer_op_constants`), so the staged calls cannot drift from the graph's.
+own op calls (``cache.op_constants.layer_op_constants``), so the staged calls cannot drift from the graph's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from oscar_compile.cache import nodes
-from oscar_compile.formats.cache import CacheLayout, LayerFormat
-from oscar_compile.formats.op_args import POOLS, AttentionArgs, CacheWriteArgs, bind_node
+from oscar_compile.cache.op_constants import OpConstants
+from oscar_compile.formats.cache import CacheLayout
+from oscar_compile.formats.op_args import POOLS, AttentionArgs, CacheWriteArgs
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, allocate_pools
 from oscar_compile.runtime.worker.runner import Batch
-
-
-@dataclass(frozen=True)
-class OpConstants:
-    """What a layer's graph passes its INT-b ops besides tensors: the layer's cache (the keyword
-    constants of its ``layer_inputs`` node), the attention scale and the write's clip ratios."""
-
-    layer: LayerFormat
-    scale: float
-    clip_k: float
-    clip_v: float
-
-
-def layer_op_constants(model: torch.nn.Module) -> dict[int, OpConstants]:
-    """Layer index -> the constants of its INT-b op calls, read from every rewritten graph."""
-    found: dict[int, OpConstants] = {}
-    for module in model.modules():
-        graph = module.__dict__.get("oscar_graph")
-        if graph is None:
-            continue
-        index = layer = scale = clips = None
-        for node in graph.graph.nodes:
-            if node.target is nodes.layer_inputs:
-                index, layer = node.args[1], LayerFormat(**node.kwargs)
-            elif node.target is torch.ops.oscar.attention.default:
-                scale = float(bind_node(AttentionArgs, node).scale)
-            elif node.target is torch.ops.oscar.cache_write.default:
-                write = bind_node(CacheWriteArgs, node)
-                clips = (float(write.clip_k), float(write.clip_v))
-        if index is not None and scale is not None and clips is not None:
-            found[index] = OpConstants(layer, scale, *clips)
-    return found
 
 
 def allocate_staging_pools(layout: CacheLayout, num_pages: int, dtype: torch.dtype,

@@ -1,0 +1,139 @@
+"""Reference for decode-consistent prefill: every new token reads the cache as a decode step at its position would.
+
+``oscar::attention`` (attention_ref) lets a chunk attend to its own tokens in full precision: the
+prompt-exact semantics. Here (formats/prefill.py, ``decode-consistent``) new token t of sequence i,
+at position p = L + t (L = cache_lens[i], h = the history length before the call, standard or
+``history_lens[i]``), reads what ``attention_ref`` would give it as a one-token step on a cache of
+p tokens written by ``cache_write_ref`` (docs/cache-format.md):
+
+- positions ``[S0, S0 + h_p)``, ``h_p = max(h, p - W - S0)``, quantized: the history rows already
+  written as stored (read back by ``quant.dequantize``), the later ones (old ring tokens, earlier
+  tokens of the chunk) quantized here exactly as ``cache_write_ref`` would demote them: rounded to
+  the window dtype, then ``quant.quantize`` with the layer's clip ratio and scale dtype, then
+  ``quant.dequantize`` (with ``bits = 16``: the row as rounded);
+- the other earlier positions (sink, and the recent window ``[S0 + h_p, p)``) at window precision:
+  cached ones as stored, the chunk's rounded to the window dtype;
+- its own key and value exactly as passed.
+
+The graph runs attention before ``cache_write``, so the chunk's own old tokens are quantized here
+rather than read back; the codes are those the write then stores (same input, same quantizer), and
+INT-b data is only read and made through ``oscar_compile.quant`` (never its byte layout).
+Scores, softmax and the weighted sum in float32, the result rounded once to q.dtype, as
+attention_ref: a row equals the decode step's up to the float summation order over its keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oscar_compile import quant
+from oscar_compile.kernels.attention_ref import gather_cached
+from oscar_compile.kernels.pools import FULL_PRECISION_BITS, check_window_config, history_lens_of
+
+
+def _as_history(x: torch.Tensor, bits: int, group_size: int, clip: float, scale_dtype: torch.dtype) -> torch.Tensor:
+    """What a history row of ``x`` ([n, H_kv, D] in the window dtype) reads back as: float32."""
+    if bits == FULL_PRECISION_BITS:
+        return x.float()
+    packed, s, z = quant.quantize(x, bits, group_size, clip, scale_dtype)
+    return quant.dequantize(packed, s, z, bits, group_size)
+
+
+def _views(i: int, L: int, new: torch.Tensor, win, codes, scale, zero, tables, geometry, clip: float):
+    """(window-precision view, history view) of positions 0..L+T-1, float32 [L + T, H_kv, D]; the
+    history view is quantized from position S0 + h on (earlier history rows are stored already)."""
+    sink, recent, bits, group_size, h = geometry
+    cached = gather_cached(i, L, *tables, win, codes, scale, zero, sink, recent, bits, group_size, h)
+    exact = torch.cat([cached, new.to(win.dtype).float()])
+    hist = exact.clone()
+    first = sink + h  # positions before it: sink (never read quantized) or stored history rows
+    if exact.shape[0] > first:
+        hist[first:] = _as_history(exact[first:].to(win.dtype), bits, group_size, clip, scale.dtype)
+    return exact, hist
+
+
+def attention_decode_consistent_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cache_lens: torch.Tensor,
+    window_table: torch.Tensor,
+    quant_table: torch.Tensor,
+    k_win: torch.Tensor,
+    v_win: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    k_zero: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_zero: torch.Tensor,
+    scale: float,
+    sink: int,
+    recent: int,
+    bits: int,
+    group_size: int,
+    clip_k: float,
+    clip_v: float,
+    history_lens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: [N, H_q, D], k, v: [N, H_kv, D] new tokens -> [N, H_q, D] in q.dtype (arguments as
+    ``oscar::attention``'s, plus the write's clip ratios)."""
+    H_q, H_kv = q.shape[1], k.shape[1]
+    if H_q % H_kv:
+        raise ValueError(f"H_kv {H_kv} does not divide H_q {H_q}")
+    check_window_config(sink, recent, k_win.shape[2])
+    hists = history_lens_of(cache_lens, history_lens, sink, recent)
+    tables = (window_table, quant_table)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    cu = cu_seqlens.tolist()
+    for i, L in enumerate(cache_lens.tolist()):
+        a, b = cu[i], cu[i + 1]
+        if a == b:
+            continue
+        geometry = (sink, recent, bits, group_size, hists[i])
+        k_exact, k_hist = _views(i, L, k[a:b], k_win, k_codes, k_scale, k_zero, tables, geometry, clip_k)
+        v_exact, v_hist = _views(i, L, v[a:b], v_win, v_codes, v_scale, v_zero, tables, geometry, clip_v)
+        out[a:b] = _attend_by_row(
+            q[a:b].float(),
+            k[a:b].float(),
+            v[a:b].float(),
+            k_exact,
+            k_hist,
+            v_exact,
+            v_hist,
+            L,
+            hists[i],
+            sink,
+            recent,
+            scale,
+        )
+    return out.to(q.dtype)
+
+
+def _attend_by_row(
+    q, k_own, v_own, k_exact, k_hist, v_exact, v_hist, L: int, h: int, sink: int, recent: int, scale: float
+) -> torch.Tensor:
+    # q: [T, H_q, D]; k_own, v_own: [T, H_kv, D] as passed; views: [L + T, H_kv, D] -> [T, H_q, D]
+    T, H_q, _ = q.shape
+    g = H_q // k_exact.shape[1]
+    n = L + T
+    pos = torch.arange(n, device=q.device).view(1, n)
+    row = L + torch.arange(T, device=q.device).view(T, 1)  # each new token's position p
+    hist_end = sink + torch.clamp(row - recent - sink, min=h)  # S0 + h_p
+    own = pos == row  # [T, n]
+    quantized = (pos >= sink) & (pos < hist_end)
+    exact = (pos < row) & ~quantized
+
+    def scores(keys):  # [n, H_kv, D] -> [H_q, T, n]
+        return torch.einsum("thd,shd->hts", q, keys.repeat_interleave(g, dim=1)) * scale
+
+    s_own = torch.einsum("thd,thd->ht", q, k_own.repeat_interleave(g, dim=1)) * scale  # [H_q, T]
+    s = torch.where(quantized, scores(k_hist), scores(k_exact))
+    s = torch.where(own, s_own.unsqueeze(-1), s)
+    s = s.masked_fill(~(own | quantized | exact), float("-inf"))
+    p = torch.softmax(s, dim=-1)  # [H_q, T, n]
+    out = torch.einsum("hts,shd->thd", p * quantized, v_hist.repeat_interleave(g, dim=1))
+    out = out + torch.einsum("hts,shd->thd", p * exact, v_exact.repeat_interleave(g, dim=1))
+    diag = p[:, torch.arange(T), L + torch.arange(T)]  # [H_q, T]: each row's weight on its own token
+    return out + diag.transpose(0, 1).unsqueeze(-1) * v_own.repeat_interleave(g, dim=1)

@@ -1,0 +1,193 @@
+"""Decode-consistent prefill in the engine (CPU reference path): what is served equals what
+``generate()`` computes under the same semantics, and equals itself however it was computed.
+
+S0 = 4, W = 8, P = 4 and a step budget of 16 tokens, as tests/runtime/test_exact_prefill.py. The
+reference is ``generate()`` on the same rewritten model with ``set_prefill_semantics``: greedy
+tokens equal, chosen-token logprobs within 1e-3 (float32; float summation order only). Under the
+prompt-exact default the recomputed sequences of the tiny-swap-space case differ from generate()
+(that file's test_tiny_swap_space_falls_back_to_recompute); here they may not.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from oscar_compile import CompressionSpec, apply, calibrate
+from oscar_compile.cache.decode_consistent import check_device
+from oscar_compile.formats.prefill import DECODE_CONSISTENT
+from oscar_compile.passes.apply import set_prefill_semantics
+from oscar_compile.runtime import LLM, SamplingParams
+from oscar_compile.runtime.core.sequence import SequenceStatus
+from oscar_compile.runtime.engine_config import EngineConfig
+
+SPEC = CompressionSpec.from_dict(
+    {
+        "kv_cache": {"bits": 2, "group_size": 16, "sink_tokens": 4, "recent_tokens": 8, "page_size": 4},
+        "key": {"center": True},
+        "value": {"granularity": "per_head"},
+    }
+)
+BUDGET, NEW = 16, 24
+PARAMS = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def setup(tokenizer, tiny_model):
+    rot = calibrate(
+        tiny_model, SPEC, [torch.randint(0, len(tokenizer), (2, 48), generator=torch.Generator().manual_seed(0))]
+    )
+    ref = copy.deepcopy(tiny_model)
+    apply(ref, SPEC, rot)
+    set_prefill_semantics(ref, DECODE_CONSISTENT)
+    cache = {}
+
+    def expected(prompt):
+        """(greedy tokens, their logprobs) of generate() under decode-consistent prefill."""
+        key = tuple(prompt)
+        if key not in cache:
+            out = ref.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=NEW,
+                min_new_tokens=NEW,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            tokens = out.sequences[0, len(prompt) :].tolist()
+            logits = torch.stack(out.logits, dim=1)[0].float().log_softmax(-1)
+            cache[key] = tokens, [logits[i, t].item() for i, t in enumerate(tokens)]
+        return cache[key]
+
+    return tokenizer, tiny_model, rot, expected, ref
+
+
+def _prompts(vocab, lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _llm(setup, **kwargs):
+    tokenizer, model, rot, *_ = setup
+    config = EngineConfig(
+        **{
+            "num_window_pages": 64,
+            "num_quant_pages": 256,
+            "max_num_batched_tokens": BUDGET,
+            "prefill_semantics": DECODE_CONSISTENT,
+            **kwargs,
+        }
+    )
+    return LLM(copy.deepcopy(model), spec=SPEC, rotations=rot, tokenizer=tokenizer, config=config)
+
+
+def _run(llm, prompts):
+    """Through the engine: (tokens, chosen-token logprobs) per prompt, and the Sequence objects."""
+    engine = llm.engine
+    seqs = [engine.add_request(p, PARAMS) for p in prompts]
+    tokens = {s.request_id: [] for s in seqs}
+    logprobs = {s.request_id: [] for s in seqs}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.new_token_ids
+            logprobs[delta.request_id] += [e.logprob for e in delta.new_logprobs]
+    return [(tokens[s.request_id], logprobs[s.request_id]) for s in seqs], seqs
+
+
+def _assert_equal(got, want):
+    assert got[0] == want[0]
+    assert got[1] == pytest.approx(want[1], abs=1e-3)
+
+
+@pytest.mark.parametrize("length", [15, 45, 155])  # 1, 3 and 10 chunks
+def test_served_equals_generate_alone_and_chunked(setup, length):
+    expected = setup[3]
+    prompt = _prompts(400, [length])[0]
+    llm = _llm(setup)
+    (got,), _ = _run(llm, [prompt])
+    _assert_equal(got, expected(prompt))
+    stats = llm.engine.stats()
+    assert stats["num_staged_prefills"] == 0 and llm.engine.page_manager.staging_pool.num_pages == 0
+
+
+def test_together_resent_and_recomputed_equal_generate(setup):
+    """Eight requests at once under a page budget that preempts, with a 10 kB swap space that
+    fills up: some victims are recomputed (generated tokens included), then all are sent again
+    to the same engine (prefix hits, at the sink)."""
+    expected = setup[3]
+    prompts = _prompts(400, [15, 45, 30, 60, 9, 70, 22, 38], seed=3)
+    llm = _llm(setup, num_quant_pages=40, swap_space_gb=1e-5)
+    scheduler = llm.engine.scheduler
+    preempt, recomputed = scheduler._preempt, []
+
+    def record(seq, out):  # which victims are recomputed, and whether they had generated tokens
+        preempt(seq, out)
+        if seq.status is SequenceStatus.WAITING:  # not swapped: its pages were freed
+            recomputed.append(seq.num_output_tokens)
+
+    scheduler._preempt = record
+    results, seqs = _run(llm, prompts)
+    assert any(n > 0 for n in recomputed), recomputed  # a recompute of generated tokens happened
+    for prompt, got in zip(prompts, results, strict=True):
+        _assert_equal(got, expected(prompt))
+    again, _ = _run(llm, prompts)
+    assert llm.engine.page_manager.num_prefix_hit_tokens > 0
+    for prompt, got in zip(prompts, again, strict=True):
+        _assert_equal(got, expected(prompt))
+
+
+def test_generate_on_the_served_model_follows_the_engine(setup):
+    """LLM(...) sets the semantics on the model it serves: generate() there reads as the engine."""
+    expected = setup[3]
+    prompt = _prompts(400, [45], seed=4)[0]
+    llm = _llm(setup)
+    out = llm.engine.runner.model.generate(
+        torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False
+    )
+    assert out[0, len(prompt) :].tolist() == expected(prompt)[0]
+
+
+def test_prompt_exact_differs(setup):
+    """The tests above can fail: the default semantics gives other tokens on a 10-chunk prompt."""
+    expected = setup[3]
+    prompt = _prompts(400, [155])[0]
+    llm = _llm(setup, prefill_semantics="prompt-exact")
+    (got,), _ = _run(llm, [prompt])
+    assert got[0] != expected(prompt)[0]
+
+
+def test_refusals():
+    with pytest.raises(NotImplementedError, match="snapshots"):
+        EngineConfig(prefill_semantics=DECODE_CONSISTENT, prefix_hits="history")
+    assert EngineConfig(prefill_semantics=DECODE_CONSISTENT).prefix_hits == "sink"
+    assert EngineConfig().prefix_hits == "history"
+    with pytest.raises(ValueError, match="prefill semantics"):
+        EngineConfig(prefill_semantics="exact")
+    with pytest.raises(NotImplementedError, match="GPU"):
+        check_device(torch.device("cuda"))
+
+
+def test_prompt_logprobs_equal_teacher_forced_decode_steps(setup):
+    """A 3-chunk prompt's prompt logprobs equal the ones decode steps give at the same positions
+    (generate()'s model fed one token per forward)."""
+    ref = setup[4]
+    prompt = _prompts(400, [45], seed=5)[0]
+    (out,) = _llm(setup).generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
+    cache, rows = None, []
+    for token in prompt[:-1]:
+        res = ref(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        cache = getattr(res, "cache", None) or res.past_key_values
+        rows.append(res.logits[0, -1].float().log_softmax(-1))
+    want = [rows[p][prompt[p + 1]].item() for p in range(len(prompt) - 1)]
+    assert [e.logprob for e in out.prompt_logprobs[1:]] == pytest.approx(want, abs=1e-4)
+
+
+def test_a_runner_without_it_is_refused(setup):
+    from oscar_compile.runtime.engine_config import build_engine
+    from oscar_compile.runtime.worker.runner import RecomputeRunner
+
+    tokenizer, model, *_ = setup
+    layout = _llm(setup).engine.page_manager.layout
+    config = EngineConfig(prefill_semantics=DECODE_CONSISTENT, layout=layout, num_window_pages=8, num_quant_pages=8)
+    with pytest.raises(NotImplementedError, match="RecomputeRunner does not run decode-consistent"):
+        build_engine(model, tokenizer, config, runner=RecomputeRunner(model))
