@@ -17,17 +17,17 @@ step() {  # step NAME SECONDS CMD...
   echo "$name rc=$rc ${limit}s-limit took=$(( $(date +%s) - t0 ))s" | tee -a "$R/steps.txt"
 }
 # correctness: the GPU-marked tests and the Triton kernels on CUDA, side by side (no timing yet)
-step gpu_tests 170 python3 -m pytest -q -rs -m gpu tests/kernels/test_attention_gluon_int8.py tests/kernels/test_attention_gluon.py \
+step gpu_tests 150 python3 -m pytest -q -rs -m gpu tests/kernels/test_attention_gluon_int8.py tests/kernels/test_attention_gluon.py \
   tests/runtime/test_structured_output.py tests/runtime/test_parallel_sampling.py tests/runtime/test_prompt_logprobs.py \
   tests/runtime/test_engine.py tests/runtime/test_cuda_graphs.py tests/test_gpu.py &
-step triton_cuda_tests 170 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_cache_write_triton.py tests/kernels/test_code_layout.py \
+step triton_cuda_tests 150 python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_cache_write_triton.py tests/kernels/test_code_layout.py \
   tests/kernels/test_attention_extend.py tests/kernels/test_batch_invariance.py tests/kernels/test_attention_deterministic.py \
   tests/runtime/test_deterministic.py &
 wait
 # speed, one at a time
-step kernels 130 python3 -m oscar_compile.bench.kernels --parts attention write --out "$R/kernels.json"
-step serve_structured 100 python3 -m oscar_compile.bench.serve --shapes 8b --parts structured --structured-batch 32 \
+step kernels 110 python3 -m oscar_compile.bench.kernels --parts attention write --out "$R/kernels.json"
+step serve_structured 90 python3 -m oscar_compile.bench.serve --shapes 8b --parts structured --structured-batch 32 \
   --structured-prompt 512 --structured-output 128 --out "$R/serve_structured.json"
-step serve_decode_default 70 python3 -m oscar_compile.bench.serve --shapes 8b --contexts 8192 131072 --parts decode --out "$R/serve_decode_default.json"
-step serve_decode_deterministic 70 python3 -m oscar_compile.bench.serve --shapes 8b --contexts 8192 131072 --parts decode --deterministic --out "$R/serve_decode_deterministic.json"
+step serve_decode_default 50 python3 -m oscar_compile.bench.serve --shapes 8b --contexts 8192 131072 --parts decode --out "$R/serve_decode_default.json"
+step serve_decode_deterministic 50 python3 -m oscar_compile.bench.serve --shapes 8b --contexts 8192 131072 --parts decode --deterministic --out "$R/serve_decode_deterministic.json"
 cd "$OUT" && tar -czf results.tgz r && rm -rf r
