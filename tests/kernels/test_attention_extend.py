@@ -186,7 +186,8 @@ def _choose(q, k, k_win, k_codes, k_scale, wt, qt, bits=2, B=4):
 
 def test_dispatch_sends_prefill_like_int_b_calls_to_the_extend_path(monkeypatch):
     """Shapes only: prefill-like INT2 / INT4 calls with history pages and a scratch under the
-    cap; decode-like INT4 calls stay on Gluon (INT2 at head_dim 128 is masked: Triton), 16-bit
+    cap; decode-like INT4 calls stay on Gluon (INT2 at head_dim 128 is masked: the 8-bit integer
+    Gluon kernel on sm_90, Triton elsewhere), 16-bit
     layers and oversized calls on the fused kernel,
     on any GPU; ``OSCAR_ATTENTION_KERNEL=triton`` keeps the fused kernel everywhere."""
     import oscar_compile.kernels.attention_extend_triton as ext
@@ -197,8 +198,8 @@ def test_dispatch_sends_prefill_like_int_b_calls_to_the_extend_path(monkeypatch)
         assert _choose(*_shapes(N=40))[0] == "extend"
         assert _choose(*_shapes(N=40), bits=4)[0] == "extend"
         assert _choose(*_shapes(N=8), bits=4)[0] == ("gluon" if problem is None else "triton")
-        # INT2 at head_dim 128 is masked (cache format version 2): not the fp16-operand Gluon kernel's
-        assert _choose(*_shapes(N=8))[0] == "triton"
+        # INT2 at head_dim 128 is masked (cache format version 2): the 8-bit integer kernel's
+        assert _choose(*_shapes(N=8))[0] == ("gluon_int8" if problem is None else "triton")
         assert _choose(*_shapes(N=40), bits=16)[0] == "triton"
         assert _choose(*_shapes(N=40, qcols=0))[0] == "triton"
         assert _choose(*_shapes(N=40, D=96))[0] == "triton"

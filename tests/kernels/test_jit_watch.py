@@ -45,6 +45,7 @@ def test_metrics_report_the_compile_counters(fresh):
     jit_watch.note_compile("k", 2.0)
     stats = {key: 0 for *_, key in metrics._SCALARS}
     stats.update({f"{kind}_{suffix}": 0 for *_, suffix in metrics._PAGES for kind in metrics.PAGE_KINDS})
+    stats.update({f"fork_{kind}_pages_{how}": 0 for kind in ("window", "quant") for how in ("shared", "copied")})
     text = metrics.render_metrics(stats)
     assert "\noscar_jit_compiles_while_serving_total 1.0\n" in text
     assert "\noscar_jit_compile_seconds_while_serving_total 2.0\n" in text
