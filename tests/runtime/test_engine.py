@@ -12,6 +12,7 @@ from oscar_compile.runtime.core.sampling_params import RequestError, SamplingPar
 from oscar_compile.runtime.engine import LLMEngine
 from oscar_compile.runtime.engine_config import BUNDLED_MODEL_DIR, EngineConfig, build_engine, resolve_model_dir
 from oscar_compile.runtime.llm import LLM
+from oscar_compile.spec import specs_dir
 
 GREEDY = dict(temperature=0.0)
 WINDOWED = dict(sink=16, recent=16)
@@ -251,7 +252,9 @@ def test_sampling_controls_on_cuda_with_overlapped_steps_and_cuda_graphs():
     params = [SamplingParams(**{"max_tokens": 30, "temperature": 0.0, **c}) for c in controls]
     outputs = {}
     for overlap in (True, False):
-        llm = LLM(str(BUNDLED_MODEL_DIR), device="cuda", config=EngineConfig(overlap_steps=overlap))
+        llm = LLM(str(BUNDLED_MODEL_DIR), str(specs_dir() / "oscar-int2.yaml"),
+                  str(BUNDLED_MODEL_DIR / "rotations" / "oscar-int2.safetensors"), device="cuda",
+                  config=EngineConfig(overlap_steps=overlap))
         assert llm.engine.overlap is overlap
         outputs[overlap] = [o.token_ids for o in llm.generate(prompts, params)]
         plain = llm.generate(prompts[:1], SamplingParams(max_tokens=30, temperature=0.0))[0].token_ids

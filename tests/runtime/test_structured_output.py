@@ -316,6 +316,7 @@ def test_structured_output_on_cuda_with_overlapped_steps_and_cuda_graphs():
     filled while its forward runs, after the grammars took token t) a batch mixing constrained
     and plain requests gives the tokens of one-step-at-a-time stepping, and valid output."""
     from oscar_compile.loading import BUNDLED_MODEL_DIR
+    from oscar_compile.spec import specs_dir
 
     if not (BUNDLED_MODEL_DIR / "config.json").exists():
         pytest.skip("the bundled model is not shipped")
@@ -334,7 +335,9 @@ def test_structured_output_on_cuda_with_overlapped_steps_and_cuda_graphs():
     ]
     outputs = {}
     for overlap in (True, False):
-        llm = LLM(str(BUNDLED_MODEL_DIR), device="cuda", config=EngineConfig(overlap_steps=overlap))
+        llm = LLM(str(BUNDLED_MODEL_DIR), str(specs_dir() / "oscar-int2.yaml"),
+                  str(BUNDLED_MODEL_DIR / "rotations" / "oscar-int2.safetensors"), device="cuda",
+                  config=EngineConfig(overlap_steps=overlap))
         assert llm.engine.overlap is overlap and llm.engine.runner.graphs is not None
         replays = []
         run = llm.engine.runner.graphs.run
