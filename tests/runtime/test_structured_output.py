@@ -105,24 +105,30 @@ def test_backend_compiles_once_advances_and_terminates(manager, tokenizer):
     assert manager.fill_bitmask([seq]) is None  # no constrained row: no bitmask at all
 
 
-def test_the_batch_fill_equals_row_by_row(manager, tokenizer):
-    """xgrammar's threaded batch fill writes what each grammar writes alone, in its own row."""
+@pytest.mark.parametrize("copies", [1, 43])  # 4 rows: one thread; 4 * 43 >= PARALLEL_FILL_ROWS: the pool
+def test_the_batch_fill_equals_row_by_row(manager, tokenizer, copies):
+    """xgrammar's batch fill, on one thread or on its pool, writes what each grammar writes
+    alone, in its own row."""
     from oscar_compile.runtime.core.sequence import Sequence
+    from oscar_compile.runtime.structured_output.backend_xgrammar import PARALLEL_FILL_ROWS
 
     kinds = [
         StructuredOutputParams(json=SCHEMA),
         StructuredOutputParams(regex="[0-9]+x"),
         StructuredOutputParams(choice=["ab", "cd"]),
     ]
-    seqs = [Sequence([1], SamplingParams(structured_output=k)) for k in kinds]
+    seqs = [Sequence([1], SamplingParams(structured_output=k)) for k in kinds * copies]
     plain = Sequence([1], SamplingParams())
     for seq in seqs:
         _ready(manager, seq)
-    _walk(manager, seqs[0], tokenizer.encode('{"name":"'))
-    _walk(manager, seqs[1], tokenizer.encode("12"))
-    batch = manager.fill_bitmask([seqs[0], plain, seqs[1], seqs[2]])
+    for i in range(0, len(seqs), 3):
+        _walk(manager, seqs[i], tokenizer.encode('{"name":"'))
+        _walk(manager, seqs[i + 1], tokenizer.encode("12"))
+    rows = [plain, *seqs]
+    assert (len(rows) >= PARALLEL_FILL_ROWS) == (copies > 1)
+    batch = manager.fill_bitmask(rows)
     alone = [manager.fill_bitmask([seq]) for seq in seqs]
-    assert torch.equal(batch[[0, 2, 3]], torch.cat(alone)) and (batch[1] == -1).all()
+    assert torch.equal(batch[1:], torch.cat(alone)) and (batch[0] == -1).all()
     assert len({tuple(row.flatten().tolist()) for row in alone}) == 3
     for seq in seqs:
         manager.remove(seq.seq_id)

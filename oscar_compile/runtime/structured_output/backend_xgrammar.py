@@ -11,6 +11,7 @@ refused unless it sets ``additionalProperties``. ``choice`` is a grammar of stri
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
@@ -18,6 +19,11 @@ from oscar_compile.runtime.core.sampling_params import StructuredOutputParams
 from oscar_compile.runtime.structured_output.backend import Grammar, StructuredOutputBackend
 
 JSON_SEPARATORS = (",", ":")
+# Below this many rows a step's bitmask is filled on one thread: xgrammar's thread pool costs more
+# per call than it saves. On the H200 host (16 cores) its "auto" pool (8 threads) took 5.35 ms per
+# step for 32 rows, where one thread takes ~1.2 ms (bench/results/2026-12-03-h200-gpu-tests-structured-deterministic);
+# vLLM fills in parallel from 128 rows on, as here.
+PARALLEL_FILL_ROWS = 128
 
 
 class XgrammarGrammar(Grammar):
@@ -52,7 +58,8 @@ class XgrammarBackend(StructuredOutputBackend):
         # the manager caches by StructuredOutputParams.key: xgrammar's own cache would hold a second copy
         # (a GrammarCompiler may compile from several threads at once, as vLLM's pool does)
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
-        self._batch = xgr.BatchGrammarMatcher()  # threads: xgrammar's "auto"
+        self._serial = xgr.BatchGrammarMatcher(1)  # one C++ call per step, no Python loop over rows
+        self._parallel = xgr.BatchGrammarMatcher(max(1, min(8, (os.cpu_count() or 2) // 2)))
 
     def compile(self, params: StructuredOutputParams):
         compiler = self._compiler
@@ -71,9 +78,10 @@ class XgrammarBackend(StructuredOutputBackend):
         return XgrammarGrammar(self._xgr.GrammarMatcher(compiled))
 
     def fill_bitmask(self, grammars: list[Grammar], bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Rows on xgrammar's thread pool: a row costs ~0.1 ms on average with a 151,936-token
-        vocabulary (bench/results/2026-12-03-cpu-structured-output-engines), a batch of 32 ~4 ms
-        on one core, which must stay shorter than the forward it hides behind."""
+        """The fill hides behind the forward only while it is shorter: a row costs ~40 µs on
+        average with a 151,936-token vocabulary, far more inside a JSON string than between fields
+        (bench/results/2026-12-03-cpu-structured-output-engines); threads from ``PARALLEL_FILL_ROWS`` rows."""
         if len(grammars) < 2:
             return super().fill_bitmask(grammars, bitmask, rows)
-        self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
+        batch = self._parallel if len(grammars) >= PARALLEL_FILL_ROWS else self._serial
+        batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
