@@ -79,9 +79,12 @@ def test_rms_norm_reference_is_per_row():
     _rows_invariant(lambda rows: rms_norm_ref(rows, w, 1e-6), x)
 
 
-@pytest.mark.parametrize("n,k,bias", [(96, 256, True), (64, 200, False)])
+# (96, 1024) and (64, 4096): K cut into 2 and 8 ranges (matmul_triton.split_k)
+@pytest.mark.parametrize("n,k,bias", [(96, 256, True), (64, 200, False), (96, 1024, True), (64, 4096, False)])
 def test_triton_linear_is_batch_invariant(tdevice, n, k, bias):
-    from oscar_compile.kernels.matmul_triton import linear_triton
+    from oscar_compile.kernels.matmul_triton import linear_triton, split_k
+
+    assert split_k(n, k) == {256: 1, 200: 1, 1024: 2, 4096: 8}[k]
 
     x, w, b = _inputs(n, k, tdevice, bias=bias)
     _rows_invariant(lambda rows: linear_triton(rows, w, b), x)
@@ -98,9 +101,10 @@ def test_triton_rms_norm_is_per_row(tdevice):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (151936, 1024)])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (1024, 4096), (4096, 12288), (151936, 1024)])
 def test_triton_linear_bf16_rows_on_the_gpu(n, k):
-    """The 8B shapes (merged QKV, O) and an LM head, in bfloat16 as served."""
+    """The 8B shapes (merged QKV, O, a KV projection, down) and an LM head, in bfloat16 as served;
+    O, KV and down split K."""
     from oscar_compile.kernels.matmul_triton import linear_triton
 
     x, w, _ = _inputs(n, k, "cuda", torch.bfloat16, bias=False)
