@@ -134,6 +134,11 @@ def note_choice(kernel: str, why: str) -> None:
         _log.info("oscar::attention: %s kernel (%s)", kernel, why)
 
 
+def clear_kernels_in_use() -> None:
+    """Forget what ran (a benchmark that switches kernels reports each setting's own)."""
+    _used.clear()
+
+
 def kernels_in_use() -> dict[str, str]:
     """The attention kernels that ran in this process, with the reason each was chosen."""
     return dict(_used)

@@ -212,15 +212,17 @@ out = []
 for bits, block_t, num_warps in [(2, 1, 1), (2, 16, 4), (4, 1, 1)]:
     ptx = compile_offline(bits, 128, 16, block_t, num_warps).asm["ptx"]
     (and_, and_read), (or_, or_read) = fire_and_forget(ptx, "and"), fire_and_forget(ptx, "or")
-    out.append({"local": ("ld.local" in ptx) or ("st.local" in ptx), "and": and_, "or": or_, "read": and_read + or_read})
+    local = ("ld.local" in ptx) or ("st.local" in ptx)
+    out.append({"local": local, "and": and_, "or": or_, "read": and_read + or_read})
 print(json.dumps(out))
 """
 
 
 def test_masked_write_compiles_for_sm90_with_fire_and_forget_atomics():
     """An offline sm_90 compile of the write (decode: 1 row, 1 warp; prefill: 16 rows, 4 warps):
-    masked INT2 key rows become ``red`` AND / OR (no returned value to wait for: Triton 3.9 writes
-    ``red``, 3.6 an ``atom`` whose result no instruction reads), no spills; INT4 (planar) has none. In a child process: under TRITON_INTERPRET=1 the kernel is an
+    masked INT2 key rows become ``red`` AND / OR (no returned value to wait for: Triton 3.9
+    writes ``red``, 3.6 an ``atom`` whose result no instruction reads), no spills; INT4 (planar)
+    has none. In a child process: under TRITON_INTERPRET=1 the kernel is an
     interpreter function."""
     import json
     import os
