@@ -1,23 +1,22 @@
-"""Triton batch-invariant ``x @ w.T + b``: a persistent matmul with one fixed tiling per weight shape.
+"""Triton batch-invariant ``x @ w.T + b``: a persistent matmul whose per-element arithmetic never changes.
 
 Why: cuBLAS chooses its kernel, its tiles and its split-K from the shape, so a request's logits
 change in their last bits with the batch it shares (Thinking Machines, "Defeating
-Nondeterminism in LLM Inference", 2025). Here every call, whatever the number of rows, runs the
-same compiled kernel: fixed ``BLOCK_M x BLOCK_N`` output tiles, each reduced over K in
-``BLOCK_K`` steps from the start of its K range, with no autotuning. An output element is the
-same sequence of MMA accumulations in every batch; only which program computes its tile, and
-when, changes (the grid is ``min(work items, SMs)`` programs walking them).
+Nondeterminism in LLM Inference", 2025). Here an output element is always the same chain of
+tensor-core steps: its K products taken 16 at a time (one ``wgmma``/``mma`` k-step each) from
+k = 0 up, accumulated in float32 in that order, by one program (no split-K), the bias added
+last, rounded once. The output tile's size and the program that computes it do not enter that
+chain, so the tile may follow the number of rows: ``TILES`` has a narrow tile for decode-sized
+calls (a one-row step has N / 32 programs to stream the weight with, not N / 128) and a large one
+for prefill (the vLLM batch-invariant matmul's 128 x 128 x 64, 8 warps). Both keep the k-step
+order; ``BLOCK_K`` only sets how many k-steps one loop iteration issues. The GPU test checks
+rows bitwise across the switch (tests/kernels/test_batch_invariance.py, marker ``gpu``).
 
-Split-K from the weight's shape only. A one-row step has only N / BLOCK_N tiles (64 for a
-4096-wide output, 16 for 1024), too few programs to stream the weight at the HBM rate. So a
-narrow layer's K is cut into ``split_k(N, K)`` equal ranges, each reduced by its own program into
-a float32 partial, and the partials are added in split order 0, 1, ... by a second kernel, which
-also adds the bias and rounds once. The split count depends on N and K, never on M or the GPU,
-so an element's arithmetic is still the same in every batch. Its price grows with M: the
-partials' traffic is ``2 * 4 * M * N * splits`` bytes, paid by prefill (``bench.serve`` TTFT).
+Under ``TRITON_INTERPRET=1`` a dot is a NumPy matmul, whose summation order may follow the tile
+shape, so the CPU test stays within one tile.
 
 float32 inputs multiply in IEEE float32 (no TF32), as torch does by default. Reference:
-``matmul_ref.linear_ref``; tests: tests/kernels/test_batch_invariance.py.
+``matmul_ref.linear_ref``.
 """
 
 from __future__ import annotations
@@ -28,24 +27,13 @@ import triton.language as tl
 
 from oscar_compile.kernels.device import num_sms
 
-BLOCK_M = 64
-BLOCK_N = 64
-BLOCK_K = 128
-NUM_WARPS = 4
-NUM_STAGES = 3
-# split-K: up to this many (N tile, K range) items for one row (about one per SM of an H100 /
-# H200, but a constant: the split must not depend on the GPU), ranges of at least MIN_SPLIT_K
-SPLIT_TARGET = 128
-MIN_SPLIT_K = 512
+# (most rows, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), the first that fits the call's rows
+TILES = ((64, 64, 32, 128, 4, 4), (None, 128, 128, 64, 8, 3))
 
 
-def split_k(N: int, K: int) -> int:
-    """How many K ranges a [N, K] weight's reduction is cut into: a power of two, from its shape only."""
-    tiles_n = triton.cdiv(N, BLOCK_N)
-    splits = 1
-    while tiles_n * splits * 2 <= SPLIT_TARGET and K % (splits * 2 * BLOCK_K) == 0 and K // (splits * 2) >= MIN_SPLIT_K:
-        splits *= 2
-    return splits
+def tile_for(M: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a call of M rows."""
+    return next(t[1:] for t in TILES if t[0] is None or M <= t[0])
 
 
 # M and the grid are not specialized: one compiled kernel for every number of rows (Triton would
@@ -65,31 +53,24 @@ def _persistent_matmul_kernel(
     stride_bk,
     stride_cm,
     num_programs,
-    SPLITS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """C[M, N] = A[M, K] @ B[N, K]^T (+ bias[N]); program p takes work items p, p + num_programs, ...
-    An item is (M tile, N tile, K range); with SPLITS > 1, C is the float32 partials [SPLITS, M, N]
-    (no bias: ``_sum_splits_kernel`` adds it)."""
+    """C[M, N] = A[M, K] @ B[N, K]^T (+ bias[N]); program p takes tiles p, p + num_programs, ..."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    num_items = tl.cdiv(M, BLOCK_M) * tiles_n * SPLITS
-    k_range = K // SPLITS
-    for item in range(pid, num_items, num_programs):
-        tile = item // SPLITS
-        split = item % SPLITS
+    num_tiles = tl.cdiv(M, BLOCK_M) * tiles_n
+    for tile in range(pid, num_tiles, num_programs):
         rm = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
         b_cols = b_ptr + rn.to(tl.int64)[None, :] * stride_bn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        k_start = split * k_range
-        for k0 in range(k_start, k_start + k_range, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             k = k0 + rk
             a = tl.load(a_rows + k[None, :] * stride_ak, mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
             b = tl.load(b_cols + k[:, None] * stride_bk, mask=(k[:, None] < K) & (rn[None, :] < N), other=0.0)
@@ -97,24 +78,10 @@ def _persistent_matmul_kernel(
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
-        if HAS_BIAS and SPLITS == 1:
+        if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        c = c_ptr + split.to(tl.int64) * M * N + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+        c = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-@triton.jit(do_not_specialize=["MN"])
-def _sum_splits_kernel(part_ptr, bias_ptr, c_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """C = ((partial 0 + partial 1) + ...) (+ bias), rounded once: the same order for every element."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,15 +98,14 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out.reshape(*x.shape[:-1], N)
-    splits = split_k(N, K)
-    target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
-    num_items = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N) * splits
-    programs = min(num_items, num_sms(x.device))
+    BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages = tile_for(M)
+    num_tiles = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
+    programs = min(num_tiles, num_sms(x.device))
     _persistent_matmul_kernel[(programs,)](
         a,
         weight,
         bias if bias is not None else out,
-        target,
+        out,
         M,
         N,
         K,
@@ -149,19 +115,12 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         weight.stride(1),
         out.stride(0),
         programs,
-        SPLITS=splits,
         HAS_BIAS=bias is not None,
         IEEE=x.dtype == torch.float32,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
-    if splits > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(M * N, block),)](
-            target, bias if bias is not None else out, out, M * N, N, SPLITS=splits, HAS_BIAS=bias is not None,
-            BLOCK=block
-        )
     return out.reshape(*x.shape[:-1], N)
