@@ -37,7 +37,8 @@ def _prompt(vocab: int, length: int, seed: int = 1) -> list[int]:
 def _teacher_forced(model, prompt: list[int]) -> torch.Tensor:
     """[T - 1, V] float32: log_softmax of the logits at positions 0 .. T - 2."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt]), use_cache=True).logits[0, :-1].float()
+        ids = torch.tensor([prompt], device=next(model.parameters()).device)
+        logits = model(ids, use_cache=True).logits[0, :-1].float()
     return torch.log_softmax(logits, dim=-1)
 
 
