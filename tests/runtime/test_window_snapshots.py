@@ -18,6 +18,7 @@ from oscar_compile.runtime.core.page_plan import CacheLayout
 from oscar_compile.runtime.core.sampling_params import SamplingParams
 from oscar_compile.runtime.core.scheduler import Scheduler
 from oscar_compile.runtime.core.sequence import FinishReason, Sequence
+from oscar_compile.runtime.core.swap_space import SwapSpace
 from oscar_compile.runtime.core.window_snapshots import (
     WindowSnapshots,
     default_interval,
@@ -135,8 +136,6 @@ def test_random_workload_hits_snapshots_and_leaks_no_page(layout, num_quant, swa
     """Shared stems, preemption (recomputed, or swapped) under a small history pool: every
     position reads back its own identity at every step, in the standard state; once all
     finished, every page is cached or free, and free after the cache is reset."""
-    from oscar_compile.runtime.core.swap_space import SwapSpace
-
     rng = random.Random(hash((tuple(layout.values()), num_quant, swap)) & 0xFFFF)
     bm = make_bm(num_window=6 * (layout["sink"] + layout["recent"]) // P, num_quant=num_quant, interval=32, **layout)
     if swap:
