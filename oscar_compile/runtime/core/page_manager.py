@@ -84,16 +84,13 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from oscar_compile.formats.cache import CacheLayout
 from oscar_compile.runtime.core.page_pool import PagePool
+from oscar_compile.runtime.core.page_records import PageCopy, PrefixMatch, SwapCopy
 from oscar_compile.runtime.core.sequence import Sequence
 from oscar_compile.runtime.core.swap_space import SwapSpace
-
-if TYPE_CHECKING:
-    from oscar_compile.runtime.core.window_snapshots import WindowSnapshots
+from oscar_compile.runtime.core.window_snapshots import WindowSnapshots
 
 _ROOT_HASH = b""
 
@@ -103,39 +100,6 @@ def hash_block(prev_hash: bytes, token_ids) -> bytes:
     digest = hashlib.blake2b(prev_hash, digest_size=16)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
-
-
-@dataclass(frozen=True)
-class PrefixMatch:
-    """Cached blocks a sequence can reuse, its first ``num_tokens`` tokens: without
-    ``snapshot_pages``, ``(len(window) + len(quant)) * P`` (the ring starts empty); with them, the
-    ring pages of a window snapshot at ``num_tokens`` (window_snapshots.py)."""
-
-    num_tokens: int = 0
-    window_pages: tuple[int, ...] = ()
-    quant_pages: tuple[int, ...] = ()
-    snapshot_pages: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class PageCopy:
-    """Device copies of a fork: page ``window_src[k]`` into ``window_dst[k]`` (and so for quant),
-    every layer, destinations fresh."""
-
-    window_src: tuple[int, ...]
-    window_dst: tuple[int, ...]
-    quant_src: tuple[int, ...]
-    quant_dst: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class SwapCopy:
-    """Pages to copy to (swap out) or from (swap in) the host range at byte ``offset``: window
-    pages first, then history pages, in the sequence's table order."""
-
-    offset: int
-    window_pages: tuple[int, ...]
-    quant_pages: tuple[int, ...]
 
 
 class PageManager:

@@ -47,8 +47,8 @@ import hashlib
 import math
 
 from oscar_compile.formats.cache import CacheLayout
-from oscar_compile.runtime.core.page_manager import PageCopy, PrefixMatch
 from oscar_compile.runtime.core.page_pool import PagePool
+from oscar_compile.runtime.core.page_records import PageCopy, PrefixMatch
 from oscar_compile.runtime.core.sequence import Sequence
 
 
