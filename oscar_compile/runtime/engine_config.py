@@ -195,7 +195,7 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
                                   "tensor-parallel runners do not yet)")
     page_manager.history_hits = (config.prefix_hits == "history"
                                   and bool(getattr(runner, "supports_history_hits", False)))
-    if config.prefix_hits == "snapshot":
+    if config.prefix_hits == "snapshot" and config.enable_prefix_caching:
         _enable_snapshots(page_manager, runner, config.snapshot_interval)
     if not getattr(runner, "supports_staging", False):  # e.g. the exact RecomputeRunner: nothing to stage
         page_manager.staging_pool = PagePool("staging", 0)

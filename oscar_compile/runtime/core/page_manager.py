@@ -276,9 +276,7 @@ class PageManager:
     def capture_snapshot(self, seq: Sequence) -> PageCopy | None:
         """After ``advance``: the copy of ``seq``'s ring into the snapshot at its cached length,
         if one is taken there (window_snapshots.py)."""
-        if self.snapshots is None or not self.enable_prefix_caching:
-            return None
-        return self.snapshots.capture(seq, self.history_len(seq))
+        return None if self.snapshots is None else self.snapshots.capture(seq, self.history_len(seq))
 
     def end_staging(self, seq: Sequence) -> None:
         """The runner has quantized the staged history (every known token is cached): free the
