@@ -4,7 +4,8 @@ steps.
 
 The bundled model, as served (oscar-int2 with its shipped rotations, and the BF16 mode), prefix
 caching off (a hit past the sink reads the shared prefix quantized: another semantics, item 2;
-hits at the sink and swap preemption are tested on the CPU at the end). Three
+hits at the sink and swap preemption are tested on the CPU at the end, and so are the exact hits
+past the sink of decode-consistent prefill, at window snapshots). Three
 prompts: one within the sink + recent windows (320 tokens) and two with INT2 history. With
 128-token steps the prompts prefill in staged chunks while the shorter ones decode, so every row
 meets other batch shapes than alone. In the default mode these cases differ in the last bits
