@@ -107,8 +107,13 @@ class WindowSnapshots:
 
     def lookup(self, block_hash: bytes) -> tuple[int, ...] | None:
         """The pages of the snapshot at the end of block ``block_hash``, if every one is cached."""
-        pages = tuple(self.pool.lookup(snapshot_hash(block_hash, k)) for k in range(self.num_pages))
-        return None if None in pages else pages
+        pages = []
+        for k in range(self.num_pages):  # most boundaries have no snapshot: one hash tells
+            page = self.pool.lookup(snapshot_hash(block_hash, k))
+            if page is None:
+                return None
+            pages.append(page)
+        return tuple(pages)
 
     def match(self, seq: Sequence, window: list[int], quant: list[int]) -> PrefixMatch | None:
         """The hit at the latest snapshot of ``seq``'s prefix, given the run of cached blocks found
