@@ -249,3 +249,16 @@ def test_a_recomputed_sequence_resumes_at_its_own_snapshot(setup):
     assert any(n > SINK_AND_WINDOW for n in resumed), resumed
     for prompt, got in zip(prompts, results, strict=True):
         _assert_equal(got, expected(prompt))
+
+
+def test_snapshots_follow_the_config(setup):
+    """Snapshots exist under decode-consistent prefill with prefix caching and a ring; their
+    interval is whole pages (the tiny layout's P is 4)."""
+    snapshots = _llm(setup, snapshot_interval=8).engine.page_manager.snapshots
+    assert snapshots is not None and snapshots.interval == 8 and snapshots.num_pages == 2  # W / P
+    assert _llm(setup, enable_prefix_caching=False).engine.page_manager.snapshots is None
+    assert _llm(setup, prefix_hits="sink").engine.page_manager.snapshots is None
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        _llm(setup, snapshot_interval=6)
+    with pytest.raises(ValueError, match="snapshot_interval"):
+        EngineConfig(prefill_semantics=DECODE_CONSISTENT, snapshot_interval=0)
