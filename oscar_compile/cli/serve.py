@@ -55,10 +55,15 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
     parser.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
                         help="host memory preempted sequences swap to (default 4; 0: recompute them)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix reuse")
-    parser.add_argument("--prefix-hits", choices=("history", "sink"), default=None,
+    parser.add_argument("--prefix-hits", choices=("history", "sink", "snapshot"), default=None,
                         help="what a prefix-cache hit reuses: sink and INT-b history pages (the continuation reads "
-                             "the shared prefix quantized), or the sink only (a hit computes what a miss does); "
-                             "default: history under prompt-exact prefill, sink under decode-consistent")
+                             "the shared prefix quantized), the sink only (a hit computes what a miss does), or, "
+                             "under decode-consistent prefill, sink and history up to a BF16 window snapshot "
+                             "(exact); default: history under prompt-exact prefill, snapshot under decode-consistent")
+    parser.add_argument("--snapshot-interval", type=int, default=None, metavar="TOKENS",
+                        help="with --prefix-hits snapshot: tokens between a sequence's window snapshots, besides the "
+                             "one at its prompt's end, a multiple of the page size (default: twice the tokens whose "
+                             "INT-b history costs a snapshot's bytes)")
     parser.add_argument("--prefill-semantics", choices=("prompt-exact", "decode-consistent"), default="prompt-exact",
                         help="what prompt tokens read from the cache: prompt-exact (the prompt in full precision, "
                              "as generate() over a whole prompt) or decode-consistent (as a decode step at their "
@@ -179,6 +184,7 @@ def engine_config(args: argparse.Namespace):
                         enable_prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
                         overlap_steps=not args.no_overlap, prefill_staging_memory_gb=args.prefill_staging_memory,
                         swap_space_gb=args.swap_space, prefix_hits=args.prefix_hits,
+                        snapshot_interval=args.snapshot_interval,
                         prefill_semantics=args.prefill_semantics, deterministic=args.deterministic)
 
 

@@ -261,6 +261,8 @@ class LLMEngine:
         now = time.monotonic()
         for seq in out.seqs:
             self.latencies.scheduled(seq, now)
+        for copy in out.page_copies:  # snapshots restored: before the swaps and forwards that may reuse their pages
+            self.runner.copy_pages(copy)
         if out.swap_out or out.swap_in:  # queued before this step's forward, which may reuse the pages
             self.runner.swap(out.swap_out, out.swap_in)
         launched = self._launch(out) if not out.is_empty else None
@@ -271,7 +273,9 @@ class LLMEngine:
             launched = self._sample(launched)
         outputs = failed + (self._read_samples(previous) if previous is not None else [])
         if not out.is_empty:
-            self.scheduler.advance(out)  # after the read: block hashes need the real tokens
+            # after the read: block hashes need the real tokens; snapshots taken before the next forward
+            for copy in self.scheduler.advance(out):
+                self.runner.copy_pages(copy)
             self.num_batched_tokens_total += out.num_batched_tokens
         for parent, choices in self._forks.fork(self.scheduler, self.runner):  # queued before the next forward
             for seq in choices:
@@ -515,6 +519,9 @@ class LLMEngine:
             stats[f"{pool.kind}_pages_cached"] = pool.num_cached
             stats[f"{pool.kind}_pages_free"] = pool.num_free
             stats[f"{pool.kind}_pages_shared"] = pool.num_shared
+        snapshots = bm.snapshots  # window snapshots (decode-consistent prefix hits): taken, hits restored
+        stats["window_snapshots_taken"] = snapshots.num_captured if snapshots is not None else 0
+        stats["window_snapshot_hits"] = snapshots.num_hits if snapshots is not None else 0
         for kind in ("window", "quant"):  # parallel sampling: the pages choices took at their fork
             stats[f"fork_{kind}_pages_shared"] = bm.num_fork_pages_shared[kind]
             stats[f"fork_{kind}_pages_copied"] = bm.num_fork_pages_copied[kind]

@@ -19,6 +19,7 @@ from oscar_compile.runtime.core.page_manager import PageManager
 from oscar_compile.runtime.core.page_plan import GIB, plan_pages
 from oscar_compile.runtime.core.page_pool import PagePool
 from oscar_compile.runtime.core.swap_space import SwapSpace
+from oscar_compile.runtime.core.window_snapshots import WindowSnapshots, default_interval, history_tokens_per_snapshot
 from oscar_compile.runtime.engine import LLMEngine
 from oscar_compile.runtime.worker.runner import ModelRunner, RecomputeRunner
 
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 _CPU_KV_MEMORY_GB = 1.0  # bookkeeping budget on CPU, where only the recompute runner exists
 _GPU_KV_FRACTION = 0.5  # share of the GPU memory left free after the weights
+PREFIX_HITS = ("history", "sink", "snapshot")  # EngineConfig.prefix_hits
 
 
 @dataclass
@@ -56,14 +58,18 @@ class EngineConfig:
     num_staging_pages: int | None = None
     swap_space_gb: float = 4.0  # host memory preempted sequences swap to (pinned on CUDA); 0 = recompute
     # "history": prefix-cache hits reuse sink and INT-b history pages (the continuation reads the
-    # shared prefix quantized); "sink": hits stop at the sink, so a hit computes what a miss does.
-    # None: "history" under prompt-exact prefill, "sink" under decode-consistent prefill
+    # shared prefix quantized); "sink": hits stop at the sink, so a hit computes what a miss does;
+    # "snapshot" (decode-consistent prefill only): hits past the sink resume at BF16 window
+    # snapshots (runtime/core/window_snapshots.py), exact. None: "history" under prompt-exact
+    # prefill, "snapshot" under decode-consistent prefill
     prefix_hits: str | None = None
+    # tokens between the window snapshots of a sequence (besides the one at its prompt's end), a
+    # multiple of the page size; None: twice the tokens whose INT-b history costs a snapshot's bytes
+    snapshot_interval: int | None = None
     # what prompt tokens read from the cache (formats/prefill.py): "prompt-exact" (full precision
     # within the prompt, staged across chunks) or "decode-consistent" (as the decode step at their
     # position reads it; CPU only, no staging: chunked, batched and recomputed prefills then equal
-    # the decode steps). Hits past the sink would read the window of the hit quantized, so under
-    # decode-consistent prefill they stop at the sink until window snapshots exist (issue 31)
+    # the decode steps, and so do prefix hits at window snapshots)
     prefill_semantics: str = PROMPT_EXACT
     # the base of the seeds of requests that give none (sampling_params.default_seed); vLLM's --seed
     seed: int = 0
@@ -86,15 +92,35 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         decode_consistent = check_prefill_semantics(self.prefill_semantics) == DECODE_CONSISTENT
         if self.prefix_hits is None:
-            self.prefix_hits = "sink" if decode_consistent else "history"
-        if self.prefix_hits not in ("history", "sink"):
-            raise ValueError(f"prefix_hits must be 'history' or 'sink', got {self.prefix_hits!r}")
+            self.prefix_hits = "snapshot" if decode_consistent else "history"
+        if self.prefix_hits not in PREFIX_HITS:
+            raise ValueError(f"prefix_hits must be one of {PREFIX_HITS}, got {self.prefix_hits!r}")
         if decode_consistent and self.prefix_hits == "history":
             raise NotImplementedError("prefix_hits='history' with decode-consistent prefill: a hit past the sink "
-                                      "has only the quantized history of its window, where a miss reads it at "
-                                      "window precision (BF16 window snapshots are not built yet); use 'sink'")
+                                      "would read its window from the quantized history, where a miss reads it at "
+                                      "window precision; use 'snapshot' (hits at BF16 window snapshots, exact) "
+                                      "or 'sink'")
+        if not decode_consistent and self.prefix_hits == "snapshot":
+            raise NotImplementedError("prefix_hits='snapshot' needs decode-consistent prefill: under prompt-exact "
+                                      "prefill a miss reads the whole prompt at full precision, so no window "
+                                      "snapshot makes a hit exact; use 'history' or 'sink'")
+        if self.snapshot_interval is not None and self.snapshot_interval < 1:
+            raise ValueError(f"snapshot_interval must be >= 1, got {self.snapshot_interval}")
         if (self.num_window_pages is None) != (self.num_quant_pages is None):
             raise ValueError("give both num_window_pages and num_quant_pages, or neither")
+
+
+def _enable_snapshots(page_manager: PageManager, runner: ModelRunner, interval: int | None) -> None:
+    """Exact hits past the sink (``prefix_hits="snapshot"``): window snapshots where there is a
+    ring; without one (the BF16 mode) every hit is a standard state, hence exact already."""
+    layout = page_manager.layout
+    if not layout.recent:
+        page_manager.history_hits = bool(getattr(runner, "supports_history_hits", False))
+    elif hasattr(runner, "copy_pages"):
+        interval = interval if interval is not None else default_interval(layout)
+        page_manager.snapshots = WindowSnapshots(layout, page_manager.window_pool, interval)
+        logger.info("window snapshots every %d tokens and at each prompt's end: %d B each (the history of %.0f "
+                    "tokens)", interval, page_manager.snapshots.snapshot_bytes, history_tokens_per_snapshot(layout))
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -169,6 +195,8 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
                                   "tensor-parallel runners do not yet)")
     page_manager.history_hits = (config.prefix_hits == "history"
                                   and bool(getattr(runner, "supports_history_hits", False)))
+    if config.prefix_hits == "snapshot" and config.enable_prefix_caching:
+        _enable_snapshots(page_manager, runner, config.snapshot_interval)
     if not getattr(runner, "supports_staging", False):  # e.g. the exact RecomputeRunner: nothing to stage
         page_manager.staging_pool = PagePool("staging", 0)
     if not getattr(runner, "supports_swapping", False):

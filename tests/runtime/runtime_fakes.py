@@ -129,6 +129,8 @@ def run_scheduler(scheduler: Scheduler, cache: IdentityCache, vocab: int = 50,
         stats["steps"] += 1
         assert stats["steps"] < max_steps, "no progress"
         out = scheduler.schedule()
+        for copy in out.page_copies:  # window snapshots restored into the rings of hits
+            cache.copy_pages(copy)
         if out.swap_out or out.swap_in:  # (only with swap space; the identity cache follows the copies)
             cache.swap(out.swap_out, out.swap_in)
         assert out.num_batched_tokens <= scheduler.max_num_batched_tokens
@@ -141,7 +143,8 @@ def run_scheduler(scheduler: Scheduler, cache: IdentityCache, vocab: int = 50,
         for seq, num_new in zip(out.seqs, out.num_new_tokens, strict=True):
             assert num_new >= 1
             cache.write(seq, num_new)
-        scheduler.advance(out)
+        for copy in scheduler.advance(out):  # window snapshots taken
+            cache.copy_pages(copy)
         for seq in scheduler.running:  # shared pages: a bad write shows up in any holder
             cache.check(seq)
         for seq in out.seqs:

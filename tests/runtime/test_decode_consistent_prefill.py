@@ -159,8 +159,10 @@ def test_prompt_exact_differs(setup):
 def test_refusals():
     with pytest.raises(NotImplementedError, match="snapshots"):
         EngineConfig(prefill_semantics=DECODE_CONSISTENT, prefix_hits="history")
-    assert EngineConfig(prefill_semantics=DECODE_CONSISTENT).prefix_hits == "sink"
+    assert EngineConfig(prefill_semantics=DECODE_CONSISTENT).prefix_hits == "snapshot"
     assert EngineConfig().prefix_hits == "history"
+    with pytest.raises(NotImplementedError, match="needs decode-consistent"):
+        EngineConfig(prefix_hits="snapshot")
     with pytest.raises(ValueError, match="prefill semantics"):
         EngineConfig(prefill_semantics="exact")
     with pytest.raises(NotImplementedError, match="GPU"):
@@ -191,3 +193,72 @@ def test_a_runner_without_it_is_refused(setup):
     config = EngineConfig(prefill_semantics=DECODE_CONSISTENT, layout=layout, num_window_pages=8, num_quant_pages=8)
     with pytest.raises(NotImplementedError, match="RecomputeRunner does not run decode-consistent"):
         build_engine(model, tokenizer, config, runner=RecomputeRunner(model))
+
+
+# ---- exact prefix hits at window snapshots (runtime/core/window_snapshots.py) ----------------
+SINK_AND_WINDOW = 4 + 8  # S0 + W: a hit past this resumes with history pages and a restored ring
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_resent_prompt_resumes_at_its_snapshot(setup, deterministic):
+    """The resend resumes at the snapshot taken at its prompt's last page boundary (44 of 45
+    tokens) and computes one token: what the prompt gives alone on a fresh engine, bitwise."""
+    expected = setup[3]
+    prompt = _prompts(400, [45], seed=6)[0]
+    (alone,), _ = _run(_llm(setup, deterministic=deterministic), [prompt])
+    llm = _llm(setup, deterministic=deterministic)
+    (first,), _ = _run(llm, [prompt])
+    (again,), (seq,) = _run(llm, [prompt])
+    assert seq.num_cached_prompt_tokens == 44 > SINK_AND_WINDOW
+    assert llm.engine.stats()["window_snapshot_hits"] == 1
+    assert again == first == alone
+    _assert_equal(again, expected(prompt))
+
+
+def test_a_shared_prefix_resumes_at_the_last_snapshot_within_it(setup):
+    """Two prompts share 60 tokens; with snapshots every 16 tokens the second resumes at 48 (its
+    history [4, 40) shared, its ring restored) and equals itself alone."""
+    expected = setup[3]
+    prefix, first_tail, second_tail = _prompts(400, [60, 10, 15], seed=8)
+    second = prefix + second_tail
+    (alone,), _ = _run(_llm(setup, snapshot_interval=16), [second])
+    llm = _llm(setup, snapshot_interval=16)
+    _run(llm, [prefix + first_tail])
+    (got,), (seq,) = _run(llm, [second])
+    assert seq.num_cached_prompt_tokens == 48
+    assert got == alone
+    _assert_equal(got, expected(second))
+
+
+def test_a_recomputed_sequence_resumes_at_its_own_snapshot(setup):
+    """No swap space and few history pages: preempted sequences are recomputed, and resume at a
+    snapshot of their own (generated tokens included) past the sink and window."""
+    expected = setup[3]
+    prompts = _prompts(400, [45, 60, 38, 70], seed=7)
+    llm = _llm(setup, num_quant_pages=24, swap_space_gb=0, snapshot_interval=16)
+    page_manager = llm.engine.page_manager
+    allocate, resumed = page_manager.allocate, []
+
+    def record(seq, match, *args):
+        if seq.num_preemptions:
+            resumed.append(match.num_tokens)
+        return allocate(seq, match, *args)
+
+    page_manager.allocate = record
+    results, _ = _run(llm, prompts)
+    assert any(n > SINK_AND_WINDOW for n in resumed), resumed
+    for prompt, got in zip(prompts, results, strict=True):
+        _assert_equal(got, expected(prompt))
+
+
+def test_snapshots_follow_the_config(setup):
+    """Snapshots exist under decode-consistent prefill with prefix caching and a ring; their
+    interval is whole pages (the tiny layout's P is 4)."""
+    snapshots = _llm(setup, snapshot_interval=8).engine.page_manager.snapshots
+    assert snapshots is not None and snapshots.interval == 8 and snapshots.num_pages == 2  # W / P
+    assert _llm(setup, enable_prefix_caching=False).engine.page_manager.snapshots is None
+    assert _llm(setup, prefix_hits="sink").engine.page_manager.snapshots is None
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        _llm(setup, snapshot_interval=6)
+    with pytest.raises(ValueError, match="snapshot_interval"):
+        EngineConfig(prefill_semantics=DECODE_CONSISTENT, snapshot_interval=0)

@@ -4,7 +4,8 @@ steps.
 
 The bundled model, as served (oscar-int2 with its shipped rotations, and the BF16 mode), prefix
 caching off (a hit past the sink reads the shared prefix quantized: another semantics, item 2;
-hits at the sink and swap preemption are tested on the CPU at the end). Three
+hits at the sink and swap preemption are tested on the CPU at the end, and so are the exact hits
+past the sink of decode-consistent prefill, at window snapshots). Three
 prompts: one within the sink + recent windows (320 tokens) and two with INT2 history. With
 128-token steps the prompts prefill in staged chunks while the shorter ones decode, so every row
 meets other batch shapes than alone. In the default mode these cases differ in the last bits
@@ -120,3 +121,26 @@ def test_the_serve_flag_sets_the_engine_config():
 
     assert engine_config(parse_args(["--deterministic"])).deterministic
     assert not engine_config(parse_args([])).deterministic
+
+
+def test_decode_consistent_hits_at_window_snapshots_bitwise():
+    """Under decode-consistent prefill a hit past the sink resumes at a BF16 window snapshot
+    (runtime/core/window_snapshots.py): S0 = 64, W = 256, P = 16 here. A 450-token prompt resent
+    resumes at 448; a prompt sharing its first 400 tokens with an earlier one resumes at 384 (the
+    last multiple of the 128-token interval in the shared part). Each equals itself alone on a
+    fresh engine, bitwise. One request at a time: the decode-consistent path is not batch
+    invariant in this mode yet (the second prompt beside the first differs in the last bits,
+    with or without prefix caching)."""
+    config = dict(enable_prefix_caching=True, prefill_semantics="decode-consistent", max_num_batched_tokens=128,
+                  snapshot_interval=128)
+    ids = np.fromfile(BUNDLED_MODEL_DIR / "heldout.bin", dtype=np.uint16)[:6000].astype(int).tolist()
+    resent, stem = ids[3000:3450], ids[100:500]
+    first, second = stem + ids[600:650], stem + ids[900:960]
+    alone = [_results(_llm("oscar-int2", **config).generate([p], PARAMS))[0] for p in (resent, second)]
+    llm = _llm("oscar-int2", **config)
+    for prompt in (resent, first):
+        llm.generate([prompt], PARAMS)
+    outputs = [llm.generate([prompt], PARAMS)[0] for prompt in (resent, second)]
+    assert [o.num_cached_prompt_tokens for o in outputs] == [448, 384]
+    assert _results(outputs) == alone
+    assert llm.engine.stats()["window_snapshot_hits"] == 2

@@ -33,6 +33,13 @@ default; ``build_engine`` sets it from the runner's ``supports_history_hits``: t
 runner passes ``history_lens``); without them a hit also stops at the sink (R <= S0), which is
 always a standard state.
 
+Window snapshots (window_snapshots.py; ``snapshots``, set under decode-consistent prefill). A hit
+may also end at a page boundary R at which a sequence's ring pages were copied: it shares the
+sink and the history ``[S0, R - W)``, and ``allocate`` returns the copy of the snapshot into its
+fresh ring pages. The state is then the standard one (``history_floor = 0``), so the hit is exact
+(R <= n - 1 only: the ring is restored, not recomputed). Without a snapshot such a hit stops at
+the sink.
+
 Exactness: equal hashes mean equal tokens, hence equal K/V for an exact runner. With a quantized
 cache, a hit past the sink reads the shared history quantized where a miss would attend to those
 tokens in full precision (README, "Prefix-cache hits").
@@ -77,12 +84,13 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from dataclasses import dataclass
 
 from oscar_compile.formats.cache import CacheLayout
 from oscar_compile.runtime.core.page_pool import PagePool
+from oscar_compile.runtime.core.page_records import PageCopy, PrefixMatch, SwapCopy
 from oscar_compile.runtime.core.sequence import Sequence
 from oscar_compile.runtime.core.swap_space import SwapSpace
+from oscar_compile.runtime.core.window_snapshots import WindowSnapshots
 
 _ROOT_HASH = b""
 
@@ -94,42 +102,13 @@ def hash_block(prev_hash: bytes, token_ids) -> bytes:
     return digest.digest()
 
 
-@dataclass(frozen=True)
-class PrefixMatch:
-    """Cached blocks a sequence can reuse: ``num_tokens = (len(window) + len(quant)) * P``."""
-
-    num_tokens: int = 0
-    window_pages: tuple[int, ...] = ()
-    quant_pages: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class PageCopy:
-    """Device copies of a fork: page ``window_src[k]`` into ``window_dst[k]`` (and so for quant),
-    every layer, destinations fresh."""
-
-    window_src: tuple[int, ...]
-    window_dst: tuple[int, ...]
-    quant_src: tuple[int, ...]
-    quant_dst: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class SwapCopy:
-    """Pages to copy to (swap out) or from (swap in) the host range at byte ``offset``: window
-    pages first, then history pages, in the sequence's table order."""
-
-    offset: int
-    window_pages: tuple[int, ...]
-    quant_pages: tuple[int, ...]
-
-
 class PageManager:
     def __init__(self, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
                  enable_prefix_caching: bool = True, history_hits: bool = False,
                  num_staging_pages: int = 0, swap_space: SwapSpace | None = None):
         self.layout = layout
         self.history_hits = history_hits
+        self.snapshots: WindowSnapshots | None = None  # window snapshots (module docstring)
         self.window_pool = PagePool("window", num_window_pages)
         self.quant_pool = PagePool("quant", num_quant_pages)
         # no staging in the BF16 mode: nothing is ever quantized
@@ -148,8 +127,7 @@ class PageManager:
     def history_len(self, seq: Sequence, num_cached_tokens: int | None = None) -> int:
         """History tokens ``h`` held when ``num_cached_tokens`` (default: now) are cached."""
         L = seq.num_cached_tokens if num_cached_tokens is None else num_cached_tokens
-        floor = max(0, seq.num_prefix_cached_tokens - self.layout.sink)
-        return self.layout.num_history_tokens(L, floor)
+        return self.layout.num_history_tokens(L, seq.history_floor)
 
     def max_seq_len(self, num_choices: int = 1, num_prompt_tokens: int = 0) -> int:
         """The longest sequence the pools can hold on their own (0 if its windows do not fit); with
@@ -180,19 +158,28 @@ class PageManager:
         if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return PrefixMatch()
         self._update_hashes(seq)
-        P, num_sink = self.layout.page_size, self.layout.num_sink_pages
         limit = max(seq.num_tokens - max(self.layout.recent, 1), 0)
+        if self.snapshots is not None:
+            match = self.snapshots.match(seq, *self._cached_run(seq, seq.num_tokens - 1))
+            if match is not None:
+                return match
         if not self.history_hits and self.layout.recent > 0:
             limit = min(limit, self.layout.sink)
+        window, quant = self._cached_run(seq, limit)
+        return PrefixMatch((len(window) + len(quant)) * self.layout.page_size, tuple(window), tuple(quant))
+
+    def _cached_run(self, seq: Sequence, limit: int) -> tuple[list[int], list[int]]:
+        """(sink pages, history pages) of the longest run of cached blocks within ``[0, limit)``."""
+        num_sink = self.layout.num_sink_pages
         window: list[int] = []
         quant: list[int] = []
-        for k in range(min(limit // P, len(seq.block_hashes))):
+        for k in range(min(limit // self.layout.page_size, len(seq.block_hashes))):
             is_sink = k < num_sink
             page = (self.window_pool if is_sink else self.quant_pool).lookup(seq.block_hashes[k])
             if page is None:
                 break
             (window if is_sink else quant).append(page)
-        return PrefixMatch((len(window) + len(quant)) * P, tuple(window), tuple(quant))
+        return window, quant
 
     def staging_need(self, seq: Sequence, match: PrefixMatch, num_new_tokens: int) -> int:
         """Staging pages ``seq`` takes if admitted with ``match`` and a first chunk of
@@ -213,20 +200,22 @@ class PageManager:
         """Room to admit ``seq`` with ``match`` and to cache its first ``num_new_tokens``
         (and ``num_staging`` staging pages)."""
         num_window = self.layout.num_window_pages_per_seq - len(match.window_pages)
-        floor = max(0, match.num_tokens - self.layout.sink)
-        history = self.layout.num_history_tokens(match.num_tokens + num_new_tokens, floor)
+        history = self.layout.num_history_tokens(match.num_tokens + num_new_tokens, self._history_floor(match))
         num_quant = self.layout.num_quant_pages_for(history) - len(match.quant_pages)
         fork_window, fork_quant = self.fork_need(seq)
-        return (num_window + fork_window <= self._num_available(self.window_pool, match.window_pages)
+        held = match.window_pages + match.snapshot_pages
+        return (num_window + fork_window <= self._num_available(self.window_pool, held)
                 and num_quant + fork_quant <= self._num_available(self.quant_pool, match.quant_pages)
                 and num_staging <= self.staging_pool.num_available)
 
-    def allocate(self, seq: Sequence, match: PrefixMatch, num_staging: int = 0) -> None:
-        """Give ``seq`` its window pages and the matched prefix; its cache then holds R tokens."""
+    def allocate(self, seq: Sequence, match: PrefixMatch, num_staging: int = 0) -> PageCopy | None:
+        """Give ``seq`` its window pages and the matched prefix; its cache then holds R tokens.
+        Returns the copy of a matched window snapshot into its ring, which the runner makes
+        before the step's swaps and forward (the only writers of pages taken after it)."""
         if seq.has_pages:
             raise RuntimeError(f"{seq} already has pages")
         # Take the references first so fresh allocations cannot evict the matched pages.
-        for page in match.window_pages:
+        for page in match.window_pages + match.snapshot_pages:
             self.window_pool.acquire(page)
         for page in match.quant_pages:
             self.quant_pool.acquire(page)
@@ -234,6 +223,7 @@ class PageManager:
         seq.window_pages = list(match.window_pages) + [self.window_pool.allocate() for _ in range(num_fresh)]
         seq.quant_pages = list(match.quant_pages)
         seq.num_cached_tokens = seq.num_prefix_cached_tokens = match.num_tokens
+        seq.history_floor = self._history_floor(match)
         seq.num_cached_prompt_tokens = min(match.num_tokens, seq.num_prompt_tokens)
         seq.num_committed_blocks = len(match.window_pages) + len(match.quant_pages)
         seq.staging_pages = [self.staging_pool.allocate() for _ in range(num_staging)]
@@ -246,6 +236,11 @@ class PageManager:
         if self.enable_prefix_caching:
             self.num_prefix_queried_tokens += seq.num_tokens
             self.num_prefix_hit_tokens += match.num_tokens
+        if not match.snapshot_pages:
+            return None
+        for page in match.snapshot_pages:  # back to the cache, as recently used
+            self.window_pool.release(page)
+        return self.snapshots.restore(match.snapshot_pages, seq.window_pages[len(match.window_pages):])
 
     # ---- growth ------------------------------------------------------------------------------
     def _num_quant_pages_missing(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -273,6 +268,15 @@ class PageManager:
             else:
                 self.quant_pool.register(seq.quant_pages[k - num_sink], seq.block_hashes[k])
         seq.num_committed_blocks = max(seq.num_committed_blocks, num_final)
+
+    def cut_chunk(self, seq: Sequence, num_cached: int, num_new: int) -> int:
+        """``num_new`` tokens after ``num_cached``, ended at the next window-snapshot boundary."""
+        return num_new if self.snapshots is None else self.snapshots.cut(seq, num_cached, num_new)
+
+    def capture_snapshot(self, seq: Sequence) -> PageCopy | None:
+        """After ``advance``: the copy of ``seq``'s ring into the snapshot at its cached length,
+        if one is taken there (window_snapshots.py)."""
+        return None if self.snapshots is None else self.snapshots.capture(seq, self.history_len(seq))
 
     def end_staging(self, seq: Sequence) -> None:
         """The runner has quantized the staged history (every known token is cached): free the
@@ -376,6 +380,7 @@ class PageManager:
                                             parent.fork_quant_pages, quant_src, quant_dst)
             child.num_cached_tokens = parent.num_cached_tokens
             child.num_prefix_cached_tokens = parent.num_prefix_cached_tokens
+            child.history_floor = parent.history_floor
             child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
             child.block_hashes = list(parent.block_hashes)
             child.num_committed_blocks = parent.num_committed_blocks
@@ -398,6 +403,11 @@ class PageManager:
         if seq.num_cached_tokens < sink:
             return seq.num_cached_tokens // P
         return self.layout.num_sink_pages + self.history_len(seq) // P
+
+    def _history_floor(self, match: PrefixMatch) -> int:
+        """The history a sequence admitted with ``match`` keeps while its ring refills (module
+        docstring): none after a snapshot, whose ring is restored."""
+        return 0 if match.snapshot_pages else max(0, match.num_tokens - self.layout.sink)
 
     @staticmethod
     def _num_available(pool: PagePool, matched: tuple[int, ...]) -> int:

@@ -23,6 +23,11 @@ choices will take reserved, and counts as n against ``max_num_seqs``; once its p
 ``fork`` puts the choices into ``running`` right after it (their seq_ids were reserved at its
 arrival, so the order below holds).
 
+Window snapshots (page_manager, "Window snapshots"; decode-consistent prefill only): chunks end
+at snapshot boundaries, ``advance`` returns the copies that take the snapshots and an admission
+at a snapshot leaves the copy that restores it in ``SchedulerOutput.page_copies``; the runner
+makes each before the next forward.
+
 Invariant (tested): every running sequence arrived before every waiting one, so ``running`` is
 sorted by arrival and ``running[-1]`` is the newest.
 """
@@ -48,6 +53,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     swap_out: list[SwapCopy] = field(default_factory=list)  # copy these out before the forward
     swap_in: list[SwapCopy] = field(default_factory=list)  # then these in
+    page_copies: list[PageCopy] = field(default_factory=list)  # window snapshots into new rings: first of all
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)
@@ -116,9 +122,11 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
-    def advance(self, out: SchedulerOutput) -> None:
+    def advance(self, out: SchedulerOutput) -> list[PageCopy]:
         """The runner has cached the step's tokens: move counters, publish finished blocks.
-        Sequences that ended meanwhile (an overlapped step read their last token) are skipped."""
+        Sequences that ended meanwhile (an overlapped step read their last token) are skipped.
+        Returns the window snapshots' copies, to make before the next forward."""
+        captures = []
         for seq, num_new in zip(out.seqs, out.num_new_tokens, strict=True):
             if seq.status is not SequenceStatus.RUNNING:
                 continue
@@ -126,6 +134,10 @@ class Scheduler:
             if seq.is_staged and seq.num_cached_tokens >= seq.num_tokens:
                 self.page_manager.end_staging(seq)  # the runner quantized the staged history
             self.page_manager.commit(seq)
+            capture = self.page_manager.capture_snapshot(seq)
+            if capture is not None:
+                captures.append(capture)
+        return captures
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence (stop, length or abort) wherever it is and free its pages."""
@@ -156,7 +168,7 @@ class Scheduler:
             if seq.num_pending and seq.num_tokens + seq.num_pending >= self.max_num_tokens(seq):
                 index += 1  # its last token is still on the device: it ends when that arrives
                 continue
-            num_new = min(seq.num_uncached_tokens, budget)
+            num_new = self.page_manager.cut_chunk(seq, seq.num_cached_tokens, min(seq.num_uncached_tokens, budget))
             if not self._make_room(seq, num_new, out):
                 break  # seq itself was the newest and got preempted
             self.page_manager.may_append(seq, num_new)
@@ -196,7 +208,7 @@ class Scheduler:
             if len(self.running) + 1 + seq.num_forks > self.max_num_seqs:
                 break  # its choices would not fit the sequence slots
             num_new = (self._swap_in(seq, budget, out) if seq.status is SequenceStatus.SWAPPED
-                       else self._admit(seq, budget))
+                       else self._admit(seq, budget, out))
             if not num_new:
                 break
             self.waiting.popleft()
@@ -206,12 +218,12 @@ class Scheduler:
             out.add(seq, num_new)
             budget -= num_new
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Allocate the pages (and staging pages) of a new or recomputed ``seq``; its first chunk
         length, or 0 if it must wait."""
         page_manager = self.page_manager
         match = page_manager.match_prefix(seq)
-        num_new = min(seq.num_tokens - match.num_tokens, budget)
+        num_new = page_manager.cut_chunk(seq, match.num_tokens, min(seq.num_tokens - match.num_tokens, budget))
         num_staging = page_manager.staging_need(seq, match, num_new)
         if num_staging > page_manager.staging_pool.num_pages:
             if seq.num_output_tokens == 0:
@@ -219,11 +231,13 @@ class Scheduler:
             num_staging = 0  # recomputing a sequence that has outputs: inexact anyway
         if not page_manager.can_allocate(seq, match, num_new, num_staging):
             return 0
-        page_manager.allocate(seq, match, num_staging)
+        copy = page_manager.allocate(seq, match, num_staging)
+        if copy is not None:
+            out.page_copies.append(copy)
         return num_new
 
     def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
-        num_new = min(seq.num_uncached_tokens, budget)
+        num_new = self.page_manager.cut_chunk(seq, seq.num_cached_tokens, min(seq.num_uncached_tokens, budget))
         if num_new < 1 or not self.page_manager.can_swap_in(seq, num_new):
             return 0
         out.swap_in.append(self.page_manager.swap_in(seq))

@@ -39,8 +39,10 @@ class Sequence:
     of ``window_table`` (sink pages first, then the recent ring), ``quant_pages`` its row of
     ``quant_table`` (history page ``j`` holds positions ``S0 + jP .. S0 + (j+1)P - 1``).
     ``num_prefix_cached_tokens`` is how many tokens the last admission took from the prefix cache
-    (cleared with the pages); ``num_cached_prompt_tokens`` keeps the prompt's share of it for the
-    usage report, past the release of the pages at the finish.
+    (cleared with the pages), ``history_floor`` the history its cache keeps while the ring refills
+    after that hit (page_manager; 0 at the sink and at a window snapshot);
+    ``num_cached_prompt_tokens`` keeps the prompt's share of it for the usage report, past the
+    release of the pages at the finish.
     ``block_hashes[k]`` chains the ids of tokens ``[0, (k+1)P)``; the first
     ``num_committed_blocks`` blocks have final content in the cache and are registered for reuse.
     ``staging_pages`` (non-empty only while a prompt is prefilled in several chunks) is the
@@ -86,6 +88,7 @@ class Sequence:
         self.quant_pages: list[int] = []
         self.num_cached_tokens = 0
         self.num_prefix_cached_tokens = 0
+        self.history_floor = 0
         self.num_cached_prompt_tokens = 0
         self.block_hashes: list[bytes] = []
         self.num_committed_blocks = 0
@@ -170,4 +173,5 @@ class Sequence:
         self.fork_quant_pages = []
         self.num_cached_tokens = 0
         self.num_prefix_cached_tokens = 0
+        self.history_floor = 0
         self.num_committed_blocks = 0

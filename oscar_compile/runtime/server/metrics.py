@@ -61,6 +61,10 @@ _SCALARS = (
     ("oscar_staged_prefills_total", "counter",
      "Prompts prefilled in chunks with their history staged in full precision.", "num_staged_prefills"),
     ("oscar_staging_pages_peak", "gauge", "Most staging pages in use at once.", "staging_pages_peak"),
+    ("oscar_window_snapshots_taken_total", "counter",
+     "BF16 ring copies kept for exact prefix hits (decode-consistent prefill).", "window_snapshots_taken"),
+    ("oscar_window_snapshot_hits_total", "counter",
+     "Admissions that resumed at a window snapshot (a prefix hit past the sink, exact).", "window_snapshot_hits"),
 )
 # (name, help, kernels.jit_watch key): counters of Triton JIT compiles in this process
 _JIT = (
