@@ -61,7 +61,7 @@ class EngineConfig:
     prefix_hits: str | None = None
     # what prompt tokens read from the cache (formats/prefill.py): "prompt-exact" (full precision
     # within the prompt, staged across chunks) or "decode-consistent" (as the decode step at their
-    # position reads it; CPU only, no staging: chunked, batched and recomputed prefills then equal
+    # position reads it; no staging: chunked, batched and recomputed prefills then equal
     # the decode steps). Hits past the sink would read the window of the hit quantized, so under
     # decode-consistent prefill they stop at the sink until window snapshots exist (issue 31)
     prefill_semantics: str = PROMPT_EXACT
