@@ -4,8 +4,8 @@ The reference (attention_decode_consistent_ref) scores a chunk against a dense [
 matrix: at a 32k prompt, 32k x 32k scores per query head. Here the same two views of a
 sequence's keys and values (``decode_consistent_views``, plain torch on the tensors' device:
 positions 0..L+T-1 at window precision, and a copy with positions [S0 + h, L + T) quantized and
-dequantized as ``cache_write`` demotes them; float32 [L + T, H_kv, D] each, O(context) memory)
-are read by a flash-attention kernel: one program per (BLOCK_M new tokens of one sequence, KV
+dequantized as ``cache_write`` demotes them; [L + T, H_kv, D] each, O(context) memory, stored in
+the dots' operand dtype) are read by a flash-attention kernel: one program per (BLOCK_M new tokens of one sequence, KV
 head) holds the g query heads of that KV head (ROWS = BLOCK_M g rows; row r: token
 t0 + r // g), with an online softmax in float32 over key blocks. No T x L matrix is ever built.
 
@@ -24,11 +24,12 @@ The own key starts each row's softmax (max = its score, sum 1, accumulator = its
 row has a finite score from the start and masked keys add exact zeros.
 
 Numerics: with float32 q the dots are IEEE float32 (the reference up to the float summation order
-over a row's keys); with bf16 / fp16 q they take q's dtype on the GPU (the float32 views are
-rounded to it at load: window values are exact in the window dtype, dequantized history values
-are rounded as the extend path rounds them to the window dtype) with float32 accumulation; the
-interpreter computes every dot in float32 (``attention_triton.dot_dtype``). The own score is a
-float32 product sum. The output is rounded once to q.dtype.
+over a row's keys); with bf16 / fp16 q they take q's dtype on the GPU, with float32 accumulation:
+the views are stored in it (half the memory and traffic of float32; window values are exact in
+the window dtype, dequantized history values are rounded once, as the extend path rounds them to
+the window dtype). The interpreter computes every dot, and keeps the views, in float32
+(``attention_triton.dot_dtype``). The own score is a float32 product sum. The output is rounded
+once to q.dtype.
 """
 
 from __future__ import annotations
@@ -200,15 +201,16 @@ def _decode_consistent_kernel(
     )
 
 
-def _packed_views(k, v, cu, lens, hists, tables, pools, sink, recent, bits, group_size, clip_k, clip_v):
+def _packed_views(k, v, cu, lens, hists, tables, pools, sink, recent, bits, group_size, clip_k, clip_v, dtype):
     """The four views of every sequence with new tokens, packed position-major: (k_exact, k_hist,
-    v_exact, v_hist) float32 [sum (L_i + T_i), H_kv, D], and each sequence's first row ([B] int32;
-    0 for a sequence without new tokens, whose views are not built)."""
+    v_exact, v_hist) [sum (L_i + T_i), H_kv, D] in ``dtype`` (the reference's float32 values,
+    rounded once), and each sequence's first row ([B] int32; 0 for a sequence without new tokens,
+    whose views are not built)."""
     k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = pools
     sizes = [L + cu[i + 1] - cu[i] if cu[i + 1] > cu[i] else 0 for i, L in enumerate(lens)]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     H_kv, D = k.shape[1], k.shape[2]
-    views = [torch.empty(sum(sizes), H_kv, D, dtype=torch.float32, device=k.device) for _ in range(4)]
+    views = [torch.empty(sum(sizes), H_kv, D, dtype=dtype, device=k.device) for _ in range(4)]
     for i, L in enumerate(lens):
         if not sizes[i]:
             continue
@@ -232,8 +234,10 @@ def attention_decode_consistent_triton(
     k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype (rows past cu_seqlens[B]: zero, as the reference).
 
     ``block_rows``: query rows per program (BLOCK_M = block_rows // g tokens times g heads).
-    ``num_stages`` 2: Triton's default of 3 would pipeline the float32 view tiles into 288 KiB of
-    shared memory at head_dim 128 (compile_offline), over the 227 KiB an sm_90 block may use. Reads
+    ``num_stages`` 2: with Triton's default of 3 the pipelined float32 view tiles of a float32
+    call at head_dim 128 take 304 KiB of shared memory (compile_offline), over the 227 KiB an
+    sm_90 block may use (bf16: 208 KiB with 3 stages, 144 KiB with 2; not measured which is
+    faster). Reads
     ``cu_seqlens``, ``cache_lens`` and ``history_lens`` on the host (the views are built per
     sequence): not for a captured CUDA graph. A head_dim the kernel's tiles cannot take (not a
     power of two >= 16) runs the reference."""
@@ -273,11 +277,11 @@ def attention_decode_consistent_triton(
     blocks = [(i, t0) for i in range(len(lens)) for t0 in range(0, cu[i + 1] - cu[i], block_m)]
     if not blocks:
         return out
-    geometry = (sink, recent, bits, group_size)
-    views, vstart = _packed_views(k, v, cu, lens, hists, (window_table, quant_table), pools, *geometry, clip_k, clip_v)
+    dot_dt = dot_dtype(q.dtype)
+    geometry = (sink, recent, bits, group_size, clip_k, clip_v, torch.float32 if dot_dt == tl.float32 else q.dtype)
+    views, vstart = _packed_views(k, v, cu, lens, hists, (window_table, quant_table), pools, *geometry)
     bseq, bt0 = torch.tensor(blocks, dtype=torch.int32, device=q.device).T.contiguous()
     hist = torch.tensor(hists, dtype=torch.int32, device=q.device)
-    dot_dt = dot_dtype(q.dtype)
     _decode_consistent_kernel[(len(blocks), H_kv)](
         q, k, v, out, cu_seqlens, cache_lens, hist, vstart, bseq, bt0, *views, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -298,14 +302,14 @@ def compile_offline(
     num_stages: int = 2,
 ):
     """Compile the kernel for sm_90 without a GPU (CI: it must build for the device, not only run
-    in the interpreter). ``dtype``: q, k, v and the output ("bf16", "fp16" or "fp32"). Returns
+    in the interpreter). ``dtype``: q, k, v, the views and the output ("bf16", "fp16" or "fp32"). Returns
     Triton's compiled kernel (``.asm["ptx"]``, ``.metadata``)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     ptrs = dict(q_ptr=dtype, k_ptr=dtype, v_ptr=dtype, out_ptr=dtype, cu_ptr="i32", lens_ptr="i32", hist_ptr="i32",
-                vstart_ptr="i32", bseq_ptr="i32", bt0_ptr="i32", ke_ptr="fp32", kh_ptr="fp32", ve_ptr="fp32",
-                vh_ptr="fp32")  # fmt: skip
+                vstart_ptr="i32", bseq_ptr="i32", bt0_ptr="i32", ke_ptr=dtype, kh_ptr=dtype, ve_ptr=dtype,
+                vh_ptr=dtype)  # fmt: skip
     sig = {name: f"*{t}" for name, t in ptrs.items()}
     sig.update(qk_scale="fp32", sqn="i32", sqh="i32", skn="i32", skh="i32", svn="i32", svh="i32")
     block_m = max(1, block_rows // num_q_per_kv)
