@@ -236,11 +236,10 @@ def attention_decode_consistent_triton(
     ``block_rows``: query rows per program (BLOCK_M = block_rows // g tokens times g heads).
     ``num_stages`` 2: with Triton's default of 3 the pipelined float32 view tiles of a float32
     call at head_dim 128 take 304 KiB of shared memory (compile_offline), over the 227 KiB an
-    sm_90 block may use (bf16: 208 KiB with 3 stages, 144 KiB with 2; not measured which is
-    faster). Reads
-    ``cu_seqlens``, ``cache_lens`` and ``history_lens`` on the host (the views are built per
-    sequence): not for a captured CUDA graph. A head_dim the kernel's tiles cannot take (not a
-    power of two >= 16) runs the reference."""
+    sm_90 block may use (bf16: 208 KiB with 3 stages, 144 KiB with 2; which is faster is not
+    measured). Reads ``cu_seqlens``, ``cache_lens`` and ``history_lens`` on the host (the views
+    are built per sequence): not for a captured CUDA graph. A head_dim the kernel's tiles cannot
+    take (not a power of two >= 16) runs the reference."""
     N, H_q, D = q.shape
     H_kv = k.shape[1]
     if H_q % H_kv:
@@ -248,24 +247,8 @@ def attention_decode_consistent_triton(
     check_window_config(sink, recent, k_win.shape[2])
     pools = (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     if D & (D - 1) or D < 16:
-        return attention_decode_consistent_ref(
-            q,
-            k,
-            v,
-            cu_seqlens,
-            cache_lens,
-            window_table,
-            quant_table,
-            *pools,
-            scale,
-            sink,
-            recent,
-            bits,
-            group_size,
-            clip_k,
-            clip_v,
-            history_lens,
-        )
+        call = (q, k, v, cu_seqlens, cache_lens, window_table, quant_table, *pools, scale, sink, recent, bits)
+        return attention_decode_consistent_ref(*call, group_size, clip_k, clip_v, history_lens)
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError("q, k, v need a contiguous last dim")
@@ -278,8 +261,8 @@ def attention_decode_consistent_triton(
     if not blocks:
         return out
     dot_dt = dot_dtype(q.dtype)
-    geometry = (sink, recent, bits, group_size, clip_k, clip_v, torch.float32 if dot_dt == tl.float32 else q.dtype)
-    views, vstart = _packed_views(k, v, cu, lens, hists, (window_table, quant_table), pools, *geometry)
+    rules = (sink, recent, bits, group_size, clip_k, clip_v, torch.float32 if dot_dt == tl.float32 else q.dtype)
+    views, vstart = _packed_views(k, v, cu, lens, hists, (window_table, quant_table), pools, *rules)
     bseq, bt0 = torch.tensor(blocks, dtype=torch.int32, device=q.device).T.contiguous()
     hist = torch.tensor(hists, dtype=torch.int32, device=q.device)
     _decode_consistent_kernel[(len(blocks), H_kv)](
