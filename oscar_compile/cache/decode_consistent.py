@@ -12,33 +12,61 @@ decode rows included: a decode row is the one-token case of the same rule, compu
 ``runtime/worker/compressed_runner.py``).
 
 The attention runs the Triton kernel on CUDA (``kernels/attention_decode_consistent_triton.py``:
-flash-style over the reference's views, O(context) memory) and the plain-torch reference
-elsewhere (:func:`decode_consistent_attention`).
+flash-style over the reference's views, O(context) memory; a step's decode rows run
+``oscar::attention``, their one-token case) and the plain-torch reference elsewhere
+(:func:`decode_consistent_attention`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import accumulate
 
 import torch
 
 from ..formats.cache import LayerFormat
-from ..formats.op_args import CacheWriteArgs
+from ..formats.op_args import AttentionArgs, CacheWriteArgs
 from ..kernels.attention_decode_consistent_ref import attention_decode_consistent_ref
 from .contract import layer_input_names
 
 
 def decode_consistent_attention(device: torch.device, use_triton: bool | None = None) -> Callable:
-    """The attention :func:`run_decode_consistent` calls: the Triton kernel on CUDA, the reference
-    elsewhere. ``use_triton`` overrides the choice (True on the CPU: Triton's interpreter, with
-    TRITON_INTERPRET=1). Triton is imported on first use (``import oscar_compile`` stays cheap)."""
+    """The attention :func:`run_decode_consistent` calls (the reference's arguments): the Triton
+    path on CUDA (:func:`triton_decode_consistent_attention`), the reference elsewhere.
+    ``use_triton`` overrides the choice (True on the CPU: Triton's interpreter, with
+    TRITON_INTERPRET=1)."""
     if use_triton is None:
         use_triton = torch.device(device).type == "cuda"
-    if not use_triton:
-        return attention_decode_consistent_ref
+    return triton_decode_consistent_attention if use_triton else attention_decode_consistent_ref
+
+
+def triton_decode_consistent_attention(q, k, v, cu_seqlens, clip_k, clip_v, **rest) -> torch.Tensor:
+    """The reference's call, one group of sequences at a time: those with one new token (decode
+    rows) through ``oscar::attention``, whose one-token rows are the rule's (the decode step's own
+    kernels, without views of each sequence's whole context), longer chunks through the Triton
+    kernel. Triton is imported on first use (``import oscar_compile`` stays cheap)."""
     from ..kernels.attention_decode_consistent_triton import attention_decode_consistent_triton
 
-    return attention_decode_consistent_triton
+    starts = cu_seqlens.tolist()
+    counts = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    out = torch.zeros_like(q)
+    for decode in (True, False):
+        keep = [n if (n == 1) == decode else 0 for n in counts]
+        if not any(keep):
+            continue
+        if keep == counts:  # the whole call: no gather
+            rows, cu = slice(0, starts[-1]), cu_seqlens
+        else:
+            rows = torch.tensor(
+                [a + t for a, n in zip(starts[:-1], keep, strict=True) for t in range(n)], device=q.device
+            )
+            cu = torch.tensor(list(accumulate(keep, initial=0)), dtype=torch.int32, device=q.device)
+        args = dict(q=q[rows], k=k[rows], v=v[rows], cu_seqlens=cu, **rest)
+        if decode:
+            out[rows] = torch.ops.oscar.attention(*AttentionArgs(**args))
+        else:
+            out[rows] = attention_decode_consistent_triton(**args, clip_k=clip_k, clip_v=clip_v)
+    return out
 
 
 def run_decode_consistent(
