@@ -4,10 +4,11 @@ The reference (attention_decode_consistent_ref) scores a chunk against a dense [
 matrix: at a 32k prompt, 32k x 32k scores per query head. Here the same two views of a
 sequence's keys and values (``decode_consistent_views``, plain torch on the tensors' device:
 positions 0..L+T-1 at window precision, and a copy with positions [S0 + h, L + T) quantized and
-dequantized as ``cache_write`` demotes them; [L + T, H_kv, D] each, O(context) memory, stored in
-the dots' operand dtype) are read by a flash-attention kernel: one program per (BLOCK_M new tokens of one sequence, KV
-head) holds the g query heads of that KV head (ROWS = BLOCK_M g rows; row r: token
-t0 + r // g), with an online softmax in float32 over key blocks. No T x L matrix is ever built.
+dequantized as ``cache_write`` demotes them; [L + T, H_kv, D] each, O(context) memory, stored
+in the dots' operand dtype) are read by a flash-attention kernel: one program per (BLOCK_M new
+tokens of one sequence, KV head) holds the g query heads of that KV head (ROWS = BLOCK_M g rows;
+row r: token t0 + r // g), with an online softmax in float32 over key blocks. No T x L matrix is
+ever built.
 
 The row of position p = L + t reads key s < p from the history view when
 S0 <= s < hist_end(p) = S0 + max(h, p - W - S0), from the exact view otherwise, and its own key
