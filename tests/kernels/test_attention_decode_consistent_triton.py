@@ -33,6 +33,7 @@ CASES = [  # H_q, H_kv, D, bits, G, window dtype, scale dtype, S0, W
     (4, 1, 128, 4, 32, torch.float32, torch.bfloat16, 16, 16),  # INT4, GQA 4
     (4, 2, 64, 16, 64, torch.float32, torch.float16, 16, 32),  # a 16-bit layer beside INT-b ones
     (4, 2, 64, 2, 64, torch.float32, torch.float32, 0, 16),  # no sink
+    (6, 2, 64, 2, 64, torch.float32, torch.float16, 16, 32),  # GQA 3: 21 tokens of 3 heads per program
     (4, 2, 64, 2, 64, torch.float32, torch.float16, 16, 0),  # no recent window
     (4, 1, 128, 2, 128, torch.bfloat16, torch.float16, 32, 16),
     (2, 2, 64, 4, 64, torch.bfloat16, torch.float16, 16, 32),
@@ -97,7 +98,7 @@ def test_matches_reference(device, params, hits):
     _check(*_both(case, q, k, v, NEW))
 
 
-@pytest.mark.parametrize("params", [CASES[1], CASES[6]])
+@pytest.mark.parametrize("params", [CASES[1], CASES[7]])
 def test_small_tiles_match_reference(device, params):
     """16 rows and 16 keys per tile: several blocks per sequence, boundaries spanning key blocks."""
     case = _case(params, device, HITS)
@@ -108,8 +109,8 @@ def test_small_tiles_match_reference(device, params):
 def test_own_token_as_passed(device):
     """float32 tokens over bf16 windows: a row's own key and value are read as passed, the chunk's
     older tokens rounded to bf16 (the views hold bf16 values: float32 dots stay exact, 2e-5)."""
-    case = _case(CASES[6], device, HITS)
-    q, k, v = _tokens(CASES[6], NEW, device, seed=2, dtype=torch.float32)
+    case = _case(CASES[7], device, HITS)
+    q, k, v = _tokens(CASES[7], NEW, device, seed=2, dtype=torch.float32)
     _check(*_both(case, q, k, v, NEW))
 
 
