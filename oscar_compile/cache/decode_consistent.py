@@ -7,14 +7,14 @@ attention (``kernels/attention_decode_consistent_ref.py`` states it) on the new 
 graph's own ``oscar::cache_write``, with the constants the graph's calls carry
 (``cache.op_constants``). It hands the graph's ops an empty chunk (no token to attend or write)
 and gives back the output it computed when the graph hands in theirs. Each step runs so, one-token
-decode rows included: a decode row is the one-token case of the same rule, computed the same way
-(except in a captured CUDA graph of a decode step, which runs the graph's ops:
-``runtime/worker/compressed_runner.py``).
+decode rows included: a decode row is the one-token case of the same rule (on the CPU computed
+the same way; on CUDA by ``oscar::attention``, below), except in a captured CUDA graph of a decode
+step, which runs the graph's ops (``runtime/worker/compressed_runner.py``).
 
-The attention runs the Triton kernel on CUDA (``kernels/attention_decode_consistent_triton.py``:
-flash-style over the reference's views, O(context) memory; a step's decode rows run
-``oscar::attention``, their one-token case) and the plain-torch reference elsewhere
-(:func:`decode_consistent_attention`).
+The attention runs the Triton path on CUDA (:func:`triton_decode_consistent_attention`: the
+kernel of ``kernels/attention_decode_consistent_triton.py``, flash-style over the reference's
+views, O(context) memory, for chunks; ``oscar::attention`` for decode rows) and the plain-torch
+reference elsewhere (:func:`decode_consistent_attention`).
 """
 
 from __future__ import annotations
