@@ -39,10 +39,14 @@ def _as_history(x: torch.Tensor, bits: int, group_size: int, clip: float, scale_
     return quant.dequantize(packed, s, z, bits, group_size)
 
 
-def _views(i: int, L: int, new: torch.Tensor, win, codes, scale, zero, tables, geometry, clip: float, kind: str):
+def decode_consistent_views(
+    i: int, L: int, new: torch.Tensor, win, codes, scale, zero, tables, geometry, clip: float, kind: str
+):
     """(window-precision view, history view) of positions 0..L+T-1, float32 [L + T, H_kv, D]; the
     history view is quantized from position S0 + h on (earlier history rows are stored already).
-    ``kind``: "k" or "v", the byte order of the stored rows (code_layout_ref)."""
+    ``kind``: "k" or "v", the byte order of the stored rows (code_layout_ref). Plain torch on the
+    tensors' device: the Triton path (attention_decode_consistent_triton) attends over the same
+    views."""
     sink, recent, bits, group_size, h = geometry
     cached = gather_cached(i, L, *tables, win, codes, scale, zero, sink, recent, bits, group_size, h, kind=kind)
     exact = torch.cat([cached, new.to(win.dtype).float()])
@@ -93,8 +97,12 @@ def attention_decode_consistent_ref(
         if a == b:
             continue
         geometry = (sink, recent, bits, group_size, hists[i])
-        k_exact, k_hist = _views(i, L, k[a:b], k_win, k_codes, k_scale, k_zero, tables, geometry, clip_k, "k")
-        v_exact, v_hist = _views(i, L, v[a:b], v_win, v_codes, v_scale, v_zero, tables, geometry, clip_v, "v")
+        k_exact, k_hist = decode_consistent_views(
+            i, L, k[a:b], k_win, k_codes, k_scale, k_zero, tables, geometry, clip_k, "k"
+        )
+        v_exact, v_hist = decode_consistent_views(
+            i, L, v[a:b], v_win, v_codes, v_scale, v_zero, tables, geometry, clip_v, "v"
+        )
         out[a:b] = _attend_by_row(
             q[a:b].float(),
             k[a:b].float(),

@@ -3,48 +3,84 @@
 The graph's ops attend prompt-exact: ``oscar::attention`` lets a chunk read its own tokens in
 full precision. Under the decode-consistent semantics a cache runs the layer's INT-b ops itself
 when the graph asks for their inputs (:func:`run_decode_consistent`): the decode-consistent
-attention reference (``kernels/attention_decode_consistent_ref.py``) on the new tokens, then the
+attention (``kernels/attention_decode_consistent_ref.py`` states it) on the new tokens, then the
 graph's own ``oscar::cache_write``, with the constants the graph's calls carry
 (``cache.op_constants``). It hands the graph's ops an empty chunk (no token to attend or write)
 and gives back the output it computed when the graph hands in theirs. Each step runs so, one-token
-decode rows included: a decode row is the one-token case of the same rule, computed the same way.
+decode rows included: a decode row is the one-token case of the same rule (on the CPU computed
+the same way; on CUDA by ``oscar::attention``, below), except in a captured CUDA graph of a decode
+step, which runs the graph's ops (``runtime/worker/compressed_runner.py``).
 
-The plain-torch reference only: on a GPU the option is refused (the Triton / Gluon kernels do not
-implement the per-row read yet).
+The attention runs the Triton path on CUDA (:func:`triton_decode_consistent_attention`: the
+kernel of ``kernels/attention_decode_consistent_triton.py``, flash-style over the reference's
+views, O(context) memory, for chunks; ``oscar::attention`` for decode rows) and the plain-torch
+reference elsewhere (:func:`decode_consistent_attention`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from itertools import accumulate
+
 import torch
 
 from ..formats.cache import LayerFormat
-from ..formats.op_args import CacheWriteArgs
+from ..formats.op_args import AttentionArgs, CacheWriteArgs
 from ..kernels.attention_decode_consistent_ref import attention_decode_consistent_ref
 from .contract import layer_input_names
 
-GPU_REFUSAL = (
-    "decode-consistent prefill runs on the plain-torch reference (CPU) only: the GPU attention kernels "
-    "do not implement its per-row read yet; use --prefill-semantics prompt-exact on a GPU"
-)
+
+def decode_consistent_attention(device: torch.device, use_triton: bool | None = None) -> Callable:
+    """The attention :func:`run_decode_consistent` calls (the reference's arguments): the Triton
+    path on CUDA (:func:`triton_decode_consistent_attention`), the reference elsewhere.
+    ``use_triton`` overrides the choice (True on the CPU: Triton's interpreter, with
+    TRITON_INTERPRET=1)."""
+    if use_triton is None:
+        use_triton = torch.device(device).type == "cuda"
+    return triton_decode_consistent_attention if use_triton else attention_decode_consistent_ref
 
 
-def check_device(device: torch.device) -> None:
-    """NotImplementedError on any device but the CPU (module docstring)."""
-    if torch.device(device).type != "cpu":
-        raise NotImplementedError(GPU_REFUSAL)
+def triton_decode_consistent_attention(q, k, v, cu_seqlens, clip_k, clip_v, **rest) -> torch.Tensor:
+    """The reference's call, one group of sequences at a time: those with one new token (decode
+    rows) through ``oscar::attention``, whose one-token rows are the rule's (the decode step's own
+    kernels, without views of each sequence's whole context), longer chunks through the Triton
+    kernel. Triton is imported on first use (``import oscar_compile`` stays cheap)."""
+    from ..kernels.attention_decode_consistent_triton import attention_decode_consistent_triton
+
+    starts = cu_seqlens.tolist()
+    counts = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    out = torch.zeros_like(q)
+    for decode in (True, False):
+        keep = [n if (n == 1) == decode else 0 for n in counts]
+        if not any(keep):
+            continue
+        if keep == counts:  # the whole call: no gather
+            rows, cu = slice(0, starts[-1]), cu_seqlens
+        else:
+            rows = torch.tensor(
+                [a + t for a, n in zip(starts[:-1], keep, strict=True) for t in range(n)], device=q.device
+            )
+            cu = torch.tensor(list(accumulate(keep, initial=0)), dtype=torch.int32, device=q.device)
+        args = dict(q=q[rows], k=k[rows], v=v[rows], cu_seqlens=cu, **rest)
+        if decode:
+            out[rows] = torch.ops.oscar.attention(*AttentionArgs(**args))
+        else:
+            out[rows] = attention_decode_consistent_triton(**args, clip_k=clip_k, clip_v=clip_v)
+    return out
 
 
 def run_decode_consistent(
-    inputs: tuple, layer: LayerFormat, scale: float, clip_k: float, clip_v: float
+    inputs: tuple, layer: LayerFormat, scale: float, clip_k: float, clip_v: float, use_triton: bool | None = None
 ) -> tuple[torch.Tensor, tuple]:
     """Attend and write the new tokens of ``inputs`` (a windowed layer's ``layer_input_names``
-    tuple) decode-consistently -> (output [N, H_q, D], the inputs of an empty chunk for the graph)."""
+    tuple) decode-consistently -> (output [N, H_q, D], the inputs of an empty chunk for the graph).
+    ``use_triton``: see :func:`decode_consistent_attention`."""
     part = dict(zip(layer_input_names(layer), inputs, strict=True))
     q, k, v = part["q"], part["k"], part["v"]
-    check_device(q.device)
     cache = {name: part[name] for name in CacheWriteArgs._fields if name in part and name not in ("k", "v")}
     window = dict(sink=layer.sink, recent=layer.recent, bits=layer.bits, group_size=layer.group_size)
-    out = attention_decode_consistent_ref(q=q, k=k, v=v, scale=scale, clip_k=clip_k, clip_v=clip_v, **cache, **window)
+    attend = decode_consistent_attention(q.device, use_triton)
+    out = attend(q=q, k=k, v=v, scale=scale, clip_k=clip_k, clip_v=clip_v, **cache, **window)
     cache["cu_seqlens"] = part["write_cu"]
     torch.ops.oscar.cache_write(*CacheWriteArgs(k=k, v=v, clip_k=clip_k, clip_v=clip_v, **cache, **window))
     none = torch.zeros_like(part["cu_seqlens"])

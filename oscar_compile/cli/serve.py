@@ -67,7 +67,7 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
     parser.add_argument("--prefill-semantics", choices=("prompt-exact", "decode-consistent"), default="prompt-exact",
                         help="what prompt tokens read from the cache: prompt-exact (the prompt in full precision, "
                              "as generate() over a whole prompt) or decode-consistent (as a decode step at their "
-                             "position: chunked, batched and recomputed prefills equal the decode steps; CPU only) "
+                             "position: chunked, batched and recomputed prefills equal the decode steps) "
                              "(default: %(default)s)")
     parser.add_argument("--deterministic", action="store_true",
                         help="batch invariance and run-to-run determinism: the same request gives the same "

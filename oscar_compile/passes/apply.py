@@ -21,7 +21,6 @@ from torch import nn
 
 from ..architectures import ModelFingerprint, attention_modules
 from ..artifact import COMPRESSED_CONFIG_KEY, ArtifactError, Rotations
-from ..cache.decode_consistent import check_device
 from ..cache.hf_cache import OscarCache
 from ..cache.op_constants import layer_op_constants
 from ..formats.cache import LayerFormat, has_windows
@@ -196,13 +195,12 @@ def _install_cache_hook(model: nn.Module, layers: list[LayerSpec]) -> None:
 def set_prefill_semantics(model: nn.Module, semantics: str) -> None:
     """What prompt tokens of ``model`` (rewritten by :func:`apply`) read from the caches its forward
     creates (``generate()``, ``model(..., use_cache=True)``): ``prompt-exact`` (the default) or
-    ``decode-consistent`` (formats/prefill.py; CPU only), as the engine's ``prefill_semantics``."""
+    ``decode-consistent`` (formats/prefill.py), as the engine's ``prefill_semantics``."""
     if not hasattr(model, _APPLIED):
         raise ValueError("set_prefill_semantics needs a model rewritten by oscar_compile.apply")
     if check_prefill_semantics(semantics) == PROMPT_EXACT:
         setattr(model, _DECODE_CONSISTENT, None)
         return
-    check_device(next(model.parameters()).device)
     setattr(model, _DECODE_CONSISTENT, layer_op_constants(model))
 
 

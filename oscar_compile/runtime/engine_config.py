@@ -68,8 +68,8 @@ class EngineConfig:
     snapshot_interval: int | None = None
     # what prompt tokens read from the cache (formats/prefill.py): "prompt-exact" (full precision
     # within the prompt, staged across chunks) or "decode-consistent" (as the decode step at their
-    # position reads it; CPU only, no staging: chunked, batched and recomputed prefills then equal
-    # the decode steps, and so do prefix hits at window snapshots)
+    # position reads it; no staging: chunked, batched and recomputed prefills then equal the
+    # decode steps, and so do prefix hits at window snapshots)
     prefill_semantics: str = PROMPT_EXACT
     # the base of the seeds of requests that give none (sampling_params.default_seed); vLLM's --seed
     seed: int = 0

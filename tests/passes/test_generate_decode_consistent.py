@@ -4,6 +4,7 @@ nothing, and the eval measures what this path computes. float32 tiny models: log
 (float summation order), greedy tokens are identical."""
 
 import functools
+import os
 
 import pytest
 import torch
@@ -79,6 +80,24 @@ def test_eval_simulates_what_the_cache_computes(decode_consistent):
     starts = cache_starts(LEN, prefill=30, chunk=5, semantics=DECODE_CONSISTENT)
     sim = simulated_logits(model, quantizers, ids, starts)
     assert torch.allclose(sim, _logits_in_chunks(decode_consistent, ids, LEN), atol=1e-4)
+
+
+def test_the_triton_kernel_computes_the_same_prefill(decode_consistent, monkeypatch):
+    """generate()'s path through the Triton kernel (the default on CUDA; Triton's interpreter here):
+    whole and chunked prompts give the reference's logits (1e-4, float summation order)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("TRITON_INTERPRET is not set")
+    from oscar_compile.cache import decode_consistent as dc
+
+    ids = _ids()
+    want = _logits_in_chunks(decode_consistent, ids, LEN)
+    choose = dc.decode_consistent_attention
+    monkeypatch.setattr(dc, "decode_consistent_attention", lambda device, use_triton=None: choose(device, True))
+    assert dc.decode_consistent_attention("cpu") is dc.triton_decode_consistent_attention
+    whole = _logits_in_chunks(decode_consistent, ids, LEN)
+    chunked = _logits_in_chunks(decode_consistent, ids, 7)
+    assert torch.allclose(whole, want, atol=1e-4) and torch.allclose(chunked, want, atol=1e-4)
 
 
 def test_refused_on_unrewritten_models_and_unknown_names():

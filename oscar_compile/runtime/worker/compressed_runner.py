@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from oscar_compile.cache.decode_consistent import check_device, run_decode_consistent
+from oscar_compile.cache.decode_consistent import run_decode_consistent
 from oscar_compile.cache.hf_cache import OscarCache
 from oscar_compile.cache.op_constants import layer_op_constants
 from oscar_compile.formats.cache import CacheLayout, LayerFormat
@@ -44,10 +44,12 @@ _NO_MASK_IMPLEMENTATION = "oscar_paged"
 class StepCache(OscarCache):
     """One packed step of many sequences, seen through the cache protocol of the rewritten graphs."""
 
-    def __init__(self, runner: CompressedRunner, inputs: dict[str, torch.Tensor], staged: StagedStep | None = None):
+    def __init__(self, runner: CompressedRunner, inputs: dict[str, torch.Tensor], staged: StagedStep | None = None,
+                 graph_decode: bool = False):
         super().__init__([None] * runner.num_layers)
         self.runner = runner
         self.staged = staged
+        self.graph_decode = graph_decode  # the forward of a decode step's CUDA graph (warm-up or capture)
         self.cu = inputs["cu_seqlens"]
         self.cache_lens = inputs["cache_lens"]
         self.history_lens = inputs["history_lens"]
@@ -67,7 +69,9 @@ class StepCache(OscarCache):
             return self.staged.layer_inputs(layer_idx, *flat, pools)
         inputs = (*flat, self.cu, self.cache_lens, self.window_table, self.quant_table, *pools, self.cu,
                   self.history_lens)
-        if self.runner.decode_consistent is None:
+        # a captured decode step (one token per sequence) runs the graph's ops: the one-token case
+        # of the decode-consistent rule, without the host reads of run_decode_consistent
+        if self.runner.decode_consistent is None or self.graph_decode:
             return inputs
         c = self.runner.decode_consistent[layer_idx]  # every row runs here, the graph's ops get an empty chunk
         self._outputs[layer_idx], inputs = run_decode_consistent(inputs, layer, c.scale, c.clip_k, c.clip_v)
@@ -125,7 +129,6 @@ class CompressedRunner:
         if prefill_semantics == DECODE_CONSISTENT and not layout.is_full_precision:
             if num_staging_pages:
                 raise ValueError("decode-consistent prefill stages nothing: build the runner without staging pages")
-            check_device(self.device)
             self.decode_consistent = layer_op_constants(model)
         self.swapper = self._host_swap(layout, swap_bytes) if swap_bytes else None
         longest = max_seq_len if max_seq_len is not None else num_quant_pages * layout.page_size
@@ -294,10 +297,11 @@ class CompressedRunner:
             self.forward_started.record()
 
     def forward(self, inputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None,
-                staged: StagedStep | None = None) -> torch.Tensor:
+                staged: StagedStep | None = None, graph_decode: bool = False) -> torch.Tensor:
         """The model over one packed step: logits ``[N, vocab]`` of every new token, or of ``rows``
-        only (the LM head of an 8k-token prefill chunk would otherwise make 8k x vocab logits)."""
-        cache = StepCache(self, inputs, staged)
+        only (the LM head of an 8k-token prefill chunk would otherwise make 8k x vocab logits).
+        ``graph_decode``: the forward a decode step's CUDA graph captures (cuda_graphs.py)."""
+        cache = StepCache(self, inputs, staged, graph_decode)
         kwargs = {self.cache_kwarg: cache}
         if rows is not None and self.keeps_logit_rows:
             kwargs["logits_to_keep"] = rows

@@ -84,12 +84,12 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile and autotune the kernels outside the capture
             for _ in range(2):
-                self.runner.forward(inputs)
+                self.runner.forward(inputs, graph_decode=True)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.runner.forward(inputs).float()
+            logits = self.runner.forward(inputs, graph_decode=True).float()
         torch.cuda.synchronize()
         return graph, logits

@@ -1,0 +1,108 @@
+"""Decode-consistent prefill benchmark: one Qwen3-8B layer (bench.kernel_setup), one sequence.
+
+``python -m oscar_compile.bench.decode_consistent [--shapes 0:32768 30720:2048] [--out rows.json]``
+prints one JSON row per ``cached:chunk`` shape (a chunk of ``chunk`` new tokens after ``cached``
+ones; 0:32768 is a whole 32k prompt): ms per layer of
+
+- ``decode_consistent_ms``: the Triton path as the caches run it
+  (``cache.decode_consistent.triton_decode_consistent_attention``: the views, then the kernel);
+- ``views_ms``: building the views alone (``decode_consistent_views`` for keys and values);
+- ``prompt_exact_ms``: ``oscar::attention`` on the same call (the prompt-exact semantics);
+
+and ``peak_mib``, the memory the decode-consistent call allocates beyond what was held before
+it. Timed with CUDA events around eager calls (the path reads lengths on the host: no CUDA
+graph), median of ``reps``. Small shapes (chunk x (cached + chunk) <= 2^24) also report the
+relative error against the reference, whose dense score matrix larger shapes could not hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from oscar_compile.bench.kernel_setup import BITS, GROUP, H_KV, H_Q, RECENT, SINK, D, attention_args, quantized_layer
+from oscar_compile.kernels import ops
+
+CLIP_K, CLIP_V = 0.96, 0.92
+DEFAULT_SHAPES = ("0:4096", "0:16384", "0:32768", "30720:2048")
+
+
+def time_ms(fn, reps: int) -> float:
+    """Median wall time of ``fn()`` on the current CUDA stream, in ms."""
+    fn()  # compile
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def bench_shape(cached: int, chunk: int, reps: int = 5, device: str = "cuda") -> dict:
+    """One row (``device`` other than CUDA: a smoke test of this code under the interpreter)."""
+    from oscar_compile.cache.decode_consistent import triton_decode_consistent_attention
+    from oscar_compile.kernels.attention_decode_consistent_ref import (
+        attention_decode_consistent_ref,
+        decode_consistent_views,
+    )
+
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(chunk, h, D, device=dev, generator=gen, dtype=torch.bfloat16) for h in (H_Q, H_KV, H_KV))
+    cu = torch.tensor([0, chunk], dtype=torch.int32, device=dev)
+    lens = torch.tensor([cached], dtype=torch.int32, device=dev)
+    # pools for at least one history page (random contents; only the first ``cached`` positions are read)
+    pools, tables = quantized_layer(1, max(cached, SINK + RECENT + 16), torch.float16, dev)
+    args = attention_args(q, k, v, cu, lens, tables, pools, D**-0.5)
+    dc_args = {**args, "clip_k": CLIP_K, "clip_v": CLIP_V}
+    geometry = (SINK, RECENT, BITS, GROUP, max(0, cached - SINK - RECENT))
+
+    kinds = (("k", k, CLIP_K, pools.k_win, pools.k_codes, pools.k_scale, pools.k_zero),
+             ("v", v, CLIP_V, pools.v_win, pools.v_codes, pools.v_scale, pools.v_zero))  # fmt: skip
+
+    def views():
+        for kind, new, clip, *pool in kinds:
+            decode_consistent_views(0, cached, new, *pool, tables, geometry, clip, kind)
+
+    row = {"cached": cached, "chunk": chunk, "H_q": H_Q, "H_kv": H_KV, "D": D, "sink": SINK, "recent": RECENT}
+    row["prompt_exact_ms"] = time_ms(lambda: ops.attention(**args), reps)
+    row["views_ms"] = time_ms(views, reps)
+    row["decode_consistent_ms"] = time_ms(lambda: triton_decode_consistent_attention(**dc_args), reps)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()
+        triton_decode_consistent_attention(**dc_args)
+        row["peak_mib"] = (torch.cuda.max_memory_allocated() - held) / 2**20
+    if chunk * (cached + chunk) <= 2**24:
+        got = triton_decode_consistent_attention(**dc_args).float()
+        want = attention_decode_consistent_ref(**dc_args).float()
+        row["rel_err"] = ((got - want).norm() / want.norm()).item()
+    return row
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="python -m oscar_compile.bench.decode_consistent", description=__doc__)
+    parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="cached:chunk pairs")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    rows = []
+    for shape in args.shapes:
+        cached, chunk = (int(x) for x in shape.split(":"))
+        rows.append(bench_shape(cached, chunk, args.reps))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""run_decode_consistent on its Triton path (the CUDA default; Triton's interpreter here) against
+its reference path, on a mixed step: decode rows (one new token: ``oscar::attention``), chunks
+(the Triton kernel) and an empty sequence, after prefix-cache hits. float32: outputs within 2e-5
+(float summation order), and the pools after the write bitwise equal (the same op writes)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from oscar_compile.cache.contract import layer_input_names
+from oscar_compile.cache.decode_consistent import run_decode_consistent
+from oscar_compile.formats.cache import LayerFormat
+from oscar_compile.kernels.testing import build_case, random_kv
+
+LENS = [0, 20, 70, 5, 48, 130]
+NEW = [50, 1, 45, 1, 0, 1]
+LAYER = LayerFormat(sink=16, recent=32, page_size=16, bits=2, group_size=32, scale_dtype="float16")
+
+
+def _step(case, q, k, v, use_triton: bool):
+    cu = torch.tensor([0] + NEW).cumsum(0).to(torch.int32)
+    named = dict(q=q, k=k, v=v, cu_seqlens=cu, cache_lens=case.cache_lens, window_table=case.window_table,
+                 quant_table=case.quant_table, **case.pools._asdict(), write_cu=cu,
+                 history_lens=case.history_lens)  # fmt: skip
+    inputs = tuple(named[name] for name in layer_input_names(LAYER))
+    out, empty = run_decode_consistent(inputs, LAYER, 64**-0.5, case.clip_k, case.clip_v, use_triton=use_triton)
+    assert dict(zip(layer_input_names(LAYER), empty, strict=True))["q"].shape[0] == 0
+    return out
+
+
+def test_triton_path_equals_the_reference_path():
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("TRITON_INTERPRET is not set")
+    case = build_case(LENS, 2, 64, 16, LAYER.sink, LAYER.recent, LAYER.bits, LAYER.group_size, torch.float16,
+                      torch.float32, seed=4, extra_tokens=max(NEW), hits=[0, 16, 64, 0, 48, 100])  # fmt: skip
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (random_kv(sum(NEW), h, 64, gen, torch.float32) for h in (4, 2, 2))
+    ref_case, triton_case = copy.deepcopy(case), copy.deepcopy(case)
+    want = _step(ref_case, q, k, v, use_triton=False)
+    got = _step(triton_case, q, k, v, use_triton=True)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    assert all(torch.equal(a, b) for a, b in zip(triton_case.pools, ref_case.pools, strict=True))
