@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
 # Device call 3 of session 4, on the merged tree: the GPU tests (kernels, deterministic mode,
 # runtime, decode-consistent prefill) and the perplexity through the int8 kernel side by side,
-# then the timings one at a time: the matmul tiles, the structured-output row, the attention table
-# and the write, the deterministic serve rows against the default.
-#   BUDGET_S=570 bash bench/results/2026-12-03-h200-session4-kernels-serve/call3.sh
+# then the timings one at a time: the structured-output row, the attention table and the write,
+# the deterministic serve rows against the default, decode-consistent prefill at 32k, the matmul tiles.
+#   BUDGET_S=590 bash bench/results/2026-12-03-h200-session4-kernels-serve/call3.sh
 set -u
 source "$(dirname "$0")/common.sh"
 P="python3 -m pytest -q -rs --tb=short -p no:cacheprovider"
-step kernel_tests 170 $P tests/kernels/test_batch_invariance.py tests/kernels/test_attention_deterministic.py \
+step kernel_tests 150 $P tests/kernels/test_batch_invariance.py tests/kernels/test_attention_deterministic.py \
   tests/kernels/test_attention_triton.py tests/kernels/test_code_layout.py tests/kernels/test_cache_write_triton.py \
   tests/kernels/test_attention_decode_consistent_triton.py tests/kernels/test_attention_gluon_int8.py &
-step runtime_gpu_tests 170 $P -m gpu tests/runtime/test_prompt_logprobs.py tests/runtime/test_deterministic.py \
+step runtime_gpu_tests 150 $P -m gpu tests/runtime/test_prompt_logprobs.py tests/runtime/test_deterministic.py \
   tests/runtime/test_decode_consistent_prefill.py tests/runtime/test_cuda_graphs.py &
-step decode_ppl 170 python3 -m oscar_compile.bench.decode_ppl --context 4096 --num-samples 64 --scored 256 \
+step decode_ppl 150 python3 -m oscar_compile.bench.decode_ppl --context 4096 --num-samples 64 --scored 256 \
   --batch-size 64 --kernels triton auto --out "$R/decode_ppl.json" &
 wait
-step matmul_tiles 45 python3 "$(dirname "$0")/matmul_tiles.py" "$R/matmul_tiles.json"
 step serve_structured 120 python3 -m oscar_compile.bench.serve --shapes 8b --parts structured --structured-batch 32 \
   --structured-prompt 512 --structured-output 128 --out "$R/serve_structured.json"
 step kernels 100 python3 -m oscar_compile.bench.kernels --parts attention write \
@@ -24,4 +23,6 @@ SERVE="python3 -m oscar_compile.bench.serve --shapes 8b --contexts 8192 --parts 
   --e2e-prompt 1024 --e2e-output 128 --e2e-systems oscar-int2 --ttft-contexts 32768"
 step serve_default 70 $SERVE --out "$R/serve_default.json"
 step serve_deterministic 90 $SERVE --deterministic --out "$R/serve_deterministic.json"
+step dc_prefill 50 python3 -m oscar_compile.bench.decode_consistent --shapes 0:32768 30720:2048 --out "$R/dc_prefill.json"
+step matmul_tiles 45 python3 "$(dirname "$0")/matmul_tiles.py" "$R/matmul_tiles.json"
 cd "$OUT" && tar -czf results.tgz r && rm -rf r; tar -xzOf results.tgz r/steps.txt
