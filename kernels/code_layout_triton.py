@@ -1,11 +1,18 @@
-"""The masked INT2 page layout (``code_layout_ref``) in Triton: reads as planar bytes, writes per token.
+"""The masked INT2 page layout (``code_layout_ref``) in Triton: block reads, planar gathers, per-token writes.
 
-The Triton kernels compute on planar code rows (plane i of a row's 32 bytes holds channels
-[32 i, 32 i + 32)); over a masked page (INT2, head_dim 128, pages of a multiple of 16 tokens,
-``formats.cache.code_layout``) they load through :func:`load_code_bytes`, which gathers the
-codes of a token row from its 16-token block and returns the planar bytes the row would have
-held, so the arithmetic after the load is the planar one, unchanged. Flat pool row ``row`` =
-(page * H_kv + head) * P + row in page; its block starts at row ``row - row % 16``.
+Flat pool row ``row`` = (page * H_kv + head) * P + row in page; its block starts at row
+``row - row % 16``. Two ways to read a masked page (INT2, head_dim 128, pages of a multiple of
+16 tokens, ``formats.cache.code_layout``):
+- the attention kernel's history tiles (16-token aligned runs of tokens) read whole blocks as
+  contiguous runs (:func:`masked_block_rows`, :func:`load_masked_key_plane`,
+  :func:`load_masked_value_bytes`): 8-byte key and 16-byte value loads, every byte once, and
+  decode them in the stored order (a key bit pair is one token of a quad, joined back into
+  token order by :func:`join_key_pairs`; a value bit pair j is the channels
+  :func:`value_columns` names, accumulated in that order and written back once);
+- :func:`load_code_bytes` gathers any rows' codes into the planar bytes the rows would have
+  held (plane i of a row's 32 bytes holds channels [32 i, 32 i + 32)), with per-word and
+  per-byte loads: the extend path's dequantization, and the attention values when a
+  quantization group is narrower than a masked value plane's channel set (G = 32).
 
 Writes of one token (a demotion, or a bulk row) go through :func:`store_key_codes` and
 :func:`store_value_codes`, from its unpacked codes [R, 128]:
@@ -28,6 +35,63 @@ import triton.language as tl
 def _fix_top(code, pair):
     """Bit pair 3 holds (c + 2) mod 4 (its own inverse)."""
     return tl.where(pair == 3, (code + 2) & 3, code)
+
+
+@triton.jit
+def masked_block_rows(rows, BN: tl.constexpr):
+    """First flat row [BN // 16] of each 16-token block of history tile rows ``rows`` [BN] (tokens
+    n0 .. n0 + BN, n0 a multiple of 16, so the tile is whole blocks). Rows past the history read
+    page 0; a block's first token is in the history if any of its tokens is (they are a
+    prefix), so its row names the block's page."""
+    r = tl.reshape(rows, (BN // 16, 16))
+    return tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, r, 0), axis=1)
+
+
+@triton.jit
+def load_masked_key_plane(c_ptr, blk, S: tl.constexpr):
+    """Key bytes [NB, 4 q, 4 t, 8 e] uint8 of plane S (channels 32 S + 16 hh + 4 t + b, e = 4 hh + b)
+    of 16-token blocks starting at flat rows ``blk`` [NB]: byte 128 q + 32 t + 8 S + e, 8 bytes
+    contiguous; bit pair j holds token 4 q + j (pair 3 as (c + 2) mod 4)."""
+    q = tl.arange(0, 4)[None, :, None, None]
+    t = tl.arange(0, 4)[None, None, :, None]
+    e = tl.arange(0, 8)[None, None, None, :]
+    return tl.load(c_ptr + blk[:, None, None, None] * 32 + 128 * q + 32 * t + 8 * S + e)
+
+
+@triton.jit
+def join_key_pairs(d0, d1, d2, d3):
+    """Decoded bit pairs j = 0..3 of :func:`load_masked_key_plane` ([NB, 4 q, 4 t, 8 e] each)
+    -> [16 NB, 32]: row 16 blk + 4 q + j (token order), column 16 hh + 4 t + b (planar order)."""
+    NB: tl.constexpr = d0.shape[0]
+    x = tl.join(tl.join(d0, d1), tl.join(d2, d3))  # [NB, q, t, e, j & 1, j >> 1]
+    x = tl.reshape(x, (NB, 4, 4, 2, 4, 2, 2))  # [NB, q, t, hh, b, j & 1, j >> 1]
+    x = tl.permute(x, (0, 1, 6, 5, 3, 2, 4))  # [NB, q, j >> 1, j & 1, hh, t, b]
+    return tl.reshape(x, (NB * 16, 32))
+
+
+@triton.jit
+def load_masked_value_bytes(c_ptr, blk):
+    """Value bytes [16 NB, 32] uint8 of the 16-token blocks starting at flat rows ``blk`` [NB]:
+    row 16 blk + r, column 8 w + g = byte 16 (8 w + g) + r, read 16 tokens (bytes) at a time.
+    Bit pair j of column i holds channel ``value_columns(j)[i]`` (pair 3 as (c + 2) mod 4)."""
+    NB: tl.constexpr = blk.shape[0]
+    i = tl.arange(0, 32)[None, :, None]
+    r = tl.arange(0, 16)[None, None, :]
+    b = tl.load(c_ptr + blk[:, None, None] * 32 + 16 * i + r)  # [NB, 32 i, 16 r]
+    return tl.reshape(tl.permute(b, (0, 2, 1)), (NB * 16, 32))
+
+
+@triton.jit
+def value_columns(PL: tl.constexpr, WP: tl.constexpr, MASKED: tl.constexpr):
+    """Channels [WP] of value accumulator plane PL: [PL WP, (PL + 1) WP) planar; masked (INT2 at
+    head_dim 128), bit pair PL of the value bytes: channel 16 w + g + 8 (PL & 1) + 64 (PL >> 1)
+    of column 8 w + g."""
+    i = tl.arange(0, WP)
+    if MASKED:
+        c = 16 * (i // 8) + i % 8 + 8 * (PL % 2) + 64 * (PL // 2)
+    else:
+        c = PL * WP + i
+    return c
 
 
 @triton.jit
