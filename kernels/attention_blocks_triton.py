@@ -19,9 +19,10 @@ from triton.language.extra.cuda import gdc_wait
 
 from oscar_compile.kernels.code_layout_triton import (
     join_key_pairs,
-    load_code_bytes,
     load_masked_key_plane,
+    load_masked_planar_bytes,
     load_masked_value_bytes,
+    load_planar_bytes,
     masked_block_rows,
     value_columns,
 )
@@ -356,7 +357,7 @@ def history_block(q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, 
     Over masked INT2 pages (MASKED; the tile's first token a multiple of 16) the 16-token blocks
     are read whole: key planes decoded per bit pair (token) and joined back into token order,
     values decoded per bit pair into the accumulators of that pair's channels (VMASKED, when no
-    quantization group splits those channels; else gathered into planar bytes).
+    quantization group splits those channels; else rebuilt into planar bytes in registers).
     Units: decoded codes of plane i are c * 2^(BITS * i + CODE_EXP) (decode_plane), so the caller
     passes q planes divided by 2^(BITS * i) (undivided when MASKED: the key dots come in units
     of the token's bit pair, _key_group_fix), group sums g0..g3 times 2^CODE_EXP and qk_scale
@@ -366,11 +367,13 @@ def history_block(q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, 
     if MASKED:
         kb = masked_block_rows(rowq, BN)  # [BN / 16] flat rows of the tile's blocks
     else:
-        kb = load_code_bytes(kc_ptr, rowq, tmask, True, False, WP)  # [BN, WP] u8 planar bytes
+        kb = load_planar_bytes(kc_ptr, rowq, tmask, WP)  # [BN, WP] u8
     if VMASKED:
         vb = load_masked_value_bytes(vc_ptr, kb)  # [BN, 32] u8, column 8 w + g
+    elif MASKED:
+        vb = load_masked_planar_bytes(vc_ptr, kb, False)  # [BN, 32] u8 planar
     else:
-        vb = load_code_bytes(vc_ptr, rowq, tmask, False, MASKED, WP)  # planar (gathered when MASKED)
+        vb = load_planar_bytes(vc_ptr, rowq, tmask, WP)
     s = tl.zeros([ROWS, BN], tl.float32)
     dg = tl.zeros([ROWS, BN], tl.float32)
     s, dg = _key_plane(s, dg, kb, kc_ptr, q0, pick4((0 * WP) // GROUP, g0, g1, g2, g3), 0, BITS, WP,

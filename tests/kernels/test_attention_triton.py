@@ -79,6 +79,8 @@ CASES = [  # sink, recent, H_q, H_kv, D, bits, G, scale dtype
     # layers kept at 16 bits beside INT-b layers (history rows as stored; G, scale dtype unused)
     (16, 32, 8, 2, 64, 16, 64, torch.float16),
     (16, 16, 4, 1, 128, 16, 128, torch.float16),
+    # masked INT2 pages whose groups split a value bit pair's channels (planar bytes rebuilt)
+    (16, 32, 4, 2, 128, 2, 32, torch.float16),
 ]
 
 

@@ -15,8 +15,10 @@ from oscar_compile.kernels.attention_blocks_triton import history_rows
 from oscar_compile.kernels.code_layout_triton import (
     join_key_pairs,
     load_masked_key_plane,
+    load_masked_planar_bytes,
     load_masked_value_bytes,
     masked_block_rows,
+    pair_code,
     value_columns,
 )
 
@@ -128,59 +130,57 @@ def test_version_check_refuses_a_mismatch():
 
 @pytest.mark.parametrize("n0,hi", [(0, 64), (64, 70), (32, 200)])
 def test_triton_block_reads_match_the_reference(tdevice, n0, hi):
-    """The attention kernel's masked reads (code_layout_triton: whole 16-token blocks, key bit
-    pairs joined into token order, value bit pairs in their channel order) give, bitwise, the codes
-    of read_code_rows; at page boundaries, and with the tile's tail past the history (a block
-    partly in it, blocks wholly past it)."""
+    """The Triton reads of masked pages (code_layout_triton: whole 16-token blocks, key bit pairs
+    joined into token order, value bit pairs in their channel order, and the planar bytes rebuilt
+    from them) give, bitwise, the codes of read_code_rows and their planar packing; at page
+    boundaries, and with the tile's tail past the history (a block partly in it, blocks wholly
+    past it)."""
     P, H, BN = 32, 2, 64
-    gen = torch.Generator().manual_seed(6)
     num_pages = 9
-    codes_k = _codes(num_pages, H, P, 128, seed=7)
-    codes_v = _codes(num_pages, H, P, 128, seed=8)
-    kc = cl.pack_page(codes_k, "k", 2).to(tdevice)
-    vc = cl.pack_page(codes_v, "v", 2).to(tdevice)
-    table = torch.randperm(num_pages, generator=gen).to(device=tdevice, dtype=torch.int32)
-    got_k, got_v = read_masked_tile(kc, vc, table, n0, hi, BN)  # [H, BN, 128], valid rows only
+    codes = {kind: _codes(num_pages, H, P, 128, seed=7 + i) for i, kind in enumerate("kv")}
+    pools = {kind: cl.pack_page(c, kind, 2).to(tdevice) for kind, c in codes.items()}
+    table = torch.randperm(num_pages, generator=torch.Generator().manual_seed(6)).to(tdevice, torch.int32)
+    got = {kind: torch.zeros(H, BN, 128, dtype=torch.uint8, device=tdevice) for kind in "kv"}
+    planar = {kind: torch.zeros(H, BN, 32, dtype=torch.uint8, device=tdevice) for kind in "kv"}
+    _read_tile[(H,)](
+        pools["k"], pools["v"], table, got["k"], got["v"], planar["k"], planar["v"], n0, hi, H_KV=H, P=P, BN=BN
+    )
     idx = torch.arange(n0, min(n0 + BN, hi))
     pages, rows = table.cpu().long()[idx // P], idx % P
-    for got, kind, pool in ((got_k, "k", kc), (got_v, "v", vc)):
-        want = cl.read_code_rows(pool.cpu(), pages, rows, kind, 2)  # [n, H, 128]
-        assert torch.equal(got.cpu()[:, : len(idx)], want.transpose(0, 1))
-
-
-@triton.jit
-def _pair(b, J: tl.constexpr):
-    """Code of bit pair J of bytes b (pair 3 holds (c + 2) mod 4, c ^ 2)."""
-    c = (b >> (2 * J)) & 3
-    if J == 3:
-        c = c ^ 2
-    return c
+    for kind in "kv":
+        want = cl.read_code_rows(pools[kind].cpu(), pages, rows, kind, 2).transpose(0, 1)  # [H, n, 128]
+        assert torch.equal(got[kind].cpu()[:, : len(idx)], want)
+        assert torch.equal(planar[kind].cpu()[:, : len(idx)], quant.pack_codes(want, 2))
 
 
 @triton.jit
 def _read_tile(
-    kc_ptr, vc_ptr, table_ptr, kout_ptr, vout_ptr, n0, hi, H_KV: tl.constexpr, P: tl.constexpr, BN: tl.constexpr
+    kc_ptr,
+    vc_ptr,
+    table_ptr,
+    kout_ptr,
+    vout_ptr,
+    kpl_ptr,
+    vpl_ptr,
+    n0,
+    hi,
+    H_KV: tl.constexpr,
+    P: tl.constexpr,
+    BN: tl.constexpr,
 ):
+    """History tokens n0 .. n0 + BN (< hi) of KV head program_id(0): their codes [BN, 128] and
+    planar bytes [BN, 32], read as the attention kernel and the extend path's dequantization do."""
     h = tl.program_id(0)
     rows, ok = history_rows(table_ptr, n0, hi, h, H_KV, P, BN)
     blk = masked_block_rows(rows, BN)
-    out = (h * BN + tl.arange(0, BN))[:, None] * 128
+    n = (h * BN + tl.arange(0, BN))[:, None]
     j = tl.arange(0, 32)[None, :]
     for s in tl.static_range(4):
         kp = load_masked_key_plane(kc_ptr, blk, s)
-        d = join_key_pairs(_pair(kp, 0), _pair(kp, 1), _pair(kp, 2), _pair(kp, 3))  # [BN, 32] planar order
-        tl.store(kout_ptr + out + 32 * s + j, d, mask=ok[:, None])
+        d = join_key_pairs(pair_code(kp, 0), pair_code(kp, 1), pair_code(kp, 2), pair_code(kp, 3))
+        tl.store(kout_ptr + n * 128 + 32 * s + j, d, mask=ok[:, None])
     vb = load_masked_value_bytes(vc_ptr, blk)
     for pr in tl.static_range(4):
-        tl.store(vout_ptr + out + value_columns(pr, 32, True)[None, :], _pair(vb, pr), mask=ok[:, None])
-
-
-def read_masked_tile(kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, n0: int, hi: int, bn: int):
-    """Key and value codes [H_kv, bn, 128] uint8 of history tokens n0 .. n0 + bn (< hi; n0 a
-    multiple of 16) of one sequence's page table ``table`` [num_pages] int32 over code pools
-    [N_q, H_kv, P, 32]; rows past hi stay 0."""
-    H, P = kc.shape[1], kc.shape[2]
-    kout = torch.zeros(H, bn, 128, dtype=torch.uint8, device=kc.device)
-    vout = torch.zeros_like(kout)
-    _read_tile[(H,)](kc, vc, table, kout, vout, n0, hi, H_KV=H, P=P, BN=bn)
-    return kout, vout
+        tl.store(vout_ptr + n * 128 + value_columns(pr, 32, True)[None, :], pair_code(vb, pr), mask=ok[:, None])
+    tl.store(kpl_ptr + n * 32 + j, load_masked_planar_bytes(kc_ptr, blk, True), mask=ok[:, None])
+    tl.store(vpl_ptr + n * 32 + j, load_masked_planar_bytes(vc_ptr, blk, False), mask=ok[:, None])
