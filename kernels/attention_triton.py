@@ -6,7 +6,8 @@ each K/V byte is loaded once for the whole GQA group) attend to
 - the history (quantized pages), dequantized in registers: a code's bits are read as an fp16
   subnormal (one AND per two codes, no conversion: decode_plane), scale and zero folded into two
   multiply-adds per score and into the softmax weights (history_block); each block's page numbers
-  and scales are loaded one block ahead;
+  and scales are loaded one block ahead. Masked INT2 pages (head_dim 128) are read as whole
+  16-token blocks and decoded in their stored order (code_layout_triton, history_block);
 - the sink + recent window slots and the chunk's own keys (causal), in full precision.
 A layer kept at 16 bits beside INT-b layers (BITS = 16) has the same windows and a history of
 rows as stored: its history blocks are the full-precision blocks of the windows.
