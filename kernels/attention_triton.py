@@ -31,7 +31,6 @@ import triton.language as tl
 
 from oscar_compile.formats.cache import code_layout
 from oscar_compile.kernels.attention_blocks_triton import (
-    CODE_EXP,
     NEG_INIT,
     full_block,
     group_params,
@@ -39,12 +38,12 @@ from oscar_compile.kernels.attention_blocks_triton import (
     history_rows,
     merge_partials,
     page_rows,
-    plane_factor,
     program_ids,
     query_rows,
     store_rows,
 )
 from oscar_compile.kernels.attention_split_plan import deterministic_launch, merge_partials_in_order
+from oscar_compile.kernels.code_decode_triton import CODE_EXP, plane_factor
 from oscar_compile.kernels.determinism import split_tokens
 from oscar_compile.kernels.device import num_sms
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, attention_output_for

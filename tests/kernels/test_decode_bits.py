@@ -1,7 +1,7 @@
 """The INT-b decode's PTX, emulated instruction by instruction, against the plain Triton decode.
 
-The inline PTX runs only on a GPU; this reads the same strings (``mov``, ``prmt``, ``and`` on
-32-bit registers, the only instructions they use) and executes them on every byte value, so a
+The inline PTX runs only on a GPU; this reads the same strings (``mov``, ``prmt``, ``and``,
+``xor`` on 32-bit registers, the only instructions they use) and executes them on every byte value, so a
 wrong selector or mask fails here on the CPU. The reference is decode_plane's non-PTX branch
 spelled in numpy: the plane's bits kept in place and read as an fp16 (a subnormal, exactly
 c * 2^(b * plane - 24)).
@@ -13,7 +13,7 @@ import re
 import numpy as np
 import pytest
 
-from oscar_compile.kernels import attention_blocks_triton as blocks
+from oscar_compile.kernels import code_decode_triton as decode
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
@@ -43,8 +43,8 @@ def run_ptx(asm: str, word: int) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("bits,plane,asm,flip", [
-    (2, 0, blocks.ASM2_0, 0), (2, 1, blocks.ASM2_1, 0), (2, 2, blocks.ASM2_2, 0), (2, 3, blocks.ASM2_3, 0),
-    (2, 3, blocks.ASM2_3_FLIP, 2), (4, 0, blocks.ASM4_0, 0), (4, 1, blocks.ASM4_1, 0),
+    (2, 0, decode.ASM2_0, 0), (2, 1, decode.ASM2_1, 0), (2, 2, decode.ASM2_2, 0), (2, 3, decode.ASM2_3, 0),
+    (2, 3, decode.ASM2_3_FLIP, 2), (4, 0, decode.ASM4_0, 0), (4, 1, decode.ASM4_1, 0),
 ])
 def test_decode_ptx_matches_the_plain_decode(bits, plane, asm, flip):
     """``flip``: the top bit pair of a masked INT2 byte holds (c + 2) mod 4 = c ^ 2."""
