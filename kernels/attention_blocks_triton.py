@@ -17,73 +17,18 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from oscar_compile.kernels.code_layout_triton import load_code_bytes
+from oscar_compile.kernels.code_decode_triton import decode_plane
+from oscar_compile.kernels.code_layout_triton import (
+    join_key_pairs,
+    load_masked_key_plane,
+    load_masked_planar_bytes,
+    load_masked_value_bytes,
+    load_planar_bytes,
+    masked_block_rows,
+    value_columns,
+)
 
 NEG_INIT = tl.constexpr(-1.0e30)
-
-
-CODE_EXP = tl.constexpr(-24)  # a decoded code c of plane p is the fp16 number c * 2^(b*p - 24)
-
-
-def _dequant_asm(mask: int) -> str:
-    """PTX for 4 packed bytes -> the codes of one plane as 4 fp16 (two f16x2 registers).
-
-    Two byte permutes spread the bytes over the four 16-bit halves (byte i -> half i, high bytes
-    zero); one AND per register keeps the plane's bits in place. The 16-bit pattern (c << b*p) is
-    the fp16 subnormal c * 2^(b*p - 24): exact, no conversion, no offset to subtract. Output i
-    depends on input byte i only, so the result does not depend on how Triton lays out the tensor.
-    The plane factor 2^(b*p) is folded into q (keys) and into the accumulators (values); ptxas
-    shares the two permutes between the planes of one byte vector. 1 instruction per element.
-    """
-    return (
-        "{\n.reg .b32 lo, hi, z;\nmov.b32 z, 0;\n"
-        "prmt.b32 lo, $2, z, 0x4140;\nprmt.b32 hi, $2, z, 0x4342;\n"
-        f"and.b32 $0, lo, {mask:#010x};\nand.b32 $1, hi, {mask:#010x};\n}}"
-    )
-
-
-ASM2_0 = tl.constexpr(_dequant_asm(0x00030003))
-ASM2_1 = tl.constexpr(_dequant_asm(0x000C000C))
-ASM2_2 = tl.constexpr(_dequant_asm(0x00300030))
-ASM2_3 = tl.constexpr(_dequant_asm(0x00C000C0))
-ASM4_0 = tl.constexpr(_dequant_asm(0x000F000F))
-ASM4_1 = tl.constexpr(_dequant_asm(0x00F000F0))
-
-
-@triton.jit
-def _asm_codes(b, asm: tl.constexpr):
-    return tl.inline_asm_elementwise(asm, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
-
-
-@triton.jit
-def decode_plane(b, PLANE: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
-    """Codes of plane PLANE from packed bytes b: [BN, WP] uint8 -> [BN, WP] float16 holding
-    c * 2^(BITS * PLANE + CODE_EXP), exactly (a subnormal: the code's bits read as an fp16)."""
-    if USE_ASM:
-        if BITS == 2:
-            if PLANE == 0:
-                out = _asm_codes(b, ASM2_0)
-            elif PLANE == 1:
-                out = _asm_codes(b, ASM2_1)
-            elif PLANE == 2:
-                out = _asm_codes(b, ASM2_2)
-            else:
-                out = _asm_codes(b, ASM2_3)
-        else:
-            if PLANE == 0:
-                out = _asm_codes(b, ASM4_0)
-            else:
-                out = _asm_codes(b, ASM4_1)
-    else:
-        bits = b & (((1 << BITS) - 1) << (PLANE * BITS))
-        out = bits.to(tl.uint16).to(tl.float16, bitcast=True)
-    return out
-
-
-@triton.jit
-def plane_factor(E):
-    """2^E as float32 for an integer -126 <= E <= 127, built from its bits (exact)."""
-    return tl.full([], (E + 127) << 23, tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -186,12 +131,13 @@ def softmax_step(s, m, l):
 @triton.jit
 def full_block(q, m, l, a0, a1, a2, a3, z0, z1, z2, z3, k_base, v_base, rows, key_ok,
                k_stride, v_stride, qk_scale, D: tl.constexpr, WP: tl.constexpr, NPL: tl.constexpr,
-               kdt: tl.constexpr):
+               kdt: tl.constexpr, VMASKED: tl.constexpr = False):
     """Attend to BN full-precision keys/values at row offsets ``rows`` (masked by key_ok: [ROWS, BN]).
 
     q: [ROWS, D] in kdt (the window dtype; chunk keys are cast to it);
     k_base + rows * k_stride is a key's first channel, v_base + rows * v_stride its value's (the
     chunk's K and V are views of one merged projection or separate tensors: their strides differ).
+    VMASKED: the accumulators hold the channels of the masked INT2 value planes (value_columns).
     """
     col_ok = tl.max(key_ok.to(tl.int32), axis=0) > 0  # [BN]
     d = tl.arange(0, D)
@@ -204,13 +150,12 @@ def full_block(q, m, l, a0, a1, a2, a3, z0, z1, z2, z3, k_base, v_base, rows, ke
     s = tl.where(key_ok, s * qk_scale, float("-inf"))
     p, alpha, m, l = softmax_step(s, m, l)
     pk = p.to(kdt)
-    c = tl.arange(0, WP)[None, :]
     vrow = v_base + rows[:, None] * v_stride
-    a0 = _pv(a0 * alpha[:, None], pk, vrow + c, col_ok, kdt)
-    a1 = _pv(a1 * alpha[:, None], pk, vrow + WP + c, col_ok, kdt)
+    a0 = _pv(a0 * alpha[:, None], pk, vrow + value_columns(0, WP, VMASKED)[None, :], col_ok, kdt)
+    a1 = _pv(a1 * alpha[:, None], pk, vrow + value_columns(1, WP, VMASKED)[None, :], col_ok, kdt)
     if NPL == 4:
-        a2 = _pv(a2 * alpha[:, None], pk, vrow + 2 * WP + c, col_ok, kdt)
-        a3 = _pv(a3 * alpha[:, None], pk, vrow + 3 * WP + c, col_ok, kdt)
+        a2 = _pv(a2 * alpha[:, None], pk, vrow + value_columns(2, WP, VMASKED)[None, :], col_ok, kdt)
+        a3 = _pv(a3 * alpha[:, None], pk, vrow + value_columns(3, WP, VMASKED)[None, :], col_ok, kdt)
     return m, l, a0, a1, a2, a3, z0 * alpha, z1 * alpha, z2 * alpha, z3 * alpha
 
 
@@ -271,35 +216,57 @@ def _group(x, g: tl.constexpr, NG: tl.constexpr):
 
 @triton.jit
 def _key_group_fix(s, dg, PL: tl.constexpr, WP: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-                   ks, kz, qg):
-    """After the last plane of a group: s += scale * (dot - zero * sum(q over the group))."""
+                   ks, kz, qg, MASKED: tl.constexpr):
+    """After the last plane of a group: s += scale * (dot - zero * sum(q over the group)).
+    MASKED: dg holds token n's dot in units of 2^(2 (n % 4)) (its bit pair, _key_codes) and so
+    does the zero term; the scale takes the inverse. Exact powers of two: the score's bits are
+    the planar decode's."""
     if ((PL + 1) * WP) % GROUP == 0:
         g: tl.constexpr = (PL * WP) // GROUP
         sc = _group(ks, g, NG)
         zr = _group(kz, g, NG)
+        if MASKED:
+            e = 2 * (tl.arange(0, sc.shape[0]) % 4)
+            sc = sc * ((127 - e) << 23).to(tl.float32, bitcast=True)
+            zr = zr * ((127 + e) << 23).to(tl.float32, bitcast=True)
         s = s + sc[None, :] * (dg - zr[None, :] * qg[:, None])
         dg = dg * 0.0
     return s, dg
 
 
 @triton.jit
-def _key_plane(s, dg, kb, qp, qg, PL: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
-               GROUP: tl.constexpr, NG: tl.constexpr, ks, kz, USE_ASM: tl.constexpr):
-    dg = tl.dot(qp, tl.trans(decode_plane(kb, PL, BITS, USE_ASM)), dg)
-    return _key_group_fix(s, dg, PL, WP, GROUP, NG, ks, kz, qg)
+def _key_codes(kb, kc_ptr, PL: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, MASKED: tl.constexpr):
+    """Key codes of plane PL, [BN, WP] float16: decoded from the planar bytes kb [BN, WP], in
+    units of 2^(BITS * PL + CODE_EXP); MASKED: read from the blocks at flat rows kb [BN / 16]
+    (code_layout_triton), each bit pair with one AND, token n in units of 2^(2 (n % 4) + CODE_EXP)."""
+    if MASKED:
+        kp = load_masked_key_plane(kc_ptr, kb, PL)
+        out = join_key_pairs(decode_plane(kp, 0, 2, USE_ASM), decode_plane(kp, 1, 2, USE_ASM),
+                             decode_plane(kp, 2, 2, USE_ASM), decode_plane(kp, 3, 2, USE_ASM, True))
+    else:
+        out = decode_plane(kb, PL, BITS, USE_ASM)
+    return out
+
+
+@triton.jit
+def _key_plane(s, dg, kb, kc_ptr, qp, qg, PL: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
+               GROUP: tl.constexpr, NG: tl.constexpr, ks, kz, USE_ASM: tl.constexpr, MASKED: tl.constexpr):
+    dg = tl.dot(qp, tl.trans(_key_codes(kb, kc_ptr, PL, BITS, USE_ASM, MASKED)), dg)
+    return _key_group_fix(s, dg, PL, WP, GROUP, NG, ks, kz, qg, MASKED)
 
 
 @triton.jit
 def _value_plane(acc, zacc, pv, zs, vb, p, PL: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
-                 GROUP: tl.constexpr, NG: tl.constexpr, vs, vz, USE_ASM: tl.constexpr):
-    """acc += (p * s_g) @ codes; zacc += sum_n p s_g z_g, with (pv, zs) recomputed at a group start."""
+                 GROUP: tl.constexpr, NG: tl.constexpr, vs, vz, USE_ASM: tl.constexpr, VMASKED: tl.constexpr):
+    """acc += (p * s_g) @ codes; zacc += sum_n p s_g z_g, with (pv, zs) recomputed at a group start.
+    VMASKED: vb holds masked value bytes and plane PL is their bit pair PL (value_columns)."""
     if (PL * WP) % GROUP == 0:
         g: tl.constexpr = (PL * WP) // GROUP
         sc = _group(vs, g, NG)
         zr = _group(vz, g, NG)
         pv = (p * sc[None, :]).to(tl.float16)
         zs = tl.sum(pv.to(tl.float32) * zr[None, :], axis=1)
-    acc = tl.dot(pv, decode_plane(vb, PL, BITS, USE_ASM), acc)
+    acc = tl.dot(pv, decode_plane(vb, PL, BITS, USE_ASM, VMASKED and PL == 3), acc)
     return acc, zacc + zs, pv, zs
 
 
@@ -308,62 +275,75 @@ def history_block(q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, 
                   kc_ptr, vc_ptr, ks, kz, vs, vz, rowq, tmask, qk_scale,
                   ROWS: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
                   GROUP: tl.constexpr, NG: tl.constexpr, NPL: tl.constexpr, USE_ASM: tl.constexpr,
-                  MASKED: tl.constexpr):
+                  MASKED: tl.constexpr, VMASKED: tl.constexpr):
     """Attend to BN quantized history tokens (flat pool rows ``rowq``: [BN], masked by tmask).
 
     Keys, with k = s (c - z) per group: q . k = sum_g s_g (q_g . c_g - z_g * sum(q_g)), so the
     dots run on codes and the scale/zero cost two multiply-adds per score. Values:
     sum_n p_n s_n (c_n - z_n) = (p s) @ c - sum_n p_n s_n z_n; the second term is one number per
     row and group (z0..z3), subtracted when the output is written.
-    Over masked INT2 pages (MASKED) the code bytes are gathered into planar rows first.
+    Over masked INT2 pages (MASKED; the tile's first token a multiple of 16) the 16-token blocks
+    are read whole: key planes decoded per bit pair (token) and joined back into token order,
+    values decoded per bit pair into the accumulators of that pair's channels (VMASKED, when no
+    quantization group splits those channels; else rebuilt into planar bytes in registers).
     Units: decoded codes of plane i are c * 2^(BITS * i + CODE_EXP) (decode_plane), so the caller
-    passes q planes divided by 2^(BITS * i), group sums g0..g3 times 2^CODE_EXP and qk_scale
+    passes q planes divided by 2^(BITS * i) (undivided when MASKED: the key dots come in units
+    of the token's bit pair, _key_group_fix), group sums g0..g3 times 2^CODE_EXP and qk_scale
     times 2^-CODE_EXP; a_i accumulates in units of plane i's factor (the caller rescales).
     q0..q3: [ROWS, WP] fp16; ks, kz, vs, vz: [BN, NG] scales / zeros (group_params).
     """
-    # [BN, WP] u8 planar bytes (gathered from masked INT2 blocks when MASKED: code_layout_triton)
-    kb = load_code_bytes(kc_ptr, rowq, tmask, True, MASKED, WP)
-    vb = load_code_bytes(vc_ptr, rowq, tmask, False, MASKED, WP)
+    if MASKED:
+        kb = masked_block_rows(rowq, BN)  # [BN / 16] flat rows of the tile's blocks
+    else:
+        kb = load_planar_bytes(kc_ptr, rowq, tmask, WP)  # [BN, WP] u8
+    if VMASKED:
+        vb = load_masked_value_bytes(vc_ptr, kb)  # [BN, 32] u8, column 8 w + g
+    elif MASKED:
+        vb = load_masked_planar_bytes(vc_ptr, kb, False)  # [BN, 32] u8 planar
+    else:
+        vb = load_planar_bytes(vc_ptr, rowq, tmask, WP)
     s = tl.zeros([ROWS, BN], tl.float32)
     dg = tl.zeros([ROWS, BN], tl.float32)
-    s, dg = _key_plane(s, dg, kb, q0, pick4((0 * WP) // GROUP, g0, g1, g2, g3), 0, BITS, WP, GROUP,
-                       NG, ks, kz, USE_ASM)
-    s, dg = _key_plane(s, dg, kb, q1, pick4((1 * WP) // GROUP, g0, g1, g2, g3), 1, BITS, WP, GROUP,
-                       NG, ks, kz, USE_ASM)
+    s, dg = _key_plane(s, dg, kb, kc_ptr, q0, pick4((0 * WP) // GROUP, g0, g1, g2, g3), 0, BITS, WP,
+                       GROUP, NG, ks, kz, USE_ASM, MASKED)
+    s, dg = _key_plane(s, dg, kb, kc_ptr, q1, pick4((1 * WP) // GROUP, g0, g1, g2, g3), 1, BITS, WP,
+                       GROUP, NG, ks, kz, USE_ASM, MASKED)
     if NPL == 4:
-        s, dg = _key_plane(s, dg, kb, q2, pick4((2 * WP) // GROUP, g0, g1, g2, g3), 2, BITS, WP,
-                           GROUP, NG, ks, kz, USE_ASM)
-        s, dg = _key_plane(s, dg, kb, q3, pick4((3 * WP) // GROUP, g0, g1, g2, g3), 3, BITS, WP,
-                           GROUP, NG, ks, kz, USE_ASM)
+        s, dg = _key_plane(s, dg, kb, kc_ptr, q2, pick4((2 * WP) // GROUP, g0, g1, g2, g3), 2, BITS,
+                           WP, GROUP, NG, ks, kz, USE_ASM, MASKED)
+        s, dg = _key_plane(s, dg, kb, kc_ptr, q3, pick4((3 * WP) // GROUP, g0, g1, g2, g3), 3, BITS,
+                           WP, GROUP, NG, ks, kz, USE_ASM, MASKED)
     s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
     p, alpha, m, l = softmax_step(s, m, l)
     al = alpha[:, None]
     pv = tl.zeros([ROWS, BN], tl.float16)
     zs = tl.zeros([ROWS], tl.float32)
     a0, z0, pv, zs = _value_plane(a0 * al, z0 * alpha, pv, zs, vb, p, 0, BITS, WP, GROUP, NG,
-                                  vs, vz, USE_ASM)
+                                  vs, vz, USE_ASM, VMASKED)
     a1, z1, pv, zs = _value_plane(a1 * al, z1 * alpha, pv, zs, vb, p, 1, BITS, WP, GROUP, NG,
-                                  vs, vz, USE_ASM)
+                                  vs, vz, USE_ASM, VMASKED)
     if NPL == 4:
         a2, z2, pv, zs = _value_plane(a2 * al, z2 * alpha, pv, zs, vb, p, 2, BITS, WP, GROUP, NG,
-                                      vs, vz, USE_ASM)
+                                      vs, vz, USE_ASM, VMASKED)
         a3, z3, pv, zs = _value_plane(a3 * al, z3 * alpha, pv, zs, vb, p, 3, BITS, WP, GROUP, NG,
-                                      vs, vz, USE_ASM)
+                                      vs, vz, USE_ASM, VMASKED)
     return m, l, a0, a1, a2, a3, z0, z1, z2, z3
 
 
 @triton.jit
 def store_rows(base, rows_ok, a0, a1, a2, a3, z0, z1, z2, z3, inv_l, WP: tl.constexpr,
-               NPL: tl.constexpr):
-    """Write (a_i - z_i) * inv_l per plane to base + [ROWS, 1] offsets (plane i at column i * WP)."""
-    c = tl.arange(0, WP)[None, :]
+               NPL: tl.constexpr, VMASKED: tl.constexpr = False):
+    """Write (a_i - z_i) * inv_l per plane to base + [ROWS, 1] offsets (plane i at the channels
+    value_columns names: column i * WP on, or the masked INT2 value plane's, VMASKED)."""
     dt = base.dtype.element_ty
     msk = rows_ok[:, None]
-    tl.store(base + c, ((a0 - z0[:, None]) * inv_l[:, None]).to(dt), mask=msk)
-    tl.store(base + WP + c, ((a1 - z1[:, None]) * inv_l[:, None]).to(dt), mask=msk)
+    tl.store(base + value_columns(0, WP, VMASKED)[None, :], ((a0 - z0[:, None]) * inv_l[:, None]).to(dt), mask=msk)
+    tl.store(base + value_columns(1, WP, VMASKED)[None, :], ((a1 - z1[:, None]) * inv_l[:, None]).to(dt), mask=msk)
     if NPL == 4:
-        tl.store(base + 2 * WP + c, ((a2 - z2[:, None]) * inv_l[:, None]).to(dt), mask=msk)
-        tl.store(base + 3 * WP + c, ((a3 - z3[:, None]) * inv_l[:, None]).to(dt), mask=msk)
+        tl.store(base + value_columns(2, WP, VMASKED)[None, :], ((a2 - z2[:, None]) * inv_l[:, None]).to(dt),
+                 mask=msk)
+        tl.store(base + value_columns(3, WP, VMASKED)[None, :], ((a3 - z3[:, None]) * inv_l[:, None]).to(dt),
+                 mask=msk)
 
 
 @triton.jit(do_not_specialize=["NS"])

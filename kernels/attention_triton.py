@@ -6,7 +6,8 @@ each K/V byte is loaded once for the whole GQA group) attend to
 - the history (quantized pages), dequantized in registers: a code's bits are read as an fp16
   subnormal (one AND per two codes, no conversion: decode_plane), scale and zero folded into two
   multiply-adds per score and into the softmax weights (history_block); each block's page numbers
-  and scales are loaded one block ahead;
+  and scales are loaded one block ahead. Masked INT2 pages (head_dim 128) are read as whole
+  16-token blocks and decoded in their stored order (code_layout_triton, history_block);
 - the sink + recent window slots and the chunk's own keys (causal), in full precision.
 A layer kept at 16 bits beside INT-b layers (BITS = 16) has the same windows and a history of
 rows as stored: its history blocks are the full-precision blocks of the windows.
@@ -30,7 +31,6 @@ import triton.language as tl
 
 from oscar_compile.formats.cache import code_layout
 from oscar_compile.kernels.attention_blocks_triton import (
-    CODE_EXP,
     NEG_INIT,
     full_block,
     group_params,
@@ -38,12 +38,12 @@ from oscar_compile.kernels.attention_blocks_triton import (
     history_rows,
     merge_partials,
     page_rows,
-    plane_factor,
     program_ids,
     query_rows,
     store_rows,
 )
 from oscar_compile.kernels.attention_split_plan import deterministic_launch, merge_partials_in_order
+from oscar_compile.kernels.code_decode_triton import CODE_EXP, plane_factor
 from oscar_compile.kernels.determinism import split_tokens
 from oscar_compile.kernels.device import num_sms
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, attention_output_for
@@ -82,6 +82,11 @@ def _attn_kernel(
     NPL: tl.constexpr = 2 if BITS == 16 else 8 // BITS
     WP: tl.constexpr = D // NPL
     NG: tl.constexpr = D // GROUP
+    # masked INT2 pages: the value accumulators hold each bit pair's channels (value_columns),
+    # unless a quantization group splits them (G = 32); the key planes' codes come in the units of
+    # their token's bit pair, so q keeps its scale (history_block)
+    VMASKED: tl.constexpr = MASKED and GROUP > WP
+    QB: tl.constexpr = 0 if MASKED else BITS
     pid, h, sid, i = program_ids(cub_ptr, B)
     if pid < tl.load(cub_ptr + B):
         start, T, L, t0, r, tok, head, row_ok, q_rows = query_rows(
@@ -127,7 +132,7 @@ def _attn_kernel(
                     rowh, hmask = history_rows(qt_row, n0, hi, h, H_KV, P, BLOCK_N)
                     m, l, a0, a1, a2, a3, z0, z1, z2, z3 = full_block(
                         qh, m, l, a0, a1, a2, a3, z0, z1, z2, z3, kc_ptr, vc_ptr, rowh,
-                        hmask[None, :] & (r[:, None] >= 0), D, D, qk_scale, D, WP, NPL, DOT_DT)
+                        hmask[None, :] & (r[:, None] >= 0), D, D, qk_scale, D, WP, NPL, DOT_DT, VMASKED)
             else:
                 c = tl.arange(0, WP)[None, :]
                 qm = row_ok[:, None]
@@ -144,12 +149,12 @@ def _attn_kernel(
                 s1 = tl.sum(q1, axis=1) * plane_factor(CODE_EXP)
                 s2 = tl.sum(q2, axis=1) * plane_factor(CODE_EXP)
                 s3 = tl.sum(q3, axis=1) * plane_factor(CODE_EXP)
-                # plane i of q divided by plane i's code factor 2^(BITS * i): q_i . codes_i then
+                # plane i of q divided by plane i's code factor 2^(QB * i): q_i . codes_i then
                 # comes out in the same units for every plane (exact unless q_i goes subnormal)
                 q0 = q0.to(tl.float16)
-                q1 = (q1 * plane_factor(-BITS)).to(tl.float16)
-                q2 = (q2 * plane_factor(-2 * BITS)).to(tl.float16)
-                q3 = (q3 * plane_factor(-3 * BITS)).to(tl.float16)
+                q1 = (q1 * plane_factor(-QB)).to(tl.float16)
+                q2 = (q2 * plane_factor(-2 * QB)).to(tl.float16)
+                q3 = (q3 * plane_factor(-3 * QB)).to(tl.float16)
                 PPG: tl.constexpr = GROUP // WP  # planes per group: 1, 2 or 4
                 if PPG == 1:
                     g0, g1, g2, g3 = s0, s1, s2, s3
@@ -171,7 +176,7 @@ def _attn_kernel(
                         q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, z2, z3,
                         kc_ptr, vc_ptr, ks, kz, vs, vz, rowq, tmask,
                         qk_scale * plane_factor(-CODE_EXP), ROWS, BLOCK_N, BITS, WP, GROUP, NG, NPL,
-                        USE_ASM, MASKED)
+                        USE_ASM, MASKED, VMASKED)
                     rowq, tmask, ks, kz, vs, vz = rowq_n, tmask_n, ks_n, kz_n, vs_n, vz_n
                 # the value accumulators hold plane i in units of its code factor (a0..a3 start at
                 # zero, so the history is all they hold here)
@@ -207,7 +212,7 @@ def _attn_kernel(
                 key_ok = ok[None, :] & (r[:, None] >= 0)
                 m, l, a0, a1, a2, a3, z0, z1, z2, z3 = full_block(
                     qf, m, l, a0, a1, a2, a3, z0, z1, z2, z3, kwin_ptr, vwin_ptr, rows, key_ok,
-                    D, D, qk_scale, D, WP, NPL, kdt)
+                    D, D, qk_scale, D, WP, NPL, kdt, VMASKED)
             # the chunk's own keys, causally (new token j visible to row tok iff j <= tok); in the
             # last window program
             for j0 in range(0, kend, BLOCK_C):
@@ -216,16 +221,16 @@ def _attn_kernel(
                 rows = (start + j).to(tl.int64)
                 m, l, a0, a1, a2, a3, z0, z1, z2, z3 = full_block(
                     qf, m, l, a0, a1, a2, a3, z0, z1, z2, z3, k_ptr + h * skh, v_ptr + h * svh,
-                    rows, key_ok, skn, svn, qk_scale, D, WP, NPL, kdt)
+                    rows, key_ok, skn, svn, qk_scale, D, WP, NPL, kdt, VMASKED)
         inv_l = tl.where(l > 0.0, 1.0 / l, 0.0)
         n_glob = (start + tok).to(tl.int64)
         if not SPLIT:
             base = out_ptr + (n_glob * (H_KV * G_Q) + head)[:, None] * D
-            store_rows(base, row_ok, a0, a1, a2, a3, z0, z1, z2, z3, inv_l, WP, NPL)
+            store_rows(base, row_ok, a0, a1, a2, a3, z0, z1, z2, z3, inv_l, WP, NPL, VMASKED)
         else:
             prow = (n_glob * (H_KV * G_Q) + head) * (nsplit + nwin) + sid
             store_rows(po_ptr + prow[:, None] * D, row_ok, a0, a1, a2, a3, z0, z1, z2, z3,
-                       inv_l, WP, NPL)
+                       inv_l, WP, NPL, VMASKED)
             lse = tl.where(l > 0.0, m + tl.math.log2(l), float("-inf"))
             tl.store(pl_ptr + prow, lse, mask=row_ok)
 
@@ -392,6 +397,9 @@ def attention_triton(
         return out
     g = H_q // H_kv
     max_hist = quant_table.shape[1] * P
+    masked = code_layout(bits, D, P) == "masked"
+    if masked and block_n % 16:  # history tiles of whole 16-token blocks (history_block)
+        raise ValueError(f"block_n must be a multiple of 16 over masked INT2 pages, got {block_n}")
     if full:
         # 64-key blocks, as the full-precision kernel takes: a 128 x D tile of 16-bit keys would
         # not fit the register cap. The window pools stand in for the empty scale / zero pools
@@ -450,7 +458,7 @@ def attention_triton(
         BLOCK_W=block_w, BLOCK_C=16 if block_m == 1 else 64,
         SPLIT=nsplit > 0, WIN_SPLIT=nwin > 1,
         DOT_DT=dot_dtype(k_win.dtype), HAS_HIST=history_lens is not None, SPLIT_LEN=split_len or 0,
-        MASKED=code_layout(bits, D, P) == "masked",
+        MASKED=masked,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": cap} if cap else {}),
     )
     try:

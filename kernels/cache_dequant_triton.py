@@ -3,7 +3,8 @@
 One program per (scratch page, KV head) writes the keys and values of the P positions the page
 holds (the run of pages it falls in names the sequence: seq_of_program), in position order:
 sink and ring slots copied from the window pools, history rows dequantized from the planar
-codes (masked INT2 blocks are gathered into planar bytes first: code_layout_triton; plane i
+codes (masked INT2 pages: their 16-token blocks read whole, rebuilt into planar bytes in
+registers, code_layout_triton; plane i
 of a row's WP = D * b / 8 bytes holds channels [i WP, (i + 1) WP): one contiguous tile per
 plane) with the scale and zero of
 group c // G, s * (code - z) in float32 as ``quant.dequantize`` computes it, then rounded to the
@@ -22,7 +23,7 @@ import triton.language as tl
 from oscar_compile.formats.cache import code_layout
 from oscar_compile.kernels.attention_blocks_triton import page_rows, seq_of_program, window_slot_of
 from oscar_compile.kernels.cache_dequant_ref import scratch_columns
-from oscar_compile.kernels.code_layout_triton import load_code_bytes
+from oscar_compile.kernels.code_layout_triton import load_masked_planar_bytes, load_planar_bytes, masked_block_rows
 from oscar_compile.kernels.pools import check_window_config
 from oscar_compile.quant import SUPPORTED_BITS
 
@@ -46,7 +47,11 @@ def _dequant_rows(win_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, wrow, qrow, 
     NPL: tl.constexpr = 8 // BITS
     j = tl.arange(0, WP)[None, :]
     hm = in_hist[:, None]
-    b = load_code_bytes(codes_ptr, qrow, in_hist, IS_KEY, MASKED, WP).to(tl.int32)  # [BLOCK_T, WP] planar
+    if MASKED:  # the page's 16-token blocks, read whole (rows outside the history read page 0's first)
+        blk = masked_block_rows(tl.where(in_hist, qrow, 0), qrow.shape[0])
+        b = load_masked_planar_bytes(codes_ptr, blk, IS_KEY).to(tl.int32)  # [BLOCK_T, WP] planar
+    else:
+        b = load_planar_bytes(codes_ptr, qrow, in_hist, WP).to(tl.int32)
     for pl in tl.static_range(NPL):
         c = pl * WP + j  # the plane's channels
         w = tl.load(win_ptr + wrow[:, None] * D + c, mask=in_win[:, None], other=0.0)

@@ -1,13 +1,26 @@
-"""The masked INT2 page layout (kernels/code_layout_ref.py) against the quantizer and the issue's formula."""
+"""The masked INT2 page layout (kernels/code_layout_ref.py) against the quantizer and the issue's formula, and the
+Triton block reads (kernels/code_layout_triton.py) against it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from oscar_compile import quant
 from oscar_compile.formats.cache import CACHE_FORMAT_VERSION, check_cache_format_version, code_layout
 from oscar_compile.kernels import code_layout_ref as cl
+from oscar_compile.kernels.attention_blocks_triton import history_rows
+from oscar_compile.kernels.code_layout_triton import (
+    join_key_pairs,
+    load_masked_key_plane,
+    load_masked_planar_bytes,
+    load_masked_value_bytes,
+    masked_block_rows,
+    pair_code,
+    value_columns,
+)
 
 
 def _codes(*shape, seed=0):
@@ -113,3 +126,61 @@ def test_version_check_refuses_a_mismatch():
     check_cache_format_version(CACHE_FORMAT_VERSION, "here")
     with pytest.raises(ValueError, match="format version 1"):
         check_cache_format_version(1, "an old export")
+
+
+@pytest.mark.parametrize("n0,hi", [(0, 64), (64, 70), (32, 200)])
+def test_triton_block_reads_match_the_reference(tdevice, n0, hi):
+    """The Triton reads of masked pages (code_layout_triton: whole 16-token blocks, key bit pairs
+    joined into token order, value bit pairs in their channel order, and the planar bytes rebuilt
+    from them) give, bitwise, the codes of read_code_rows and their planar packing; at page
+    boundaries, and with the tile's tail past the history (a block partly in it, blocks wholly
+    past it)."""
+    P, H, BN = 32, 2, 64
+    num_pages = 9
+    codes = {kind: _codes(num_pages, H, P, 128, seed=7 + i) for i, kind in enumerate("kv")}
+    pools = {kind: cl.pack_page(c, kind, 2).to(tdevice) for kind, c in codes.items()}
+    table = torch.randperm(num_pages, generator=torch.Generator().manual_seed(6)).to(tdevice, torch.int32)
+    got = {kind: torch.zeros(H, BN, 128, dtype=torch.uint8, device=tdevice) for kind in "kv"}
+    planar = {kind: torch.zeros(H, BN, 32, dtype=torch.uint8, device=tdevice) for kind in "kv"}
+    _read_tile[(H,)](
+        pools["k"], pools["v"], table, got["k"], got["v"], planar["k"], planar["v"], n0, hi, H_KV=H, P=P, BN=BN
+    )
+    idx = torch.arange(n0, min(n0 + BN, hi))
+    pages, rows = table.cpu().long()[idx // P], idx % P
+    for kind in "kv":
+        want = cl.read_code_rows(pools[kind].cpu(), pages, rows, kind, 2).transpose(0, 1)  # [H, n, 128]
+        assert torch.equal(got[kind].cpu()[:, : len(idx)], want)
+        assert torch.equal(planar[kind].cpu()[:, : len(idx)], quant.pack_codes(want, 2))
+
+
+@triton.jit
+def _read_tile(
+    kc_ptr,
+    vc_ptr,
+    table_ptr,
+    kout_ptr,
+    vout_ptr,
+    kpl_ptr,
+    vpl_ptr,
+    n0,
+    hi,
+    H_KV: tl.constexpr,
+    P: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """History tokens n0 .. n0 + BN (< hi) of KV head program_id(0): their codes [BN, 128] and
+    planar bytes [BN, 32], read as the attention kernel and the extend path's dequantization do."""
+    h = tl.program_id(0)
+    rows, ok = history_rows(table_ptr, n0, hi, h, H_KV, P, BN)
+    blk = masked_block_rows(rows, BN)
+    n = (h * BN + tl.arange(0, BN))[:, None]
+    j = tl.arange(0, 32)[None, :]
+    for s in tl.static_range(4):
+        kp = load_masked_key_plane(kc_ptr, blk, s)
+        d = join_key_pairs(pair_code(kp, 0), pair_code(kp, 1), pair_code(kp, 2), pair_code(kp, 3))
+        tl.store(kout_ptr + n * 128 + 32 * s + j, d, mask=ok[:, None])
+    vb = load_masked_value_bytes(vc_ptr, blk)
+    for pr in tl.static_range(4):
+        tl.store(vout_ptr + n * 128 + value_columns(pr, 32, True)[None, :], pair_code(vb, pr), mask=ok[:, None])
+    tl.store(kpl_ptr + n * 32 + j, load_masked_planar_bytes(kc_ptr, blk, True), mask=ok[:, None])
+    tl.store(vpl_ptr + n * 32 + j, load_masked_planar_bytes(vc_ptr, blk, False), mask=ok[:, None])
