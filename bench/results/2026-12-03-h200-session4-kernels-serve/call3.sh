@@ -8,7 +8,7 @@ set -u
 source "$(dirname "$0")/common.sh"
 P="python3 -m pytest -q -rs --tb=short -p no:cacheprovider"
 step kernel_tests 150 $P tests/kernels/test_batch_invariance.py tests/kernels/test_attention_deterministic.py \
-  tests/kernels/test_attention_triton.py tests/kernels/test_code_layout.py tests/kernels/test_cache_write_triton.py \
+  tests/kernels/test_attention_triton.py tests/kernels/test_code_layout.py tests/kernels/test_cache_write_triton.py tests/kernels/test_decode_bits.py \
   tests/kernels/test_attention_decode_consistent_triton.py tests/kernels/test_attention_gluon_int8.py &
 step runtime_gpu_tests 150 $P -m gpu tests/runtime/test_prompt_logprobs.py tests/runtime/test_deterministic.py \
   tests/runtime/test_decode_consistent_prefill.py tests/runtime/test_cuda_graphs.py &
