@@ -8,9 +8,10 @@
 set -u
 source "$(dirname "$0")/common.sh"
 P="python3 -m pytest -q -rs --tb=short -p no:cacheprovider"
-step kernel_tests 120 $P tests/kernels/test_batch_invariance.py tests/kernels/test_attention_deterministic.py \
-  tests/kernels/test_attention_triton.py tests/kernels/test_code_layout.py tests/kernels/test_cache_write_triton.py tests/kernels/test_decode_bits.py \
-  tests/kernels/test_attention_decode_consistent_triton.py tests/kernels/test_attention_gluon_int8.py &
+step kernel_tests_a 120 $P tests/kernels/test_attention_gluon_int8.py tests/kernels/test_attention_decode_consistent_triton.py &
+step kernel_tests_b 120 $P tests/kernels/test_batch_invariance.py tests/kernels/test_attention_deterministic.py \
+  tests/kernels/test_cache_write_triton.py tests/kernels/test_code_layout.py tests/kernels/test_decode_bits.py \
+  tests/kernels/test_attention_triton.py &
 step runtime_gpu_tests 120 $P -m gpu tests/runtime/test_prompt_logprobs.py tests/runtime/test_deterministic.py \
   tests/runtime/test_decode_consistent_prefill.py tests/runtime/test_cuda_graphs.py &
 step decode_ppl 120 python3 -m oscar_compile.bench.decode_ppl --context 4096 --num-samples 64 --scored 256 \
