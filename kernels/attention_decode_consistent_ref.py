@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 
 from oscar_compile import quant
-from oscar_compile.kernels.attention_ref import gather_cached
+from oscar_compile.kernels.attention_ref import INVARIANT_KEY_BLOCK, INVARIANT_ROW_GROUP, gather_cached
+from oscar_compile.kernels.determinism import is_deterministic
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, check_window_config, history_lens_of
 
 
@@ -103,7 +104,8 @@ def attention_decode_consistent_ref(
         v_exact, v_hist = decode_consistent_views(
             i, L, v[a:b], v_win, v_codes, v_scale, v_zero, tables, geometry, clip_v, "v"
         )
-        out[a:b] = _attend_by_row(
+        attend = _attend_by_row_invariant if is_deterministic() else _attend_by_row
+        out[a:b] = attend(
             q[a:b].float(),
             k[a:b].float(),
             v[a:b].float(),
@@ -146,3 +148,59 @@ def _attend_by_row(
     out = out + torch.einsum("hts,shd->thd", p * exact, v_exact.repeat_interleave(g, dim=1))
     diag = p[:, torch.arange(T), L + torch.arange(T)]  # [H_q, T]: each row's weight on its own token
     return out + diag.transpose(0, 1).unsqueeze(-1) * v_own.repeat_interleave(g, dim=1)
+
+
+def _attend_by_row_invariant(
+    q, k_own, v_own, k_exact, k_hist, v_exact, v_hist, L: int, h: int, sink: int, recent: int, scale: float
+) -> torch.Tensor:
+    """``_attend_by_row`` with every row's bits independent of the chunk it came in (deterministic
+    mode), by ``attention_ref._attend_invariant``'s rule: scores and weighted values as batches of
+    ``[16, D] @ [D, 64]`` and ``[16, 64] @ [64, D]`` GEMMs over key blocks at absolute positions,
+    each block summed alone, the blocks added in position order. Both views go through the same
+    GEMM shapes and a row picks its view key by key; its own key's score is the diagonal of a
+    ``[16, D] @ [D, 16]`` product, its weighted value added into its block elementwise."""
+    T, H_q, D = q.shape
+    g = H_q // k_exact.shape[1]
+    n = L + T
+    blk, R = INVARIANT_KEY_BLOCK, INVARIANT_ROW_GROUP
+    nb = -(-n // blk)
+    rows = -(-T // R) * R
+
+    def padded(x: torch.Tensor, length: int) -> torch.Tensor:  # [m, H, D] -> [length, H_q, D], zeros past m
+        out = torch.zeros(length, H_q, D, dtype=torch.float32, device=q.device)
+        out[: x.shape[0]] = x.repeat_interleave(H_q // x.shape[1], dim=1)
+        return out
+
+    def key_blocks(x):  # [n, H_kv, D] -> [H_q nb, D, 64]
+        return padded(x, nb * blk).view(nb, blk, H_q, D).permute(2, 0, 3, 1).reshape(H_q * nb, D, blk)
+
+    def value_blocks(x):  # [n, H_kv, D] -> [H_q nb, 64, D]
+        return padded(x, nb * blk).view(nb, blk, H_q, D).permute(2, 0, 1, 3).reshape(H_q * nb, blk, D)
+
+    ke, kh, ve, vh = key_blocks(k_exact), key_blocks(k_hist), value_blocks(v_exact), value_blocks(v_hist)
+    qp, ko, vo = padded(q, rows), padded(k_own, rows), padded(v_own, rows)
+    key_pos = torch.arange(nb * blk, device=q.device).view(nb, 1, blk)
+    out = torch.empty(rows, H_q, D, dtype=torch.float32, device=q.device)
+    for r0 in range(0, rows, R):
+        rq = qp[r0 : r0 + R].permute(1, 0, 2)  # [H_q, R, D]
+        rqb = rq[:, None].expand(H_q, nb, R, D).reshape(H_q * nb, R, D)
+        s_exact = torch.bmm(rqb, ke).view(H_q, nb, R, blk) * scale
+        s_hist = torch.bmm(rqb, kh).view(H_q, nb, R, blk) * scale
+        s_own = torch.bmm(rq, ko[r0 : r0 + R].permute(1, 2, 0)).diagonal(dim1=1, dim2=2) * scale  # [H_q, R]
+        row_pos = (L + r0 + torch.arange(R, device=q.device)).view(1, R, 1)
+        hist_end = sink + torch.clamp(row_pos - recent - sink, min=h)  # S0 + h_p
+        own = key_pos == row_pos  # [nb, R, 64]
+        quantized = (key_pos >= sink) & (key_pos < hist_end)
+        exact = (key_pos < row_pos) & ~quantized
+        s = torch.where(quantized, s_hist, s_exact)
+        s = torch.where(own, s_own[:, None, :, None], s)
+        s = s.masked_fill(~(own | quantized | exact), float("-inf"))
+        m = s.amax(dim=(1, 3), keepdim=True)  # exact in any order
+        p = torch.exp(s - m)  # [H_q, nb, R, 64]
+        l_row = p.sum(-1).cumsum(1)[:, -1]  # [H_q, R]
+        o = torch.bmm((p * quantized).reshape(H_q * nb, R, blk), vh).view(H_q, nb, R, D)
+        o = o + torch.bmm((p * exact).reshape(H_q * nb, R, blk), ve).view(H_q, nb, R, D)
+        p_own = (p * own).sum(-1)  # [H_q, nb, R]: one weight or exact zeros
+        o = o + p_own[..., None] * vo[r0 : r0 + R].permute(1, 0, 2)[:, None]
+        out[r0 : r0 + R] = (o.cumsum(1)[:, -1] / l_row[..., None]).permute(1, 0, 2)
+    return out[:T]
