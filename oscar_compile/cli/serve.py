@@ -21,6 +21,8 @@ import logging
 import os
 import sys
 
+from oscar_compile.formats.prefill import DEFAULT_PREFILL_SEMANTICS, PREFILL_SEMANTICS
+
 logger = logging.getLogger("oscar_compile.runtime.serve")  # the name users' log filters were given
 
 
@@ -49,9 +51,9 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="token budget of one step (prefill chunks + decodes)")
     parser.add_argument("--prefill-staging-memory", type=float, metavar="GIB",
-                        help="full-precision staging of prompts prefilled in chunks, on top of --kv-memory "
-                             "(default: the history of one prompt of the context length; 0: off, later "
-                             "chunks read earlier ones quantized)")
+                        help="with --prefill-semantics prompt-exact: full-precision staging of prompts prefilled "
+                             "in chunks, on top of --kv-memory (default: the history of one prompt of the context "
+                             "length; 0: off, later chunks read earlier ones quantized)")
     parser.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
                         help="host memory preempted sequences swap to (default 4; 0: recompute them)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix reuse")
@@ -64,11 +66,11 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
                         help="with --prefix-hits snapshot: tokens between a sequence's window snapshots, besides the "
                              "one at its prompt's end, a multiple of the page size (default: twice the tokens whose "
                              "INT-b history costs a snapshot's bytes)")
-    parser.add_argument("--prefill-semantics", choices=("prompt-exact", "decode-consistent"), default="prompt-exact",
-                        help="what prompt tokens read from the cache: prompt-exact (the prompt in full precision, "
-                             "as generate() over a whole prompt) or decode-consistent (as a decode step at their "
-                             "position: chunked, batched and recomputed prefills equal the decode steps) "
-                             "(default: %(default)s)")
+    parser.add_argument("--prefill-semantics", choices=PREFILL_SEMANTICS, default=DEFAULT_PREFILL_SEMANTICS,
+                        help="what prompt tokens read from the cache: decode-consistent (as a decode step at their "
+                             "position: chunked, batched and recomputed prefills and prefix hits equal the decode "
+                             "steps) or prompt-exact (the prompt in full precision within itself, staged across "
+                             "chunks) (default: %(default)s)")
     parser.add_argument("--deterministic", action="store_true",
                         help="batch invariance and run-to-run determinism: the same request gives the same "
                              "logprobs alone or in any batch (batch-invariant matmuls, fixed attention splits; "
