@@ -45,7 +45,9 @@ def test_runtime_greedy_equals_generate_on_the_compressed_model(setup):
     config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=256)
     llm = LLM(copy.deepcopy(model), spec=SPEC, rotations=rot, tokenizer=tokenizer, config=config)
     prompts = _prompts(len(tokenizer), [5, 17, 30])
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    # min_tokens masks EOS as generate()'s min_new_tokens does (with ignore_eos the engine may pick
+    # EOS, token 0, where generate() cannot: the 17-token prompt's 10th step does so here)
+    params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0)
     outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.token_ids == _reference(model, rot, prompt, 24)
