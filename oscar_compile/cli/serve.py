@@ -58,10 +58,11 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
                         help="host memory preempted sequences swap to (default 4; 0: recompute them)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix reuse")
     parser.add_argument("--prefix-hits", choices=("history", "sink", "snapshot"), default=None,
-                        help="what a prefix-cache hit reuses: sink and INT-b history pages (the continuation reads "
-                             "the shared prefix quantized), the sink only (a hit computes what a miss does), or, "
-                             "under decode-consistent prefill, sink and history up to a BF16 window snapshot "
-                             "(exact); default: history under prompt-exact prefill, snapshot under decode-consistent")
+                        help="what a prefix-cache hit reuses: under decode-consistent prefill (the default), sink "
+                             "and history up to a BF16 window snapshot (exact); the sink only (a hit computes what a "
+                             "miss does); or, under prompt-exact prefill, sink and INT-b history pages (the "
+                             "continuation reads the shared prefix quantized); default: snapshot under "
+                             "decode-consistent prefill, history under prompt-exact")
     parser.add_argument("--snapshot-interval", type=int, default=None, metavar="TOKENS",
                         help="with --prefix-hits snapshot: tokens between a sequence's window snapshots, besides the "
                              "one at its prompt's end, a multiple of the page size (default: twice the tokens whose "
@@ -74,7 +75,8 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
     parser.add_argument("--deterministic", action="store_true",
                         help="batch invariance and run-to-run determinism: the same request gives the same "
                              "logprobs alone or in any batch (batch-invariant matmuls, fixed attention splits; "
-                             "CUDA graphs stay on). Slower: see the README")
+                             "CUDA graphs stay on); in full under --prefill-semantics prompt-exact, in part under "
+                             "decode-consistent (not yet across prefill chunkings). Slower: see the README")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="launch decode steps eagerly (no CUDA graphs)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="run one step at a time "
