@@ -9,6 +9,10 @@ the same float32 formulas as ``apply()``'s CPU path, and the quantize graph's co
 zeros equal the reference bit for bit (tested below); what remains is summation order: ONNX
 Runtime's MatMul / Softmax kernels and the attention over [sink; history; recent] in another
 key order than the paged reference, a few float32 ulps per layer.
+
+The exported step graph prefills prompt-exact (a chunk attends to itself in full precision), so
+its reference is ``apply()``'s model under that semantics (``set_prefill_semantics``), not the
+default, decode-consistent (README, "Export").
 """
 import numpy as np
 import pytest
@@ -19,8 +23,10 @@ ort = pytest.importorskip("onnxruntime")
 
 from oscar_compile import CompressionSpec, apply, calibrate, quant  # noqa: E402
 from oscar_compile.cli import main  # noqa: E402
+from oscar_compile.formats.prefill import PROMPT_EXACT  # noqa: E402
 from oscar_compile.loading import load_model  # noqa: E402
 from oscar_compile.onnx import OnnxGenerator  # noqa: E402
+from oscar_compile.passes.apply import set_prefill_semantics  # noqa: E402
 from oscar_compile.testing import tiny_model, tiny_tokenizer  # noqa: E402
 
 SPEC_YAML = """
@@ -56,6 +62,7 @@ def setup(tmp_path_factory):
 def _applied(root, spec, rot):
     model, _ = load_model(root / "model", "cpu")
     apply(model, spec, rot)
+    set_prefill_semantics(model, PROMPT_EXACT)  # what the exported graphs compute
     return model
 
 

@@ -85,9 +85,11 @@ def _torch_teacher_forced(model, prompt: list[int], continuation: list[int]) -> 
 
 def run(args) -> dict:
     from oscar_compile import Rotations, apply
+    from oscar_compile.formats.prefill import PROMPT_EXACT
     from oscar_compile.loading import load_model, resolve_model_dir
     from oscar_compile.onnx import OnnxGenerator
     from oscar_compile.onnx.export import export_onnx
+    from oscar_compile.passes.apply import set_prefill_semantics
     from oscar_compile.spec import CompressionSpec, specs_dir
 
     torch.set_num_threads(args.threads)
@@ -103,6 +105,7 @@ def run(args) -> dict:
     model, _ = load_model(model_dir, "cpu")
     spec = CompressionSpec.from_yaml(spec_path)
     apply(model, spec, Rotations.load(rotations, model))
+    set_prefill_semantics(model, PROMPT_EXACT)  # the exported step graph prefills prompt-exact
 
     rows, torch_decode_s, onnx_decode_s, num_decoded = [], 0.0, 0.0, 0
     for prompt in _prompts(model_dir, args.prompts, args.prompt_len):

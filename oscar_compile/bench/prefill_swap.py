@@ -8,6 +8,9 @@
   back in (its window and history pages, every layer), against the time to recompute it (its
   TTFT with staging, what a recomputing preemption costs).
 
+The engines run the prompt-exact prefill semantics (``EngineConfig.prefill_semantics``), whose
+staging this measures; the default, decode-consistent, stages nothing.
+
 INT2 mode (``hadamard-int2``), random weights of the chosen shape, one sequence at a time, CUDA
 graphs off (prefill steps never replay them). Each engine first serves a short warm-up request,
 so kernel compilation is not timed.
@@ -20,6 +23,7 @@ import time
 import torch
 
 from oscar_compile.bench.e2e import SpelledIdTokenizer
+from oscar_compile.formats.prefill import PROMPT_EXACT
 from oscar_compile.runtime.core.page_manager import SwapCopy
 from oscar_compile.runtime.core.sampling_params import SamplingParams
 from oscar_compile.runtime.engine_config import EngineConfig, build_engine
@@ -37,7 +41,7 @@ def make_engine(model, layout, max_len: int, budget: int, staging: bool, swap_by
     config = EngineConfig(num_window_pages=num_window, num_quant_pages=num_quant + 1, max_num_seqs=1,
                           max_num_batched_tokens=budget, max_model_len=max_len, cuda_graphs=False,
                           enable_prefix_caching=False, prefill_staging_memory_gb=None if staging else 0,
-                          swap_space_gb=swap_bytes / 1024**3, layout=layout)
+                          swap_space_gb=swap_bytes / 1024**3, layout=layout, prefill_semantics=PROMPT_EXACT)
     vocab = model.config.get_text_config().vocab_size
     return build_engine(model, SpelledIdTokenizer(vocab), config, make_runner=runner_factory(model, layout, config))
 

@@ -21,6 +21,8 @@ import logging
 import os
 import sys
 
+from oscar_compile.formats.prefill import DEFAULT_PREFILL_SEMANTICS, PREFILL_SEMANTICS
+
 logger = logging.getLogger("oscar_compile.runtime.serve")  # the name users' log filters were given
 
 
@@ -49,30 +51,32 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="token budget of one step (prefill chunks + decodes)")
     parser.add_argument("--prefill-staging-memory", type=float, metavar="GIB",
-                        help="full-precision staging of prompts prefilled in chunks, on top of --kv-memory "
-                             "(default: the history of one prompt of the context length; 0: off, later "
-                             "chunks read earlier ones quantized)")
+                        help="with --prefill-semantics prompt-exact: full-precision staging of prompts prefilled "
+                             "in chunks, on top of --kv-memory (default: the history of one prompt of the context "
+                             "length; 0: off, later chunks read earlier ones quantized)")
     parser.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
                         help="host memory preempted sequences swap to (default 4; 0: recompute them)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix reuse")
     parser.add_argument("--prefix-hits", choices=("history", "sink", "snapshot"), default=None,
-                        help="what a prefix-cache hit reuses: sink and INT-b history pages (the continuation reads "
-                             "the shared prefix quantized), the sink only (a hit computes what a miss does), or, "
-                             "under decode-consistent prefill, sink and history up to a BF16 window snapshot "
-                             "(exact); default: history under prompt-exact prefill, snapshot under decode-consistent")
+                        help="what a prefix-cache hit reuses: under decode-consistent prefill (the default), sink "
+                             "and history up to a BF16 window snapshot (exact); the sink only (a hit computes what a "
+                             "miss does); or, under prompt-exact prefill, sink and INT-b history pages (the "
+                             "continuation reads the shared prefix quantized); default: snapshot under "
+                             "decode-consistent prefill, history under prompt-exact")
     parser.add_argument("--snapshot-interval", type=int, default=None, metavar="TOKENS",
                         help="with --prefix-hits snapshot: tokens between a sequence's window snapshots, besides the "
                              "one at its prompt's end, a multiple of the page size (default: twice the tokens whose "
                              "INT-b history costs a snapshot's bytes)")
-    parser.add_argument("--prefill-semantics", choices=("prompt-exact", "decode-consistent"), default="prompt-exact",
-                        help="what prompt tokens read from the cache: prompt-exact (the prompt in full precision, "
-                             "as generate() over a whole prompt) or decode-consistent (as a decode step at their "
-                             "position: chunked, batched and recomputed prefills equal the decode steps) "
-                             "(default: %(default)s)")
+    parser.add_argument("--prefill-semantics", choices=PREFILL_SEMANTICS, default=DEFAULT_PREFILL_SEMANTICS,
+                        help="what prompt tokens read from the cache: decode-consistent (as a decode step at their "
+                             "position: chunked, batched and recomputed prefills and prefix hits equal the decode "
+                             "steps) or prompt-exact (the prompt in full precision within itself, staged across "
+                             "chunks) (default: %(default)s)")
     parser.add_argument("--deterministic", action="store_true",
                         help="batch invariance and run-to-run determinism: the same request gives the same "
                              "logprobs alone or in any batch (batch-invariant matmuls, fixed attention splits; "
-                             "CUDA graphs stay on). Slower: see the README")
+                             "CUDA graphs stay on); in full under --prefill-semantics prompt-exact, in part under "
+                             "decode-consistent (not yet across prefill chunkings). Slower: see the README")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="launch decode steps eagerly (no CUDA graphs)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="run one step at a time "

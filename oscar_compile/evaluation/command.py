@@ -61,8 +61,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="context: haystack cached, then the question; prompt: one prefill (default: %(default)s)")
     p.add_argument("--prefill-semantics", choices=PREFILL_SEMANTICS, default=d.prefill_semantics,
                    help="what prompt tokens read from the cache, as the engine's option of the same name: "
-                   "prompt-exact (full precision within the prompt) or decode-consistent (as a decode step at "
-                   "their position would; default: %(default)s)")
+                   "decode-consistent (as a decode step at their position would) or prompt-exact (full precision "
+                   "within the prompt) (default: %(default)s)")
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS), help="tasks to run (default: all)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per forward (default: %(default)s)")
     p.add_argument("--calib-tokens", type=int, default=None, help="cap every spec's calibration.num_tokens "

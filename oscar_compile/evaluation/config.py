@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..formats.prefill import PROMPT_EXACT, check_prefill_semantics
+from ..formats.prefill import DEFAULT_PREFILL_SEMANTICS, check_prefill_semantics
 from .names import DEFAULT_METHODS, NEEDLE_MODES, TASKS
 
 
@@ -21,7 +21,8 @@ class EvalConfig:
     needle_per_cell: prompts per (length, depth) cell; 0 skips the needle task.
     calib_tokens: cap on every spec's ``calibration.num_tokens`` (and seq_len), for quick runs.
     prefill_semantics: what prompt tokens read from the cache (formats/prefill.py), as the
-    engine's ``--prefill-semantics``: the measured model is the served one.
+    engine's ``--prefill-semantics`` and with its default (decode-consistent): the measured model
+    is the served one.
     """
 
     model: str | None = None
@@ -44,7 +45,7 @@ class EvalConfig:
     batch_size: int = 4
     calib_tokens: int | None = None
     tasks: tuple[str, ...] = TASKS
-    prefill_semantics: str = PROMPT_EXACT
+    prefill_semantics: str = DEFAULT_PREFILL_SEMANTICS
     seed: int = 0
     progress: bool = False
     deterministic: bool = False

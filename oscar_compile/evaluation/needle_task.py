@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..data.needle import PLAIN_QUESTION, TOKENIZER_BOS, NeedleSample, TokenAdapter, make_needle_sample
-from ..formats.prefill import PROMPT_EXACT
+from ..formats.prefill import DEFAULT_PREFILL_SEMANTICS
 from .names import NEEDLE_MODES
 from .quantizers import cache_starts
 from .simulate import simulated_logits
@@ -69,7 +69,7 @@ def needle_cases(tokenizer, haystack: Sequence[int], lengths: Sequence[int], dep
 
 
 def _batch(cases: list[NeedleCase], mode: str, pad: int, device,
-           semantics: str = PROMPT_EXACT) -> tuple[torch.Tensor, torch.Tensor]:
+           semantics: str = DEFAULT_PREFILL_SEMANTICS) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded [B, T] rows (prompt + answer[:-1]) and their cache schedule [B, T]."""
     rows = [c.sample.input_ids + c.sample.answer_ids[:-1] for c in cases]
     T = max(map(len, rows))
@@ -97,7 +97,7 @@ def _correct(logits: torch.Tensor, cases: list[NeedleCase], first: int) -> list[
 
 def needle_accuracy(model: nn.Module, methods: dict[str, Quantizers], cases: list[NeedleCase], mode: str = "context",
                     batch_size: int = 8, pad: int = 0, progress: bool = False,
-                    semantics: str = PROMPT_EXACT) -> dict[str, list[dict]]:
+                    semantics: str = DEFAULT_PREFILL_SEMANTICS) -> dict[str, list[dict]]:
     """{method: [{"length", "depth", "correct", "total"} per cell]}; prompts of one length share a batch.
     ``semantics``: the prefill semantics (formats/prefill.py); under ``decode-consistent`` both
     modes read the cache as decode steps do, so they give the same cells."""

@@ -11,6 +11,11 @@ model rewritten by ``apply``:
   reads the prefix's history quantized), what the server computes after a hit;
 - ``bf16``: the original model.
 It prints the continuation perplexities and the relative change hit vs miss, and writes JSON.
+
+This is the cost of the prompt-exact prefill semantics' history hits (``prefix_hits="history"``),
+so the rewritten model runs prompt-exact here. Under decode-consistent prefill, the default, a
+hit past the sink resumes at a window snapshot and computes what a miss does (exact; tests/
+runtime/test_decode_consistent_prefill.py), so there is nothing to measure.
 """
 from __future__ import annotations
 
@@ -47,8 +52,10 @@ def continuation_nll(model, windows: torch.Tensor, prefix: int, split: bool) -> 
 def run(model_dir: str | None, spec_name: str, prefix: int, continuation: int, num_windows: int) -> dict:
     from oscar_compile.artifact import Rotations
     from oscar_compile.evaluation.heldout import heldout_windows, read_tokens
+    from oscar_compile.formats.prefill import PROMPT_EXACT
     from oscar_compile.loading import load_model, resolve_model_dir
     from oscar_compile.passes import apply
+    from oscar_compile.passes.apply import set_prefill_semantics
     from oscar_compile.spec import shipped_spec
 
     path = resolve_model_dir(model_dir)
@@ -58,6 +65,7 @@ def run(model_dir: str | None, spec_name: str, prefix: int, continuation: int, n
     spec = shipped_spec(spec_name)
     compressed = copy.deepcopy(model)
     apply(compressed, spec, Rotations.load(path / "rotations" / f"{spec_name}.safetensors", compressed))
+    set_prefill_semantics(compressed, PROMPT_EXACT)  # the semantics whose history hits this measures
     nll = dict(bf16=continuation_nll(model, windows, prefix, split=False),
                miss=continuation_nll(compressed, windows, prefix, split=False),
                hit=continuation_nll(compressed, windows, prefix, split=True))

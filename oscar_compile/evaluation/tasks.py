@@ -1,8 +1,8 @@
 """End-task metrics on held-out windows: perplexity and greedy-token agreement with BF16.
 
-Both follow how the compressed cache is used: the context is prefilled in one chunk (full
-precision, as the real prefill attends; under the decode-consistent prefill semantics, as decode
-steps read it), then the continuation goes through decode steps that read the quantized history
+Both follow how the compressed cache is used: the context is prefilled in one chunk (under the
+decode-consistent prefill semantics, the default, as decode steps read it; under prompt-exact,
+in full precision within the chunk), then the continuation goes through decode steps that read the quantized history
 (quantizers.cache_starts). A "context length" C is the whole window:
 ``C - M`` prefilled tokens and ``M`` scored ones, so every position stays inside the model's
 trained range.
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..formats.prefill import PROMPT_EXACT
+from ..formats.prefill import DEFAULT_PREFILL_SEMANTICS
 from .quantizers import LayerQuantizer, cache_starts
 from .simulate import simulated_logits
 
@@ -41,7 +41,7 @@ def batches(windows: torch.Tensor, batch_size: int, progress: bool, desc: str) -
 
 
 def perplexity(model: nn.Module, methods: dict[str, Quantizers], windows: torch.Tensor, ppl_tokens: int,
-               batch_size: int, progress: bool = False, semantics: str = PROMPT_EXACT) -> dict[str, dict]:
+               batch_size: int, progress: bool = False, semantics: str = DEFAULT_PREFILL_SEMANTICS) -> dict[str, dict]:
     """windows: [n, C] token ids -> {method: {"ppl", "nll", "tokens", "nll_se", "window_nll"}} over the
     last ``ppl_tokens`` of each. ``window_nll``: each window's mean NLL, in window order (two runs
     on the same windows compare pairwise); ``nll_se``: the standard error of ``nll`` over windows.
@@ -95,7 +95,7 @@ def _quiet_generation_config(model: nn.Module) -> Iterator[None]:
 
 
 def agreement(model: nn.Module, methods: dict[str, Quantizers], windows: torch.Tensor, gen_tokens: int,
-              batch_size: int, progress: bool = False, semantics: str = PROMPT_EXACT) -> dict[str, dict]:
+              batch_size: int, progress: bool = False, semantics: str = DEFAULT_PREFILL_SEMANTICS) -> dict[str, dict]:
     """windows: [n, C]; the first C - N tokens are the prompt -> {method: {"agreement", "prefix"}} in [0, 1]."""
     C = windows.shape[1]
     N = gen_tokens

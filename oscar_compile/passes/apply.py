@@ -24,7 +24,7 @@ from ..artifact import COMPRESSED_CONFIG_KEY, ArtifactError, Rotations
 from ..cache.hf_cache import OscarCache
 from ..cache.op_constants import layer_op_constants
 from ..formats.cache import LayerFormat, has_windows
-from ..formats.prefill import PROMPT_EXACT, check_prefill_semantics
+from ..formats.prefill import DEFAULT_PREFILL_SEMANTICS, PROMPT_EXACT, check_prefill_semantics
 from ..quant import bits_per_element
 from ..spec import CompressionSpec, LayerSpec
 from ..spec_fit import fit_spec
@@ -194,8 +194,9 @@ def _install_cache_hook(model: nn.Module, layers: list[LayerSpec]) -> None:
 
 def set_prefill_semantics(model: nn.Module, semantics: str) -> None:
     """What prompt tokens of ``model`` (rewritten by :func:`apply`) read from the caches its forward
-    creates (``generate()``, ``model(..., use_cache=True)``): ``prompt-exact`` (the default) or
-    ``decode-consistent`` (formats/prefill.py), as the engine's ``prefill_semantics``."""
+    creates (``generate()``, ``model(..., use_cache=True)``): ``decode-consistent`` (the default,
+    which :func:`apply` sets) or ``prompt-exact`` (formats/prefill.py), as the engine's
+    ``prefill_semantics``."""
     if not hasattr(model, _APPLIED):
         raise ValueError("set_prefill_semantics needs a model rewritten by oscar_compile.apply")
     if check_prefill_semantics(semantics) == PROMPT_EXACT:
@@ -238,5 +239,6 @@ def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: b
                  "qkv_gemm": sum(r.qkv_merged for r in reports), "gate_up_gemm": gate_up}
     report = ApplyReport(fp, reports, spec, fused)
     setattr(model, _APPLIED, report)
+    set_prefill_semantics(model, DEFAULT_PREFILL_SEMANTICS)  # generate() reads as the engine does by default
     logger.info("oscar_compile rewrote %d layers, %d quantized", len(reports), sum(layer.quantized for layer in layers))
     return report

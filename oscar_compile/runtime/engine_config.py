@@ -13,7 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from oscar_compile.formats.cache import CacheLayout
-from oscar_compile.formats.prefill import DECODE_CONSISTENT, PROMPT_EXACT, check_prefill_semantics
+from oscar_compile.formats.prefill import (
+    DECODE_CONSISTENT,
+    DEFAULT_PREFILL_SEMANTICS,
+    PROMPT_EXACT,
+    check_prefill_semantics,
+)
 from oscar_compile.loading import BUNDLED_MODEL_DIR, load_model, resolve_device, resolve_model_dir  # noqa: F401
 from oscar_compile.runtime.core.page_manager import PageManager
 from oscar_compile.runtime.core.page_plan import GIB, plan_pages
@@ -51,9 +56,10 @@ class EngineConfig:
     num_quant_pages: int | None = None
     cuda_graphs: bool = True  # replay captured CUDA graphs for decode steps (compressed runner on a GPU)
     overlap_steps: bool = True  # host work of step n while step n + 1 runs (engine.py; compressed runner)
-    # full-precision staging of prompts prefilled in chunks (page_manager, "Deferred demotion"), on
-    # top of the KV budget: None = room for the history of one prompt of the context length; 0 = off
-    # (later chunks then read earlier ones back quantized). num_staging_pages overrides it (tests).
+    # prompt-exact prefill only: full-precision staging of prompts prefilled in chunks (page_manager,
+    # "Deferred demotion"), on top of the KV budget: None = room for the history of one prompt of the
+    # context length; 0 = off (later chunks then read earlier ones back quantized).
+    # num_staging_pages overrides it (tests). Decode-consistent prefill stages nothing.
     prefill_staging_memory_gb: float | None = None
     num_staging_pages: int | None = None
     swap_space_gb: float = 4.0  # host memory preempted sequences swap to (pinned on CUDA); 0 = recompute
@@ -66,11 +72,11 @@ class EngineConfig:
     # tokens between the window snapshots of a sequence (besides the one at its prompt's end), a
     # multiple of the page size; None: twice the tokens whose INT-b history costs a snapshot's bytes
     snapshot_interval: int | None = None
-    # what prompt tokens read from the cache (formats/prefill.py): "prompt-exact" (full precision
-    # within the prompt, staged across chunks) or "decode-consistent" (as the decode step at their
-    # position reads it; no staging: chunked, batched and recomputed prefills then equal the
-    # decode steps, and so do prefix hits at window snapshots)
-    prefill_semantics: str = PROMPT_EXACT
+    # what prompt tokens read from the cache (formats/prefill.py): "decode-consistent", the default
+    # (as the decode step at their position reads it; no staging: chunked, batched and recomputed
+    # prefills then equal the decode steps, and so do prefix hits at window snapshots), or
+    # "prompt-exact" (full precision within the prompt, staged across chunks)
+    prefill_semantics: str = DEFAULT_PREFILL_SEMANTICS
     # the base of the seeds of requests that give none (sampling_params.default_seed); vLLM's --seed
     seed: int = 0
     # batch invariance and run-to-run determinism (kernels/determinism.py): batch-invariant linear
@@ -190,9 +196,9 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
             model, deterministic=config.deterministic)
     quantizes = config.layout is not None and not config.layout.is_full_precision  # else both semantics agree
     if decode_consistent and quantizes and getattr(runner, "prefill_semantics", PROMPT_EXACT) != DECODE_CONSISTENT:
-        raise NotImplementedError(f"{type(runner).__name__} does not run decode-consistent prefill (the compressed "
-                                  "runner built from this config does: runner_factory(model, layout, config); "
-                                  "tensor-parallel runners do not yet)")
+        raise NotImplementedError(f"{type(runner).__name__} does not run decode-consistent prefill, the default (the "
+                                  "compressed runner built from this config does: runner_factory(model, layout, "
+                                  "config)); or ask for EngineConfig(prefill_semantics='prompt-exact')")
     page_manager.history_hits = (config.prefix_hits == "history"
                                   and bool(getattr(runner, "supports_history_hits", False)))
     if config.prefix_hits == "snapshot" and config.enable_prefix_caching:

@@ -8,6 +8,7 @@ from oscar_compile.evaluation.fixtures import byte_tokenizer
 from oscar_compile.evaluation.kivi import KiviConfig, KiviQuantizer
 from oscar_compile.evaluation.needle_task import _batch, needle_accuracy, needle_cases
 from oscar_compile.evaluation.tasks import agreement, perplexity
+from oscar_compile.formats.prefill import PROMPT_EXACT
 from oscar_compile.testing import tiny_model
 
 D = 32
@@ -45,14 +46,17 @@ def test_needle_context_mode_caches_the_haystack_then_runs_the_question_as_one_c
     haystack = torch.randint(0, 256, (4000,), generator=torch.Generator().manual_seed(2)).numpy()
     cases = needle_cases(tok, haystack, [200, 120], [0.0, 1.0], per_cell=1)
     assert {c.sample.length for c in cases} == {200}  # 120 is too short for the layout: skipped
-    ids, starts = _batch(cases, "context", pad=0, device="cpu")
+    ids, starts = _batch(cases, "context", pad=0, device="cpu", semantics=PROMPT_EXACT)
     c = cases[0]
     hay = c.sample.length - c.question_len
     assert ids[0, : c.sample.length].tolist() == c.sample.input_ids
     assert (starts[0, :hay] == 0).all() and (starts[0, hay : c.sample.length] == hay).all()
     assert starts[0, c.sample.length] == c.sample.length  # answer tokens: decode steps
-    _, prompt_starts = _batch(cases, "prompt", pad=0, device="cpu")
+    _, prompt_starts = _batch(cases, "prompt", pad=0, device="cpu", semantics=PROMPT_EXACT)
     assert (prompt_starts[0, : c.sample.length] == 0).all()
+    for mode in ("context", "prompt"):  # the default, decode-consistent: every position reads as a decode step
+        _, default_starts = _batch(cases, mode, pad=0, device="cpu")
+        assert (default_starts[0] == torch.arange(default_starts.shape[1])).all()
     with torch.inference_mode():
         cells = needle_accuracy(_model(len(tok)), {"bf16": [None, None]}, cases, batch_size=2)
     assert [(x["length"], x["depth"], x["total"]) for x in cells["bf16"]] == [(200, 0.0, 1), (200, 1.0, 1)]

@@ -3,14 +3,18 @@
 The reference recomputes the whole sequence at every step with the *original* model and a plain
 attention function: query position t sees key/value p fake-quantized (rotated basis, reference
 quantizer, clipping) exactly when the compressed cache would hold p in its history at that time:
-t past the prompt (decoded one token at a time) and S0 <= p < t - W. Prompt tokens were
-prefilled in one chunk, so they attend in full precision.
+S0 <= p < t - W, for every t under the decode-consistent prefill semantics (the default: a prompt
+token reads the cache as a decode step at its position), and for t past the prompt only (decoded
+one token at a time) under prompt-exact, where the prompt, prefilled in one chunk, attends in full
+precision. Each test runs in both semantics (``set_prefill_semantics``).
 """
 import pytest
 import torch
 from transformers import AttentionInterface
 
 from oscar_compile import CompressionSpec, apply, calibrate
+from oscar_compile.formats.prefill import DECODE_CONSISTENT, PROMPT_EXACT
+from oscar_compile.passes.apply import set_prefill_semantics
 from oscar_compile.quant import fake_quantize
 from oscar_compile.testing import tiny_model
 
@@ -26,7 +30,8 @@ def _spec(bits=2, center=True):
 
 
 class ReferenceAttention:
-    """Plain attention with the compressed cache's quantization pattern, for one prompt length."""
+    """Plain attention with the compressed cache's quantization pattern, for one prompt length.
+    ``prompt_len``: the positions that attend in full precision (prompt-exact; 0: decode-consistent)."""
 
     def __init__(self, rotations, spec, prompt_len):
         self.rot, self.spec, self.prompt_len = rotations, spec, prompt_len
@@ -55,8 +60,12 @@ class ReferenceAttention:
         return out.transpose(1, 2), None
 
 
-def _reference_generate(model, rot, spec, prompt, num_new):
-    ref = ReferenceAttention(rot, spec, prompt.shape[1])
+def _full_precision_prefix(prompt, semantics: str) -> int:
+    return prompt.shape[1] if semantics == PROMPT_EXACT else 0
+
+
+def _reference_generate(model, rot, spec, prompt, num_new, semantics):
+    ref = ReferenceAttention(rot, spec, _full_precision_prefix(prompt, semantics))
     AttentionInterface.register("oscar_test_reference", ref)
     model.config._attn_implementation = "oscar_test_reference"
     seq = prompt
@@ -75,21 +84,29 @@ def setup():
     rot = calibrate(model, spec, [torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(1))])
     compressed = tiny_model("qwen3", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM, vocab_size=64,
                             seed=3)
-    apply(compressed, spec, rot)
+    apply(compressed, spec, rot)  # the default semantics: decode-consistent
     return model, compressed, rot, spec
 
 
+@pytest.fixture(params=[DECODE_CONSISTENT, PROMPT_EXACT])
+def semantics(request, setup):
+    """The compressed model's prefill semantics for one test, restored to the default after it."""
+    set_prefill_semantics(setup[1], request.param)
+    yield request.param
+    set_prefill_semantics(setup[1], DECODE_CONSISTENT)
+
+
 @pytest.mark.parametrize("prompt_len", [6, SINK + RECENT + 9])
-def test_greedy_generate_equals_the_step_by_step_reference(setup, prompt_len):
+def test_greedy_generate_equals_the_step_by_step_reference(setup, semantics, prompt_len):
     model, compressed, rot, spec = setup
     prompt = torch.randint(0, 64, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
     num_new = 2 * (SINK + RECENT)  # long enough that decoded tokens themselves get demoted
     ours = compressed.generate(prompt, max_new_tokens=num_new, do_sample=False, min_new_tokens=num_new)
-    expected = _reference_generate(model, rot, spec, prompt, num_new)
+    expected = _reference_generate(model, rot, spec, prompt, num_new, semantics)
     assert torch.equal(ours, expected)
 
 
-def test_batched_left_padded_generation_matches_single_rows(setup):
+def test_batched_left_padded_generation_matches_single_rows(setup, semantics):
     _, compressed, _, _ = setup
     g = torch.Generator().manual_seed(5)
     long, short = torch.randint(1, 64, (1, 20), generator=g), torch.randint(1, 64, (1, 9), generator=g)
@@ -103,7 +120,7 @@ def test_batched_left_padded_generation_matches_single_rows(setup):
     assert torch.equal(batched[1, 20:], single_short[0, 9:])
 
 
-def test_returned_cache_keeps_working_for_teacher_forcing(setup):
+def test_returned_cache_keeps_working_for_teacher_forcing(setup, semantics):
     model, compressed, rot, spec = setup
     prompt = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(9))
     out = compressed.generate(prompt, max_new_tokens=RECENT + 6, min_new_tokens=RECENT + 6, do_sample=False,
@@ -116,7 +133,7 @@ def test_returned_cache_keeps_working_for_teacher_forcing(setup):
     for tok in torch.cat([seq[:, -1:], forced], 1).split(1, dim=1):
         logits.append(compressed(input_ids=tok, past_key_values=cache).logits[:, -1])
     full = torch.cat([seq, forced], 1)
-    ref = ReferenceAttention(rot, spec, prompt.shape[1])
+    ref = ReferenceAttention(rot, spec, _full_precision_prefix(prompt, semantics))
     AttentionInterface.register("oscar_test_reference", ref)
     model.config._attn_implementation = "oscar_test_reference"
     expected = model(full, use_cache=False).logits[:, seq.shape[1] - 1:]

@@ -1,7 +1,8 @@
 """Decode-consistent prefill through ``apply()`` + the HF cache (``generate()``'s path), and the
 evaluation's simulation of it: prompt logits equal teacher-forced decode steps, chunking changes
-nothing, and the eval measures what this path computes. float32 tiny models: logits agree to 1e-4
-(float summation order), greedy tokens are identical."""
+nothing, and the eval measures what this path computes. It is what a freshly applied model runs
+(the default); prompt-exact is asked for with ``set_prefill_semantics``. float32 tiny models:
+logits agree to 1e-4 (float summation order), greedy tokens are identical."""
 
 import functools
 import os
@@ -52,10 +53,17 @@ def _logits_in_chunks(model, ids, chunk: int) -> torch.Tensor:
 
 @pytest.fixture
 def decode_consistent():
+    """The applied model as apply() left it: decode-consistent, the default."""
     _, compressed, _ = _setup()
-    set_prefill_semantics(compressed, DECODE_CONSISTENT)
-    yield compressed
+    return compressed
+
+
+@pytest.fixture
+def prompt_exact():
+    _, compressed, _ = _setup()
     set_prefill_semantics(compressed, PROMPT_EXACT)
+    yield compressed
+    set_prefill_semantics(compressed, DECODE_CONSISTENT)
 
 
 def test_prefill_equals_teacher_forced_decode(decode_consistent):
@@ -67,11 +75,11 @@ def test_prefill_equals_teacher_forced_decode(decode_consistent):
     assert torch.equal(whole.argmax(-1), decode.argmax(-1))
 
 
-def test_prompt_exact_prefill_differs_from_decode():
-    """The test above can fail: the default semantics reads the prompt in full precision."""
-    _, compressed, _ = _setup()
+def test_prompt_exact_prefill_differs_from_decode(prompt_exact):
+    """The test above can fail: prompt-exact reads the prompt in full precision."""
     ids = _ids()
-    assert not torch.allclose(_logits_in_chunks(compressed, ids, LEN), _logits_in_chunks(compressed, ids, 1), atol=1e-3)
+    assert not torch.allclose(_logits_in_chunks(prompt_exact, ids, LEN), _logits_in_chunks(prompt_exact, ids, 1),
+                              atol=1e-3)
 
 
 def test_eval_simulates_what_the_cache_computes(decode_consistent):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from oscar_compile import CompressionSpec, calibrate
+from oscar_compile.formats.prefill import PROMPT_EXACT
 from oscar_compile.runtime import LLM, SamplingParams
 from oscar_compile.runtime.core.sequence import Sequence
 from oscar_compile.runtime.engine_config import EngineConfig
@@ -44,7 +45,9 @@ def test_runtime_greedy_equals_generate_on_the_compressed_model(setup):
     config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=256)
     llm = LLM(copy.deepcopy(model), spec=SPEC, rotations=rot, tokenizer=tokenizer, config=config)
     prompts = _prompts(len(tokenizer), [5, 17, 30])
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    # min_tokens masks EOS as generate()'s min_new_tokens does (with ignore_eos the engine may pick
+    # EOS, token 0, where generate() cannot: the 17-token prompt's 10th step does so here)
+    params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0)
     outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.token_ids == _reference(model, rot, prompt, 24)
@@ -114,14 +117,16 @@ def test_mixed_16_bit_and_int2_layers_equal_generate(setup, name):
 def test_prefix_hits_past_the_sink_keep_a_16_bit_layer_exact(setup):
     """A hit on history pages with layer 0 overridden to 16 bits: its shared history rows are
     the tokens as written, so the hit's layer-0 outputs (partial ring, history_lens past the
-    standard, as in the INT2 hit test above) stay the original model's."""
+    standard, as in the INT2 hit test above) stay the original model's. History hits are the
+    prompt-exact semantics' (prefix_hits="history")."""
     tokenizer, model, _ = setup
     spec = CompressionSpec.from_dict(MIXED_SPECS["override"])
     rot = calibrate(model, spec, [torch.randint(0, len(tokenizer), (2, 48),
                                                generator=torch.Generator().manual_seed(0))])
     shared = _prompts(len(tokenizer), [40], seed=7)[0]
     first, second = [shared + tail for tail in _prompts(len(tokenizer), [6, 11], seed=107)]
-    config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=5)
+    config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=5,
+                          prefill_semantics=PROMPT_EXACT)
     llm = LLM(copy.deepcopy(model), spec=spec, rotations=rot, tokenizer=tokenizer, config=config)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm.generate([first], params)
@@ -150,7 +155,9 @@ def _layer_outputs(model, index: int, run) -> list[torch.Tensor]:
 
 
 def test_prefix_cache_hits_on_the_sink_equal_misses_with_the_int2_runner(setup):
-    """Sink pages are shared between requests with a common prefix; outputs do not change."""
+    """Sink pages are shared between requests with a common prefix; outputs do not change
+    (prompt-exact prefill with history hits turned off; decode-consistent hits:
+    test_decode_consistent_prefill.py)."""
     tokenizer, model, rot = setup
     shared = _prompts(len(tokenizer), [20], seed=7)[0]
     prompts = [shared + tail for tail in _prompts(len(tokenizer), [6, 11, 3], seed=8)]
@@ -158,7 +165,7 @@ def test_prefix_cache_hits_on_the_sink_equal_misses_with_the_int2_runner(setup):
     outputs = {}
     for caching in (True, False):
         config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=256,
-                              enable_prefix_caching=caching)
+                              enable_prefix_caching=caching, prefill_semantics=PROMPT_EXACT)
         llm = LLM(copy.deepcopy(model), spec=SPEC, rotations=rot, tokenizer=tokenizer, config=config)
         llm.engine.page_manager.history_hits = False  # hits stop at the sink: exact (history hits below)
         outputs[caching] = [o.token_ids for o in llm.generate(prompts, params)]
@@ -183,7 +190,8 @@ def test_prefix_cache_hits_past_the_sink_with_the_int2_runner(setup):
     demoted stale ring slots into the shared pages moves it by 0.2 - 0.7 and the pages change).
     Staging is off in both runs (``num_staging_pages=0``): both then chunk their prompts the same
     way and the difference is the hit's alone (with staging, the miss's chunks would attend to
-    each other in full precision, test_exact_prefill.py).
+    each other in full precision, test_exact_prefill.py). History hits are the prompt-exact
+    semantics' (prefix_hits="history").
     """
     tokenizer, model, rot = setup
     shared = _prompts(len(tokenizer), [40], seed=7)[0]
@@ -192,7 +200,7 @@ def test_prefix_cache_hits_past_the_sink_with_the_int2_runner(setup):
     outputs = {}
     for caching in (True, False):
         config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=5,
-                              enable_prefix_caching=caching, num_staging_pages=0)
+                              enable_prefix_caching=caching, num_staging_pages=0, prefill_semantics=PROMPT_EXACT)
         llm = LLM(copy.deepcopy(model), spec=SPEC, rotations=rot, tokenizer=tokenizer, config=config)
         bm, runner = llm.engine.page_manager, llm.engine.runner
         assert bm.history_hits

@@ -3,9 +3,10 @@
 
 S0 = 4, W = 8, P = 4 and a step budget of 16 tokens, as tests/runtime/test_exact_prefill.py. The
 reference is ``generate()`` on the same rewritten model with ``set_prefill_semantics``: greedy
-tokens equal, chosen-token logprobs within 1e-3 (float32; float summation order only). Under the
-prompt-exact default the recomputed sequences of the tiny-swap-space case differ from generate()
-(that file's test_tiny_swap_space_falls_back_to_recompute); here they may not.
+tokens equal, chosen-token logprobs within 1e-3 (float32; float summation order only). It is the
+default semantics; the tests ask for it by name all the same. Under prompt-exact the recomputed
+sequences of the tiny-swap-space case differ from generate() (that file's
+test_tiny_swap_space_falls_back_to_recompute); here they may not.
 """
 
 import copy
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from oscar_compile import CompressionSpec, apply, calibrate
-from oscar_compile.formats.prefill import DECODE_CONSISTENT
+from oscar_compile.formats.prefill import DECODE_CONSISTENT, PROMPT_EXACT
 from oscar_compile.passes.apply import set_prefill_semantics
 from oscar_compile.runtime import LLM, SamplingParams
 from oscar_compile.runtime.core.sequence import SequenceStatus
@@ -147,7 +148,7 @@ def test_generate_on_the_served_model_follows_the_engine(setup):
 
 
 def test_prompt_exact_differs(setup):
-    """The tests above can fail: the default semantics gives other tokens on a 10-chunk prompt."""
+    """The tests above can fail: prompt-exact gives other tokens on a 10-chunk prompt."""
     expected = setup[3]
     prompt = _prompts(400, [155])[0]
     llm = _llm(setup, prefill_semantics="prompt-exact")
@@ -159,9 +160,10 @@ def test_refusals():
     with pytest.raises(NotImplementedError, match="snapshots"):
         EngineConfig(prefill_semantics=DECODE_CONSISTENT, prefix_hits="history")
     assert EngineConfig(prefill_semantics=DECODE_CONSISTENT).prefix_hits == "snapshot"
-    assert EngineConfig().prefix_hits == "history"
+    assert EngineConfig().prefix_hits == "snapshot"  # the default semantics is decode-consistent
+    assert EngineConfig(prefill_semantics=PROMPT_EXACT).prefix_hits == "history"
     with pytest.raises(NotImplementedError, match="needs decode-consistent"):
-        EngineConfig(prefix_hits="snapshot")
+        EngineConfig(prefill_semantics=PROMPT_EXACT, prefix_hits="snapshot")
     with pytest.raises(ValueError, match="prefill semantics"):
         EngineConfig(prefill_semantics="exact")
 

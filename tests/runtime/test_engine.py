@@ -1,4 +1,11 @@
-"""The engine end to end with the exact RecomputeRunner on a tiny random Qwen3 (CPU)."""
+"""The engine end to end with the exact RecomputeRunner on a tiny random Qwen3 (CPU).
+
+With a windowed (INT-b) layout the RecomputeRunner still runs the plain model: only the page
+bookkeeping is the layout's. Those engines ask for the prompt-exact prefill semantics (history
+hits, staging), whose bookkeeping this checks: build_engine refuses a runner that does not run
+decode-consistent prefill, the default, over a quantizing layout
+(test_decode_consistent_prefill.py tests that semantics' engine with the compressed runner).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import random
 import pytest
 import torch
 
+from oscar_compile.formats.prefill import PROMPT_EXACT
 from oscar_compile.runtime.core.page_plan import CacheLayout
 from oscar_compile.runtime.core.sampling_params import RequestError, SamplingParams
 from oscar_compile.runtime.engine import LLMEngine
@@ -20,6 +28,11 @@ WINDOWED = dict(sink=16, recent=16)
 
 def windowed_layout(model) -> CacheLayout:
     return CacheLayout.from_hf_config(model.config, page_size=16, group_size=16, **WINDOWED)
+
+
+def windowed_config(model, **kwargs) -> EngineConfig:
+    """An engine config over ``windowed_layout`` for the RecomputeRunner: prompt-exact (see above)."""
+    return EngineConfig(layout=windowed_layout(model), prefill_semantics=PROMPT_EXACT, **kwargs)
 
 
 def run_all(engine: LLMEngine, requests) -> list[list[int]]:
@@ -70,10 +83,11 @@ def test_a_tiny_page_budget_preempts_without_changing_greedy_output(tiny_model, 
     requests = [(p, SamplingParams(max_tokens=30, ignore_eos=True, **GREEDY))
                 for p in random_prompts(tokenizer, 10, seed=2)]
     roomy = build_engine(tiny_model, tokenizer, EngineConfig(layout=layout, num_window_pages=100,
-                                                             num_quant_pages=1000, enable_prefix_caching=False))
+                                                             num_quant_pages=1000, enable_prefix_caching=False,
+                                                             prefill_semantics=PROMPT_EXACT))
     tight = build_engine(tiny_model, tokenizer, EngineConfig(
         layout=layout, num_window_pages=8 if windowed else 0, num_quant_pages=8,
-        max_num_batched_tokens=24))
+        max_num_batched_tokens=24, prefill_semantics=PROMPT_EXACT))
     assert run_all(tight, requests) == run_all(roomy, requests)
     assert tight.scheduler.num_preemptions > 0 and roomy.scheduler.num_preemptions == 0
 
@@ -84,7 +98,7 @@ def test_prefix_cache_hits_give_the_same_output_as_misses(tiny_model, tokenizer,
     prompts = random_prompts(tokenizer, 12, seed=3, shared=70)
     requests = [(p, SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY)) for p in prompts]
     config = dict(layout=layout, num_window_pages=60, num_quant_pages=200, max_num_seqs=4,
-                  max_num_batched_tokens=64)
+                  max_num_batched_tokens=64, prefill_semantics=PROMPT_EXACT)
     hits = build_engine(tiny_model, tokenizer, EngineConfig(**config))
     misses = build_engine(tiny_model, tokenizer, EngineConfig(**config, enable_prefix_caching=False))
     assert run_all(hits, requests) == run_all(misses, requests)
@@ -136,8 +150,7 @@ def test_bad_requests_raise_request_error_and_leave_nothing_queued(tiny_model, t
 
 
 def test_abort_frees_the_pages_at_once(tiny_model, tokenizer):
-    engine = build_engine(tiny_model, tokenizer, EngineConfig(layout=windowed_layout(tiny_model),
-                                                              num_window_pages=10, num_quant_pages=20))
+    engine = build_engine(tiny_model, tokenizer, windowed_config(tiny_model, num_window_pages=10, num_quant_pages=20))
     seq = engine.add_request(random_prompts(tokenizer, 1, seed=5)[0] * 2, SamplingParams(max_tokens=50))
     engine.step()
     assert seq.has_pages
@@ -172,7 +185,7 @@ def test_a_runner_factory_sizes_its_pools_from_the_page_manager(tiny_model, toke
         runner.supports_history_hits = False  # e.g. a runner whose cache_write ignores history_lens
         return runner
 
-    config = EngineConfig(layout=windowed_layout(tiny_model), num_window_pages=6, num_quant_pages=9)
+    config = windowed_config(tiny_model, num_window_pages=6, num_quant_pages=9)
     engine = build_engine(tiny_model, tokenizer, config, make_runner=make_runner)
     assert seen["pages"] == (6, 9) and engine.page_manager.history_hits is False
     assert build_engine(tiny_model, tokenizer, config).page_manager.history_hits is True

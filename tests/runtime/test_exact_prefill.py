@@ -5,6 +5,10 @@ S0 = 4, W = 8, P = 4 and a step budget of 16 tokens: a prompt of 15 tokens runs 
 3, 155 in 10. generate() prefills each prompt at once. Without staging (``num_staging_pages=0``,
 the old chunked prefill) later chunks read earlier ones back quantized and the outputs differ:
 the first test shows it, so the others can fail.
+
+All of it is the prompt-exact prefill semantics (formats/prefill.py), asked for explicitly in the
+engine and in generate(): the default, decode-consistent, stages nothing
+(test_decode_consistent_prefill.py).
 """
 import copy
 
@@ -12,6 +16,8 @@ import pytest
 import torch
 
 from oscar_compile import CompressionSpec, apply, calibrate
+from oscar_compile.formats.prefill import PROMPT_EXACT
+from oscar_compile.passes.apply import set_prefill_semantics
 from oscar_compile.runtime import LLM, SamplingParams
 from oscar_compile.runtime.core.sequence import FinishReason
 from oscar_compile.runtime.engine_config import EngineConfig
@@ -32,6 +38,7 @@ def setup(tokenizer, tiny_model):
                                                      generator=torch.Generator().manual_seed(0))])
     ref = copy.deepcopy(tiny_model)
     apply(ref, SPEC, rot)
+    set_prefill_semantics(ref, PROMPT_EXACT)
     cache = {}
 
     def expected(prompt):
@@ -52,7 +59,7 @@ def _prompts(vocab, lengths, seed=1):
 def _llm(setup, **kwargs):
     tokenizer, model, rot, _ = setup
     config = EngineConfig(**{"num_window_pages": 64, "num_quant_pages": 256, "max_num_batched_tokens": BUDGET,
-                             **kwargs})
+                             "prefill_semantics": PROMPT_EXACT, **kwargs})
     return LLM(copy.deepcopy(model), spec=SPEC, rotations=rot, tokenizer=tokenizer, config=config)
 
 

@@ -122,10 +122,20 @@ def _gauge(text: str, name: str, **labels) -> float:
     return next(s.value for s in family.samples if all(s.labels.get(k) == v for k, v in labels.items()))
 
 
+def _prefill_and_fork(engine) -> None:
+    """Step until the prompt is in and its choices forked: one step, or two under decode-consistent
+    prefill, the default (a window snapshot's page boundary, 20 of 23 tokens, ends the first chunk)."""
+    for _ in range(2):
+        engine.step()
+        if engine.stats()["fork_quant_pages_shared"]:
+            return
+    raise AssertionError("the choices were not forked after the prompt's prefill")
+
+
 def test_the_prompts_full_pages_are_held_once(compressed, tokenizer, prompt):
     engine = _engine(compressed, tokenizer)
     engine.add_request(prompt, _sampled(1, n=4))
-    engine.step()  # the prompt, prefilled once; then the fork
+    _prefill_and_fork(engine)  # the prompt, prefilled once; then the fork
     text = render_metrics(engine.stats())
     # history 11 tokens: 2 full pages shared by the 4 choices, the partial page copied 3 times
     assert _gauge(text, "oscar_kv_pages_shared", kind="quant") == 2
@@ -284,7 +294,8 @@ def test_a_step_that_fails_after_drawing_the_choices_leaves_no_fork_behind(compr
 
     engine.sampler.sample = failing
     with pytest.raises(RuntimeError, match="a model error"):
-        engine.step()
+        for _ in range(2):  # the prompt's last chunk samples: under decode-consistent prefill its second step
+            engine.step()
     engine.sampler.sample = sample
     assert [o.index for o in engine.abort_request(seq.request_id)] == [0]
     [choices] = _run(engine, [(prompt, _sampled(1, n=2))])

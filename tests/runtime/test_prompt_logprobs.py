@@ -1,10 +1,13 @@
 """Prompt logprobs come from the prefill and equal the model's teacher-forced log-softmax.
 
 Served semantics: the exact RecomputeRunner (the plain model), the compressed runner in BF16 mode
-(the plain model over full-precision pages) and an INT2 spec (S0 = 4, W = 8, P = 4), whose
-prefill attends to the whole prompt in full precision however it is chunked (deferred demotion,
-test_exact_prefill.py): its reference is the rewritten model's one-shot forward, as
-``generate()`` prefills. A step budget of 16 tokens prefills a 45-token prompt in 3 chunks.
+(the plain model over full-precision pages) and an INT2 spec (S0 = 4, W = 8, P = 4) in both
+prefill semantics, whose prefill gives the same logits however it is chunked: decode-consistent
+(the default: every prompt token reads the cache as a decode step at its position,
+test_decode_consistent_prefill.py) and prompt-exact (the whole prompt in full precision,
+deferred demotion, test_exact_prefill.py). The reference is the rewritten model's one-shot
+forward under the same semantics, as ``generate()`` prefills. A step budget of 16 tokens
+prefills a 45-token prompt in 3 chunks.
 """
 import copy
 
@@ -12,6 +15,8 @@ import pytest
 import torch
 
 from oscar_compile import CompressionSpec, apply, calibrate
+from oscar_compile.formats.prefill import PROMPT_EXACT
+from oscar_compile.passes.apply import set_prefill_semantics
 from oscar_compile.runtime import LLM, SamplingParams
 from oscar_compile.runtime.engine_config import EngineConfig, build_engine
 
@@ -43,6 +48,9 @@ def _teacher_forced(model, prompt: list[int]) -> torch.Tensor:
 
 
 def _engine(kind: str, tiny_model, tokenizer, rotations, budget: int, **kwargs):
+    """``kind``: recompute, bf16, int2 (the default prefill semantics) or int2-prompt-exact."""
+    if kind == "int2-prompt-exact":
+        kind, kwargs = "int2", {**kwargs, "prefill_semantics": PROMPT_EXACT}
     config = EngineConfig(num_window_pages=64, num_quant_pages=256, max_num_batched_tokens=budget, **kwargs)
     if kind == "recompute":
         return build_engine(tiny_model, tokenizer, config)
@@ -63,14 +71,16 @@ def _run(engine, prompts, params):
 
 
 def _reference(kind, tiny_model, rotations):
-    if kind != "int2":
+    if not kind.startswith("int2"):
         return tiny_model
     ref = copy.deepcopy(tiny_model)
-    apply(ref, INT2, rotations)
+    apply(ref, INT2, rotations)  # the default semantics, as the engine's
+    if kind == "int2-prompt-exact":
+        set_prefill_semantics(ref, PROMPT_EXACT)
     return ref
 
 
-@pytest.mark.parametrize("kind", ["recompute", "bf16", "int2"])
+@pytest.mark.parametrize("kind", ["recompute", "bf16", "int2", "int2-prompt-exact"])
 def test_prompt_logprobs_equal_teacher_forced_through_chunked_prefill(kind, tiny_model, tokenizer, rotations):
     prompts = [_prompt(len(tokenizer), 45, seed=1), _prompt(len(tokenizer), 20, seed=2)]
     ref = _reference(kind, tiny_model, rotations)

@@ -4,8 +4,8 @@ with the numbers of the model's teacher-forced forward.
 
 The bundled model, served as ``serve`` does (the shipped oscar-int2 spec and rotations, and
 bf16), with a step budget of 4 tokens: its 11-token prompts are prefilled in 3 chunks. The
-reference is the served (rewritten) model's own one-shot forward: a prompt attends to itself in
-full precision however it is chunked (README, "Prompt-exact chunked prefill").
+reference is the served (rewritten) model's own one-shot forward, which reads the cache under the
+engine's prefill semantics (the default, decode-consistent): chunking changes no prompt logprob.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Tensor parallelism on the CPU: 2 ranks over gloo, the bundled model, against one process.
 
 Greedy output with the model split over 2 processes must equal the unsplit model's token for
-token (INT2 and BF16 modes, concurrent requests, preemption, prefix hits, staged prefills); the
+token (INT2 and BF16 modes, concurrent requests, preemption, prefix hits, staged prefills: the INT2
+case runs the prompt-exact prefill semantics, whose staging it covers; the forked-choices case runs
+the default, decode-consistent, with window snapshots); the
 split must refuse what it cannot run before starting any process; a rank that dies mid-request
 must fail the request and stop the engine within a bounded time. Each two-rank engine costs
 about 10 s to start (two processes import torch and load the model), so each starts once.
@@ -115,7 +117,8 @@ def _assert_equal_and_exercised(single, split, staged: bool = True):
 def test_int2_split_over_two_ranks_equals_one_with_per_head_rotations():
     spec = _small_windows(shipped_spec("oscar-int2"), center=True)
     rotations = _per_head_rotations()
-    config = _config(swap_bytes=3 * 262144 + 6 * 9216)  # one sequence: 3 window pages, 6 history pages
+    config = _config(swap_bytes=3 * 262144 + 6 * 9216,  # one sequence: 3 window pages, 6 history pages
+                     prefill_semantics="prompt-exact")  # staged prefills and history hits
     single, split = _generate_both(spec, rotations, config)
     _assert_equal_and_exercised(single, split)
     # a wrong slice (each rank the other's KV head rotations and means) changes the output

@@ -28,7 +28,7 @@ from oscar_compile.cache.decode_consistent import run_decode_consistent
 from oscar_compile.cache.hf_cache import OscarCache
 from oscar_compile.cache.op_constants import layer_op_constants
 from oscar_compile.formats.cache import CacheLayout, LayerFormat
-from oscar_compile.formats.prefill import DECODE_CONSISTENT, PROMPT_EXACT, check_prefill_semantics
+from oscar_compile.formats.prefill import DECODE_CONSISTENT, DEFAULT_PREFILL_SEMANTICS, check_prefill_semantics
 from oscar_compile.kernels.determinism import deterministic as deterministic_mode
 from oscar_compile.kernels.pools import allocate_layer_pools
 from oscar_compile.runtime.worker.runner import Batch
@@ -103,7 +103,8 @@ class CompressedRunner:
     def __init__(self, model: torch.nn.Module, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
                  max_seq_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  cuda_graphs: bool = True, max_graph_batch: int = 64, num_staging_pages: int = 0,
-                 swap_bytes: int = 0, deterministic: bool = False, prefill_semantics: str = PROMPT_EXACT):
+                 swap_bytes: int = 0, deterministic: bool = False,
+                 prefill_semantics: str = DEFAULT_PREFILL_SEMANTICS):
         report = getattr(model, "_oscar_compile_report", None)
         if report is None:
             raise ValueError("CompressedRunner needs a model rewritten by oscar_compile.apply")
@@ -352,7 +353,7 @@ def runner_kwargs(model: torch.nn.Module, page_manager, config=None) -> dict:
     swap = page_manager.swap_space
     kwargs.update(num_staging_pages=page_manager.staging_pool.num_pages,
                   swap_bytes=swap.num_bytes if swap is not None else 0,
-                  prefill_semantics=getattr(config, "prefill_semantics", PROMPT_EXACT))
+                  prefill_semantics=getattr(config, "prefill_semantics", DEFAULT_PREFILL_SEMANTICS))
     return kwargs
 
 

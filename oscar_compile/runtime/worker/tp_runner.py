@@ -175,6 +175,7 @@ class TensorParallelRunner:
         self.vocab_size = local.vocab_size
         for flag in ("supports_history_hits", "supports_pending_tokens", "supports_staging", "supports_swapping"):
             setattr(self, flag, getattr(local, flag, False))
+        self.prefill_semantics = local.prefill_semantics  # every rank's runner was built from the same kwargs
         self._encoder = StepEncoder()
         self._closed = False
         # one message at a time on the control group: a step or swap (engine thread) and the stop
