@@ -12,11 +12,11 @@ meets other batch shapes than alone. In the default mode these cases differ in t
 (issue 31: up to 9e-4 in float32); the test requires equality. The GPU variant (marker ``gpu``)
 runs the same cases with CUDA graphs, chunking aside.
 
-These engines run the prompt-exact prefill semantics, asked for by name: decode-consistent
-prefill, the default, is not batch invariant in this mode yet (README, "Deterministic mode"): on
-these prompts its logprobs differ in the last bits once a prompt is prefilled in other chunks
-(the 128-token steps here, and the tight engine's preemptions). Its exact hits at window
-snapshots are checked at the end, one request at a time.
+Both prefill semantics run these cases on the CPU: prompt-exact, and decode-consistent (the
+default), whose reference attends in deterministic mode by fixed key blocks at absolute
+positions (kernels/attention_decode_consistent_ref.py), so a row's bits do not depend on its
+chunk. Under decode-consistent the cases a prompt-exact engine cannot make exact hold too: a
+resend hitting a window snapshot past the sink, and recompute preemption.
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ def _prompts() -> list[list[int]]:
 
 def _llm(spec: str, device: str = "cpu", **config) -> LLM:
     rotations = BUNDLED_MODEL_DIR / "rotations" / f"{spec}.safetensors"
-    cfg = EngineConfig(**{"deterministic": True, "kv_memory_gb": 0.25, "enable_prefix_caching": False,
-                          "prefill_semantics": "prompt-exact", **config})
+    cfg = EngineConfig(**{"deterministic": True, "kv_memory_gb": 0.25, "enable_prefix_caching": False, **config})
     return LLM(
         str(BUNDLED_MODEL_DIR),
         spec=str(specs_dir() / f"{spec}.yaml"),
@@ -77,21 +76,24 @@ def _collect(deltas, got) -> None:
         logprobs += [lp.logprob for lp in delta.new_logprobs]
 
 
-def check_batch_invariance(spec: str, device: str, chunked: bool) -> None:
+def check_batch_invariance(spec: str, device: str, chunked: bool, **config) -> None:
     """Alone (one at a time), together (one prefill step), joining a running batch and, with
     ``chunked``, in 128-token steps on a fresh engine: the same tokens and logprobs, bitwise."""
     prompts = _prompts()
-    llm = _llm(spec, device)
+    llm = _llm(spec, device, **config)
     alone = [_results(llm.generate([p], PARAMS))[0] for p in prompts]
     assert _results(llm.generate(prompts, PARAMS)) == alone
     assert _joined(llm, prompts) == alone
     if chunked:
-        assert _results(_llm(spec, device, max_num_batched_tokens=128).generate(prompts, PARAMS)) == alone
+        chunks = _llm(spec, device, max_num_batched_tokens=128, **config)
+        assert _results(chunks.generate(prompts, PARAMS)) == alone
 
 
-@pytest.mark.parametrize("spec", ["oscar-int2", "bf16"])
-def test_logprobs_are_bitwise_the_same_alone_together_joined_and_chunked(spec):
-    check_batch_invariance(spec, "cpu", chunked=True)
+# (the BF16 mode quantizes nothing: both semantics are one computation there)
+@pytest.mark.parametrize("spec,semantics", [("oscar-int2", "prompt-exact"), ("oscar-int2", "decode-consistent"),
+                                            ("bf16", "decode-consistent")])
+def test_logprobs_are_bitwise_the_same_alone_together_joined_and_chunked(spec, semantics):
+    check_batch_invariance(spec, "cpu", chunked=True, prefill_semantics=semantics)
 
 
 @pytest.mark.gpu
@@ -100,22 +102,32 @@ def test_on_the_gpu_logprobs_are_bitwise_the_same_alone_together_and_joined(spec
     """CUDA graphs on (decode alone replays them; a mixed step launches eagerly). Chunked prefill
     is not part of the GPU promise: the kernels read a chunk's own keys in other blocks than the
     cached ones (README, "Deterministic mode")."""
-    check_batch_invariance(spec, "cuda", chunked=False)
+    check_batch_invariance(spec, "cuda", chunked=False, prefill_semantics="prompt-exact")
 
 
-def test_resent_with_sink_hits_and_after_a_swap_preemption_bitwise():
-    """The cases that keep their semantics in this mode: a resend whose prefix hits stop at the
-    sink (``prefix_hits="sink"``: the rest is recomputed, staged), and a sequence swapped out and
-    back (its pages return as they were). A recompute of a sequence that had generated tokens is
-    another computation (README, "Preemption by swapping") and is not part of the promise."""
+@pytest.mark.parametrize("semantics", ["prompt-exact", "decode-consistent"])
+def test_resent_and_after_a_preemption_bitwise(semantics):
+    """Prompt-exact: a resend whose prefix hits stop at the sink (``prefix_hits="sink"``: the rest
+    is recomputed, staged) and a sequence swapped out and back (its pages return as they were); a
+    recompute of a sequence that had generated tokens is another computation there (README,
+    "Preemption by swapping") and is not part of its promise. Decode-consistent: a resend whose
+    hits resume at window snapshots past the sink and window (the default ``prefix_hits``), and
+    preemption by recompute (no swap space), generated tokens included."""
     prompts = _prompts()
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0)
-    llm = _llm("oscar-int2", enable_prefix_caching=True, prefix_hits="sink")
+    exact = semantics == "prompt-exact"
+    params = SamplingParams(max_tokens=40 if exact else 24, temperature=0.0, ignore_eos=True, logprobs=0)
+    hits = dict(prefix_hits="sink") if exact else {}
+    llm = _llm("oscar-int2", enable_prefix_caching=True, prefill_semantics=semantics, **hits)
     alone = [_results(llm.generate([p], params))[0] for p in prompts]
-    assert _results(llm.generate(prompts, params)) == alone  # every prompt hits its own sink pages
-    tight = _llm("oscar-int2", num_window_pages=60, num_quant_pages=16, max_num_batched_tokens=128)
+    resent = llm.generate(prompts, params)  # every prompt hits its own pages
+    assert _results(resent) == alone
+    if not exact:
+        assert max(o.num_cached_prompt_tokens for o in resent) > 64 + 256
+    preempting = dict(num_window_pages=60, num_quant_pages=16, max_num_batched_tokens=128)
+    tight = _llm("oscar-int2", prefill_semantics=semantics, **preempting, **({} if exact else {"swap_space_gb": 0}))
     assert _results(tight.generate(prompts, params)) == alone
-    assert tight.engine.stats()["num_swap_preemptions"] >= 1
+    stats = tight.engine.stats()
+    assert stats["num_swap_preemptions" if exact else "num_recompute_preemptions"] >= 1
 
 
 def test_the_engine_config_reaches_the_runner():
@@ -135,9 +147,7 @@ def test_decode_consistent_hits_at_window_snapshots_bitwise():
     (runtime/core/window_snapshots.py): S0 = 64, W = 256, P = 16 here. A 450-token prompt resent
     resumes at 448; a prompt sharing its first 400 tokens with an earlier one resumes at 384 (the
     last multiple of the 128-token interval in the shared part). Each equals itself alone on a
-    fresh engine, bitwise. One request at a time: the decode-consistent path is not batch
-    invariant in this mode yet (the second prompt beside the first differs in the last bits,
-    with or without prefix caching)."""
+    fresh engine, bitwise."""
     config = dict(enable_prefix_caching=True, prefill_semantics="decode-consistent", max_num_batched_tokens=128,
                   snapshot_interval=128)
     ids = np.fromfile(BUNDLED_MODEL_DIR / "heldout.bin", dtype=np.uint16)[:6000].astype(int).tolist()
