@@ -160,7 +160,6 @@ def _attend_by_row_invariant(
     GEMM shapes and a row picks its view key by key; its own key's score is the diagonal of a
     ``[16, D] @ [D, 16]`` product, its weighted value added into its block elementwise."""
     T, H_q, D = q.shape
-    g = H_q // k_exact.shape[1]
     n = L + T
     blk, R = INVARIANT_KEY_BLOCK, INVARIANT_ROW_GROUP
     nb = -(-n // blk)

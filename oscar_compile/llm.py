@@ -54,9 +54,8 @@ class LLM:
     directory and a spec, and the ranks stop with ``close()`` (or at exit).
 
     ``deterministic=True`` (or ``EngineConfig(deterministic=True)``): a request's logprobs do not
-    depend on the batch it shares, nor on the run (``oscar_compile.kernels.determinism``); in
-    full under prompt-exact prefill, while decode-consistent prefill, the default, still depends
-    on how a prompt is chunked (README, "Deterministic mode").
+    depend on the batch it shares, nor on the run (``oscar_compile.kernels.determinism``); what
+    holds on which device and in which prefill semantics: README, "Deterministic mode".
     """
 
     def __init__(self, model: str | Path | torch.nn.Module | None = None, spec=None, rotations=None,

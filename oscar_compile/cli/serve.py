@@ -75,8 +75,8 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
     parser.add_argument("--deterministic", action="store_true",
                         help="batch invariance and run-to-run determinism: the same request gives the same "
                              "logprobs alone or in any batch (batch-invariant matmuls, fixed attention splits; "
-                             "CUDA graphs stay on); in full under --prefill-semantics prompt-exact, in part under "
-                             "decode-consistent (not yet across prefill chunkings). Slower: see the README")
+                             "CUDA graphs stay on; on a GPU, chunked prefill is not covered yet). Slower: see the "
+                             "README")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="launch decode steps eagerly (no CUDA graphs)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="run one step at a time "
