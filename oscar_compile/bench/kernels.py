@@ -351,13 +351,14 @@ def bench_write(check: bool) -> dict:
 def profile_launches(ctx: int, B: int, kernel: str) -> None:
     """Plain launches of one decode kernel (for Nsight Compute: ``ncu --kernel-name regex:...``)."""
     from oscar_compile.kernels.attention_gluon import attention_gluon
+    from oscar_compile.kernels.attention_gluon_int8 import attention_gluon_int8
     from oscar_compile.kernels.attention_triton import attention_triton
 
-    fn = {"gluon": attention_gluon, "triton": attention_triton}[kernel]
+    fn = {"gluon": attention_gluon, "int8": attention_gluon_int8, "triton": attention_triton}[kernel]
     _, q, kn, cu, lens, _, layers, _ = _decode_case(ctx, B)
     pools, tables = layers[0]
     for _ in range(5):
-        fn(q, kn, kn, cu, lens, *tables, *pools, D ** -0.5, SINK, RECENT, BITS, GROUP)
+        fn(**attention_args(q, kn, kn, cu, lens, tables, pools, D ** -0.5))
     torch.cuda.synchronize()
 
 
@@ -416,7 +417,7 @@ def main(argv=None) -> None:
                              "write-variants"],
                     help="which parts to run (default: all)")
     ap.add_argument("--profile", nargs=3, metavar=("CONTEXT", "BATCH", "KERNEL"),
-                    help="only launch KERNEL (gluon or triton) 5 times at one shape, no graphs: for ncu")
+                    help="only launch KERNEL (gluon, int8 or triton) 5 times at one shape, no graphs: for ncu")
     args = ap.parse_args(argv)
     if args.profile:
         return profile_launches(int(args.profile[0]), int(args.profile[1]), args.profile[2])
