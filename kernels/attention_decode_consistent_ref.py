@@ -32,7 +32,7 @@ from oscar_compile.kernels.determinism import is_deterministic
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, check_window_config, history_lens_of
 
 
-def _as_history(x: torch.Tensor, bits: int, group_size: int, clip: float, scale_dtype: torch.dtype) -> torch.Tensor:
+def as_history(x: torch.Tensor, bits: int, group_size: int, clip: float, scale_dtype: torch.dtype) -> torch.Tensor:
     """What a history row of ``x`` ([n, H_kv, D] in the window dtype) reads back as: float32."""
     if bits == FULL_PRECISION_BITS:
         return x.float()
@@ -54,7 +54,7 @@ def decode_consistent_views(
     hist = exact.clone()
     first = sink + h  # positions before it: sink (never read quantized) or stored history rows
     if exact.shape[0] > first:
-        hist[first:] = _as_history(exact[first:].to(win.dtype), bits, group_size, clip, scale.dtype)
+        hist[first:] = as_history(exact[first:].to(win.dtype), bits, group_size, clip, scale.dtype)
     return exact, hist
 
 

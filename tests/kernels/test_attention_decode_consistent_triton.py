@@ -164,3 +164,36 @@ def test_kernel_compiles_for_sm90():
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert all(not g["local"] and g["shared"] <= 227 * 1024 for g in got), got
+
+
+@pytest.mark.parametrize("params", CASES)
+@pytest.mark.parametrize("hits", [None, HITS], ids=["standard", "hits"])
+def test_packed_views_are_the_references_views_bitwise(params, hits):
+    """The views built for a whole call at once (one scatter, one quantizer call) equal the
+    reference's per-sequence ``decode_consistent_views``, bitwise: the quantizer works row by row."""
+    pytest.importorskip("triton")
+    from oscar_compile.kernels.attention_decode_consistent_ref import decode_consistent_views
+    from oscar_compile.kernels.attention_decode_consistent_triton import _packed_views
+    from oscar_compile.kernels.pools import history_lens_of
+
+    case = _case(params, "cpu", hits)
+    _, k, v = _tokens(params, NEW, "cpu")
+    cu = [0, *torch.tensor(NEW).cumsum(0).tolist()]
+    lens = case.cache_lens.tolist()
+    hists = history_lens_of(case.cache_lens, case.history_lens, case.sink, case.recent)
+    tables = (case.window_table, case.quant_table)
+    rules = (case.sink, case.recent, case.bits, case.group_size, case.clip_k, case.clip_v, torch.float32)
+    views, starts = _packed_views(k, v, cu, lens, hists, tables, tuple(case.pools), *rules)
+    k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = case.pools
+    for i, L in enumerate(lens):
+        a, b = cu[i], cu[i + 1]
+        if a == b:
+            continue
+        geometry = (case.sink, case.recent, case.bits, case.group_size, hists[i])
+        rows = slice(int(starts[i]), int(starts[i]) + L + b - a)
+        want = (*decode_consistent_views(i, L, k[a:b], k_win, k_codes, k_scale, k_zero, tables, geometry,
+                                         case.clip_k, "k"),
+                *decode_consistent_views(i, L, v[a:b], v_win, v_codes, v_scale, v_zero, tables, geometry,
+                                         case.clip_v, "v"))  # fmt: skip
+        for got, ref in zip(views, want, strict=True):
+            assert torch.equal(got[rows], ref)
