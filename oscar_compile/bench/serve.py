@@ -20,9 +20,11 @@ real ``CompressedRunner`` on a synthetic batch whose caches are pre-filled to th
    ``--e2e-output`` tokens through the whole runtime, INT2 and BF16 mode, against transformers'
    continuous batching (``generate_batch``) on the same model (see ``oscar_compile.bench.e2e``).
 4. (``--parts ttft swap``, first shape only, INT2) time to first token of ``--ttft-contexts``
-   prompts with deferred demotion (prompt-exact chunked prefill) against the old chunked prefill,
-   with the peak staging memory; the time to swap a ``--swap-context``-token sequence out to host
-   memory and back against recomputing it (see ``oscar_compile.bench.prefill_swap``).
+   prompts: prompt-exact prefill with deferred demotion (and its peak staging memory) and without
+   (the old chunked prefill), decode-consistent prefill (no staging: the memory it saves), and
+   decode-consistent prefix hits at window snapshots (the same prompt again, and one whose last
+   ``--ttft-new-tokens`` differ) against the miss; the time to swap a ``--swap-context``-token
+   sequence out to host memory and back against recomputing it (see ``oscar_compile.bench.prefill_swap``).
 5. (``--parts structured``, first shape only, INT2) the cost of structured output: a batch of
    ``--structured-batch`` decoding under a ~10-field JSON schema against the same batch
    unconstrained, with a 151,936-token tokenizer; mask time per step, compile time, TTFT (see
@@ -353,7 +355,7 @@ def _prefill_swap_parts(args, device: torch.device, result: dict) -> None:
     vocab = model.config.vocab_size
     if "ttft" in parts:
         result["ttft"] += prefill_swap.ttft_rows(model, layout, shape, args.ttft_contexts,
-                                                 args.max_num_batched_tokens, vocab)
+                                                 args.max_num_batched_tokens, vocab, args.ttft_new_tokens)
         _save(result, args.out)
     if "swap" in parts:
         result["swap"] += prefill_swap.swap_rows(model, layout, shape, args.swap_context,
@@ -471,6 +473,8 @@ def main(argv=None) -> int:
     parser.add_argument("--structured-output", type=int, default=256, help="generated tokens of the structured row")
     parser.add_argument("--ttft-contexts", nargs="+", type=int, default=[32768, 131072],
                         help="prompt lengths of the TTFT rows (--parts ttft)")
+    parser.add_argument("--ttft-new-tokens", type=int, default=512,
+                        help="tokens that differ at the end of the follow-up prompt of the prefix-hit rows")
     parser.add_argument("--swap-context", type=int, default=100000,
                         help="sequence length of the swap row (--parts swap)")
     parser.add_argument("--tensor-parallel-size", nargs="+", type=int, default=[1], metavar="N",

@@ -52,16 +52,32 @@ def test_host_share_is_the_idle_part_of_the_decode_phase_on_the_device_clock():
     assert abs(summary["host_share_of_decode_step"] - 2 / 114) < 1e-12
 
 
-def test_prefill_and_swap_parts_smoke(tmp_path):
-    """``--parts ttft swap`` alone on the CPU: both prefill paths, one swap round trip."""
+def test_prefill_and_swap_parts_smoke(tmp_path, capsys):
+    """``--parts ttft swap`` alone on the CPU: both prompt-exact prefill paths, decode-consistent
+    prefill with no staging, its prefix hits at window snapshots, one swap round trip."""
     out = tmp_path / "parts.json"
     assert main(["--shapes", "tiny", "--device", "cpu", "--parts", "ttft", "swap", "--ttft-contexts", "200",
-                 "--swap-context", "150", "--max-num-batched-tokens", "64", "--reps", "1", "--out", str(out)]) == 0
+                 "--ttft-new-tokens", "64", "--swap-context", "150", "--max-num-batched-tokens", "64", "--reps", "1",
+                 "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert not result["decode"] and not result["capacity"]
-    rows = {r["deferred_demotion"]: r for r in result["ttft"]}
-    assert rows[True]["ttft_s"] > 0 and rows[False]["ttft_s"] > 0
-    assert rows[True]["staging_peak_bytes"] > 0 == rows[False]["staging_peak_bytes"]
+    rows = {(r["engine"], r["request"]): r for r in result["ttft"]}
+    assert sorted(rows) == [("consistent", "miss"), ("consistent+cache", "follow-up"), ("consistent+cache", "miss"),
+                            ("consistent+cache", "resend"), ("exact", "miss"), ("exact+staging", "miss")]
+    assert all(r["ttft_s"] > 0 and r["context"] == 200 for r in rows.values())
+    staged = rows["exact+staging", "miss"]
+    assert staged["staging_peak_bytes"] > 0 == rows["exact", "miss"]["staging_peak_bytes"]
+    for r in rows.values():
+        if r["prefill_semantics"] == "decode-consistent":  # stages nothing: saves the staged peak
+            assert r["staging_peak_bytes"] == r["staging_pool_bytes"] == 0
+            assert r["staging_saved_bytes"] == staged["staging_peak_bytes"]
+    miss, resend, follow_up = (rows["consistent+cache", k] for k in ("miss", "resend", "follow-up"))
+    assert miss["num_cached_prompt_tokens"] == 0
+    # the resend resumes at the snapshot at its last page boundary (16-token pages), the
+    # follow-up (a new last 64 tokens) at the sink: 136 shared tokens hold no periodic snapshot
+    assert resend["num_cached_prompt_tokens"] == 192 and follow_up["num_cached_prompt_tokens"] == 16
+    assert resend["window_snapshot_hits"] >= 1 and resend["miss_over_hit"] > 0
+    assert "follow-up" in capsys.readouterr().out
     (swap,) = result["swap"]
     assert swap["bytes"] > 0 and swap["swap_out_ms"] > 0 and swap["recompute_ms"] > 0
 
