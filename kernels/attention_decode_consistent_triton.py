@@ -44,6 +44,7 @@ import triton.language as tl
 from oscar_compile.kernels.attention_decode_consistent_ref import as_history, attention_decode_consistent_ref
 from oscar_compile.kernels.attention_ref import gather_cached
 from oscar_compile.kernels.attention_triton import LOG2E, dot_dtype
+from oscar_compile.kernels.determinism import is_deterministic
 from oscar_compile.kernels.pools import check_window_config, history_lens_of
 
 
@@ -135,12 +136,48 @@ def _two_views(
 
 
 @triton.jit
+def _four_runs(
+    q, m, den, acc, kh, vh, ke, ve, p, hist_end, p_hi, hist_lo, hist_hi, qk_scale,
+    ROW_STRIDE: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_DT: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """The keys [0, p_hi) of a query block in the four runs of the module docstring, each run
+    reading one view except the boundary."""
+    sink_end = tl.minimum(SINK, p_hi)
+    for n0 in range(0, sink_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        col_ok = pos < sink_end
+        key_ok = col_ok[None, :] & (pos[None, :] < p[:, None])
+        m, den, acc = _one_view(q, m, den, acc, ke, ve, pos, key_ok, col_ok, qk_scale, ROW_STRIDE, D, DOT_DT, IEEE)
+    for n0 in range(SINK, hist_lo, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        col_ok = pos < hist_lo
+        m, den, acc = _one_view(
+            q, m, den, acc, kh, vh, pos, col_ok[None, :], col_ok, qk_scale, ROW_STRIDE, D, DOT_DT, IEEE
+        )
+    for n0 in range(hist_lo, hist_hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        col_ok = pos < hist_hi
+        quantized = col_ok[None, :] & (pos[None, :] < hist_end[:, None])
+        exact = col_ok[None, :] & (pos[None, :] >= hist_end[:, None]) & (pos[None, :] < p[:, None])
+        m, den, acc = _two_views(
+            q, m, den, acc, kh, vh, ke, ve, pos, quantized, exact, col_ok, qk_scale, ROW_STRIDE, D, DOT_DT, IEEE
+        )
+    for n0 in range(hist_hi, p_hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        col_ok = pos < p_hi
+        key_ok = col_ok[None, :] & (pos[None, :] < p[:, None])
+        m, den, acc = _one_view(q, m, den, acc, ke, ve, pos, key_ok, col_ok, qk_scale, ROW_STRIDE, D, DOT_DT, IEEE)
+    return m, den, acc
+
+
+@triton.jit
 def _decode_consistent_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, lens_ptr, hist_ptr, vstart_ptr, bseq_ptr, bt0_ptr,
     ke_ptr, kh_ptr, ve_ptr, vh_ptr, qk_scale, sqn, sqh, skn, skh, svn, svh,
     H_KV: tl.constexpr, G_Q: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DT: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     ROW_STRIDE: tl.constexpr = H_KV * D
     blk = tl.program_id(0)
@@ -171,31 +208,20 @@ def _decode_consistent_kernel(
     hist_hi = SINK + tl.maximum(n_hist, p_hi - RECENT - SINK)
     base = (tl.load(vstart_ptr + i).to(tl.int64) * H_KV + h) * D  # position 0 of this sequence and KV head
     ke, kh, ve, vh = ke_ptr + base, kh_ptr + base, ve_ptr + base, vh_ptr + base
-    sink_end = tl.minimum(SINK, p_hi)
-    for n0 in range(0, sink_end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        col_ok = pos < sink_end
-        key_ok = col_ok[None, :] & (pos[None, :] < p[:, None])
-        m, den, acc = _one_view(q, m, den, acc, ke, ve, pos, key_ok, col_ok, qk_scale, ROW_STRIDE, D, DOT_DT, IEEE)
-    for n0 in range(SINK, hist_lo, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        col_ok = pos < hist_lo
-        m, den, acc = _one_view(
-            q, m, den, acc, kh, vh, pos, col_ok[None, :], col_ok, qk_scale, ROW_STRIDE, D, DOT_DT, IEEE
-        )
-    for n0 in range(hist_lo, hist_hi, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        col_ok = pos < hist_hi
-        quantized = col_ok[None, :] & (pos[None, :] < hist_end[:, None])
-        exact = col_ok[None, :] & (pos[None, :] >= hist_end[:, None]) & (pos[None, :] < p[:, None])
-        m, den, acc = _two_views(
-            q, m, den, acc, kh, vh, ke, ve, pos, quantized, exact, col_ok, qk_scale, ROW_STRIDE, D, DOT_DT, IEEE
-        )
-    for n0 in range(hist_hi, p_hi, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        col_ok = pos < p_hi
-        key_ok = col_ok[None, :] & (pos[None, :] < p[:, None])
-        m, den, acc = _one_view(q, m, den, acc, ke, ve, pos, key_ok, col_ok, qk_scale, ROW_STRIDE, D, DOT_DT, IEEE)
+    if ALIGNED:  # deterministic mode: key blocks at absolute positions, both views, every row
+        for n0 in range(0, p_hi, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            col_ok = pos < p_hi
+            quantized = col_ok[None, :] & (pos[None, :] >= SINK) & (pos[None, :] < hist_end[:, None])
+            exact = col_ok[None, :] & ~quantized & (pos[None, :] < p[:, None])
+            m, den, acc = _two_views(
+                q, m, den, acc, kh, vh, ke, ve, pos, quantized, exact, col_ok, qk_scale, ROW_STRIDE, D, DOT_DT, IEEE
+            )
+    else:
+        m, den, acc = _four_runs(
+            q, m, den, acc, kh, vh, ke, ve, p, hist_end, p_hi, hist_lo, hist_hi, qk_scale,
+            ROW_STRIDE, D, SINK, BLOCK_N, DOT_DT, IEEE,
+        )  # fmt: skip
     out = acc / den[:, None]
     tl.store(
         out_ptr + n * (H_KV * G_Q * D) + head[:, None] * D + d, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None]
@@ -290,7 +316,7 @@ def attention_decode_consistent_triton(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H_KV=H_kv, G_Q=g, D=D, SINK=sink, RECENT=recent, BLOCK_M=block_m,
         ROWS=max(16, triton.next_power_of_2(block_m * g)), BLOCK_N=block_n, DOT_DT=dot_dt,
-        IEEE=dot_dt == tl.float32, num_warps=num_warps, num_stages=num_stages,
+        IEEE=dot_dt == tl.float32, ALIGNED=is_deterministic(), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 
@@ -303,6 +329,7 @@ def compile_offline(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    aligned: bool = False,
 ):
     """Compile the kernel for sm_90 without a GPU (CI: it must build for the device, not only run
     in the interpreter). ``dtype``: q, k, v, the views and the output ("bf16", "fp16" or "fp32"). Returns
@@ -319,7 +346,7 @@ def compile_offline(
     dot_dt = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
     consts = dict(H_KV=8, G_Q=num_q_per_kv, D=head_dim, SINK=64, RECENT=256, BLOCK_M=block_m,
                   ROWS=max(16, triton.next_power_of_2(block_m * num_q_per_kv)), BLOCK_N=block_n, DOT_DT=dot_dt,
-                  IEEE=dot_dt == tl.float32)  # fmt: skip
+                  IEEE=dot_dt == tl.float32, ALIGNED=aligned)  # fmt: skip
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))}  # as the JIT specializes pointers
     src = ASTSource(_decode_consistent_kernel, sig, consts, attrs=attrs)

@@ -129,6 +129,41 @@ def test_chunked_prompt_matches_reference(device, params):
         case.append(k, v, cu)
 
 
+@pytest.mark.parametrize("params", [CASES[1], CASES[7], CASES[8]])
+def test_deterministic_rows_do_not_depend_on_the_chunking(device, params):
+    """Deterministic mode (``ALIGNED``): key blocks at absolute positions whatever the query
+    block, so a row's bits are the same whichever chunk it comes in: 39 tokens per sequence in one
+    call, against chunks of 13, of 2 + 37 and of 1 + 11 + 27 (each written, cache_write_ref, before
+    the next). Each row's rounding is the same op on the same operands; the default runs split
+    keys where the query block's boundary lies (``test_chunked_prompt_matches_reference``)."""
+    from oscar_compile.kernels.attention_decode_consistent_triton import attention_decode_consistent_triton
+    from oscar_compile.kernels.determinism import deterministic
+
+    prompt = _tokens(params, [39] * len(LENS), device, seed=3)
+
+    def run(chunks):
+        case = _case(params, device, extra_tokens=39)
+        D, out, done = prompt[0].shape[2], [], 0
+        for n in chunks:
+            rows = torch.cat([torch.arange(39 * i + done, 39 * i + done + n) for i in range(len(LENS))]).to(device)
+            q, k, v = (x[rows] for x in prompt)
+            cu = torch.tensor([0] + [n] * len(LENS)).cumsum(0).to(device=device, dtype=torch.int32)
+            args = (q, k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools, D**-0.5,
+                    case.sink, case.recent, case.bits, case.group_size, case.clip_k, case.clip_v)  # fmt: skip
+            with deterministic():
+                out.append(attention_decode_consistent_triton(*args, history_lens=case.history_lens).view(
+                    len(LENS), n, *q.shape[1:]))  # fmt: skip
+            cache_write_ref(k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools, case.sink,
+                            case.recent, case.bits, case.group_size, case.clip_k, case.clip_v)  # fmt: skip
+            case.append(k, v, cu)
+            done += n
+        return torch.cat(out, dim=1)
+
+    whole = run([39])
+    for chunks in ([13, 13, 13], [2, 37], [1, 11, 27]):
+        assert torch.equal(run(chunks), whole), chunks
+
+
 def test_no_new_tokens(device):
     case = _case(CASES[0], device)
     q, k, v = _tokens(CASES[0], [0] * len(LENS), device)
@@ -140,8 +175,8 @@ _COMPILE = """
 import json, sys
 from oscar_compile.kernels.attention_decode_consistent_triton import compile_offline
 out = []
-for dtype, head_dim, g in json.loads(sys.argv[1]):
-    ck = compile_offline(dtype, head_dim, g)
+for dtype, head_dim, g, aligned in json.loads(sys.argv[1]):
+    ck = compile_offline(dtype, head_dim, g, aligned=aligned)
     ptx = ck.asm["ptx"]
     out.append({"local": ("ld.local" in ptx) or ("st.local" in ptx), "shared": ck.metadata.shared})
 print(json.dumps(out))
@@ -149,7 +184,8 @@ print(json.dumps(out))
 
 
 def test_kernel_compiles_for_sm90():
-    """An offline sm_90 compile (not the interpreter's run): no local memory, and shared memory
+    """An offline sm_90 compile (not the interpreter's run; the deterministic mode's aligned key
+    blocks too): no local memory, and shared memory
     within the 227 KiB an sm_90 block may use. In a child process: under TRITON_INTERPRET=1 the
     kernel is an interpreter function."""
     import json
@@ -157,7 +193,7 @@ def test_kernel_compiles_for_sm90():
     import sys
 
     pytest.importorskip("triton")
-    configs = [("bf16", 128, 4), ("fp32", 64, 1), ("fp16", 128, 8)]
+    configs = [("bf16", 128, 4, False), ("fp32", 64, 1, False), ("fp16", 128, 8, False), ("bf16", 128, 4, True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(configs)], env=env,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
