@@ -94,6 +94,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.deterministic and self.max_num_batched_tokens < 3:
+            raise ValueError("deterministic mode needs max_num_batched_tokens >= 3 (prompt chunks of 2 tokens or more, "
+                             f"PageManager.make_deterministic), got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         decode_consistent = check_prefill_semantics(self.prefill_semantics) == DECODE_CONSISTENT
@@ -203,6 +206,8 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
                                   and bool(getattr(runner, "supports_history_hits", False)))
     if config.prefix_hits == "snapshot" and config.enable_prefix_caching:
         _enable_snapshots(page_manager, runner, config.snapshot_interval)
+    if config.deterministic:
+        page_manager.make_deterministic()
     if not getattr(runner, "supports_staging", False):  # e.g. the exact RecomputeRunner: nothing to stage
         page_manager.staging_pool = PagePool("staging", 0)
     if not getattr(runner, "supports_swapping", False):

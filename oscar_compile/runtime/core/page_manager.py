@@ -122,6 +122,7 @@ class PageManager:
         # pages the choices of forked requests took: shared by reference, or copied (by kind)
         self.num_fork_pages_shared = {"window": 0, "quant": 0}
         self.num_fork_pages_copied = {"window": 0, "quant": 0}
+        self.deterministic = False  # one-token calls only where every run makes them (make_deterministic)
 
     # ---- sizes -------------------------------------------------------------------------------
     def history_len(self, seq: Sequence, num_cached_tokens: int | None = None) -> int:
@@ -166,6 +167,9 @@ class PageManager:
         if not self.history_hits and self.layout.recent > 0:
             limit = min(limit, self.layout.sink)
         window, quant = self._cached_run(seq, limit)
+        R = len(window + quant) * self.layout.page_size
+        if self.deterministic and R and seq.num_prompt_tokens - R == 1:
+            (quant or window).pop()  # make_deterministic: the hit leaves 2 prompt tokens or none
         return PrefixMatch((len(window) + len(quant)) * self.layout.page_size, tuple(window), tuple(quant))
 
     def _cached_run(self, seq: Sequence, limit: int) -> tuple[list[int], list[int]]:
@@ -270,8 +274,33 @@ class PageManager:
         seq.num_committed_blocks = max(seq.num_committed_blocks, num_final)
 
     def cut_chunk(self, seq: Sequence, num_cached: int, num_new: int) -> int:
-        """``num_new`` tokens after ``num_cached``, ended at the next window-snapshot boundary."""
-        return num_new if self.snapshots is None else self.snapshots.cut(seq, num_cached, num_new)
+        """``num_new`` tokens after ``num_cached``, ended at the next window-snapshot boundary; in
+        deterministic mode, also by :meth:`make_deterministic`'s rules (0: none this step)."""
+        n = num_new if self.snapshots is None else self.snapshots.cut(seq, num_cached, num_new)
+        if not self.deterministic:
+            return n
+        prompt = seq.num_prompt_tokens
+        if num_cached >= prompt:
+            return min(n, 1)  # generated tokens, recomputed: one per step, as they were decoded
+        whole = prompt - num_cached  # the chunk the budget did not cut
+        if self.snapshots is not None:
+            whole = self.snapshots.cut(seq, num_cached, whole)
+        n = min(n, whole)
+        if n < whole and whole - n == 1:
+            n -= 1
+        return 0 if n == 1 < whole else n
+
+    def make_deterministic(self) -> None:
+        """Deterministic mode (``EngineConfig(deterministic=True)``). The prefill kernels'
+        rows do not depend on their chunk, but a one-token call runs the decode kernels (the
+        CUDA-graph path), whose rounding differs. So a position is computed by a one-token call in
+        every run or in none: a prompt of n >= 2 tokens is cut into chunks of at least 2 tokens,
+        whatever the budget, a hit and a snapshot boundary leave at least 2 of its tokens, and the
+        generated tokens of a recomputed sequence are fed one per step, as they were decoded. The
+        budget (``max_num_batched_tokens``) must be at least 3."""
+        self.deterministic = True
+        if self.snapshots is not None:
+            self.snapshots.min_tail = 2
 
     def capture_snapshot(self, seq: Sequence) -> PageCopy | None:
         """After ``advance``: the copy of ``seq``'s ring into the snapshot at its cached length,

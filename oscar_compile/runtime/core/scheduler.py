@@ -169,6 +169,9 @@ class Scheduler:
                 index += 1  # its last token is still on the device: it ends when that arrives
                 continue
             num_new = self.page_manager.cut_chunk(seq, seq.num_cached_tokens, min(seq.num_uncached_tokens, budget))
+            if not num_new:  # deterministic mode: the budget left would cut a one-token chunk
+                index += 1
+                continue
             if not self._make_room(seq, num_new, out):
                 break  # seq itself was the newest and got preempted
             self.page_manager.may_append(seq, num_new)
@@ -224,6 +227,8 @@ class Scheduler:
         page_manager = self.page_manager
         match = page_manager.match_prefix(seq)
         num_new = page_manager.cut_chunk(seq, match.num_tokens, min(seq.num_tokens - match.num_tokens, budget))
+        if not num_new:
+            return 0  # deterministic mode: the budget left would cut a one-token chunk
         num_staging = page_manager.staging_need(seq, match, num_new)
         if num_staging > page_manager.staging_pool.num_pages:
             if seq.num_output_tokens == 0:

@@ -86,6 +86,8 @@ class WindowSnapshots:
         self.num_pages = layout.recent // P
         self.num_captured = 0  # snapshots (or missing parts of one) copied from a sequence's ring
         self.num_hits = 0  # admissions restored from a snapshot
+        # fewest prompt tokens a boundary may leave after it (2 in deterministic mode: page_manager)
+        self.min_tail = 1
 
     @property
     def snapshot_bytes(self) -> int:
@@ -94,14 +96,24 @@ class WindowSnapshots:
     def is_boundary(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether ``seq`` is snapshotted when its cache holds ``num_tokens`` tokens."""
         P = self.layout.page_size
-        if num_tokens % P or num_tokens <= self.layout.sink:
+        if num_tokens % P or num_tokens <= self.layout.sink or not self.leaves_tail(seq, num_tokens):
             return False
-        return num_tokens % self.interval == 0 or num_tokens == (seq.num_prompt_tokens - 1) // P * P
+        return num_tokens % self.interval == 0 or num_tokens == self.prompt_end(seq)
+
+    def prompt_end(self, seq: Sequence) -> int:
+        """The boundary at a prompt's end: the last page boundary that leaves ``min_tail`` tokens."""
+        P = self.layout.page_size
+        return (seq.num_prompt_tokens - self.min_tail) // P * P
+
+    def leaves_tail(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether a chunk may end (or a hit resume) at ``num_tokens``: not within ``min_tail``
+        tokens before the prompt's end."""
+        return not 0 < seq.num_prompt_tokens - num_tokens < self.min_tail
 
     def cut(self, seq: Sequence, num_cached: int, num_new: int) -> int:
         """``num_new`` new tokens after ``num_cached``, ended at the first boundary inside the chunk."""
-        P, start = self.layout.page_size, max(num_cached, self.layout.sink)
-        ends = ((start // self.interval + 1) * self.interval, (seq.num_prompt_tokens - 1) // P * P)
+        start = max(num_cached, self.layout.sink)
+        ends = ((start // self.interval + 1) * self.interval, self.prompt_end(seq))
         inside = [end for end in ends if self.is_boundary(seq, end) and num_cached < end < num_cached + num_new]
         return min(inside, default=num_cached + num_new) - num_cached
 
@@ -125,7 +137,7 @@ class WindowSnapshots:
             return None
         top = min((seq.num_tokens - 1) // P * P, S0 + len(quant) * P + W)
         for end in range(top, S0, -P):
-            pages = self.lookup(seq.block_hashes[end // P - 1])
+            pages = self.lookup(seq.block_hashes[end // P - 1]) if self.leaves_tail(seq, end) else None
             if pages is not None:
                 num_history = max(0, end - W - S0) // P
                 return PrefixMatch(end, tuple(window), tuple(quant[:num_history]), pages)
