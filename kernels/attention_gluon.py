@@ -410,10 +410,12 @@ def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, 
     if N == 0:
         return out
     g = H_q // H_kv
-    planned = plan_gluon_launch(N, B, H_kv, g, quant_table.shape[1] * P, sink, recent, q.device,
-                                maxnreg, D)
-    nsplit = planned[0] if nsplit is None else nsplit
-    nwin = planned[1] if win_splits is None else win_splits
+    if nsplit is None or win_splits is None:  # (attention_dispatch passes the plan of its step)
+        planned = plan_gluon_launch(N, B, H_kv, g, quant_table.shape[1] * P, sink, recent, q.device,
+                                    maxnreg, D)
+        nsplit = planned[0] if nsplit is None else nsplit
+        win_splits = planned[1] if win_splits is None else win_splits
+    nwin = win_splits
     ns = nsplit + nwin
     po = torch.empty(N * H_q * ns, D, dtype=torch.float32, device=q.device)
     pl = torch.empty(N * H_q * ns, dtype=torch.float32, device=q.device)

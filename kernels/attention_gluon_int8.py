@@ -375,6 +375,12 @@ def plan_int8_launch(N: int, H_kv: int, g: int, max_hist: int, sink: int, recent
     return nsplit, nwin
 
 
+def early_load_for(max_hist: int, nsplit: int, deterministic: bool = False) -> bool:
+    """The EARLY_STEPS rule: whether a split of this launch loads its first step before the query work."""
+    split = DET_SPLIT_TOKENS if deterministic else triton.cdiv(max_hist, nsplit)
+    return triton.cdiv(split, STEP_TOKENS) <= EARLY_STEPS
+
+
 def _words(x: torch.Tensor) -> torch.Tensor:
     """A contiguous pool as int32 words (4 code bytes or 2 fp16 per word)."""
     return x.reshape(x.shape[0], x.shape[1], -1).view(torch.int32)
@@ -402,13 +408,15 @@ def attention_gluon_int8(q, k, v, cu_seqlens, cache_lens, window_table, quant_ta
         return out
     g = H_q // H_kv
     gp = heads_per_program(g)
-    planned = plan_int8_launch(N, H_kv, g, quant_table.shape[1] * P, sink, recent, q.device, deterministic)
-    nsplit = planned[0] if nsplit is None else nsplit
-    nwin = planned[1] if win_splits is None else win_splits
+    max_hist = quant_table.shape[1] * P
+    if nsplit is None or win_splits is None:  # (attention_dispatch passes the plan of its step)
+        planned = plan_int8_launch(N, H_kv, g, max_hist, sink, recent, q.device, deterministic)
+        nsplit = planned[0] if nsplit is None else nsplit
+        win_splits = planned[1] if win_splits is None else win_splits
+    nwin = win_splits
     ns = nsplit + nwin
     if early_load is None:
-        split = DET_SPLIT_TOKENS if deterministic else triton.cdiv(quant_table.shape[1] * P, nsplit)
-        early_load = triton.cdiv(split, STEP_TOKENS) <= EARLY_STEPS
+        early_load = early_load_for(max_hist, nsplit, deterministic)
     po = torch.empty(N * H_q * ns, D, dtype=torch.float32, device=q.device)
     pl = torch.empty(N * H_q * ns, dtype=torch.float32, device=q.device)
     _decode_int8_kernel[(N, H_kv * (g // gp), ns)](

@@ -349,13 +349,42 @@ def window_programs(window_slots: int, block_w: int, max_hist: int, block_n: int
     return plan_window_splits(triton.cdiv(window_slots, block_w), split_blocks)
 
 
+def history_block_n(bits: int, block_n: int = 128) -> int:
+    """History keys per block of a launch: 64 at most for a 16-bit history, as the full-precision
+    kernel takes (a 128 x D tile of 16-bit keys would not fit the register cap)."""
+    return min(block_n, 64) if bits == FULL_PRECISION_BITS else block_n
+
+
+def plan_triton_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, device: torch.device, block_n: int,
+                       window_slots: int, block_w: int = 32, prefill_rows: int = 64, nsplit: int | None = None,
+                       win_splits: int | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, ROWS, NSPLIT, NWIN) of one launch from shapes only (CUDA-graph safe): ``plan_launch``
+    (in deterministic mode ``deterministic_launch``) and the programs sharing the windows;
+    ``nsplit`` / ``win_splits`` override as ``attention_triton``'s do."""
+    split_len = split_tokens()
+    if split_len is not None:  # deterministic mode: one launch shape for every batch
+        block_m, rows, nsplit = deterministic_launch(max_hist, g, split_len, block_n, prefill_rows)
+    else:
+        # splits of 2 history blocks: measured on the H200 (bench.kernels variants, 2026-11-30) the
+        # best at batch 1 for 8k-128k; 4 blocks (the paged BF16 kernel's choice) was 10-20 % slower
+        block_m, rows, planned = plan_launch(N, B, H_kv, g, max_hist, device, block_n, min_split_blocks=2,
+                                             prefill_rows=prefill_rows)
+        nsplit = planned if nsplit is None else nsplit
+    nwin = 1
+    if nsplit and win_splits:
+        nwin = win_splits
+    elif nsplit and block_m == 1 and split_len is None:  # (an extend chunk's own keys stay in one program)
+        nwin = window_programs(window_slots, block_w, max_hist, block_n, nsplit)
+    return block_m, rows, nsplit, nwin
+
+
 def attention_triton(
     q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win,
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, scale, sink, recent, bits, group_size,
     history_lens=None, block_n: int = 128, use_asm: bool | None = None, num_warps: int = 4,
     num_stages: int = 2, nsplit: int | None = None, block_w: int = 32, maxnreg: int | None = 128,
     win_splits: int | None = None, prefill_rows: int = 64, prefill_maxnreg: int | None = None,
-    seq_mask=None, out=None,
+    seq_mask=None, out=None, launch_plan: tuple[int, int, int, int] | None = None,
 ):
     """Check, plan and launch. q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype.
 
@@ -369,6 +398,9 @@ def attention_triton(
     slower at batch 8-32 (H200, 2026-11-30). Prefill launches (``prefill_maxnreg``) stay
     uncapped: a 64-row program under the 128 cap spilled about 150 registers per history block
     (Triton 3.6, sm_90 SASS), uncapped it takes 255 and none.
+
+    ``launch_plan``: (BLOCK_M, ROWS, NSPLIT, NWIN) as ``plan_triton_launch`` gives for this call
+    (attention_dispatch's plan of the step), else planned here.
 
     ``seq_mask`` ([B] bool, on the device) computes only those sequences' rows, into ``out``
     ([N, H_q, D], given with it): another launch writes the other rows (the extend path,
@@ -404,25 +436,16 @@ def attention_triton(
         # 64-key blocks, as the full-precision kernel takes: a 128 x D tile of 16-bit keys would
         # not fit the register cap. The window pools stand in for the empty scale / zero pools
         # (never read)
-        block_n = min(block_n, 64)
+        block_n = history_block_n(bits, block_n)
         k_scale = k_zero = k_win
         v_scale = v_zero = v_win
-    # splits of 2 history blocks: measured on the H200 (bench.kernels variants, 2026-11-30) the
-    # best at batch 1 for 8k-128k; 4 blocks (the paged BF16 kernel's choice) was 10-20 % slower
     split_len = split_tokens()
-    if split_len is not None:  # deterministic mode: one launch shape for every batch
-        if seq_mask is not None or nsplit is not None or win_splits is not None:
-            raise ValueError("deterministic mode plans its own launch (no seq_mask, nsplit or win_splits)")
-        block_m, rows, nsplit = deterministic_launch(max_hist, g, split_len, block_n, prefill_rows)
-    else:
-        block_m, rows, planned = plan_launch(N, B, H_kv, g, max_hist, q.device, block_n, min_split_blocks=2,
-                                             prefill_rows=prefill_rows)
-        nsplit = planned if nsplit is None else nsplit
-    nwin = 1
-    if nsplit and win_splits:
-        nwin = win_splits
-    elif nsplit and block_m == 1 and split_len is None:  # (an extend chunk's own keys stay in one program)
-        nwin = window_programs(sink + recent, block_w, max_hist, block_n, nsplit)
+    if split_len is not None and (seq_mask is not None or nsplit is not None or win_splits is not None):
+        raise ValueError("deterministic mode plans its own launch (no seq_mask, nsplit or win_splits)")
+    if launch_plan is None:
+        launch_plan = plan_triton_launch(N, B, H_kv, g, max_hist, q.device, block_n, sink + recent, block_w,
+                                         prefill_rows, nsplit, win_splits)
+    block_m, rows, nsplit, nwin = launch_plan
     if seq_mask is not None and (block_m == 1 or nsplit):
         raise ValueError("seq_mask: prefill-like launches without history splits only")
     if block_m == 1:

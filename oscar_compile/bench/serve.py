@@ -33,6 +33,8 @@ real ``CompressedRunner`` on a synthetic batch whose caches are pre-filled to th
    beside the unsplit ones, each step's all-reduce time in the breakdown (``allred``); the KV
    budget is per GPU (see ``oscar_compile.bench.serve_tp``).
 ``--deterministic`` runs every part in deterministic mode (issue 31: its cost against the default).
+``--plan-ab`` adds to each decode row (``--decode-batches`` sets their batch sizes) eager steps with
+the attention plan memoized per step against planned at every layer (issue #32: host time saved).
 ``--parts`` picks the sections (default: decode capacity e2e, the e2e rows only with
 ``--e2e-batches``). Prints tables and writes JSON. ``--shapes tiny --device cpu`` is the CPU
 smoke run CI uses.
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import statistics
 import time
@@ -217,17 +220,42 @@ def _graph_covers(runner: CompressedRunner, batch: Batch) -> bool:
     return runner.graphs is not None and runner.graphs.can_run(batch)
 
 
-def decode_rows(model, layout, shape: str, mode: str, contexts: list[int], reps: int) -> list[dict]:
+def plan_ab_ms(runner: CompressedRunner, batch: Batch, reps: int) -> dict:
+    """Median eager step times with the attention plan memoized per step (the default) and with
+    every ``oscar::attention`` call planning for itself (``attention_dispatch.MAX_PLANS = 0``), the
+    two alternated step by step; their difference is the host time the per-step plan saves."""
+    from oscar_compile.kernels import attention_dispatch as ad
+
+    kept, times = ad.MAX_PLANS, {"planned": [], "unplanned": []}
+    try:
+        for _ in range(reps + 1):
+            for name, max_plans in (("planned", kept), ("unplanned", 0)):
+                ad.MAX_PLANS = max_plans
+                ad.clear_attention_plans()  # (a planned step plans at its first layer, as a new batch shape does)
+                start = time.perf_counter()
+                runner.run(batch)
+                _sync(runner.device)
+                times[name].append(time.perf_counter() - start)
+    finally:
+        ad.MAX_PLANS = kept
+    planned, unplanned = (statistics.median(t[1:]) * 1e3 for t in times.values())  # (the first: warm-up)
+    return dict(eager_planned_ms=planned, eager_unplanned_ms=unplanned, plan_saved_ms=unplanned - planned)
+
+
+def decode_rows(model, layout, shape: str, mode: str, contexts: list[int], reps: int,
+                plan_ab: bool = False, batch_sizes: tuple[int, ...] = (1,)) -> list[dict]:
     rows = []
     fused = bool(model._oscar_compile_report.fused)
-    for context in contexts:
-        batch, num_window, num_quant = decode_batch(layout, 1, context)
+    for context, batch_size in itertools.product(contexts, batch_sizes):
+        batch, num_window, num_quant = decode_batch(layout, batch_size, context)
         runner = _runner(model, layout, batch, num_window, num_quant, context, graphs=True)
         t = step_time_s(runner, batch, reps)
-        row = dict(shape=shape, mode=mode, fused=fused, context=context, batch=1, step_ms=t * 1e3,
-                   tokens_per_s=1 / t, cuda_graphs=_graph_covers(runner, batch))
+        row = dict(shape=shape, mode=mode, fused=fused, context=context, batch=batch_size, step_ms=t * 1e3,
+                   tokens_per_s=batch_size / t, cuda_graphs=_graph_covers(runner, batch))
         if row["cuda_graphs"]:  # the profile's op attribution needs eager launches
             row["eager_step_ms"] = step_time_s(_eager(runner), batch, reps) * 1e3
+        if plan_ab:
+            row.update(plan_ab_ms(_eager(runner), batch, reps))
         row["breakdown"] = step_breakdown(_eager(runner), batch)
         print(row, flush=True)
         rows.append(row)
@@ -285,7 +313,8 @@ def run(args) -> dict:
         for mode in MODES:
             model, layout = build_model(shape, mode, max_len, device)
             if "decode" in args.parts:
-                result["decode"] += decode_rows(model, layout, shape, mode, args.contexts, args.reps)
+                result["decode"] += decode_rows(model, layout, shape, mode, args.contexts, args.reps, args.plan_ab,
+                                                tuple(args.decode_batches))
                 _save(result, args.out)
             if args.capacity_contexts and "capacity" in args.parts:
                 budget = int(args.kv_memory * GIB) if args.kv_memory else _free_memory_bytes(device)
@@ -482,6 +511,11 @@ def main(argv=None) -> int:
     parser.add_argument("--deterministic", action="store_true",
                         help="run every part in deterministic mode (batch-invariant matmuls, fixed attention "
                              "splits; EngineConfig(deterministic=True)), to measure what it costs")
+    parser.add_argument("--decode-batches", nargs="+", type=int, default=[1],
+                        help="batch sizes of the decode rows (default 1)")
+    parser.add_argument("--plan-ab", action="store_true",
+                        help="decode rows: eager steps with the attention plan memoized per step against "
+                             "planned at every call (issue #32: the host time the plan saves)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
