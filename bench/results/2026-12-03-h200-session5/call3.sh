@@ -11,7 +11,7 @@ step serve_structured 150 python3 -m oscar_compile.bench.serve --shapes 8b --par
 step serve_capacity 230 python3 -m oscar_compile.bench.serve --shapes 8b 4b --contexts 131072 --capacity-contexts 100000 \
   --kv-memory 80 --reps 5 --parts decode capacity --out "$R/serve_capacity.json"
 P="python3 -m pytest -q -rs --tb=short -p no:cacheprovider"
-step tests_dc_aligned 150 $P tests/kernels/test_attention_decode_consistent_triton.py -k "deterministic_rows and cuda" \
+step tests_dc_aligned 150 $P tests/kernels/test_attention_decode_consistent_triton.py -k "(deterministic_rows and cuda) or attention_deterministic" \
   tests/kernels/test_attention_deterministic.py &
 step tests_int8 150 $P tests/kernels/test_attention_gluon_int8.py &
 wait
