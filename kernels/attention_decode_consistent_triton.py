@@ -42,10 +42,10 @@ import triton
 import triton.language as tl
 
 from oscar_compile.kernels.attention_decode_consistent_ref import as_history, attention_decode_consistent_ref
-from oscar_compile.kernels.attention_ref import gather_cached
+from oscar_compile.kernels.attention_ref import gather_cached_into
 from oscar_compile.kernels.attention_triton import LOG2E, dot_dtype
 from oscar_compile.kernels.determinism import is_deterministic
-from oscar_compile.kernels.pools import check_window_config, history_lens_of
+from oscar_compile.kernels.pools import check_window_config, history_lens_of, index_runs
 
 
 @triton.jit
@@ -236,10 +236,11 @@ def _packed_views(k, v, cu, lens, hists, tables, pools, sink, recent, bits, grou
 
     Built for the whole call at once, not per sequence: the new tokens land by one scatter and the
     rows read quantized but not stored yet (ring and chunk tokens past S0 + h) go through one
-    ``as_history`` call. Its quantizer works row by row (per token and head), so the values are
-    the reference's, bitwise; a batch of 32 short prompts took 32 x 2 small-op chains per layer
-    (8.7 s to first token at 8B, bench/results/2026-12-03-h200-session5). Only sequences with
-    cached tokens gather them, one by one."""
+    ``as_history`` call, and the cached positions of every sequence by one gather per precision
+    (``gather_cached_into``). The quantizer works row by row (per token and head), so the values
+    are the reference's, bitwise. Built per sequence, a batch of 32 prompts of 512 tokens (two
+    chunks each: one ends at the snapshot boundary of its last page) took 8.7 s to first token at
+    8B, bench/results/2026-12-03-h200-session5."""
     k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = pools
     counts = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
     sizes = [L + n if n else 0 for L, n in zip(lens, counts, strict=True)]
@@ -247,28 +248,19 @@ def _packed_views(k, v, cu, lens, hists, tables, pools, sink, recent, bits, grou
     # quantized here: positions [S0 + h, L + T) of each sequence with new tokens
     firsts = [sink + h for h in hists]
     quantized = [max(0, size - first) if size else 0 for size, first in zip(sizes, firsts, strict=True)]
-    new_rows = _runs([s + L for s, L in zip(starts, lens, strict=True)], counts).to(k.device)
-    hist_rows = _runs([s + f for s, f in zip(starts, firsts, strict=True)], quantized).to(k.device)
-    cached = [(i, L, starts[i]) for i, L in enumerate(lens) if L and counts[i]]
-    geometry = (sink, recent, bits, group_size)
+    new_rows = index_runs([s + L for s, L in zip(starts, lens, strict=True)], counts).to(k.device)
+    hist_rows = index_runs([s + f for s, f in zip(starts, firsts, strict=True)], quantized).to(k.device)
+    cached = [(i, L, hists[i], starts[i]) for i, L in enumerate(lens) if L and counts[i]]
     views = []
     for new, win, codes, scale, zero, clip, kind in ((k, k_win, k_codes, k_scale, k_zero, clip_k, "k"),
                                                      (v, v_win, v_codes, v_scale, v_zero, clip_v, "v")):
         exact = torch.empty(sum(sizes), *new.shape[1:], dtype=torch.float32, device=new.device)
-        for i, L, s in cached:
-            exact[s : s + L] = gather_cached(i, L, *tables, win, codes, scale, zero, *geometry, hists[i], kind=kind)
+        gather_cached_into(exact, cached, *tables, win, codes, scale, zero, sink, recent, bits, group_size, kind=kind)
         exact[new_rows] = new[: cu[-1]].to(win.dtype).float()
         hist = exact.clone()
         hist[hist_rows] = as_history(exact[hist_rows].to(win.dtype), bits, group_size, clip, scale.dtype)
         views += [exact.to(dtype), hist.to(dtype)]
     return views, torch.tensor(starts, dtype=torch.int32, device=k.device)
-
-
-def _runs(firsts: list[int], counts: list[int]) -> torch.Tensor:
-    """The indices first_i, first_i + 1, ..., first_i + count_i - 1 of every run, concatenated (int64, host)."""
-    n = torch.tensor(counts, dtype=torch.int64)
-    run_start = torch.repeat_interleave(torch.tensor(firsts, dtype=torch.int64) - (n.cumsum(0) - n), n)
-    return run_start + torch.arange(int(n.sum()), dtype=torch.int64)
 
 
 def attention_decode_consistent_triton(

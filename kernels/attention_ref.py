@@ -55,6 +55,49 @@ def gather_cached(
     return out
 
 
+def gather_cached_into(
+    out: torch.Tensor, seqs: list[tuple[int, int, int, int]], window_table: torch.Tensor, quant_table: torch.Tensor,
+    win: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+    sink: int, recent: int, bits: int, group_size: int, *, kind: str,
+) -> None:
+    """``gather_cached`` of several sequences at once: for each (i, L, h, row) of ``seqs``,
+    ``out[row : row + L]`` (float32 [., H_kv, D]) gets sequence i's cached positions 0..L-1 with
+    h history tokens, the same values, from one gather per precision (index runs built on the
+    host: no sync per sequence)."""
+    from oscar_compile.kernels.pools import index_runs
+
+    if not seqs:
+        return
+    P, dev = win.shape[2], win.device
+    runs = {"window": ([], [], [], []), "history": ([], [], [], [])}  # (position firsts, out firsts, counts, seq ids)
+    for i, L, h, row in seqs:
+        for kind_, first, count in (("window", 0, min(L, sink)), ("history", sink, min(h, max(L - sink, 0))),
+                                    ("window", sink + h, L - sink - h)):  # fmt: skip
+            if count > 0:
+                pos_firsts, out_firsts, counts, ids = runs[kind_]
+                pos_firsts.append(first)
+                out_firsts.append(row + first)
+                counts.append(count)
+                ids.append(i)
+    for kind_, (pos_firsts, out_firsts, counts, ids) in runs.items():
+        if not counts:
+            continue
+        pos = index_runs(pos_firsts, counts).to(dev)
+        dst = index_runs(out_firsts, counts).to(dev)
+        seq = torch.repeat_interleave(torch.tensor(ids, dtype=torch.int64), torch.tensor(counts)).to(dev)
+        if kind_ == "window":
+            slot = window_slot(pos, sink, recent)
+            out[dst] = win[window_table[seq, slot // P].long(), :, slot % P].float()
+            continue
+        hp = pos - sink
+        page, r = quant_table[seq, hp // P].long(), hp % P
+        if bits == FULL_PRECISION_BITS:
+            out[dst] = codes[page, :, r].float()
+        else:
+            out[dst] = quant.dequantize_groups(read_code_rows(codes, page, r, kind, bits), scale[page, :, r],
+                                               zero[page, :, r], group_size)  # fmt: skip
+
+
 def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, L: int, scale: float) -> torch.Tensor:
     # q: [T, H_q, D] f32; keys, vals: [L + T, H_kv, D] f32 -> [T, H_q, D] f32
     T, H_q, _ = q.shape

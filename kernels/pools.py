@@ -165,3 +165,11 @@ def window_slot(pos: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
     if recent == 0:
         return pos.clone()
     return torch.where(pos < sink, pos, sink + (pos - sink) % recent)
+
+
+def index_runs(firsts: list[int], counts: list[int]) -> torch.Tensor:
+    """The indices first_i, first_i + 1, ..., first_i + count_i - 1 of every run, concatenated
+    (int64, on the host: built from host ints, no device sync)."""
+    n = torch.tensor(counts, dtype=torch.int64)
+    run_start = torch.repeat_interleave(torch.tensor(firsts, dtype=torch.int64) - (n.cumsum(0) - n), n)
+    return run_start + torch.arange(int(n.sum()), dtype=torch.int64)
