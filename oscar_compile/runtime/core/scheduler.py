@@ -28,6 +28,10 @@ at snapshot boundaries, ``advance`` returns the copies that take the snapshots a
 at a snapshot leaves the copy that restores it in ``SchedulerOutput.page_copies``; the runner
 makes each before the next forward.
 
+Deterministic mode (``PageManager.make_deterministic``): ``cut_chunk`` may give a sequence 0
+tokens in a step (a chunk would hold or leave one prompt token); it then waits for the next step,
+and a recomputed sequence's generated tokens come one per step.
+
 Invariant (tested): every running sequence arrived before every waiting one, so ``running`` is
 sorted by arrival and ``running[-1]`` is the newest.
 """
