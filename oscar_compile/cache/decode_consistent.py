@@ -26,6 +26,7 @@ import torch
 
 from ..formats.cache import LayerFormat
 from ..formats.op_args import AttentionArgs, CacheWriteArgs
+from ..kernels import ops  # noqa: F401  registers the oscar:: ops called below (cheap: no Triton at import)
 from ..kernels.attention_decode_consistent_ref import attention_decode_consistent_ref
 from .contract import layer_input_names
 
