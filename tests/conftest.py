@@ -1,6 +1,41 @@
-"""Suite-wide markers: ``gpu`` tests are skipped on machines without CUDA."""
+"""Suite-wide markers: ``gpu`` tests are skipped on machines without CUDA; under
+``TRITON_INTERPRET=1`` a cheaper lookup of the builtins Triton's interpreter patches."""
+import inspect
+import os
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _cache_interpreter_builtin_names()
+
+
+def _cache_interpreter_builtin_names() -> None:
+    """Triton's interpreter (3.9) re-scans ``triton.language`` with ``inspect.getmembers`` at every
+    call of a ``@triton.jit`` helper from a kernel: about a third of an interpreted kernel's time
+    in the cache-write tests. The builtins a module holds are fixed, so scan each module once and
+    patch, as before, those names whose current value is still a builtin (inside a launch they
+    already hold the interpreter's wrappers and are left alone, as the full scan leaves them)."""
+    try:
+        from triton.language import core
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    if not (hasattr(interpreter, "_patch_builtin") and hasattr(interpreter, "_patch_attr")):
+        return  # another Triton: its own lookup
+    names: dict[int, list[str]] = {}
+
+    def patch_builtin(pkg, builder, scope):
+        if id(pkg) not in names:
+            names[id(pkg)] = [name for name, member in inspect.getmembers(pkg) if core.is_builtin(member)]
+        for name in names[id(pkg)]:
+            member = getattr(pkg, name, None)
+            if core.is_builtin(member):
+                interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    interpreter._patch_builtin = patch_builtin
 
 
 def pytest_collection_modifyitems(config, items):

@@ -76,11 +76,25 @@ def _collect(deltas, got) -> None:
         logprobs += [lp.logprob for lp in delta.new_logprobs]
 
 
-def check_batch_invariance(spec: str, device: str, chunked: bool, **config) -> None:
+@pytest.fixture(scope="module")
+def engines() -> dict:
+    """Engines without prefix caching, built once a module by ``_shared``: they keep no state
+    between ``generate`` calls that another call could read."""
+    return {}
+
+
+def _shared(engines: dict, spec: str, device: str = "cpu", **config) -> LLM:
+    key = (spec, device, *sorted(config.items()))
+    if key not in engines:
+        engines[key] = _llm(spec, device, **config)
+    return engines[key]
+
+
+def check_batch_invariance(engines: dict, spec: str, device: str, chunked: bool, **config) -> None:
     """Alone (one at a time), together (one prefill step), joining a running batch and, with
     ``chunked``, in 128-token steps on a fresh engine: the same tokens and logprobs, bitwise."""
     prompts = _prompts()
-    llm = _llm(spec, device, **config)
+    llm = _shared(engines, spec, device, **config)
     alone = [_results(llm.generate([p], PARAMS))[0] for p in prompts]
     assert _results(llm.generate(prompts, PARAMS)) == alone
     assert _joined(llm, prompts) == alone
@@ -92,17 +106,17 @@ def check_batch_invariance(spec: str, device: str, chunked: bool, **config) -> N
 # (the BF16 mode quantizes nothing: both semantics are one computation there)
 @pytest.mark.parametrize("spec,semantics", [("oscar-int2", "prompt-exact"), ("oscar-int2", "decode-consistent"),
                                             ("bf16", "decode-consistent")])
-def test_logprobs_are_bitwise_the_same_alone_together_joined_and_chunked(spec, semantics):
-    check_batch_invariance(spec, "cpu", chunked=True, prefill_semantics=semantics)
+def test_logprobs_are_bitwise_the_same_alone_together_joined_and_chunked(engines, spec, semantics):
+    check_batch_invariance(engines, spec, "cpu", chunked=True, prefill_semantics=semantics)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", ["oscar-int2", "bf16"])
-def test_on_the_gpu_logprobs_are_bitwise_the_same_alone_together_and_joined(spec):
+def test_on_the_gpu_logprobs_are_bitwise_the_same_alone_together_and_joined(engines, spec):
     """CUDA graphs on (decode alone replays them; a mixed step launches eagerly). Chunked prefill
     is not part of the GPU promise: the kernels read a chunk's own keys in other blocks than the
     cached ones (README, "Deterministic mode")."""
-    check_batch_invariance(spec, "cuda", chunked=False, prefill_semantics="prompt-exact")
+    check_batch_invariance(engines, spec, "cuda", chunked=False, prefill_semantics="prompt-exact")
 
 
 @pytest.mark.parametrize("semantics", ["prompt-exact", "decode-consistent"])
@@ -115,7 +129,8 @@ def test_resent_and_after_a_preemption_bitwise(semantics):
     preemption by recompute (no swap space), generated tokens included."""
     prompts = _prompts()
     exact = semantics == "prompt-exact"
-    params = SamplingParams(max_tokens=40 if exact else 24, temperature=0.0, ignore_eos=True, logprobs=0)
+    # 20 tokens: under ``tight`` the 450-token prompt is preempted after its 14th (both semantics)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=0)
     hits = dict(prefix_hits="sink") if exact else {}
     llm = _llm("oscar-int2", enable_prefix_caching=True, prefill_semantics=semantics, **hits)
     alone = [_results(llm.generate([p], params))[0] for p in prompts]
@@ -130,8 +145,8 @@ def test_resent_and_after_a_preemption_bitwise(semantics):
     assert stats["num_swap_preemptions" if exact else "num_recompute_preemptions"] >= 1
 
 
-def test_the_engine_config_reaches_the_runner():
-    llm = _llm("oscar-int2")
+def test_the_engine_config_reaches_the_runner(engines):
+    llm = _shared(engines, "oscar-int2", prefill_semantics="prompt-exact")  # (built by the test above)
     assert llm.engine.runner.deterministic
 
 
@@ -146,14 +161,17 @@ def test_decode_consistent_hits_at_window_snapshots_bitwise():
     """Under decode-consistent prefill a hit past the sink resumes at a BF16 window snapshot
     (runtime/core/window_snapshots.py): S0 = 64, W = 256, P = 16 here. A 450-token prompt resent
     resumes at 448; a prompt sharing its first 400 tokens with an earlier one resumes at 384 (the
-    last multiple of the 128-token interval in the shared part). Each equals itself alone on a
-    fresh engine, bitwise."""
+    last multiple of the 128-token interval in the shared part). Each equals itself alone on an
+    engine that holds none of its prefix (one engine for both: they share none), bitwise."""
     config = dict(enable_prefix_caching=True, prefill_semantics="decode-consistent", max_num_batched_tokens=128,
                   snapshot_interval=128)
     ids = np.fromfile(BUNDLED_MODEL_DIR / "heldout.bin", dtype=np.uint16)[:6000].astype(int).tolist()
     resent, stem = ids[3000:3450], ids[100:500]
     first, second = stem + ids[600:650], stem + ids[900:960]
-    alone = [_results(_llm("oscar-int2", **config).generate([p], PARAMS))[0] for p in (resent, second)]
+    fresh = _llm("oscar-int2", **config)  # the two share no prefix: each runs as on a fresh engine
+    alone = fresh.generate([resent], PARAMS) + fresh.generate([second], PARAMS)
+    assert [o.num_cached_prompt_tokens for o in alone] == [0, 0]
+    alone = _results(alone)
     llm = _llm("oscar-int2", **config)
     for prompt in (resent, first):
         llm.generate([prompt], PARAMS)

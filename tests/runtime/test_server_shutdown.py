@@ -118,7 +118,8 @@ def read_all_in_threads(responses):
 
 def test_sigterm_finishes_the_streams_in_flight_refuses_new_ones_and_exits_0(model_dir):
     server = ServeProcess(model_dir, "--max-num-seqs", "1", "--shutdown-timeout", "60")
-    streams = [server.open_stream() for _ in range(4)]  # run one at a time: ~seconds in all
+    body = {**LONG, "max_tokens": 160}  # run one at a time: 640 tokens, seconds after the signal
+    streams = [server.open_stream(body) for _ in range(4)]
     results, threads = read_all_in_threads(streams)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
@@ -129,7 +130,7 @@ def test_sigterm_finishes_the_streams_in_flight_refuses_new_ones_and_exits_0(mod
         t.join(60)
     code, log = server.finish()
     assert code == 0, log[-2000:]
-    assert [outcome(events) for events in results] == [("completed", 480)] * 4
+    assert [outcome(events) for events in results] == [("completed", 160)] * 4
     admitted, refused, finished, aborted, window_used, quant_used = final_stats(log)
     assert (admitted, finished, aborted, window_used, quant_used) == (4, 4, 0, 0, 0) and refused >= 1
 

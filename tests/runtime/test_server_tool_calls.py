@@ -292,7 +292,9 @@ def test_tokenize_renders_the_tools_as_a_chat_request_does(served, tokenizer):
 
 @pytest.fixture(scope="module")
 def bundled_port():
-    """The bundled model as ``serve --enable-auto-tool-choice --tool-call-parser hermes`` serves it."""
+    """The bundled model as ``serve --enable-auto-tool-choice --tool-call-parser hermes`` serves it,
+    with prompt-exact prefill: decode-consistent (the default) runs a reference prefill on the CPU,
+    a cost this test does not need (its semantics are test_decode_consistent_prefill.py's)."""
     from oscar_compile.assembly import assemble
     from oscar_compile.spec import specs_dir
 
@@ -301,7 +303,8 @@ def bundled_port():
         str(specs_dir() / "oscar-int2.yaml"),
         str(BUNDLED_MODEL_DIR / "rotations" / "oscar-int2.safetensors"),
         device="cpu",
-        config=EngineConfig(kv_memory_gb=0.05, max_num_seqs=4, max_num_batched_tokens=256),
+        config=EngineConfig(kv_memory_gb=0.05, max_num_seqs=4, max_num_batched_tokens=256,
+                            prefill_semantics="prompt-exact"),
     )
     config = ServerConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
     with running(create_app(AsyncEngine(built.engine), MODEL, config)) as port:

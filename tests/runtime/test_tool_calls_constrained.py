@@ -70,8 +70,11 @@ MESSAGES = [{"role": "user", "content": "What will the weather be in Paris for t
 
 @pytest.fixture(scope="module")
 def port():
-    """The bundled model as ``serve`` serves it (oscar-int2 and its shipped rotations)."""
-    config = EngineConfig(kv_memory_gb=0.05, max_num_seqs=4, max_num_batched_tokens=256)
+    """The bundled model as ``serve`` serves it (oscar-int2 and its shipped rotations), with
+    prompt-exact prefill: decode-consistent (the default) runs a reference prefill on the CPU, a
+    cost these tool-call tests do not need (its semantics are test_decode_consistent_prefill.py's)."""
+    config = EngineConfig(kv_memory_gb=0.05, max_num_seqs=4, max_num_batched_tokens=256,
+                          prefill_semantics="prompt-exact")
     built = assemble(
         BUNDLED_MODEL_DIR,
         str(specs_dir() / "oscar-int2.yaml"),
