@@ -21,6 +21,10 @@ of positions [p_lo, p_hi] fall into four runs, each loop reading one view except
     [hist_end(p_lo), hist_end(p_hi))   boundary (fewer than BLOCK_M keys): both views, chosen per row
     [hist_end(p_hi), p_hi)             recent window and chunk: exact view, causal mask
 
+In deterministic mode (``ALIGNED``) one loop reads key blocks at absolute positions instead, each
+block through both views, each row choosing key by key: where those runs begin follows the query
+block, and so the chunk; aligned blocks make a row's bits the same in any chunk.
+
 The own key starts each row's softmax (max = its score, sum 1, accumulator = its value), so every
 row has a finite score from the start and masked keys add exact zeros.
 
@@ -228,7 +232,7 @@ def _decode_consistent_kernel(
     )
 
 
-def _packed_views(k, v, cu, lens, hists, tables, pools, sink, recent, bits, group_size, clip_k, clip_v, dtype):
+def packed_views(k, v, cu, lens, hists, tables, pools, sink, recent, bits, group_size, clip_k, clip_v, dtype):
     """The four views of every sequence with new tokens, packed position-major: (k_exact, k_hist,
     v_exact, v_hist) [sum (L_i + T_i), H_kv, D] in ``dtype`` (the reference's float32 values,
     rounded once), and each sequence's first row ([B] int32; 0 for a sequence without new tokens,
@@ -300,7 +304,7 @@ def attention_decode_consistent_triton(
         return out
     dot_dt = dot_dtype(q.dtype)
     rules = (sink, recent, bits, group_size, clip_k, clip_v, torch.float32 if dot_dt == tl.float32 else q.dtype)
-    views, vstart = _packed_views(k, v, cu, lens, hists, (window_table, quant_table), pools, *rules)
+    views, vstart = packed_views(k, v, cu, lens, hists, (window_table, quant_table), pools, *rules)
     bseq, bt0 = torch.tensor(blocks, dtype=torch.int32, device=q.device).T.contiguous()
     hist = torch.tensor(hists, dtype=torch.int32, device=q.device)
     _decode_consistent_kernel[(len(blocks), H_kv)](

@@ -21,7 +21,13 @@ import torch
 from oscar_compile import quant
 from oscar_compile.kernels.code_layout_ref import read_code_rows
 from oscar_compile.kernels.determinism import is_deterministic
-from oscar_compile.kernels.pools import FULL_PRECISION_BITS, check_window_config, history_lens_of, window_slot
+from oscar_compile.kernels.pools import (
+    FULL_PRECISION_BITS,
+    check_window_config,
+    history_lens_of,
+    index_runs,
+    window_slot,
+)
 
 
 def gather_cached(
@@ -34,24 +40,10 @@ def gather_cached(
     history_len: h, the positions [S0, S0 + h) read from the history; None: the standard
     max(0, L - W - S0). kind: "k" or "v", the pools' byte order (``code_layout_ref``).
     """
-    P = win.shape[2]
-    H, D = win.shape[1], win.shape[3]
-    if history_len is None:
-        history_len = max(0, L - recent - sink)
-    out = torch.empty(L, H, D, dtype=torch.float32, device=win.device)
-    pos = torch.arange(L, device=win.device)
-    hist = (pos >= sink) & (pos < sink + history_len)
-    wpos = pos[~hist]
-    slot = window_slot(wpos, sink, recent)
-    out[~hist] = win[window_table[i, slot // P].long(), :, slot % P].float()
-    if hist.any():
-        h = pos[hist] - sink
-        page, row = quant_table[i, h // P].long(), h % P
-        if bits == FULL_PRECISION_BITS:
-            out[hist] = codes[page, :, row].float()
-        else:
-            out[hist] = quant.dequantize_groups(read_code_rows(codes, page, row, kind, bits), scale[page, :, row],
-                                                zero[page, :, row], group_size)
+    h = max(0, L - recent - sink) if history_len is None else history_len
+    out = torch.empty(L, win.shape[1], win.shape[3], dtype=torch.float32, device=win.device)
+    gather_cached_into(out, [(i, L, h, 0)], window_table, quant_table, win, codes, scale, zero, sink, recent, bits,
+                       group_size, kind=kind)  # fmt: skip
     return out
 
 
@@ -61,41 +53,35 @@ def gather_cached_into(
     sink: int, recent: int, bits: int, group_size: int, *, kind: str,
 ) -> None:
     """``gather_cached`` of several sequences at once: for each (i, L, h, row) of ``seqs``,
-    ``out[row : row + L]`` (float32 [., H_kv, D]) gets sequence i's cached positions 0..L-1 with
-    h history tokens, the same values, from one gather per precision (index runs built on the
-    host: no sync per sequence)."""
-    from oscar_compile.kernels.pools import index_runs
-
-    if not seqs:
-        return
+    ``out[row : row + L]`` gets sequence i's cached positions 0..L-1 with h history tokens, by one
+    gather per precision (the index runs are built on the host: no sync per sequence)."""
     P, dev = win.shape[2], win.device
-    runs = {"window": ([], [], [], []), "history": ([], [], [], [])}  # (position firsts, out firsts, counts, seq ids)
+    window, history = [], []  # runs (sequence, first position, count, row of position 0)
     for i, L, h, row in seqs:
-        for kind_, first, count in (("window", 0, min(L, sink)), ("history", sink, min(h, max(L - sink, 0))),
-                                    ("window", sink + h, L - sink - h)):  # fmt: skip
-            if count > 0:
-                pos_firsts, out_firsts, counts, ids = runs[kind_]
-                pos_firsts.append(first)
-                out_firsts.append(row + first)
-                counts.append(count)
-                ids.append(i)
-    for kind_, (pos_firsts, out_firsts, counts, ids) in runs.items():
-        if not counts:
-            continue
-        pos = index_runs(pos_firsts, counts).to(dev)
-        dst = index_runs(out_firsts, counts).to(dev)
-        seq = torch.repeat_interleave(torch.tensor(ids, dtype=torch.int64), torch.tensor(counts)).to(dev)
-        if kind_ == "window":
-            slot = window_slot(pos, sink, recent)
-            out[dst] = win[window_table[seq, slot // P].long(), :, slot % P].float()
-            continue
-        hp = pos - sink
-        page, r = quant_table[seq, hp // P].long(), hp % P
+        h = min(h, max(L - sink, 0))
+        window += [(i, 0, min(L, sink), row), (i, sink + h, L - sink - h, row)]
+        history.append((i, sink, h, row))
+    seq, pos, dst = _run_indices(window, dev)
+    slot = window_slot(pos, sink, recent)
+    out[dst] = win[window_table[seq, slot // P].long(), :, slot % P].float()
+    seq, pos, dst = _run_indices(history, dev)
+    if dst.numel():
+        page, r = quant_table[seq, (pos - sink) // P].long(), (pos - sink) % P
         if bits == FULL_PRECISION_BITS:
             out[dst] = codes[page, :, r].float()
         else:
             out[dst] = quant.dequantize_groups(read_code_rows(codes, page, r, kind, bits), scale[page, :, r],
                                                zero[page, :, r], group_size)  # fmt: skip
+
+
+def _run_indices(runs: list[tuple[int, int, int, int]], device) -> tuple[torch.Tensor, ...]:
+    """(sequence, position, row of ``out``) of every element of the non-empty runs."""
+    runs = [run for run in runs if run[2] > 0]
+    ids, firsts, counts, rows = ([run[k] for run in runs] for k in range(4))
+    n = torch.tensor(counts, dtype=torch.int64)
+    pos = index_runs(firsts, counts)
+    seq, base = (torch.repeat_interleave(torch.tensor(x, dtype=torch.int64), n) for x in (ids, rows))
+    return seq.to(device), pos.to(device), (pos + base).to(device)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, L: int, scale: float) -> torch.Tensor:

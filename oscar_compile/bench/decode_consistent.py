@@ -6,7 +6,7 @@ ones; 0:32768 is a whole 32k prompt): ms per layer of
 
 - ``decode_consistent_ms``: the Triton path as the caches run it
   (``cache.decode_consistent.triton_decode_consistent_attention``: the views, then the kernel);
-- ``views_ms``: building the views alone (``decode_consistent_views`` for keys and values);
+- ``views_ms``: building the views alone (``packed_views``, as the Triton path builds them);
 - ``prompt_exact_ms``: ``oscar::attention`` on the same call (the prompt-exact semantics);
 
 and ``peak_mib``, the memory the decode-consistent call allocates beyond what was held before
@@ -47,10 +47,8 @@ def time_ms(fn, reps: int) -> float:
 def bench_shape(cached: int, chunk: int, reps: int = 5, device: str = "cuda") -> dict:
     """One row (``device`` other than CUDA: a smoke test of this code under the interpreter)."""
     from oscar_compile.cache.decode_consistent import triton_decode_consistent_attention
-    from oscar_compile.kernels.attention_decode_consistent_ref import (
-        attention_decode_consistent_ref,
-        decode_consistent_views,
-    )
+    from oscar_compile.kernels.attention_decode_consistent_ref import attention_decode_consistent_ref
+    from oscar_compile.kernels.attention_decode_consistent_triton import packed_views
 
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -61,14 +59,11 @@ def bench_shape(cached: int, chunk: int, reps: int = 5, device: str = "cuda") ->
     pools, tables = quantized_layer(1, max(cached, SINK + RECENT + 16), torch.float16, dev)
     args = attention_args(q, k, v, cu, lens, tables, pools, D**-0.5)
     dc_args = {**args, "clip_k": CLIP_K, "clip_v": CLIP_V}
-    geometry = (SINK, RECENT, BITS, GROUP, max(0, cached - SINK - RECENT))
-
-    kinds = (("k", k, CLIP_K, pools.k_win, pools.k_codes, pools.k_scale, pools.k_zero),
-             ("v", v, CLIP_V, pools.v_win, pools.v_codes, pools.v_scale, pools.v_zero))  # fmt: skip
+    hists = [max(0, cached - SINK - RECENT)]
 
     def views():
-        for kind, new, clip, *pool in kinds:
-            decode_consistent_views(0, cached, new, *pool, tables, geometry, clip, kind)
+        packed_views(k, v, [0, chunk], [cached], hists, tables, tuple(pools), SINK, RECENT, BITS, GROUP, CLIP_K,
+                     CLIP_V, q.dtype)  # fmt: skip
 
     row = {"cached": cached, "chunk": chunk, "H_q": H_Q, "H_kv": H_KV, "D": D, "sink": SINK, "recent": RECENT}
     row["prompt_exact_ms"] = time_ms(lambda: ops.attention(**args), reps)

@@ -204,12 +204,12 @@ def test_kernel_compiles_for_sm90():
 
 @pytest.mark.parametrize("params", CASES)
 @pytest.mark.parametrize("hits", [None, HITS], ids=["standard", "hits"])
-def test_packed_views_are_the_references_views_bitwise(params, hits):
+def testpacked_views_are_the_references_views_bitwise(params, hits):
     """The views built for a whole call at once (one scatter, one quantizer call) equal the
     reference's per-sequence ``decode_consistent_views``, bitwise: the quantizer works row by row."""
     pytest.importorskip("triton")
     from oscar_compile.kernels.attention_decode_consistent_ref import decode_consistent_views
-    from oscar_compile.kernels.attention_decode_consistent_triton import _packed_views
+    from oscar_compile.kernels.attention_decode_consistent_triton import packed_views
     from oscar_compile.kernels.pools import history_lens_of
 
     case = _case(params, "cpu", hits)
@@ -219,7 +219,7 @@ def test_packed_views_are_the_references_views_bitwise(params, hits):
     hists = history_lens_of(case.cache_lens, case.history_lens, case.sink, case.recent)
     tables = (case.window_table, case.quant_table)
     rules = (case.sink, case.recent, case.bits, case.group_size, case.clip_k, case.clip_v, torch.float32)
-    views, starts = _packed_views(k, v, cu, lens, hists, tables, tuple(case.pools), *rules)
+    views, starts = packed_views(k, v, cu, lens, hists, tables, tuple(case.pools), *rules)
     k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = case.pools
     for i, L in enumerate(lens):
         a, b = cu[i], cu[i + 1]

@@ -276,16 +276,15 @@ class PageManager:
     def cut_chunk(self, seq: Sequence, num_cached: int, num_new: int) -> int:
         """``num_new`` tokens after ``num_cached``, ended at the next window-snapshot boundary; in
         deterministic mode, also by :meth:`make_deterministic`'s rules (0: none this step)."""
-        n = num_new if self.snapshots is None else self.snapshots.cut(seq, num_cached, num_new)
         if not self.deterministic:
-            return n
+            return num_new if self.snapshots is None else self.snapshots.cut(seq, num_cached, num_new)
         prompt = seq.num_prompt_tokens
         if num_cached >= prompt:
-            return min(n, 1)  # generated tokens, recomputed: one per step, as they were decoded
-        whole = prompt - num_cached  # the chunk the budget did not cut
+            return min(num_new, 1)  # generated tokens, recomputed: one per step, as they were decoded
+        whole = prompt - num_cached  # the chunk the budget does not cut
         if self.snapshots is not None:
             whole = self.snapshots.cut(seq, num_cached, whole)
-        n = min(n, whole)
+        n = min(num_new, whole)
         if n < whole and whole - n == 1:
             n -= 1
         return 0 if n == 1 < whole else n
