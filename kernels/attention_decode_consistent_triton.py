@@ -21,9 +21,10 @@ of positions [p_lo, p_hi] fall into four runs, each loop reading one view except
     [hist_end(p_lo), hist_end(p_hi))   boundary (fewer than BLOCK_M keys): both views, chosen per row
     [hist_end(p_hi), p_hi)             recent window and chunk: exact view, causal mask
 
-In deterministic mode (``ALIGNED``) one loop reads key blocks at absolute positions instead, each
-block through both views, each row choosing key by key: where those runs begin follows the query
-block, and so the chunk; aligned blocks make a row's bits the same in any chunk.
+The runs begin where the query block's positions put them, so a row's key blocks follow its
+chunk. In deterministic mode (``ALIGNED``) one loop reads key blocks at absolute positions
+instead, each through both views, each row choosing key by key: a row's bits are then the same
+in any chunk.
 
 The own key starts each row's softmax (max = its score, sum 1, accumulator = its value), so every
 row has a finite score from the start and masked keys add exact zeros.
