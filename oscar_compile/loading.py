@@ -61,8 +61,11 @@ def load_model(model_dir: str | Path, device: str | torch.device = "auto", dtype
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(device)
+    # use_kernels=False: transformers >= 5.25 kernelizes by default when Hugging Face's `kernels`
+    # is installed, which fetches kernels from the Hub (there is no network) and swaps the forwards
+    # of the layers the passes rewrite; without `kernels` that default raises instead.
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=resolve_dtype(dtype, device),
-                                                 attn_implementation="sdpa")
+                                                 attn_implementation="sdpa", use_kernels=False)
     model.to(device).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

@@ -17,14 +17,20 @@ def _run_in_repo_root(code: str) -> str:
 
 def test_repo_kernels_folder_is_not_a_top_level_package():
     assert not (REPO / "kernels" / "__init__.py").exists(), "kernels/ must stay a namespace folder"
+    ours = str(REPO / "kernels")
     code = (
         "import importlib.util\n"
         "from transformers.utils import import_utils\n"
         "spec = importlib.util.find_spec('kernels')\n"
-        "print(import_utils.is_kernels_available(), spec is not None and spec.origin not in (None, 'namespace'))\n"
+        "print(import_utils.is_kernels_available(), spec is not None and spec.origin not in (None, 'namespace'),\n"
+        f"      spec is not None and spec.origin is not None and spec.origin.startswith({ours!r}))\n"
     )
-    available, regular_package = _run_in_repo_root(code).split()
-    if not _hf_kernels_installed():
+    available, regular_package, ours = _run_in_repo_root(code).split()
+    assert ours == "False", "the repo's kernels/ folder shadows Hugging Face's `kernels` package"
+    if _hf_kernels_installed():
+        # run from the repo root, `import kernels` still finds the installed Hugging Face package
+        assert regular_package == "True"
+    else:
         # at most an empty namespace folder is visible, and transformers does not mistake it for the HF package
         assert regular_package == "False" and available == "False"
 

@@ -56,7 +56,8 @@ def load(model_dir: str, device: str, dtype=torch.bfloat16, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn,
+                                                 use_kernels=False)
     return model.to(device).eval(), tok
 
 

@@ -7,7 +7,9 @@ Plain ``symbolic_trace`` fails on HF attention code for three reasons, each hand
   branches: while tracing, the model's attention implementation is a marker that records one
   ``attention_site`` node instead of being traced into;
 - ``apply_rotary_pos_emb`` is recorded as one node (the passes insert the key/query rotation right
-  after it), by swapping the module-global for a recorder during the trace.
+  after it), by swapping the module-global for a recorder during the trace. With Hugging Face's
+  ``kernels`` package installed, transformers wraps that function in a hub-kernel module
+  (``plain_function`` below); the node then records the plain function it wraps.
 Submodules (projections, q/k norms) stay leaves: the passes act on whole projections.
 The traced function takes ``(hidden_states, cos, sin, attention_mask, cache)``, the same for the
 transformers versions we support (the cache argument changed name, not position).
@@ -17,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.fx
@@ -60,14 +62,36 @@ class AttentionTracer(torch.fx.Tracer):
         return proxy
 
 
+def plain_function(fn: Callable) -> Callable:
+    """The plain Python function behind ``fn``, which may be a hub-kernel wrapper.
+
+    When the ``kernels`` package is importable, ``@use_kernel_forward_from_hub(name)`` turns a
+    function into an instance of an ``nn.Module`` class (``Func``) whose ``forward`` calls the
+    function, unless ``kernelize()`` swapped in a kernel from the Hub. We never kernelize (there is
+    no network, and the passes replace these ops themselves), so the wrapper always computes the
+    plain function. An fx ``call_function`` node needs a target with a ``__name__`` for its code,
+    and the passes find RoPE by that name: record the plain function.
+    """
+    if inspect.isfunction(fn):
+        return fn
+    if isinstance(fn, nn.Module) and hasattr(type(fn), "kernel_layer_name"):
+        wrapped = inspect.getclosurevars(type(fn).forward).nonlocals.get("func")
+        if inspect.isfunction(wrapped):
+            return wrapped
+    raise NotImplementedError(
+        f"{fn!r} (kernel layer {getattr(fn, 'kernel_layer_name', None)!r}) is not a plain function, and the function it"
+        " wraps could not be found: this `kernels` package wraps hub functions in a way oscar_compile does not know")
+
+
 @contextlib.contextmanager
 def _tracing_hooks(module: nn.Module, fn_globals: dict) -> Iterator[None]:
     rope = fn_globals.get("apply_rotary_pos_emb")
     if rope is None:
         raise NotImplementedError(f"{type(module).__name__}: no apply_rotary_pos_emb in its module; cannot locate RoPE")
+    target = plain_function(rope)
 
     def record_rope(q, k, cos, sin, *args, **kwargs):
-        return q.tracer.create_proxy("call_function", rope, (q, k, cos, sin, *args), kwargs)
+        return q.tracer.create_proxy("call_function", target, (q, k, cos, sin, *args), kwargs)
 
     saved_impl = module.config._attn_implementation
     fn_globals["apply_rotary_pos_emb"] = record_rope
