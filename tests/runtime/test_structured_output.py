@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -360,3 +361,20 @@ def test_structured_output_on_cuda_with_overlapped_steps_and_cuda_graphs():
         jsonschema.validate(json.loads(text), SCHEMA)
     assert r2 == "stop" and t2 in choices
     assert r3 == "stop" and re.fullmatch("[0-9]{3}-[a-z]{2}", t3)
+
+
+def test_a_missing_grammar_engine_is_the_servers_error_and_is_not_cached(tokenizer, monkeypatch):
+    """Without xgrammar a constraint fails as GrammarEngineUnavailable (501, not the client's 400);
+    once it is installed the same constraint compiles, with no restart."""
+    from oscar_compile.runtime.structured_output import GrammarEngineUnavailable, grammar_engine_installed
+
+    manager = xgrammar_manager(tokenizer, len(tokenizer))
+    params = StructuredOutputParams(json=SCHEMA)
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` raises ImportError
+    assert not grammar_engine_installed()
+    with pytest.raises(GrammarEngineUnavailable, match=r"oscar-compile\[serve\]"):
+        manager.compile(params).result(30)
+    monkeypatch.undo()  # "pip install" done
+    assert grammar_engine_installed()
+    assert manager.compile(params).result(30) is not None
+    manager.shutdown()

@@ -57,6 +57,7 @@ from oscar_compile.runtime.server.tokenization import (
 )
 from oscar_compile.runtime.server.tool_calls import plan_tool_calls, with_tool_constraint
 from oscar_compile.runtime.server.tool_parsers import get_tool_parser
+from oscar_compile.runtime.structured_output import GrammarEngineUnavailable, grammar_engine_installed
 
 logger = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.5
@@ -80,6 +81,10 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], confi
     if not names or not all(names):
         raise ValueError(f"served model names must be non-empty, got {names!r}")
     jit_watch.install()  # compiles made while serving stall the running requests: warn about each
+    if not grammar_engine_installed():
+        logger.warning("structured output (response_format, structured_outputs, tool_choice 'required' or a named "
+                       "function) is off: its grammar engine, xgrammar, is not installed. Such requests get 501 "
+                       "until it is: pip install 'oscar-compile[serve]'")
     admission = Admission(async_engine, config.max_waiting_requests)
     server = _Server(async_engine, names, config, admission)
 
@@ -144,6 +149,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _request_error(_request, err: RequestError):
         return reply(400, str(err), "invalid_request_error", err.param, err.code)
 
+    @app.exception_handler(GrammarEngineUnavailable)
+    async def _no_grammar_engine(_request, err: GrammarEngineUnavailable):
+        return reply(501, str(err), "server_error", None, "structured_output_unavailable")
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request, err: StarletteHTTPException):
         type_ = "not_found_error" if err.status_code == 404 else "invalid_request_error"
@@ -167,6 +176,8 @@ def _error_kind(err: Exception) -> tuple[str, str | None]:
         return "invalid_request_error", err.code
     if isinstance(err, EngineDeadError):
         return "service_unavailable", None
+    if isinstance(err, GrammarEngineUnavailable):
+        return "server_error", "structured_output_unavailable"
     return "internal_error", None
 
 

@@ -27,7 +27,18 @@ admitting, so a bad schema or regex is a 400 naming its field).
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+
+from oscar_compile.runtime.structured_output.backend import GrammarEngineUnavailable
 from oscar_compile.runtime.structured_output.manager import StructuredOutputManager
+
+
+def grammar_engine_installed() -> bool:
+    """Whether xgrammar can be imported (checked without importing it: a server says at start
+    that structured output is off)."""
+    importlib.invalidate_caches()  # a package installed while the server runs is found
+    return importlib.util.find_spec("xgrammar") is not None
 
 
 def xgrammar_manager(tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None) -> StructuredOutputManager:
@@ -35,6 +46,7 @@ def xgrammar_manager(tokenizer, vocab_size: int, stop_token_ids: list[int] | Non
     serves no constrained request never loads xgrammar)."""
 
     def make_backend():
+        importlib.invalidate_caches()  # a package installed while the server runs is found
         from oscar_compile.runtime.structured_output.backend_xgrammar import XgrammarBackend
 
         return XgrammarBackend(tokenizer, vocab_size, stop_token_ids)
@@ -42,4 +54,4 @@ def xgrammar_manager(tokenizer, vocab_size: int, stop_token_ids: list[int] | Non
     return StructuredOutputManager(make_backend, vocab_size)
 
 
-__all__ = ["StructuredOutputManager", "xgrammar_manager"]
+__all__ = ["GrammarEngineUnavailable", "StructuredOutputManager", "grammar_engine_installed", "xgrammar_manager"]

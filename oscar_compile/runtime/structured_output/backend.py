@@ -24,6 +24,12 @@ from oscar_compile.runtime.core.sampling_params import RequestError, StructuredO
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ", re.MULTILINE)
 
 
+class GrammarEngineUnavailable(RuntimeError):
+    """The grammar engine is not installed where the server runs: the server's fault, not the
+    request's, so the server answers 501 rather than a 400. Never cached: a request after
+    ``pip install`` compiles again."""
+
+
 def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 

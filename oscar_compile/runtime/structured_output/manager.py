@@ -4,7 +4,8 @@
 bad schema is a 400 at once); everything else runs on the engine thread. Compiles run on a small
 thread pool and are cached by ``StructuredOutputParams.key`` as futures, so concurrent requests
 with one schema compile it once; the cache keeps the ``cache_size`` most recently used (a failed
-compile is cached too: the same bad schema fails again at once). The backend itself (the
+compile is cached too: the same bad schema fails again at once; a missing grammar engine is not,
+so the server serves constraints as soon as it is installed). The backend itself (the
 tokenizer's view, ~1 s for 151,936 tokens) is built by the first compile, on the pool.
 
 A request whose compile is not done waits here, outside the scheduler: ``take_ready`` hands the
@@ -24,6 +25,7 @@ from oscar_compile.runtime.core.sampling_params import RequestError, StructuredO
 from oscar_compile.runtime.core.sequence import Sequence
 from oscar_compile.runtime.structured_output.backend import (
     Grammar,
+    GrammarEngineUnavailable,
     StructuredOutputBackend,
     bitmask_width,
     compile_error,
@@ -58,16 +60,25 @@ class StructuredOutputManager:
         key = params.key
         with self._lock:
             shared = self._cache.get(key)
-            if shared is not None:
-                self._cache.move_to_end(key)
-            else:
+            submitted = shared is None
+            if submitted:
                 shared = self._cache[key] = self._pool.submit(self._compile, params)
                 self.num_compiles += 1
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+        if submitted:  # outside the lock: a future already done runs its callback here, and it takes the lock
+            shared.add_done_callback(lambda done: self._forget_if_unavailable(key, done))
         future: Future = Future()
         shared.add_done_callback(lambda done: _settle(future, done, params))
         return future
+
+    def _forget_if_unavailable(self, key: str, done: Future) -> None:
+        if isinstance(done.exception(), ImportError):
+            with self._lock:
+                if self._cache.get(key) is done:
+                    del self._cache[key]
 
     def _compile(self, params: StructuredOutputParams):
         with self._backend_lock:
@@ -142,7 +153,8 @@ def _settle(future: Future, done: Future, params: StructuredOutputParams) -> Non
     if err is None:
         future.set_result(done.result())
     elif isinstance(err, ImportError):
-        message = f"structured output needs the grammar engine: pip install 'oscar-compile[structured]' ({err})"
-        future.set_exception(RequestError(params.param, message))
+        message = (f"structured output is unavailable on this server: its grammar engine is not installed ({err}); "
+                   "the server's operator can pip install 'oscar-compile[serve]'")
+        future.set_exception(GrammarEngineUnavailable(message))
     else:
         future.set_exception(compile_error(params, err))
