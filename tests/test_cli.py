@@ -43,6 +43,8 @@ def test_demo_on_a_tiny_model(capsys):
     assert main(["demo", "--tiny", "--max-new-tokens", "4", "--calib-tokens", "1024"]) == 0
     text = capsys.readouterr().out
     assert "oscar::attention" in text and "bits per K/V element" in text and "greedy-token agreement" in text
+    # 400 prompt + 4 generated tokens past the tiny spec's 16 sink + 64 recent: the agreement reads INT2
+    assert "INT2 history read at the last step: 323 of 403 tokens" in text and "note:" not in text
 
 
 def test_serve_and_bench_are_subcommands(capsys):

@@ -5,17 +5,23 @@ from __future__ import annotations
 def cmd_calibrate(args) -> int:
     from ..calibration import calibrate
     from ..calibration.tokens import load_tokens, make_batches
-    from ..loading import load_model
-    from ..spec import CompressionSpec
+    from ..loading import load_model, resolve_model_dir
+    from ..spec import CompressionSpec, shipped_spec
     from ..spec_fit import fit_spec_to_model_dir
 
-    spec = CompressionSpec.from_yaml(args.spec)
+    model_dir = resolve_model_dir(args.model)
+    data = args.data
+    if data is None:
+        data = model_dir / "calib.bin"
+        if not data.is_file():
+            raise FileNotFoundError(f"--data is required: {model_dir} ships no calib.bin (calibration token ids)")
+    spec = CompressionSpec.from_yaml(args.spec) if args.spec else shipped_spec("oscar-int2")
     if args.num_tokens:
         spec = spec.model_copy(
             update={"calibration": spec.calibration.model_copy(update={"num_tokens": args.num_tokens})})
-    spec = fit_spec_to_model_dir(spec, args.model)  # the check `serve` runs too, before loading weights
-    model, tokenizer = load_model(args.model, args.device, args.dtype, tokenizer_required=False)
-    tokens = load_tokens(args.data, tokenizer, max_tokens=spec.calibration.num_tokens)
+    spec = fit_spec_to_model_dir(spec, model_dir)  # the check `serve` runs too, before loading weights
+    model, tokenizer = load_model(model_dir, args.device, args.dtype, tokenizer_required=False)
+    tokens = load_tokens(data, tokenizer, max_tokens=spec.calibration.num_tokens)
     bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
     batches = make_batches(tokens, spec.calibration, bos)
     rot = calibrate(model, spec, batches, progress=not args.quiet)
@@ -34,9 +40,10 @@ def cmd_inspect(args) -> int:
 
 def add_parsers(sub) -> None:
     p = sub.add_parser("calibrate", help="calibrate rotations for a model and write a .safetensors artifact")
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
-    p.add_argument("--spec", required=True, help="compression spec YAML")
-    p.add_argument("--data", required=True, help="calibration text file, or token ids (.bin uint16 / .npy / .pt)")
+    p.add_argument("--model", help="Hugging Face model directory (default: the bundled tiny model)")
+    p.add_argument("--spec", help="compression spec YAML (default: the shipped oscar-int2)")
+    p.add_argument("--data", help="calibration text file, or token ids (.bin uint16 / .npy / .pt) "
+                                  "(default: the model's calib.bin, which the bundled model ships)")
     p.add_argument("--out", required=True, help="output rotation file (.safetensors)")
     p.add_argument("--num-tokens", type=int, default=None, help="override calibration.num_tokens")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")

@@ -3,6 +3,10 @@
 With the bundled model (the default when it is installed) it calibrates on the model's shipped
 calibration tokens and prints BF16 and compressed generations side by side; ``--tiny`` uses a
 randomly initialised tiny Qwen3 instead (no files needed: what CI runs).
+
+The default prompt is longer than the BF16 windows (sink + recent): a prompt that fits in them
+never reads the INT2 history, and its agreement with BF16 says nothing about INT2. The demo
+prints how many tokens the last step read as INT2.
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ from pathlib import Path
 
 from ..loading import BUNDLED_MODEL_DIR as BUNDLED_MODEL
 
-DEFAULT_PROMPT = "The Python standard library provides"
+# tokens past the sink + recent windows in the default prompt (held-out text of the model's own)
+PROMPT_TOKENS_PAST_WINDOWS = 256
 
 
 def add_parser(sub) -> None:
@@ -21,14 +26,16 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, help=f"model directory (default: the bundled model, {BUNDLED_MODEL.name})")
     p.add_argument("--tiny", action="store_true", help="use a tiny random Qwen3 instead of a model directory")
     p.add_argument("--spec", default=None, help="compression spec YAML (default: specs/oscar-int2.yaml)")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--prompt", default=None,
+                   help="prompt text (default: held-out text of the model's, 256 tokens longer than the BF16 "
+                        "sink + recent windows, so that INT2 history is read)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--calib-tokens", type=int, default=None, help="calibration tokens (default: the spec's)")
     p.add_argument("--device", default="auto")
     p.set_defaults(func=run_demo)
 
 
-def _tiny_setup(args):
+def _tiny_setup(args, spec):
     import torch
 
     from ..testing import tiny_model
@@ -40,7 +47,7 @@ def _tiny_setup(args):
     return model, None, calib, prompt_ids
 
 
-def _model_setup(args):
+def _model_setup(args, spec):
     from ..calibration.tokens import load_tokens
     from ..loading import load_model
 
@@ -53,8 +60,15 @@ def _model_setup(args):
         raise FileNotFoundError(f"{calib_file} not found: "
                                 "the demo calibrates on the model's shipped calibration tokens")
     calib = load_tokens(calib_file)
-    prompt_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"].to(model.device)
-    return model, tokenizer, calib, prompt_ids
+    if args.prompt is not None:
+        prompt_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    else:
+        heldout = model_dir / "heldout.bin"
+        if not heldout.is_file():
+            raise FileNotFoundError(f"{heldout} not found: pass --prompt TEXT (longer than the BF16 windows)")
+        length = spec.kv_cache.sink_tokens + spec.kv_cache.recent_tokens + PROMPT_TOKENS_PAST_WINDOWS
+        prompt_ids = load_tokens(heldout)[:length].unsqueeze(0)
+    return model, tokenizer, calib, prompt_ids.to(model.device)
 
 
 def run_demo(args) -> int:
@@ -71,7 +85,7 @@ def run_demo(args) -> int:
         spec = spec.model_copy(update={"kv_cache": spec.kv_cache.model_copy(
             update={"group_size": 64, "sink_tokens": 16, "recent_tokens": 64})})
     num_tokens = args.calib_tokens or spec.calibration.num_tokens
-    model, tokenizer, calib, prompt_ids = (_tiny_setup if args.tiny else _model_setup)(args)
+    model, tokenizer, calib, prompt_ids = (_tiny_setup if args.tiny else _model_setup)(args, spec)
     spec = spec.model_copy(update={"calibration": spec.calibration.model_copy(
         update={"num_tokens": num_tokens, "seq_len": min(spec.calibration.seq_len, 1024)})})
     spec = fit_spec_to_model(spec, model)  # once: calibrate and apply take it as fitted
@@ -93,10 +107,18 @@ def run_demo(args) -> int:
     agree = float((ref == out).float().mean()) if len(ref) == len(out) else float("nan")
     decode = ((lambda ids: tokenizer.decode(ids)) if tokenizer is not None
               else (lambda ids: " ".join(map(str, ids.tolist()))))
-    print(f"\nprompt: {args.prompt if tokenizer is not None else f'{prompt_ids.shape[1]} random tokens'}")
+    prompt_len, window = prompt_ids.shape[1], spec.kv_cache.sink_tokens + spec.kv_cache.recent_tokens
+    shown = (args.prompt or f"...{tokenizer.decode(prompt_ids[0, -40:])}") if tokenizer is not None else "random tokens"
+    print(f"\nprompt ({prompt_len} tokens): {shown}")
     print(f"bf16      : {decode(ref)}")
     print(f"compressed: {decode(out)}")
     print(f"greedy-token agreement with BF16: {agree:.2f}")
+    # the last step reads positions [sink, ctx - recent) as INT2 (layers of 16 bits aside)
+    int2 = max(0, ctx - 1 - window)
+    print(f"INT2 history read at the last step: {int2} of {ctx - 1} tokens "
+          f"(the {spec.kv_cache.sink_tokens} sink and {spec.kv_cache.recent_tokens} most recent stay BF16)")
+    if prompt_len <= window:
+        print(f"note: the prompt fits in the BF16 windows ({window} tokens): pass a longer --prompt to compare INT2")
     return 0
 
 

@@ -6,8 +6,16 @@ with an INT2 KV cache for ONNX Runtime (``oscar_compile.onnx``).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
+
+# What --format onnx imports (the [onnx] extra): checked before anything is loaded or written.
+ONNX_MODULES = ("onnx", "onnxscript", "onnxruntime")
+
+
+def missing_onnx_modules() -> list[str]:
+    return [name for name in ONNX_MODULES if importlib.util.find_spec(name) is None]
 
 
 def _spec_and_rotations(args, model_dir: Path) -> tuple[str, str | None]:
@@ -35,6 +43,8 @@ def cmd_export(args) -> int:
     from ..spec import CompressionSpec
     from ..spec_fit import fit_spec_to_model_dir
 
+    if args.format == "onnx" and (missing := missing_onnx_modules()):
+        raise ValueError(f"--format onnx needs {', '.join(missing)}: pip install 'oscar-compile[onnx]' (nothing written)")
     model_dir = resolve_model_dir(args.model)
     spec_path, rotations = _spec_and_rotations(args, model_dir)
     spec = fit_spec_to_model_dir(CompressionSpec.from_yaml(spec_path), model_dir)  # the one fit, before loading
