@@ -10,16 +10,18 @@ forward; it stays inspectable as ``module.oscar_graph`` (a GraphModule: print it
 :class:`~oscar_compile.cache.hf_cache.OscarCache` whenever the model is asked to cache.
 
 ``apply`` returns a :class:`~oscar_compile.passes.compressed_model.CompressedModel`: the report,
-the layers' cache formats and op constants, and the prefill semantics, which the hook reads. The
-model keeps one private back-reference to it (``_HANDLE``), read only here: by
-:func:`set_prefill_semantics`, which takes the model, and by the refusal to rewrite twice.
-Nothing outside ``passes/`` reads or writes an ``_oscar_*`` attribute (tests/test_import_rules.py).
+the layers' cache formats and op constants, and the prefill semantics, which the hook reads. No
+attribute is left on the model itself: :func:`set_prefill_semantics`, which takes the model, finds
+its handle in ``_HANDLES``, and a rewritten model is told by its attention modules' ``oscar_graph``.
+Nothing outside ``passes/`` reads or writes an ``_oscar_*`` or ``oscar_graph`` attribute
+(tests/test_import_rules.py).
 """
 from __future__ import annotations
 
 import inspect
 import logging
 import types
+import weakref
 
 import torch
 from torch import nn
@@ -42,7 +44,10 @@ from .swap_attention import swap_in_oscar_attention
 from .trace import trace_attention
 
 logger = logging.getLogger(__name__)
-_HANDLE = "_oscar_compressed"  # the CompressedModel apply returned; read only in this module
+_GRAPH = "oscar_graph"  # the rewritten GraphModule, on each attention module (inspection: its .code)
+# model -> a weak reference to the handle apply returned for it: weak both ways, so this keeps
+# neither alive (the model's forward pre-hook holds the handle, and the handle holds the model)
+_HANDLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _oscar_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
@@ -93,7 +98,7 @@ def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelF
         notes.append(f"sliding window {window} not applied: attends to the whole context")
     graph.lint()
     gm.recompile()
-    attn.__dict__["oscar_graph"] = gm  # not a submodule: its parameters are the module's own
+    attn.__dict__[_GRAPH] = gm  # not a submodule: its parameters are the module's own
     attn.forward = types.MethodType(_oscar_forward, attn)
     if layer.overridden_to_16_bits:
         notes.append("overridden to 16 bits: not rotated, keys and values stored as they are")
@@ -161,7 +166,7 @@ def _install_cache_hook(handle: CompressedModel) -> None:
 def is_rewritten(model: nn.Module) -> bool:
     """Whether :func:`apply` rewrote ``model`` (which then refuses what needs the model as loaded:
     a second ``apply``, ``save_compressed``, a tensor-parallel split)."""
-    return hasattr(model, _HANDLE)
+    return any(_GRAPH in module.__dict__ for module in model.modules())
 
 
 def set_prefill_semantics(model: nn.Module, semantics: str) -> None:
@@ -169,7 +174,8 @@ def set_prefill_semantics(model: nn.Module, semantics: str) -> None:
     creates (``generate()``, ``model(..., use_cache=True)``): ``decode-consistent`` (the default,
     which :func:`apply` sets) or ``prompt-exact`` (formats/prefill.py), as the engine's
     ``prefill_semantics``. The same as ``apply(...).set_prefill_semantics(semantics)``."""
-    handle = getattr(model, _HANDLE, None)
+    ref = _HANDLES.get(model)
+    handle = None if ref is None else ref()
     if handle is None:
         raise ValueError("set_prefill_semantics needs a model rewritten by oscar_compile.apply")
     handle.set_prefill_semantics(semantics)
@@ -213,6 +219,6 @@ def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: b
                              formats=tuple(LayerFormat.of(layer) for layer in layers),
                              constants=dict(found for _, found in rewritten if found is not None))
     _install_cache_hook(handle)
-    setattr(model, _HANDLE, handle)
+    _HANDLES[model] = weakref.ref(handle)
     logger.info("oscar_compile rewrote %d layers, %d quantized", len(reports), sum(layer.quantized for layer in layers))
     return handle
