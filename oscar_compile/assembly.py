@@ -96,7 +96,7 @@ def assemble(model: str | Path | torch.nn.Module | None = None, spec=None, rotat
     if fitted is not None:
         from oscar_compile.compress import compress
 
-        config, make_runner = compress(model, fitted, rotations, config, values_folded=compression is not None)
+        _, config, make_runner = compress(model, fitted, rotations, config, values_folded=compression is not None)
     from oscar_compile.runtime.engine_config import build_engine
 
     engine = build_engine(model, tokenizer, config, make_runner=make_runner)

@@ -49,7 +49,7 @@ def build_app(args):
     max_len = args.max_model_len or _DEFAULT_MAX_MODEL_LEN
     model = random_model(args.shape, max_len, resolve_device(args.device))
     spec = mode_spec(args.shape, args.mode)
-    config, make_runner = compress(model, spec, None, serve.engine_config(args))  # neither needs data
+    _, config, make_runner = compress(model, spec, None, serve.engine_config(args))  # neither needs data
     vocab = model.config.get_text_config().vocab_size
     engine = build_engine(model, SpelledIdTokenizer(vocab), config, make_runner=make_runner)
     names = args.served_model_name or [f"random-{args.shape}-{args.mode}"]

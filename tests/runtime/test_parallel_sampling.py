@@ -46,8 +46,7 @@ def compressed(tiny_model):
     models = {}
     for name, spec in (("int2", INT2), ("bf16", BF16)):
         model = copy.deepcopy(tiny_model)
-        apply(model, spec, calibrate(model, spec))  # Hadamard / no rotations need no data
-        models[name] = (model, spec)
+        models[name] = (apply(model, spec, calibrate(model, spec)), spec)  # Hadamard / none: no data needed
     return models
 
 
@@ -58,10 +57,11 @@ def prompt(tokenizer):
 
 
 def _engine(compressed, tokenizer, kind="int2", **config):
-    model, spec = compressed[kind]
+    handle, spec = compressed[kind]
+    model = handle.model
     layout = compressed_layout(model, spec)
     cfg = EngineConfig(layout=layout, **{**ROOMY, **config})
-    return build_engine(model, tokenizer, cfg, make_runner=runner_factory(model, layout, cfg))
+    return build_engine(model, tokenizer, cfg, make_runner=runner_factory(handle, layout, cfg))
 
 
 def _run(engine, requests):

@@ -21,12 +21,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 
 from oscar_compile.cache.decode_consistent import run_decode_consistent
 from oscar_compile.cache.hf_cache import OscarCache
-from oscar_compile.cache.op_constants import layer_op_constants
+from oscar_compile.cache.op_constants import OpConstants
 from oscar_compile.formats.cache import CacheLayout, LayerFormat
 from oscar_compile.formats.prefill import DECODE_CONSISTENT, DEFAULT_PREFILL_SEMANTICS, check_prefill_semantics
 from oscar_compile.kernels.determinism import deterministic as deterministic_mode
@@ -84,8 +86,18 @@ class StepCache(OscarCache):
         return out.unsqueeze(0)  # [N, H, D] -> [1, N, H, D]
 
 
+class Rewritten(Protocol):
+    """What the runner takes of the handle ``apply`` returns (``passes.CompressedModel``; the runtime
+    does not import the passes): the rewritten model, and the constants its graphs pass the INT-b
+    ops, which staged rows and decode-consistent prefill pass alike."""
+
+    model: torch.nn.Module
+    constants: Mapping[int, OpConstants]
+
+
 class CompressedRunner:
-    """Runs ``model`` (already rewritten by ``apply``) over the engine's page tables.
+    """Runs ``compressed.model`` (rewritten by ``apply``, which returned ``compressed``) over the
+    engine's page tables.
 
     ``max_seq_len`` bounds one sequence (it sizes the page-table mirrors); ``max_num_seqs`` and
     ``max_num_batched_tokens`` size the step buffers (they grow if a step needs more).
@@ -100,22 +112,20 @@ class CompressedRunner:
     supports_swapping = True  # swap(swap_out, swap_in) to host swap space (swapper.py)
     supports_prompt_logits = True  # Batch.logit_rows: every new token's logits for those rows
 
-    def __init__(self, model: torch.nn.Module, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
+    def __init__(self, compressed: Rewritten, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
                  max_seq_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  cuda_graphs: bool = True, max_graph_batch: int = 64, num_staging_pages: int = 0,
                  swap_bytes: int = 0, deterministic: bool = False,
                  prefill_semantics: str = DEFAULT_PREFILL_SEMANTICS):
-        report = getattr(model, "_oscar_compile_report", None)
-        if report is None:
-            raise ValueError("CompressedRunner needs a model rewritten by oscar_compile.apply")
-        self.model = model
+        model = self.model = compressed.model
+        self.constants = compressed.constants
         self.layout = layout
         self.deterministic = deterministic
         # transformers renamed the forward's past_key_values to cache (5.2x): look it up once, not per step
         parameters = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
         self.keeps_logit_rows = "logits_to_keep" in parameters  # a 1-D index tensor selects positions
-        self.num_layers = len(report.layers)
+        self.num_layers = layout.num_layers
         self.vocab_size = model.config.get_text_config().vocab_size
         param = next(model.parameters())
         self.device, dtype = param.device, param.dtype
@@ -130,7 +140,7 @@ class CompressedRunner:
         if prefill_semantics == DECODE_CONSISTENT and not layout.is_full_precision:
             if num_staging_pages:
                 raise ValueError("decode-consistent prefill stages nothing: build the runner without staging pages")
-            self.decode_consistent = layer_op_constants(model)
+            self.decode_consistent = self.constants
         self.swapper = self._host_swap(layout, swap_bytes) if swap_bytes else None
         longest = max_seq_len if max_seq_len is not None else num_quant_pages * layout.page_size
         self.quant_width = min(num_quant_pages, math.ceil(longest / layout.page_size))
@@ -162,7 +172,7 @@ class CompressedRunner:
         self.op_constants = {}
         if not num_pages or layout.is_full_precision:
             return
-        self.op_constants = layer_op_constants(self.model)
+        self.op_constants = self.constants
         for i in range(self.num_layers):
             if not layout.format_of(i).full_precision_pages:
                 if i not in self.op_constants:
@@ -357,11 +367,12 @@ def runner_kwargs(model: torch.nn.Module, page_manager, config=None) -> dict:
     return kwargs
 
 
-def runner_factory(model: torch.nn.Module, layout: CacheLayout, config=None):
-    """``make_runner`` for ``build_engine``: a CompressedRunner with :func:`runner_kwargs`."""
+def runner_factory(compressed: Rewritten, layout: CacheLayout, config=None):
+    """``make_runner`` for ``build_engine``: a CompressedRunner of ``compressed`` (what ``apply``
+    returned) with :func:`runner_kwargs`."""
 
     def make(page_manager) -> CompressedRunner:
-        return CompressedRunner(model, layout, **runner_kwargs(model, page_manager, config))
+        return CompressedRunner(compressed, layout, **runner_kwargs(compressed.model, page_manager, config))
 
     return make
 
