@@ -82,8 +82,8 @@ def test_summary_figures():
 
 
 def test_final_log_line_is_parsed():
-    line = ("x INFO oscar_compile.runtime.server.app: stopped: 9 requests admitted, 2 refused, 9 finished (3 aborted); "
-            "KV pages in use: 0 window, 1 quant")
+    line = ("x INFO oscar_compile.runtime.server.app: stopped: 9 HTTP requests admitted, 2 refused; "
+            "9 requests (one per prompt) finished (3 aborted); KV pages in use: 0 window, 1 quant")
     assert final_stats(line) == {"admitted": 9, "refused": 2, "finished": 9, "aborted": 3,
                                  "pages_in_use_at_exit": {"window": 0, "quant": 1}}
     assert final_stats("nothing") is None

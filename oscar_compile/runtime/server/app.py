@@ -126,8 +126,8 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], confi
 
 
 def _log_final_stats(stats: dict[str, float], admission: Admission) -> None:
-    logger.info("stopped: %d requests admitted, %d refused, %d finished (%d aborted); "
-                "KV pages in use: %d window, %d quant", admission.num_admitted, admission.num_refused,
+    logger.info("stopped: %d HTTP requests admitted, %d refused; %d requests (one per prompt) finished "
+                "(%d aborted); KV pages in use: %d window, %d quant", admission.num_admitted, admission.num_refused,
                 stats["num_requests_finished"], stats["num_requests_aborted"],
                 stats["window_pages_used"], stats["quant_pages_used"])
 
