@@ -22,6 +22,12 @@ import os
 import sys
 
 from oscar_compile.formats.prefill import DEFAULT_PREFILL_SEMANTICS, PREFILL_SEMANTICS
+from oscar_compile.runtime.core.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_SWAP_SPACE_GB,
+    PREFIX_HITS,
+)
 
 logger = logging.getLogger("oscar_compile.runtime.serve")  # the name users' log filters were given
 
@@ -47,17 +53,20 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
     parser.add_argument("--kv-memory", type=float, metavar="GIB",
                         help="KV cache budget in GiB (default: half the free GPU memory, 1 GiB on CPU)")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="token budget of one step (prefill chunks + decodes)")
+    parser.add_argument("--max-num-seqs", type=int,
+                        help=f"sequences running at once (default: {DEFAULT_MAX_NUM_SEQS})")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help=f"token budget of one step (prefill chunks + decodes) (default: "
+                             f"{DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     parser.add_argument("--prefill-staging-memory", type=float, metavar="GIB",
                         help="with --prefill-semantics prompt-exact: full-precision staging of prompts prefilled "
                              "in chunks, on top of --kv-memory (default: the history of one prompt of the context "
                              "length; 0: off, later chunks read earlier ones quantized)")
-    parser.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
-                        help="host memory preempted sequences swap to (default 4; 0: recompute them)")
+    parser.add_argument("--swap-space", type=float, metavar="GIB",
+                        help=f"host memory preempted sequences swap to (default {DEFAULT_SWAP_SPACE_GB:g}; 0: "
+                             "recompute them)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix reuse")
-    parser.add_argument("--prefix-hits", choices=("history", "sink", "snapshot"), default=None,
+    parser.add_argument("--prefix-hits", choices=PREFIX_HITS, default=None,
                         help="what a prefix-cache hit reuses: under decode-consistent prefill (the default), sink "
                              "and history up to a BF16 window snapshot (exact); the sink only (a hit computes what a "
                              "miss does); or, under prompt-exact prefill, sink and INT-b history pages (the "
@@ -67,11 +76,11 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
                         help="with --prefix-hits snapshot: tokens between a sequence's window snapshots, besides the "
                              "one at its prompt's end, a multiple of the page size (default: twice the tokens whose "
                              "INT-b history costs a snapshot's bytes)")
-    parser.add_argument("--prefill-semantics", choices=PREFILL_SEMANTICS, default=DEFAULT_PREFILL_SEMANTICS,
+    parser.add_argument("--prefill-semantics", choices=PREFILL_SEMANTICS,
                         help="what prompt tokens read from the cache: decode-consistent (as a decode step at their "
                              "position: chunked, batched and recomputed prefills and prefix hits equal the decode "
                              "steps) or prompt-exact (the prompt in full precision within itself, staged across "
-                             "chunks) (default: %(default)s)")
+                             f"chunks) (default: {DEFAULT_PREFILL_SEMANTICS})")
     parser.add_argument("--deterministic", action="store_true",
                         help="batch invariance and run-to-run determinism: the same request gives the same "
                              "logprobs alone or in any batch (batch-invariant matmuls, fixed attention splits; "
@@ -181,15 +190,18 @@ def build_app(args: argparse.Namespace):
 
 
 def engine_config(args: argparse.Namespace):
+    """The EngineConfig the flags describe: a flag left out takes the config's own default
+    (core/config.py), the one place each default is written."""
     from oscar_compile.runtime.engine_config import EngineConfig
 
-    return EngineConfig(kv_memory_gb=args.kv_memory, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        enable_prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
-                        overlap_steps=not args.no_overlap, prefill_staging_memory_gb=args.prefill_staging_memory,
-                        swap_space_gb=args.swap_space, prefix_hits=args.prefix_hits,
-                        snapshot_interval=args.snapshot_interval,
-                        prefill_semantics=args.prefill_semantics, deterministic=args.deterministic)
+    given = dict(kv_memory_gb=args.kv_memory, max_num_seqs=args.max_num_seqs,
+                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                 prefill_staging_memory_gb=args.prefill_staging_memory, swap_space_gb=args.swap_space,
+                 prefix_hits=args.prefix_hits, snapshot_interval=args.snapshot_interval,
+                 prefill_semantics=args.prefill_semantics)
+    return EngineConfig(enable_prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
+                        overlap_steps=not args.no_overlap, deterministic=args.deterministic,
+                        **{name: value for name, value in given.items() if value is not None})
 
 
 def compression_for(args: argparse.Namespace, model_dir):

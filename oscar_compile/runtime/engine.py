@@ -4,7 +4,7 @@
 wraps it (async_engine.py) and feeds requests in between steps; offline use goes through llm.py.
 Each ``step`` returns one ``RequestOutput`` delta per sequence that produced a token (or ended).
 
-Overlapped steps (``overlap``, on for runners with ``supports_pending_tokens``): a step launches
+Overlapped steps (``overlap``, on for runners with ``capabilities.pending_tokens``): a step launches
 its forward and sampling on the device, then reads the *previous* step's samples (long done by
 then) and does that step's host work (stop checks, detokenizing, outputs) while the device runs:
 the host never leaves the device idle between decode steps. A sequence's sampled token is pending
@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from oscar_compile.runtime.core.config import RunnerConfig, SchedulerConfig
 from oscar_compile.runtime.core.page_manager import PageManager
 from oscar_compile.runtime.core.sampling_params import RequestError, SamplingParams, default_seed
 from oscar_compile.runtime.core.scheduler import Scheduler, SchedulerOutput
@@ -113,19 +114,20 @@ class _Forwarded:
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, tokenizer, page_manager: PageManager,
-                 max_model_len: int, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 eos_token_ids: list[int] | tuple[int, ...] = (), overlap: bool = True, seed: int = 0,
+    def __init__(self, runner: ModelRunner, tokenizer, page_manager: PageManager, scheduler_config: SchedulerConfig,
+                 runner_config: RunnerConfig, eos_token_ids: list[int] | tuple[int, ...] = (),
                  structured_output: StructuredOutputManager | None = None):
+        """``scheduler_config.max_model_len`` is resolved (``build_engine`` puts the model's in)."""
         self.runner = runner
-        self.overlap = overlap and bool(getattr(runner, "supports_pending_tokens", False))
+        self.overlap = runner_config.overlap_steps and runner.capabilities.pending_tokens
         self._in_flight: _Launched | None = None
         self.tokenizer = tokenizer
         self.page_manager = page_manager
-        self.max_model_len = max_model_len
-        self.scheduler = Scheduler(page_manager, max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.max_model_len = scheduler_config.max_model_len
+        self.scheduler = Scheduler(page_manager, scheduler_config.max_num_seqs,
+                                   scheduler_config.max_num_batched_tokens, self.max_model_len)
         self.sampler = Sampler()
-        self.seed = seed  # the base of the default seeds (sampling_params.default_seed)
+        self.seed = runner_config.seed  # the base of the default seeds (sampling_params.default_seed)
         self.eos_token_ids = frozenset(eos_token_ids)
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its choices so far
         self._forks = ChoiceForks()
@@ -144,7 +146,7 @@ class LLMEngine:
         """Raise RequestError for a request that cannot run; reads only immutable settings,
         so the server may call it from any thread."""
         num_prompt = len(prompt_token_ids)
-        if params.prompt_logprobs is not None and not getattr(self.runner, "supports_prompt_logits", False):
+        if params.prompt_logprobs is not None and not self.runner.capabilities.prompt_logits:
             raise RequestError("prompt_logprobs", "this engine's runner cannot return prompt logprobs")
         if num_prompt < 1:
             raise RequestError("prompt", "prompt must hold at least one token")
@@ -154,7 +156,7 @@ class LLMEngine:
             raise RequestError("prompt", f"prompt token ids must be integers in [0, {vocab})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise RequestError("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
-        if params.n > 1 and not hasattr(self.runner, "copy_pages"):
+        if params.n > 1 and not self.runner.capabilities.page_copies:
             raise RequestError("n", "this engine's runner cannot fork choices: n must be 1")
         if params.n > self.scheduler.max_num_seqs:
             raise RequestError("n", f"n = {params.n} choices exceed this server's {self.scheduler.max_num_seqs} "
@@ -508,7 +510,7 @@ class LLMEngine:
         stats["num_swap_ins"] = swap.num_swapped_in if swap is not None else 0
         # tensor parallelism: every rank holds the same page ids (its own KV heads in each), so
         # these page counts are each rank's; the bytes are one rank's pools
-        stats["tensor_parallel_size"] = getattr(self.runner, "world_size", 1)
+        stats["tensor_parallel_size"] = self.runner.capabilities.tensor_parallel_size
         page_bytes = {"window": bm.layout.window_page_bytes, "quant": bm.layout.quant_page_bytes,
                       "staging": bm.layout.window_page_bytes}
         stats["kv_bytes_per_rank"] = sum(pool.num_pages * page_bytes[pool.kind]

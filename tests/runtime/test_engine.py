@@ -175,20 +175,28 @@ def test_llm_loads_a_model_directory(model_dir):
 
 
 def test_a_runner_factory_sizes_its_pools_from_the_page_manager(tiny_model, tokenizer):
-    from oscar_compile.runtime.worker.runner import RecomputeRunner
+    from oscar_compile.runtime.core.config import RunnerCapabilities
+    from oscar_compile.runtime.worker.runner import RecomputeRunner, RunnerFactory
 
     seen = {}
+    # e.g. a runner whose cache_write ignores history_lens: no history hits
+    capabilities = RunnerCapabilities(prompt_logits=True, page_copies=True)
 
-    def make_runner(page_manager):
+    def build(page_manager):
         seen["pages"] = (page_manager.window_pool.num_pages, page_manager.quant_pool.num_pages)
         runner = RecomputeRunner(tiny_model)
-        runner.supports_history_hits = False  # e.g. a runner whose cache_write ignores history_lens
+        runner.capabilities = capabilities
         return runner
 
     config = windowed_config(tiny_model, num_window_pages=6, num_quant_pages=9)
-    engine = build_engine(tiny_model, tokenizer, config, make_runner=make_runner)
+    engine = build_engine(tiny_model, tokenizer, config, make_runner=RunnerFactory(capabilities, build))
     assert seen["pages"] == (6, 9) and engine.page_manager.history_hits is False
     assert build_engine(tiny_model, tokenizer, config).page_manager.history_hits is True
+    with pytest.raises(TypeError, match="RunnerFactory"):  # a runner's capabilities are declared, not probed
+        build_engine(tiny_model, tokenizer, config, make_runner=build)
+    lying = RunnerFactory(RunnerCapabilities(), build)
+    with pytest.raises(ValueError, match="factory declared"):
+        build_engine(tiny_model, tokenizer, config, make_runner=lying)
 
 
 @pytest.mark.gpu
