@@ -288,14 +288,14 @@ def test_sampling_controls_on_cuda_with_overlapped_steps_and_cuda_graphs():
 def test_a_batch_without_controls_builds_none_and_finished_requests_leave_no_copies(tiny_model, tokenizer):
     engine = build_engine(tiny_model, tokenizer)
     seen = []
-    sample = engine.sampler.sample
+    sample = engine.worker.sampler.sample
 
     def spy(logits, params, seeds, positions, controls=None, bitmask=None):
         seen.append(controls)
         assert bitmask is None  # no grammar either
         return sample(logits, params, seeds, positions, controls, bitmask)
 
-    engine.sampler.sample = spy
+    engine.worker.sampler.sample = spy
     prompts = random_prompts(tokenizer, 3, seed=5)
     run_all(engine, [(p, SamplingParams(max_tokens=5, top_k=5, min_p=0.1, seed=1)) for p in prompts])
     assert seen and all(c is None for c in seen)  # no control used: the sampler runs what it ran before
@@ -303,4 +303,4 @@ def test_a_batch_without_controls_builds_none_and_finished_requests_leave_no_cop
     run_all(engine, [(prompts[0], SamplingParams(max_tokens=5, **GREEDY)),
                      (prompts[1], SamplingParams(max_tokens=5, repetition_penalty=1.2, **GREEDY))])
     assert any(c is not None for c in seen)
-    assert not engine.sampler.token_cache._prompt and not engine.sampler.token_cache._output
+    assert not engine.worker.sampler.token_cache._prompt and not engine.worker.sampler.token_cache._output

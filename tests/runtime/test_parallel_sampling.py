@@ -287,16 +287,16 @@ def test_a_step_that_fails_after_drawing_the_choices_leaves_no_fork_behind(compr
     it had drawn are dropped, and the next requests run."""
     engine = _engine(compressed, tokenizer)
     seq = engine.add_request(prompt, _sampled(1, n=2))
-    sample = engine.sampler.sample
+    sample = engine.worker.sampler.sample
 
     def failing(*args, **kwargs):
         raise RuntimeError("a model error")
 
-    engine.sampler.sample = failing
+    engine.worker.sampler.sample = failing
     with pytest.raises(RuntimeError, match="a model error"):
         for _ in range(2):  # the prompt's last chunk samples: under decode-consistent prefill its second step
             engine.step()
-    engine.sampler.sample = sample
+    engine.worker.sampler.sample = sample
     assert [o.index for o in engine.abort_request(seq.request_id)] == [0]
     [choices] = _run(engine, [(prompt, _sampled(1, n=2))])
     assert sorted(choices) == [0, 1]

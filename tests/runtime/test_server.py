@@ -253,8 +253,8 @@ class _FailOnToken:
 def test_a_model_error_fails_the_request_not_the_server(server, client):
     port, async_engine = server
     engine = async_engine.engine
-    original = engine.runner
-    engine.runner = _FailOnToken(original, token=7)
+    original = engine.worker.runner
+    engine.worker.runner = _FailOnToken(original, token=7)
     try:
         status, payload = post(port, "/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3})
         assert status == 500 and payload["error"]["type"] == "internal_error"
@@ -265,7 +265,7 @@ def test_a_model_error_fails_the_request_not_the_server(server, client):
         assert '"error"' in events[0] and events[-2] == "data: [DONE]"
         wait_idle(async_engine)
     finally:
-        engine.runner = original
+        engine.worker.runner = original
     assert client.completions.create(model=MODEL, prompt="fine", max_tokens=2).choices[0].text is not None
 
 
