@@ -22,14 +22,13 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from oscar_compile.runtime.core.errors import EngineDeadError
-from oscar_compile.runtime.core.sampling_params import SamplingParams
 from oscar_compile.runtime.engine import LLMEngine, RequestOutput
+from oscar_compile.runtime.input_processor import EngineRequest
 from oscar_compile.runtime.latency import StepLatencies
 from oscar_compile.runtime.stats import EngineStats
 
@@ -48,11 +47,8 @@ class Sink:
 
 @dataclass(frozen=True)
 class AddRequest:
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    request_id: str
+    request: EngineRequest
     sink: Sink
-    arrival_time: float  # time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -106,22 +102,18 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # ---- called from handlers (any thread) -----------------------------------------------------
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-               sink: asyncio.Queue, tag: Any = None, arrival_time: float | None = None) -> None:
-        """Queue a request; its outputs (of every choice, when ``params.n`` > 1) arrive on ``sink``
-        as ``(tag, RequestOutput)`` until one has ``request_finished``, or ``(tag, exception)`` if
-        it fails. Raises RequestError at once for a bad request.
-        ``arrival_time``: when it came in, by ``time.monotonic()`` (default: now)."""
+    def submit(self, request: EngineRequest, sink: asyncio.Queue, tag: Any = None) -> None:
+        """Queue a validated request (``engine.input_processor``; nothing is checked again); its
+        outputs (of every choice, when ``params.n`` > 1) arrive on ``sink`` as ``(tag,
+        RequestOutput)`` until one has ``request_finished``, or ``(tag, exception)`` if it fails."""
         if not self.is_alive:
             raise EngineDeadError("the engine thread is not running")
-        self.engine.validate_request(prompt_token_ids, params)
         loop = asyncio.get_running_loop()
         with self._lock:  # (the thread's last drain takes this lock: no add can slip in after it)
             if self._closed:
                 raise EngineDeadError("the engine thread is not running")
             self._num_unseen_adds += 1
-            arrival = time.monotonic() if arrival_time is None else arrival_time
-            self._inbox.put(AddRequest(prompt_token_ids, params, request_id, Sink(loop, sink, tag), arrival))
+            self._inbox.put(AddRequest(request, Sink(loop, sink, tag)))
         self._wakeup.set()
 
     @property
@@ -140,11 +132,11 @@ class AsyncEngine:
         self._inbox.put(AbortRequest(request_id))
         self._wakeup.set()
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request; leaving the loop early (client gone) aborts it."""
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Outputs of one validated request (it needs a ``request_id``); leaving the loop early
+        (client gone) aborts it."""
         sink: asyncio.Queue = asyncio.Queue()
-        self.submit(prompt_token_ids, params, request_id, sink)
+        self.submit(request, sink)
         finished = False
         try:
             while not finished:
@@ -155,7 +147,7 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:
-                self.abort(request_id)
+                self.abort(request.request_id)
 
     # ---- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -193,8 +185,8 @@ class AsyncEngine:
         for command in self._posted():
             if isinstance(command, AddRequest):
                 self._num_drained_adds += 1
-                self._sinks[command.request_id] = command.sink
-                self._deliver(command.request_id, err, True)
+                self._sinks[command.request.request_id] = command.sink
+                self._deliver(command.request.request_id, err, True)
 
     def _observe(self, latencies: StepLatencies) -> None:
         if not latencies:
@@ -228,13 +220,13 @@ class AsyncEngine:
             elif isinstance(command, FailAll):
                 self._fail_all(command.error)
             else:
+                request_id = command.request.request_id
                 self._num_drained_adds += 1
-                self._sinks[command.request_id] = command.sink
+                self._sinks[request_id] = command.sink
                 try:
-                    self.engine.add_request(command.prompt_token_ids, command.params, command.request_id,
-                                            command.arrival_time)
+                    self.engine.add(command.request)
                 except Exception as err:
-                    self._deliver(command.request_id, err, True)
+                    self._deliver(request_id, err, True)
 
     def _deliver(self, request_id: str, item, finished: bool) -> None:
         sink = self._sinks.pop(request_id, None) if finished else self._sinks.get(request_id)

@@ -53,6 +53,7 @@ from oscar_compile.runtime.core.sampling_params import RequestError, SamplingPar
 from oscar_compile.runtime.core.scheduler import Scheduler, SchedulerOutput
 from oscar_compile.runtime.core.sequence import FinishReason, Sequence
 from oscar_compile.runtime.core.token_logprob import TokenLogprob
+from oscar_compile.runtime.input_processor import EngineRequest, InputProcessor
 from oscar_compile.runtime.latency import StepLatencies
 from oscar_compile.runtime.output_processor import OutputProcessor, RequestOutput
 from oscar_compile.runtime.parallel_sampling import ChoiceForks
@@ -82,7 +83,10 @@ class LLMEngine:
         self.seed = runner_config.seed  # the base of the default seeds (sampling_params.default_seed)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.worker = Worker(runner, self.eos_token_ids)
-        self.processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
+        self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
+        self.input_processor = InputProcessor(runner.vocab_size, self.max_model_len, scheduler_config.max_num_seqs,
+                                              scheduler_config.max_num_batched_tokens, page_manager,
+                                              self.capabilities)
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its choices so far
         self._forks = ChoiceForks()
         self.counters = EngineCounters()
@@ -96,67 +100,23 @@ class LLMEngine:
         return self.worker.runner
 
     # ---- requests ----------------------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestError for a request that cannot run; reads only immutable settings,
-        so the server may call it from any thread."""
-        num_prompt = len(prompt_token_ids)
-        if params.prompt_logprobs is not None and not self.capabilities.prompt_logits:
-            raise RequestError("prompt_logprobs", "this engine's runner cannot return prompt logprobs")
-        if num_prompt < 1:
-            raise RequestError("prompt", "prompt must hold at least one token")
-        vocab = self.runner.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
-               for t in prompt_token_ids):
-            raise RequestError("prompt", f"prompt token ids must be integers in [0, {vocab})")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise RequestError("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
-        if params.n > 1 and not self.capabilities.page_copies:
-            raise RequestError("n", "this engine's runner cannot fork choices: n must be 1")
-        if params.n > self.scheduler.max_num_seqs:
-            raise RequestError("n", f"n = {params.n} choices exceed this server's {self.scheduler.max_num_seqs} "
-                               "sequences at once (--max-num-seqs)")
-        if num_prompt + 1 > self.max_model_len:
-            raise RequestError(
-                "prompt",
-                f"this model's maximum context length is {self.max_model_len} tokens, "
-                f"the prompt has {num_prompt} (plus at least 1 to generate)",
-                code="context_length_exceeded",
-            )
-        if (num_prompt > self.scheduler.max_num_batched_tokens and self.page_manager.staging_pool.num_pages
-                and not self.page_manager.can_ever_stage(num_prompt)):
-            raise RequestError(
-                "prompt",
-                f"a prompt of {num_prompt} tokens is prefilled in chunks, and its history does not fit the "
-                "prefill staging memory: raise --prefill-staging-memory (or --max-num-batched-tokens)",
-                code="context_length_exceeded",
-            )
-        num_tokens = min(num_prompt + params.max_tokens, self.max_model_len)
-        if not self.page_manager.can_ever_fit(num_tokens, params.n, num_prompt):
-            choices = f" in each of {params.n} choices" if params.n > 1 else ""
-            raise RequestError(
-                "max_tokens",
-                f"{num_tokens} tokens{choices} do not fit the KV cache pages even for one request alone",
-                code="context_length_exceeded",
-            )
-
-    def max_new_tokens(self, num_prompt_tokens: int, num_choices: int = 1) -> int:
-        """The most tokens a prompt of this length may generate in each of ``num_choices``
-        choices (context and pages)."""
-        limit = min(self.max_model_len, self.page_manager.max_seq_len(num_choices, num_prompt_tokens))
-        return max(limit - num_prompt_tokens, 0)
-
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> Sequence:
-        """``arrival_time``: when the request came in, by ``time.monotonic()`` (default: now)."""
-        params = params if params is not None else SamplingParams()
-        self.validate_request(prompt_token_ids, params)
-        seq = Sequence(prompt_token_ids, params, request_id, arrival_time)
+        """Validate (``input_processor``) and add a request: the front door of offline callers.
+        ``arrival_time``: when the request came in, by ``time.monotonic()`` (default: now)."""
+        return self.add(self.input_processor.process(prompt_token_ids, params, request_id, arrival_time))
+
+    def add(self, request: EngineRequest) -> Sequence:
+        """Add a validated request (checked once, at the front: nothing is checked again but
+        that its id is not running already)."""
+        params = request.params
+        seq = Sequence(request.prompt_token_ids, params, request.request_id, request.arrival_time)
         if seq.request_id in self._requests:
             raise RequestError("request_id", f"request id {seq.request_id!r} is already running")
         if params.seed is None:
             seq.seed = default_seed(self.seed, seq.request_id)
             logger.debug("request %s samples with the default seed %d", seq.request_id, seq.seed)
-        self.processor.add(seq)
+        self.output_processor.add(seq)
         if params.structured_output is not None:
             self.structured_output.add(seq)  # scheduled once its grammar is compiled
         else:
@@ -231,7 +191,7 @@ class LLMEngine:
             self.counters.num_batched_tokens += out.num_batched_tokens
         for parent, choices in self._forks.fork(self.scheduler, self.runner):  # queued before the next forward
             for seq in choices:
-                self.processor.add(seq)
+                self.output_processor.add(seq)
             self._requests[parent.request_id] += choices
         if launched is not None:
             if self.overlap:
@@ -292,7 +252,7 @@ class LLMEngine:
             if result.logprobs[j] is not None:
                 logprob = TokenLogprob(token_id, result.logprobs[j], result.top_logprobs[j] or [])
             self.latencies.token(seq, now)
-            reason = self.processor.append(seq, token_id, logprob, self._structured)
+            reason = self.output_processor.append(seq, token_id, logprob, self._structured)
             if reason is not None:
                 self._finish(seq, reason)
             outputs.append(self._output(seq, [token_id], [logprob] if logprob else [], reason is not None,
@@ -302,7 +262,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.finish(seq, reason)
-        self.processor.finish(seq)
+        self.output_processor.finish(seq)
         self.worker.forget(seq.seq_id)
         if self._structured is not None:
             self._structured.remove(seq.seq_id)
@@ -319,7 +279,7 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, new_ids: list[int], new_logprobs: list[TokenLogprob], finished: bool,
                 prompt_logprobs: list[TokenLogprob | None] | None = None) -> RequestOutput:
-        return self.processor.output(seq, new_ids, new_logprobs, finished,
+        return self.output_processor.output(seq, new_ids, new_logprobs, finished,
                                      finished and self._request_finished(seq), prompt_logprobs)
 
     def stats(self) -> EngineStats:

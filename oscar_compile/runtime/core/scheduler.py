@@ -237,7 +237,7 @@ class Scheduler:
         num_staging = page_manager.staging_need(seq, match, num_new)
         if num_staging > page_manager.staging_pool.num_pages:
             if seq.num_output_tokens == 0:
-                return 0  # a prompt too long to stage: only in one chunk (engine.validate_request)
+                return 0  # a prompt too long to stage: only in one chunk (engine.input_processor)
             num_staging = 0  # recomputing a sequence that has outputs: inexact anyway
         if not page_manager.can_allocate(seq, match, num_new, num_staging):
             return 0
