@@ -7,7 +7,8 @@ the default spec is ``specs/bf16.yaml`` (the same paged runtime, no compression)
 when that file exists.
 
 This module parses the flags; ``oscar_compile.assembly`` assembles the model, its compression
-and the runtime (``build_app``), as it does for ``LLM``.
+and the runtime (``assemble_for_serving``), as it does for ``LLM``, and builds the app over it
+(``build_app``, the one app factory).
 
 The server binds 127.0.0.1 unless told otherwise; binding another address without an API key
 (``--api-key`` or ``OSCAR_API_KEY``) logs a warning. SIGTERM / SIGINT drain it (runtime/server/shutdown.py).
@@ -179,14 +180,14 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
             f"server; pass --api-key or set OSCAR_API_KEY")
 
 
-def build_app(args: argparse.Namespace):
-    """Load the model and return (FastAPI app, served model name): ``oscar_compile.assembly.build_app``."""
+def app_from_args(args: argparse.Namespace):
+    """Load the model the flags name and return (FastAPI app, served model name)."""
     server = server_config(args)  # refuse bad flags before loading anything
-    from oscar_compile.assembly import build_app as assemble_app
+    from oscar_compile.assembly import assemble_for_serving, build_app
 
-    return assemble_app(args.model, args.spec, args.rotations, server=server, config=engine_config(args),
-                        device=args.device, served_model_name=args.served_model_name,
-                        tensor_parallel_size=args.tensor_parallel_size)
+    built = assemble_for_serving(args.model, args.spec, args.rotations, config=engine_config(args),
+                                 device=args.device, tensor_parallel_size=args.tensor_parallel_size)
+    return build_app(built, args.served_model_name, server)
 
 
 def engine_config(args: argparse.Namespace):
@@ -226,7 +227,7 @@ def serve(args: argparse.Namespace) -> int:
     """Build the app the flags describe and serve it (``main`` and ``oscar-compile serve``)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        app, _ = build_app(args)
+        app, _ = app_from_args(args)
     except (FileNotFoundError, ValueError, NotImplementedError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

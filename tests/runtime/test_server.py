@@ -284,7 +284,7 @@ def test_batched_prompts_come_back_as_indexed_choices(client):
 def test_serve_cli_builds_the_app_and_refuses_what_it_cannot_serve(model_dir, capsys):
     from oscar_compile.runtime import serve
 
-    app, name = serve.build_app(serve.parse_args(["--model", str(model_dir), "--device", "cpu",
+    app, name = serve.app_from_args(serve.parse_args(["--model", str(model_dir), "--device", "cpu",
                                                   "--kv-memory", "0.01"]))
     assert name == model_dir.name and app.title == "oscar_compile"
     assert serve.main(["--model", str(model_dir / "missing")]) == 2
@@ -300,7 +300,7 @@ def test_default_serve_answers_with_the_bundled_model_in_int2():
     from oscar_compile.spec import CompressionSpec
 
     args = serve.parse_args(["--device", "cpu", "--kv-memory", "0.05"])
-    app, name = serve.build_app(args)
+    app, name = serve.app_from_args(args)
     prompt = "def fibonacci(n):"
     with running(app) as port:
         status, body = post(port, "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 12,
