@@ -77,11 +77,11 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
                         help="with --prefix-hits snapshot: tokens between a sequence's window snapshots, besides the "
                              "one at its prompt's end, a multiple of the page size (default: twice the tokens whose "
                              "INT-b history costs a snapshot's bytes)")
-    parser.add_argument("--prefill-semantics", choices=PREFILL_SEMANTICS,
+    parser.add_argument("--prefill-semantics", choices=PREFILL_SEMANTICS, default=DEFAULT_PREFILL_SEMANTICS,
                         help="what prompt tokens read from the cache: decode-consistent (as a decode step at their "
                              "position: chunked, batched and recomputed prefills and prefix hits equal the decode "
                              "steps) or prompt-exact (the prompt in full precision within itself, staged across "
-                             f"chunks) (default: {DEFAULT_PREFILL_SEMANTICS})")
+                             "chunks) (default: %(default)s)")
     parser.add_argument("--deterministic", action="store_true",
                         help="batch invariance and run-to-run determinism: the same request gives the same "
                              "logprobs alone or in any batch (batch-invariant matmuls, fixed attention splits; "

@@ -1,7 +1,11 @@
-"""Assemble an engine around a loaded model: cache sizing, page plan, block manager, runner.
+"""Assemble an engine around a loaded model: cache sizing, page plan, page manager, runner.
 
-Shared by the offline ``LLM`` and the server so both size the cache the same way. Loading a
-model and picking its device is ``oscar_compile.loading`` (its names are re-exported here).
+``EngineConfig`` is the one place the engine's settings are made (the CLI and ``LLM(...)`` both
+build it): a facade over the frozen cache, scheduler and runner configs of core/config.py.
+``build_engine`` reads the runner's declared capabilities first and builds the page manager once
+from them. Shared by the offline ``LLM`` and the server so both size the cache the same way.
+Loading a model and picking its device is ``oscar_compile.loading`` (its names are re-exported
+here).
 """
 
 from __future__ import annotations

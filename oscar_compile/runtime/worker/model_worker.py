@@ -16,6 +16,7 @@ objects made per step are the two small outputs, as before the split.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,7 @@ class ModelRunnerOutput:
 
 # (sequence, prompt position, its score): prompt logprobs computed by a step
 PromptScore = tuple[Sequence, int, TokenLogprob]
+_NO_SCORES: tuple[PromptScore, ...] = ()  # a step without prompt rows allocates no list
 
 
 class Worker:
@@ -76,13 +78,13 @@ class Worker:
 
     def execute(self, batch: Batch, batch_seqs: list[Sequence], seqs: list[Sequence], rows: list[int],
                 in_flight: ModelRunnerOutput | None, pending_src: dict[int, int]
-                ) -> tuple[ForwardOutput | None, list[PromptScore]]:
+                ) -> tuple[ForwardOutput | None, Seq[PromptScore]]:
         """Run ``batch`` (row i is ``batch_seqs[i]``); ``seqs[j]`` draws from logits row
         ``rows[j]`` (None when no row draws). ``in_flight``: the step whose tokens are pending,
         ``pending_src`` their rows there."""
         tokens = in_flight.sample.token_ids if batch.pending_rows else None
         logits = self.runner.run(batch, tokens) if tokens is not None else self.runner.run(batch)
-        scores: list[PromptScore] = []
+        scores = _NO_SCORES
         if batch.logit_rows:
             scores = _score_prompts(batch, batch_seqs, logits[batch.num_seqs:])
             logits = logits[:batch.num_seqs]
