@@ -47,7 +47,8 @@ class LLM:
     are made without data, which only ``none`` / ``hadamard`` rotations allow) and served by the
     compressed runner over the paged cache. Without a spec the exact (uncached) RecomputeRunner
     runs the plain model. A compressed checkpoint (``oscar_compile.save_compressed``) brings its
-    own spec and rotations: give neither. ``make_runner(page_manager)`` plugs in another runner.
+    own spec and rotations: give neither. ``make_runner`` (a ``RunnerFactory``: the capabilities
+    of the runner it builds, and ``build(page_manager)``) plugs in another runner.
 
     ``tensor_parallel_size=N`` splits the model over ``N`` processes, one per device (this one is
     rank 0 and runs the engine; ``oscar_compile.tensor_parallel``): it needs a plain model
@@ -93,11 +94,11 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         all_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        for ids, p in zip(all_ids, params, strict=True):  # refuse the batch before queueing any of it
-            self.engine.validate_request(ids, p)
+        # the one validation (the engine's input processor): the batch is refused before any of it is queued
+        requests = [self.engine.input_processor.process(ids, p) for ids, p in zip(all_ids, params, strict=True)]
         outputs: dict[tuple[str, int], CompletionOutput] = {}
-        for ids, p in zip(all_ids, params, strict=True):
-            seq = self.engine.add_request(ids, p)
+        for ids, p, request in zip(all_ids, params, requests, strict=True):
+            seq = self.engine.add(request)
             for i in range(p.n):
                 outputs[seq.request_id, i] = CompletionOutput(prompt_token_ids=ids, seed=seq.seed + i, index=i)
         while self.engine.has_unfinished():

@@ -190,10 +190,10 @@ def test_llm_and_serve_pick_up_spec_and_rotations(plain_dir, rotations, compress
     from oscar_compile.cli import serve
 
     args = serve.parse_args(["--model", str(compressed_dir), "--device", "cpu", "--kv-memory", "0.01"])
-    app, name = serve.build_app(args)
+    app, name = serve.app_from_args(args)
     assert name == compressed_dir.name
     with pytest.raises(ValueError, match="drop --spec"):
-        serve.build_app(serve.parse_args(["--model", str(compressed_dir), "--spec", "x.yaml"]))
+        serve.app_from_args(serve.parse_args(["--model", str(compressed_dir), "--spec", "x.yaml"]))
 
 
 def test_cli_export_hf_on_the_bundled_model(tmp_path, capsys):

@@ -147,10 +147,10 @@ def _prefix_hit_rows(engine, context: int, vocab: int, num_new_tokens: int) -> l
         rows.append(dict(rows[0], request=request, num_cached_prompt_tokens=cached, ttft_s=ttft,
                          miss_over_hit=rows[0]["ttft_s"] / ttft))
     after = engine.stats()
-    taken = after["window_snapshots_taken"] - before["window_snapshots_taken"]
+    taken = after.window_snapshots_taken - before.window_snapshots_taken
     for row in rows:  # the context's three requests together (none evicted: the pools hold them all)
         row.update(window_snapshots_taken=taken,
-                   window_snapshot_hits=after["window_snapshot_hits"] - before["window_snapshot_hits"],
+                   window_snapshot_hits=after.window_snapshot_hits - before.window_snapshot_hits,
                    snapshot_bytes=taken * bm.snapshots.snapshot_bytes)
     return rows
 

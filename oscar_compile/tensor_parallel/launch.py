@@ -34,6 +34,7 @@ from oscar_compile.compress import compress
 from oscar_compile.runtime.core.page_plan import GIB
 from oscar_compile.runtime.engine_config import EngineConfig, build_engine, default_kv_memory_bytes
 from oscar_compile.runtime.worker.compressed_runner import CompressedRunner, runner_kwargs
+from oscar_compile.runtime.worker.runner import RunnerFactory
 from oscar_compile.runtime.worker.tp_runner import RankGroup, TensorParallelError, TensorParallelRunner, follow_steps
 from oscar_compile.spec import CompressionSpec
 from oscar_compile.tensor_parallel.shard import (
@@ -90,7 +91,7 @@ def prepare_rank(setup: RankSetup, ranks: RankGroup) -> tuple:
     device = torch.device("cuda", ranks.rank) if setup.device_type == "cuda" else torch.device("cpu")
     model.to(device)
     compressed, config, _ = compress(model, setup.spec, _rank_rotations(setup.rotations, report), setup.config)
-    if config.kv_memory_gb is None and device.type == "cuda":
+    if config.cache.kv_memory_gb is None and device.type == "cuda":
         config = replace(config, kv_memory_gb=_smallest_kv_budget(device, ranks) / GIB)
     return compressed, tokenizer, config, report
 
@@ -229,7 +230,7 @@ class TensorParallelGroup:
         """Rank 0's (model, tokenizer, engine config, make_runner for ``build_engine``)."""
         compressed, tokenizer, config, report = prepare_rank(self.setup, self.ranks)
 
-        def make_runner(page_manager) -> TensorParallelRunner:
+        def build(page_manager) -> TensorParallelRunner:
             kwargs = runner_kwargs(compressed.model, page_manager, config)
             try:
                 self.ranks.send(("runner", kwargs))
@@ -240,7 +241,9 @@ class TensorParallelGroup:
             self.runner = TensorParallelRunner(local, self.ranks)
             return self.runner
 
-        return compressed.model, tokenizer, config, make_runner
+        capabilities = replace(CompressedRunner.capabilities_for(config.cache.prefill_semantics),
+                               prompt_logits=False, tensor_parallel_size=self.ranks.world_size)
+        return compressed.model, tokenizer, config, RunnerFactory(capabilities, build)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the other ranks and leave the process groups (idempotent)."""

@@ -33,7 +33,8 @@ from oscar_compile.formats.cache import CacheLayout, LayerFormat
 from oscar_compile.formats.prefill import DECODE_CONSISTENT, DEFAULT_PREFILL_SEMANTICS, check_prefill_semantics
 from oscar_compile.kernels.determinism import deterministic as deterministic_mode
 from oscar_compile.kernels.pools import allocate_layer_pools
-from oscar_compile.runtime.worker.runner import Batch
+from oscar_compile.runtime.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, RunnerCapabilities
+from oscar_compile.runtime.worker.runner import Batch, RunnerFactory
 from oscar_compile.runtime.worker.staging import StagedStep, allocate_staging_pools
 from oscar_compile.runtime.worker.step_inputs import StepInputs
 from oscar_compile.runtime.worker.swapper import HostSwap
@@ -106,15 +107,19 @@ class CompressedRunner:
     the graphs' captures included, runs under ``kernels.determinism.deterministic()``.
     """
 
-    supports_history_hits = True  # the INT-b ops get Batch.history_lens (see page_manager)
-    supports_pending_tokens = True  # run(batch, pending_tokens): overlapped engine steps
-    supports_staging = True  # staged rows: deferred demotion (staging.py)
-    supports_swapping = True  # swap(swap_out, swap_in) to host swap space (swapper.py)
-    supports_prompt_logits = True  # Batch.logit_rows: every new token's logits for those rows
+    @staticmethod
+    def capabilities_for(prefill_semantics: str) -> RunnerCapabilities:
+        """Everything: history hits (the INT-b ops get ``Batch.history_lens``), pending tokens
+        (overlapped steps), staged rows (staging.py), swapping (swapper.py), prompt logits and
+        page copies, in the prefill semantics it is built for."""
+        return RunnerCapabilities(history_hits=True, pending_tokens=True, staging=True, swapping=True,
+                                  prompt_logits=True, page_copies=True,
+                                  prefill_semantics=check_prefill_semantics(prefill_semantics))
 
     def __init__(self, compressed: Rewritten, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
-                 max_seq_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 cuda_graphs: bool = True, max_graph_batch: int = 64, num_staging_pages: int = 0,
+                 max_seq_len: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, cuda_graphs: bool = True,
+                 max_graph_batch: int = DEFAULT_MAX_NUM_SEQS, num_staging_pages: int = 0,
                  swap_bytes: int = 0, deterministic: bool = False,
                  prefill_semantics: str = DEFAULT_PREFILL_SEMANTICS):
         model = self.model = compressed.model
@@ -135,6 +140,7 @@ class CompressedRunner:
                       for i in range(self.num_layers)]
         self._init_staging(layout, num_staging_pages, dtype)
         self.prefill_semantics = check_prefill_semantics(prefill_semantics)
+        self.capabilities = self.capabilities_for(prefill_semantics)
         # layer -> OpConstants under decode-consistent prefill (cache/decode_consistent.py), else None
         self.decode_consistent = None
         if prefill_semantics == DECODE_CONSISTENT and not layout.is_full_precision:
@@ -348,33 +354,36 @@ def _history_pages(layout: CacheLayout, num_tokens: int) -> int:
 
 
 def runner_kwargs(model: torch.nn.Module, page_manager, config=None) -> dict:
-    """The ``CompressedRunner`` arguments (besides model and layout) for a block manager's pools:
-    pools sized from its page counts, step buffers and CUDA graphs from the engine config
-    (``EngineConfig``) when given. Plain values: tensor-parallel ranks receive them from rank 0."""
+    """The ``CompressedRunner`` arguments (besides model and layout) for a page manager's pools:
+    pools sized from its page counts, step buffers, CUDA graphs and prefill semantics from the
+    engine config (``EngineConfig``) when given. Plain values: tensor-parallel ranks receive them
+    from rank 0."""
     # the engine's context limit (as build_engine sets it), within what the pools can hold:
     # it sizes the page-table mirrors, and the graphs plan their kernel splits for it
-    max_model_len = getattr(config, "max_model_len", None) or model.config.get_text_config().max_position_embeddings
+    max_model_len = ((config.scheduler.max_model_len if config is not None else None)
+                     or model.config.get_text_config().max_position_embeddings)
     kwargs = dict(num_window_pages=page_manager.window_pool.num_pages,
                   num_quant_pages=page_manager.quant_pool.num_pages,
                   max_seq_len=min(max_model_len, page_manager.max_seq_len()))
     if config is not None:
-        kwargs.update(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                      cuda_graphs=config.cuda_graphs, deterministic=config.deterministic)
+        kwargs.update(max_num_seqs=config.scheduler.max_num_seqs,
+                      max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                      cuda_graphs=config.runner.cuda_graphs, deterministic=config.runner.deterministic,
+                      prefill_semantics=config.cache.prefill_semantics)
     swap = page_manager.swap_space
     kwargs.update(num_staging_pages=page_manager.staging_pool.num_pages,
-                  swap_bytes=swap.num_bytes if swap is not None else 0,
-                  prefill_semantics=getattr(config, "prefill_semantics", DEFAULT_PREFILL_SEMANTICS))
+                  swap_bytes=swap.num_bytes if swap is not None else 0)
     return kwargs
 
 
-def runner_factory(compressed: Rewritten, layout: CacheLayout, config=None):
+def runner_factory(compressed: Rewritten, layout: CacheLayout, config=None) -> RunnerFactory:
     """``make_runner`` for ``build_engine``: a CompressedRunner of ``compressed`` (what ``apply``
     returned) with :func:`runner_kwargs`."""
-
-    def make(page_manager) -> CompressedRunner:
-        return CompressedRunner(compressed, layout, **runner_kwargs(compressed.model, page_manager, config))
-
-    return make
+    semantics = config.cache.prefill_semantics if config is not None else DEFAULT_PREFILL_SEMANTICS
+    return RunnerFactory(CompressedRunner.capabilities_for(semantics),
+                         lambda page_manager: CompressedRunner(compressed, layout,
+                                                               **runner_kwargs(compressed.model, page_manager,
+                                                                               config)))
 
 
 def compressed_layout(model: torch.nn.Module, spec) -> CacheLayout:
