@@ -59,7 +59,10 @@ class PrefixAffinityRouter(RequestRouter):
         self._preferred: dict[str, ReplicaID | None] = {}  # internal request id -> the owner it was ranked to
         self._imbalanced: set[str] = set()
         self._num_ongoing: dict[ReplicaID, int] = {}  # this router's requests in flight, per replica
-        self.counts = ROUTING_COUNTS
+        # Ray may ship this class by value: the module's counter is the one the ingress reads
+        from oscar_compile.runtime.server.ray_serve import router as module
+
+        self.counts = module.ROUTING_COUNTS
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
