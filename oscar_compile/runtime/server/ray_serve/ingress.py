@@ -63,7 +63,8 @@ class Ingress:
                 totals[key] = totals.get(key, 0.0) + value
         self.remote_engine.stats.update(totals)
         body = merge_replica_metrics(((rid, text) for rid, text, _ in answered), ROUTING_COUNTS,
-                                     self.fastapi_app.state.metrics.render(), _INGRESS_FAMILIES)
+                                     self.remote_engine.num_retries, self.fastapi_app.state.metrics.render(),
+                                     _INGRESS_FAMILIES)
         return Response(body, media_type=CONTENT_TYPE)
 
 

@@ -18,12 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from oscar_compile.runtime.server.ray_serve.router import RoutingCounts
 
 
-def merge_replica_metrics(replicas: Iterable[tuple[str, bytes | str]], routing: RoutingCounts,
+def merge_replica_metrics(replicas: Iterable[tuple[str, bytes | str]], routing: RoutingCounts, num_resent: int = 0,
                           ingress: bytes | str = b"", ingress_families: tuple[str, ...] = ()) -> bytes:
     """The exposition of every replica's families with a ``replica`` label, the router's counts,
-    and the families named ``ingress_families`` of the ingress's own text."""
+    the requests the ingress sent again (``num_resent``) and the families named
+    ``ingress_families`` of the ingress's own text."""
     registry = CollectorRegistry()
-    registry.register(_Merged(list(replicas), routing, _text(ingress), ingress_families))
+    registry.register(_Merged(list(replicas), routing, num_resent, _text(ingress), ingress_families))
     return generate_latest(registry)
 
 
@@ -32,9 +33,9 @@ def _text(payload: bytes | str) -> str:
 
 
 class _Merged:
-    def __init__(self, replicas: list[tuple[str, bytes | str]], routing: RoutingCounts, ingress: str,
-                 ingress_families: tuple[str, ...]):
-        self._replicas, self._routing = replicas, routing
+    def __init__(self, replicas: list[tuple[str, bytes | str]], routing: RoutingCounts, num_resent: int,
+                 ingress: str, ingress_families: tuple[str, ...]):
+        self._replicas, self._routing, self._num_resent = replicas, routing, num_resent
         self._ingress, self._ingress_families = ingress, ingress_families
 
     def collect(self) -> Iterator[Metric]:
@@ -56,5 +57,7 @@ class _Merged:
                 ("oscar_router_prefix_misses", "Requests with prefix keys routed elsewhere (no known prefix, its "
                  "replica gone, or the queues uneven).", self._routing.num_misses),
                 ("oscar_router_prefix_imbalanced", "Misses because the preferred replica's queue exceeded the "
-                 "shortest by more than the imbalance threshold.", self._routing.num_imbalanced)):
+                 "shortest by more than the imbalance threshold.", self._routing.num_imbalanced),
+                ("oscar_ingress_resent_requests", "Requests sent again because their replica died before "
+                 "answering.", self._num_resent)):
             yield CounterMetricFamily(name, help_text, value=value)

@@ -83,9 +83,9 @@ def test_a_replica_killed_mid_load(faults_app):
     for t in threads[:8]:
         t.start()
     deadline = time.monotonic() + 30
-    while True:  # until both replicas are generating
-        running = metric_values(get(port, prefix + "/metrics")[1], "oscar_requests_running")
-        if len(running) == 2 and all(v > 0 for v in running.values()) or time.monotonic() > deadline:
+    while True:  # until both replicas are streaming tokens out
+        generated = metric_values(get(port, prefix + "/metrics")[1], "oscar_generation_tokens_total")
+        if len(generated) == 2 and all(v >= 16 for v in generated.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     victim = _engine_replicas()[0]
@@ -98,6 +98,8 @@ def test_a_replica_killed_mid_load(faults_app):
     outcomes = [_answered(*results[i], stream=i % 2 == 0) for i in range(_NUM_REQUESTS)]
     assert "stream-error" in outcomes or "503" in outcomes, outcomes  # the kill hit requests under way
     assert outcomes.count("ok") >= _NUM_REQUESTS - 8, outcomes  # the survivor and the resent ones served
+    resent = metric_values(get(port, prefix + "/metrics")[1], "oscar_ingress_resent_requests_total")
+    assert list(resent) == [""]  # requests sent again after their replica died before answering: counted
 
     deadline = time.monotonic() + 120
     while (_num_running() < 2 or victim in _engine_replicas()) and time.monotonic() < deadline:
