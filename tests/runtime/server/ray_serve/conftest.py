@@ -66,11 +66,15 @@ def deploy(name: str, route_prefix: str, extra_flags: list[str] = (), router: st
     serve.run(app, name=name, route_prefix=route_prefix)
 
 
-@pytest.fixture(scope="module")
+AFFINITY_APP = "affinity"
+
+
+@pytest.fixture(scope="session")
 def affinity_app(ray_cluster):
-    """(port, route prefix) of 2 replicas behind the prefix-affinity router."""
+    """(port, route prefix) of 2 replicas behind the prefix-affinity router, shared by the tests
+    (one deployment fewer: each costs two model loads on the 2 cores)."""
     from ray import serve
 
-    deploy("affinity", "/affinity")
+    deploy(AFFINITY_APP, "/affinity")
     yield ray_cluster, "/affinity"
-    serve.delete("affinity")
+    serve.delete(AFFINITY_APP)

@@ -14,22 +14,13 @@ import threading
 import time
 
 import pytest
-from conftest import deploy
+from conftest import AFFINITY_APP
 from replica_http import get, metric_values, post
 
 pytest.importorskip("ray.serve")
 
-_APP = "faults"
+_APP = AFFINITY_APP
 _NUM_REQUESTS = 12
-
-
-@pytest.fixture(scope="module")
-def faults_app(ray_cluster):
-    from ray import serve
-
-    deploy(_APP, "/faults")
-    yield ray_cluster, "/faults"
-    serve.delete(_APP)
 
 
 def _engine_replicas() -> list[str]:
@@ -73,10 +64,10 @@ def _answered(status, body, stream: bool) -> str:
     return "ok"
 
 
-def test_a_replica_killed_mid_load(faults_app):
+def test_a_replica_killed_mid_load(affinity_app):
     import ray
 
-    port, prefix = faults_app
+    port, prefix = affinity_app
     assert len(_engine_replicas()) == 2
     results: dict[int, tuple] = {}
     threads = [threading.Thread(target=_send, args=(port, prefix, i, results)) for i in range(_NUM_REQUESTS)]
