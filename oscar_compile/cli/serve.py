@@ -98,7 +98,20 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
     _add_server_args(parser)
+    _add_replica_args(parser)
     return parser
+
+
+def _add_replica_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("replicas on a Ray cluster (the [ray] extra; cli/serve_replicas.py)")
+    group.add_argument("--replicas", type=int, default=None, metavar="N",
+                       help="serve N engine replicas behind one endpoint on Ray Serve, routed by shared prompt "
+                            "prefix (default: one engine in this process)")
+    group.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="with --replicas: the Ray cluster to join ('auto', or host:port of 'ray start --head'; "
+                            "default: start a local one)")
+    group.add_argument("--replica-cpus", type=float, default=1.0, metavar="N",
+                       help="with --replicas: CPUs each replica reserves (fractions allowed; default: %(default)s)")
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -226,6 +239,24 @@ def add_parser(sub) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Build the app the flags describe and serve it (``main`` and ``oscar-compile serve``)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.replicas is not None:
+        if args.replicas < 1:
+            print(f"error: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
+            return 2
+        from oscar_compile.cli.serve_replicas import serve as serve_replicas
+
+        try:  # refuse bad flags before starting anything
+            server = server_config(args)
+        except (FileNotFoundError, ValueError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        warning = exposure_warning(args.host, args.api_key)
+        if warning:
+            logger.warning(warning)
+        return serve_replicas(args, engine_config(args), server)
+    if args.ray_address is not None:
+        print("error: --ray-address needs --replicas", file=sys.stderr)
+        return 2
     try:
         app, _ = app_from_args(args)
     except (FileNotFoundError, ValueError, NotImplementedError) as err:
