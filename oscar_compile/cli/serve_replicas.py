@@ -33,16 +33,10 @@ class EngineRecipe:
     tensor_parallel_size: int = 1
 
     def __call__(self):
-        from oscar_compile.assembly import CLI_WORDING, assemble, default_compression
-        from oscar_compile.checkpoint import compression_of
-        from oscar_compile.loading import resolve_device, resolve_model_dir
+        from oscar_compile.assembly import assemble_for_serving
 
-        model_dir = resolve_model_dir(self.model)
-        spec, rotations = self.spec, self.rotations
-        if compression_of(model_dir) is None:
-            spec, rotations = default_compression(model_dir, spec, rotations, bundled=self.model is None)
-        built = assemble(model_dir, spec, rotations, device=resolve_device(self.device), config=self.config,
-                         tensor_parallel_size=self.tensor_parallel_size, wording=CLI_WORDING)
+        built = assemble_for_serving(self.model, self.spec, self.rotations, config=self.config, device=self.device,
+                                     tensor_parallel_size=self.tensor_parallel_size)
         return built.engine, built.tensor_parallel
 
 
@@ -66,7 +60,7 @@ def build_application(args: argparse.Namespace, engine, server, router: str = "p
                                  num_gpus=float(args.tensor_parallel_size) if on_gpu else 0.0)
     recipe = EngineRecipe(args.model, args.spec, args.rotations, engine, args.device, args.tensor_parallel_size)
     return build(recipe, served_names(args), server, num_replicas=args.replicas,
-                 max_num_seqs=args.max_num_seqs, placement=placement, router=router)
+                 max_num_seqs=engine.scheduler.max_num_seqs, placement=placement, router=router)
 
 
 def _cluster_has_gpus() -> bool:

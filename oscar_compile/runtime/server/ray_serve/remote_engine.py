@@ -26,7 +26,7 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from oscar_compile.runtime.core.errors import EngineDeadError
-from oscar_compile.runtime.core.sampling_params import SamplingParams
+from oscar_compile.runtime.input_processor import EngineRequest
 from oscar_compile.runtime.server.ray_serve.limits import EngineLimits, LimitsView
 from oscar_compile.runtime.server.ray_serve.prefix_keys import prefix_keys
 
@@ -71,16 +71,14 @@ class RemoteEngine:
         return self._num_unanswered
 
     # ---- what the handlers call ------------------------------------------------------------------
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-               sink: asyncio.Queue, tag: Any = None, arrival_time: float | None = None) -> None:
-        """As ``AsyncEngine.submit``: outputs arrive on ``sink`` as ``(tag, RequestOutput)`` until
-        one has ``request_finished``, or ``(tag, exception)``. The replica measures latencies from
-        when it receives the request."""
+    def submit(self, request: EngineRequest, sink: asyncio.Queue, tag: Any = None) -> None:
+        """As ``AsyncEngine.submit``, of a request the ingress validated (``engine.input_processor``):
+        outputs arrive on ``sink`` as ``(tag, RequestOutput)`` until one has ``request_finished``,
+        or ``(tag, exception)``. The replica measures latencies from when it receives the request."""
         if not self._alive:
             raise EngineDeadError("the server is not running")
-        self.engine.validate_request(prompt_token_ids, params)
-        task = asyncio.get_running_loop().create_task(self._relay(prompt_token_ids, params, request_id, sink, tag))
-        self._tasks[request_id] = task
+        task = asyncio.get_running_loop().create_task(self._relay(request, sink, tag))
+        self._tasks[request.request_id] = task
 
     def abort(self, request_id: str) -> None:
         task = self._tasks.pop(request_id, None)
@@ -98,14 +96,14 @@ class RemoteEngine:
             return None
         return prefix_keys(prompt_token_ids, limits.routing_interval, limits.layout.page_size)
 
-    async def _relay(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                     sink: asyncio.Queue, tag: Any) -> None:
-        keys = self._keys(prompt_token_ids)
+    async def _relay(self, request: EngineRequest, sink: asyncio.Queue, tag: Any) -> None:
+        request_id = request.request_id
+        keys = self._keys(request.prompt_token_ids)
         answered = False
         self._num_unanswered += 1
         try:
             for attempt in range(1, self.max_attempts + 1):
-                stream = self._generate.remote(prompt_token_ids, params, request_id, prefix_keys=keys)
+                stream = self._generate.remote(request, prefix_keys=keys)
                 try:
                     async for out in stream:
                         if not answered:

@@ -15,7 +15,9 @@ tensor-parallel rank): Ray Serve then replaces the replica.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from ray import serve
@@ -23,8 +25,8 @@ from ray import serve
 from oscar_compile.kernels import jit_watch
 from oscar_compile.runtime.async_engine import AsyncEngine
 from oscar_compile.runtime.core.errors import EngineDeadError
-from oscar_compile.runtime.core.sampling_params import SamplingParams
 from oscar_compile.runtime.engine import RequestOutput
+from oscar_compile.runtime.input_processor import EngineRequest
 from oscar_compile.runtime.server.metrics import ServerMetrics
 from oscar_compile.runtime.server.ray_serve.limits import EngineLimits
 from oscar_compile.runtime.server.ray_serve.prefix_keys import PrefixKeys
@@ -49,17 +51,19 @@ class EngineReplica:
     def describe(self) -> EngineLimits:
         return EngineLimits.of(self.async_engine.engine)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       prefix_keys: PrefixKeys | None = None) -> AsyncIterator[RequestOutput]:
-        """The request's outputs, as the engine makes them; a caller that stops reading (its
-        client gone, a cancel) aborts it and frees its pages. ``prefix_keys`` is the router's."""
-        async for out in self.async_engine.generate(prompt_token_ids, params, request_id):
+    async def generate(self, request: EngineRequest, prefix_keys: PrefixKeys | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """The outputs of a request the ingress validated, as the engine makes them; a caller that
+        stops reading (its client gone, a cancel) aborts it and frees its pages. Its arrival is
+        stamped again here: another process's monotonic clock means nothing in this one.
+        ``prefix_keys`` is the router's."""
+        async for out in self.async_engine.generate(replace(request, arrival_time=time.monotonic())):
             yield out
 
     def metrics(self) -> tuple[str, bytes, dict[str, float]]:
         """(replica id, its Prometheus text, its stats snapshot): what the ingress's ``/metrics``
         merges."""
-        return self.replica_id, self.server_metrics.render(), dict(self.async_engine.stats)
+        return self.replica_id, self.server_metrics.render(), dict(self.async_engine.stats.flat)
 
     def check_health(self) -> None:
         if not self.async_engine.is_alive:

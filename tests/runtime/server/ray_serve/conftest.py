@@ -18,7 +18,6 @@ import pytest
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[3]
 sys.path.insert(0, str(HERE.parents[1]))  # tests/runtime: server_http
-sys.path.insert(0, str(HERE))  # hub_kernels_shim
 
 _WATCHDOG_S = 420
 # the engine flags of every test: the bundled model on the CPU, small KV pools, snapshots every 256 tokens
@@ -37,13 +36,10 @@ def ray_cluster():
     """(Ray Serve's HTTP port) of a local cluster of 2 CPUs."""
     ray = pytest.importorskip("ray")
     serve = pytest.importorskip("ray.serve")
-    import hub_kernels_shim
-
-    hub_kernels_shim.hide()
     faulthandler.dump_traceback_later(_WATCHDOG_S, exit=True)
     path = os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING",
-             runtime_env={"worker_process_setup_hook": "hub_kernels_shim.hide", "env_vars": {"PYTHONPATH": path}})
+             runtime_env={"env_vars": {"PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
