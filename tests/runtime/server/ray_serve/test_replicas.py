@@ -42,10 +42,10 @@ def _requests() -> list[tuple[str, dict]]:
 def test_replicas_answer_as_the_single_process_server(affinity_app):
     from server_http import running
 
-    from oscar_compile.cli.serve import build_app, parse_args
+    from oscar_compile.cli.serve import app_from_args, parse_args
 
     port, prefix = affinity_app
-    app, _ = build_app(parse_args([f for f in ENGINE_FLAGS if f not in ("--replica-cpus", "0.5")]))
+    app, _ = app_from_args(parse_args([f for f in ENGINE_FLAGS if f not in ("--replica-cpus", "0.5")]))
     with running(app) as single:
         for path, body in _requests():
             status, answer = post(port, prefix + path, body)
