@@ -52,12 +52,12 @@ from oscar_compile.formats.op_args import (
     SiluMulArgs,
     op_schema,
 )
-from oscar_compile.kernels.attention_bf16_ref import attention_bf16_ref, cache_write_bf16_ref
-from oscar_compile.kernels.attention_ref import attention_ref
-from oscar_compile.kernels.cache_write_ref import cache_write_ref
-from oscar_compile.kernels.elementwise_ref import rms_norm_ref, rope_ref, silu_mul_ref
+from oscar_compile.kernels.attention.attention_bf16_ref import attention_bf16_ref, cache_write_bf16_ref
+from oscar_compile.kernels.attention.decode.attention_ref import attention_ref
+from oscar_compile.kernels.cache_write.cache_write_ref import cache_write_ref
+from oscar_compile.kernels.elementwise.elementwise_ref import rms_norm_ref, rope_ref, silu_mul_ref
+from oscar_compile.kernels.elementwise.rotate_ref import rotate_ref
 from oscar_compile.kernels.pools import CachePools, allocate_pools  # noqa: F401  (re-export)
-from oscar_compile.kernels.rotate_ref import rotate_ref
 
 
 def _register(definition: type):
@@ -126,7 +126,7 @@ def _(*args, **kwargs):
 @cache_write.register_kernel("cuda")
 def _(*args, **kwargs):
     a = CacheWriteArgs(*args, **kwargs)
-    impl = _triton_impl("cache_write_triton", "cache_write_triton")
+    impl = _triton_impl("cache_write.cache_write_triton", "cache_write_triton")
     head_dim = a.k.shape[-1]
     if impl is not None and not head_dim & (head_dim - 1):  # the kernel tiles D: a power of two
         return impl(**a._asdict())
@@ -149,8 +149,8 @@ def _(*args, **kwargs):
 @attention.register_kernel("cuda")
 def _(*args, **kwargs):  # as the dispatcher passes them (history_lens only when given)
     a = AttentionArgs(*args, **kwargs)
-    # the Gluon Hopper kernel or the Triton one: kernels/attention_dispatch.py chooses
-    impl = _triton_impl("attention_dispatch", "attention_cuda")
+    # the Gluon Hopper kernel or the Triton one: kernels/attention/attention_dispatch.py chooses
+    impl = _triton_impl("attention.attention_dispatch", "attention_cuda")
     if impl is not None:
         return impl(a)
     return attention_ref(**a._asdict())
@@ -171,7 +171,7 @@ def _(*args, **kwargs):
 @cache_write_bf16.register_kernel("cuda")
 def _(*args, **kwargs):
     fields = CacheWriteBf16Args(*args, **kwargs)._asdict()
-    impl = _triton_impl("attention_bf16_triton", "cache_write_bf16_triton")
+    impl = _triton_impl("attention.attention_bf16_triton", "cache_write_bf16_triton")
     return impl(**fields) if impl is not None else cache_write_bf16_ref(**fields)
 
 
@@ -189,7 +189,7 @@ def _(*args, **kwargs):
 @attention_bf16.register_kernel("cuda")
 def _(*args, **kwargs):
     fields = AttentionBf16Args(*args, **kwargs)._asdict()
-    impl = _triton_impl("attention_bf16_triton", "attention_bf16_triton")
+    impl = _triton_impl("attention.attention_bf16_triton", "attention_bf16_triton")
     if impl is not None:
         return impl(**fields)
     return attention_bf16_ref(**fields)
@@ -211,7 +211,7 @@ def _(*args, **kwargs):
 @rms_norm.register_kernel("cuda")
 def _(*args, **kwargs):
     fields = RmsNormArgs(*args, **kwargs)._asdict()
-    impl = _triton_impl("elementwise_triton", "rms_norm_triton")
+    impl = _triton_impl("elementwise.elementwise_triton", "rms_norm_triton")
     return impl(**fields) if impl is not None else rms_norm_ref(**fields)
 
 
@@ -234,8 +234,8 @@ def _(*args, **kwargs):
 @rope.register_kernel("cuda")
 def _(*args, **kwargs):
     a = RopeArgs(*args, **kwargs)
-    impl = _triton_impl("elementwise_triton", "rope_triton")
-    if impl is not None and _triton_impl("elementwise_triton", "rope_supported")(a.q, a.k, a.cos, a.sin):
+    impl = _triton_impl("elementwise.elementwise_triton", "rope_triton")
+    if impl is not None and _triton_impl("elementwise.elementwise_triton", "rope_supported")(a.q, a.k, a.cos, a.sin):
         return impl(**a._asdict())
     return rope_ref(**a._asdict())
 
@@ -254,5 +254,5 @@ def _(*args, **kwargs):
 @silu_mul.register_kernel("cuda")
 def _(*args, **kwargs):
     fields = SiluMulArgs(*args, **kwargs)._asdict()
-    impl = _triton_impl("elementwise_triton", "silu_mul_triton")
+    impl = _triton_impl("elementwise.elementwise_triton", "silu_mul_triton")
     return impl(**fields) if impl is not None else silu_mul_ref(**fields)

@@ -196,7 +196,7 @@ def test_driver_cache_format_version_is_the_library_s(setup, tmp_path):
 def test_driver_masked_blocks_equal_the_reference_pack():
     """The driver's one-token-at-a-time OR into masked blocks (numpy) equals code_layout_ref's
     bulk pack of the same codes, also for a partly filled last block."""
-    from oscar_compile.kernels import code_layout_ref as cl
+    from oscar_compile.kernels.layout import code_layout_ref as cl
     from oscar_compile.onnx.driver import _MaskedBlocks
 
     codes = torch.randint(0, 4, (40, 2, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))

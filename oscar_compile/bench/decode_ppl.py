@@ -24,7 +24,7 @@ import statistics
 
 import torch
 
-from oscar_compile.kernels.attention_dispatch import ENV, clear_kernels_in_use, kernels_in_use
+from oscar_compile.kernels.attention.attention_dispatch import ENV, clear_kernels_in_use, kernels_in_use
 
 
 def teacher_forced_nll(model, windows: torch.Tensor, scored: int) -> torch.Tensor:

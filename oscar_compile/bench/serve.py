@@ -224,7 +224,7 @@ def plan_ab_ms(runner: CompressedRunner, batch: Batch, reps: int) -> dict:
     """Median eager step times with the attention plan memoized per step (the default) and with
     every ``oscar::attention`` call planning for itself (``attention_dispatch.MAX_PLANS = 0``), the
     two alternated step by step; their difference is the host time the per-step plan saves."""
-    from oscar_compile.kernels import attention_dispatch as ad
+    from oscar_compile.kernels.attention import attention_dispatch as ad
 
     kept, times = ad.MAX_PLANS, {"planned": [], "unplanned": []}
     try:
