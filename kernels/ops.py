@@ -7,8 +7,8 @@ binds its arguments by name). Each op is a ``torch.library.custom_op`` with a fa
 implementation (CPU and any device without a kernel) is the ``*_ref`` module; on CUDA the Triton
 wrapper runs when Triton is importable, else the reference. ``oscar::attention`` on sm_90 runs
 the Gluon kernel for decode-like INT2 batches, and on any GPU prefill-like INT-b calls take the
-extend path (history dequantized once, then the paged BF16 kernel; ``attention_dispatch``:
-``OSCAR_ATTENTION_KERNEL``).
+extend path (history dequantized once, then the paged BF16 kernel; ``attention_dispatch``: the
+active ``AttentionDispatch``, whose setting ``OSCAR_ATTENTION_KERNEL`` is read once).
 
 Importing this module is cheap: Triton modules are imported inside the CUDA implementations, on
 first call, never here (no CUDA initialisation, no compilation at import).

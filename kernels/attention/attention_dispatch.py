@@ -1,9 +1,9 @@
 """Which kernel runs ``oscar::attention`` on CUDA: the Gluon Hopper kernel, the extend path or the fused Triton one.
 
-- ``OSCAR_ATTENTION_KERNEL=auto`` (default): prefill-like calls over INT-b history take the
-  extend path (``attention_extend_triton``: the history dequantized once per call, then the
-  paged BF16 kernel; its ``extend_unsupported_reason`` says which calls, on any CUDA GPU);
-  Gluon on sm_90 (H100 / H200) for every call it takes (decode-like INT2 and INT4 batches, see
+- ``auto`` (default): prefill-like calls over INT-b history take the extend path
+  (``attention_extend_triton``: the history dequantized once per call, then the paged BF16
+  kernel; its ``extend_unsupported_reason`` says which calls, on any CUDA GPU); Gluon on sm_90
+  (H100 / H200) for every call it takes (decode-like INT2 and INT4 batches, see
   ``attention_gluon.gluon_unsupported_reason``); the fused Triton kernel for the rest (the
   prefill calls the extend path refuses, 16-bit layers, other GPUs). INT2 decode on sm_90 over
   masked code pages (``formats.cache.code_layout``: head_dim 128) goes to the 8-bit integer
@@ -17,26 +17,34 @@ In deterministic mode (``kernels.determinism.split_tokens()`` set) the fused Tri
 every call: it splits the history by that fixed number of tokens (attention_split_plan), which the
 extend path and the Gluon kernel do not honour yet.
 
+**The setting is read once.** An :class:`AttentionDispatch` holds it, taken when the dispatch is
+built: the runner builds its own (``CompressedRunner``, so at engine start), and the paths
+without a runner (``generate()`` after ``apply()``, the eval, the ``torch.compile`` backend,
+ONNX's checks) share :func:`default_attention_dispatch`, built at their first call.
+:func:`attention_kernel_from_env` is the one place that reads ``OSCAR_ATTENTION_KERNEL``
+(``tests/test_import_rules.py`` fails on any other environment read under ``kernels/``).
+
 The choice reads shapes, dtypes and the device only (never tensor values): CUDA-graph safe. Each
 new (kernel, reason) is logged once, and ``kernels_in_use()`` reports what ran, for ``/metrics``.
 
 **Planned once per step** (issue #32; FlashInfer's plan() / run()): every layer of a step calls
-the op with the same shapes, so ``plan_attention`` keeps the choice and the kernel's launch plan
-(query blocks, history splits, window programs) under a key of everything they read (``plan_key``: the
-shapes, dtypes, device, geometry, ``OSCAR_ATTENTION_KERNEL``, deterministic mode and the device
-check) and the first layer plans for the others. On an H200-like host (the dispatch and the
-wrappers with their launches stubbed, bench/results/2026-12-03-cpu-plan-once) the plan was most of
-the Python an INT2 decode layer ran before its launches, ``triton.cdiv`` on the host costing
-2.7 µs a call. A plan is a function of the key, so a memoized one launches exactly what a fresh
-one would (bitwise the same outputs, and the same launches in a captured CUDA graph). A test that
-patches a planner's module constant (``MAX_SCRATCH_BYTES``, ``num_sms``) calls
-``clear_attention_plans()``.
+the op with the same shapes, so the dispatch keeps the choice and the kernel's launch plan
+(query blocks, history splits, window programs) under a key of everything they read (``plan_key``:
+the shapes, dtypes, device, geometry, deterministic mode and the device check) and the first layer
+plans for the others. The runner opens ``dispatch.step()`` around each forward: the plans are the
+step's, dropped when it ends. On an H200-like host (the dispatch and the wrappers with their
+launches stubbed, bench/results/2026-12-03-cpu-plan-once) the plan was most of the Python an
+INT2 decode layer ran before its launches, ``triton.cdiv`` on the host costing 2.7 µs a call. A
+plan is a function of the key, so a memoized one launches exactly what a fresh one would
+(bitwise the same outputs, and the same launches in a captured CUDA graph).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import threading
 from typing import NamedTuple
 
 import torch
@@ -47,17 +55,21 @@ from oscar_compile.kernels.determinism import split_tokens
 
 ENV = "OSCAR_ATTENTION_KERNEL"
 CHOICES = ("auto", "gluon", "triton")
+MAX_PLANS = 64  # keys a dispatch keeps outside a step: a few batch sizes x table widths x layer kinds
 _log = logging.getLogger(__name__)
-_used: dict[str, str] = {}  # kernel -> the reason it was last chosen
-_logged: set[tuple[str, str]] = set()  # (kernel, reason) pairs already logged
 
 
-def forced_kernel() -> str:
-    """The ``OSCAR_ATTENTION_KERNEL`` setting, checked."""
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+def check_kernel_setting(value: str) -> str:
+    """A kernel setting (``auto``, ``gluon`` or ``triton``), normalized; anything else raises."""
+    value = value.strip().lower() or "auto"
     if value not in CHOICES:
         raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(CHOICES)}")
     return value
+
+
+def attention_kernel_from_env() -> str:
+    """The ``OSCAR_ATTENTION_KERNEL`` setting, checked: the one read of it (when a dispatch is built)."""
+    return check_kernel_setting(os.environ.get(ENV, "auto"))
 
 
 @functools.lru_cache(maxsize=8)
@@ -78,10 +90,9 @@ def gluon_device_problem(device_index: int) -> str | None:
 def choose_attention_kernel(q: torch.Tensor, k: torch.Tensor, k_win: torch.Tensor,
                             k_codes: torch.Tensor, k_scale: torch.Tensor, bits: int,
                             group_size: int, num_seqs: int, window_table: torch.Tensor | None = None,
-                            quant_table: torch.Tensor | None = None) -> tuple[str, str]:
-    """("gluon_int8" | "gluon" | "extend" | "triton", why) for one CUDA call of ``oscar::attention`` (without the
-    tables, the extend path is not considered)."""
-    forced = forced_kernel()
+                            quant_table: torch.Tensor | None = None, forced: str = "auto") -> tuple[str, str]:
+    """("gluon_int8" | "gluon" | "extend" | "triton", why) for one CUDA call of ``oscar::attention``
+    under the setting ``forced`` (without the tables, the extend path is not considered)."""
     if forced == "triton":
         return "triton", f"{ENV}=triton"
     if split_tokens() is not None:
@@ -116,30 +127,25 @@ def choose_attention_kernel(q: torch.Tensor, k: torch.Tensor, k_win: torch.Tenso
 
 
 class AttentionPlan(NamedTuple):
-    """What ``attention_cuda`` runs for one call: the kernel, why, and the launch arguments its
-    wrapper would have planned itself (``nsplit``, ``win_splits``...; empty: the wrapper plans)."""
+    """What a dispatch runs for one call: the kernel, why, and the launch arguments its wrapper
+    would have planned itself (``nsplit``, ``win_splits``...; empty: the wrapper plans)."""
 
     kernel: str
     why: str
     launch: dict  # (read only: shared by every call of the key)
 
 
-MAX_PLANS = 64  # keys kept: a server meets a few batch sizes x table widths x layer kinds at a time (0: none)
-_plans: dict[tuple, AttentionPlan] = {}  # plan_key -> plan, oldest first
-
-
 def plan_key(a: AttentionArgs) -> tuple:
-    """Everything ``choose_attention_kernel`` and the launch plans read: shapes, dtypes, the device,
-    the geometry and the settings of the moment (tensor values never)."""
-    forced = forced_kernel()
+    """Everything ``choose_attention_kernel`` and the launch plans read besides the dispatch's
+    setting: shapes, dtypes, the device, the geometry and the mode of the moment (tensor values never)."""
     wt, qt = a.window_table, a.quant_table
-    return (forced, split_tokens(), gluon_device_problem(a.q.device.index or 0), a.q.device, a.q.shape,
+    return (split_tokens(), gluon_device_problem(a.q.device.index or 0), a.q.device, a.q.shape,
             a.q.dtype, a.k.shape, a.k_win.shape, a.k_win.dtype, a.k_codes.shape, a.k_scale.dtype,
             a.cache_lens.shape[0], None if wt is None else wt.shape, None if qt is None else qt.shape,
             a.bits, a.group_size, a.sink, a.recent)
 
 
-def _launch_plan(kernel: str, a: AttentionArgs) -> dict:
+def launch_plan(kernel: str, a: AttentionArgs) -> dict:
     """The launch arguments the wrapper of ``kernel`` plans from shapes (empty: it plans at each
     call, as the extend path does, and the others for an empty batch or the reference's shapes)."""
     N, H_q, D = a.q.shape
@@ -168,33 +174,9 @@ def _launch_plan(kernel: str, a: AttentionArgs) -> dict:
     return {"nsplit": nsplit, "win_splits": nwin}
 
 
-def plan_attention(a: AttentionArgs) -> AttentionPlan:
-    """The plan of this call: the memoized one of its ``plan_key`` (every layer of a step after
-    the first), else a fresh one, kept (the oldest of ``MAX_PLANS`` goes)."""
-    key = plan_key(a)
-    plan = _plans.get(key)
-    if plan is None:
-        kernel, why = choose_attention_kernel(a.q, a.k, a.k_win, a.k_codes, a.k_scale, a.bits, a.group_size,
-                                              a.cache_lens.shape[0], window_table=a.window_table,
-                                              quant_table=a.quant_table)
-        plan = AttentionPlan(kernel, why, _launch_plan(kernel, a))
-        if MAX_PLANS > 0:  # (0: every call plans, bench.serve --plan-ab's baseline)
-            if len(_plans) >= MAX_PLANS:
-                del _plans[next(iter(_plans))]
-            _plans[key] = plan
-    return plan
-
-
-def clear_attention_plans() -> None:
-    """Forget the memoized plans (after patching what the planners read: their module constants,
-    the SM count)."""
-    _plans.clear()
-
-
-def attention_cuda(a: AttentionArgs):
-    """``oscar::attention`` on CUDA, its arguments bound by name."""
-    kernel, why, launch = plan_attention(a)
-    note_choice(kernel, why)
+def run_planned(plan: AttentionPlan, a: AttentionArgs):
+    """Launch the plan's kernel on the call's arguments."""
+    kernel, _, launch = plan
     if kernel == "gluon_int8":
         from oscar_compile.kernels.attention.decode.attention_gluon_int8 import attention_gluon_int8
 
@@ -212,20 +194,106 @@ def attention_cuda(a: AttentionArgs):
     return attention_triton(**a._asdict(), **launch)
 
 
-def note_choice(kernel: str, why: str) -> None:
-    """Record the choice for ``kernels_in_use``; log each (kernel, reason) pair once (a server
-    alternating prefill chunks and 16-bit layers logged two lines per step)."""
-    _used[kernel] = why
-    if (kernel, why) not in _logged:
-        _logged.add((kernel, why))
-        _log.info("oscar::attention: %s kernel (%s)", kernel, why)
+class KernelUsage:
+    """Which kernels ran and why (the last reason of each), for ``/metrics``; each new
+    (kernel, reason) pair logged once (a server alternating prefill chunks and 16-bit layers
+    logged two lines per step)."""
+
+    def __init__(self):
+        self._used: dict[str, str] = {}
+        self._logged: set[tuple[str, str]] = set()
+
+    def note(self, kernel: str, why: str) -> None:
+        self._used[kernel] = why
+        if (kernel, why) not in self._logged:
+            self._logged.add((kernel, why))
+            _log.info("oscar::attention: %s kernel (%s)", kernel, why)
+
+    def clear(self) -> None:
+        """Forget what ran (a benchmark that switches kernels reports each setting's own)."""
+        self._used.clear()
+
+    def snapshot(self) -> dict[str, str]:
+        return dict(self._used)
 
 
-def clear_kernels_in_use() -> None:
-    """Forget what ran (a benchmark that switches kernels reports each setting's own)."""
-    _used.clear()
+PROCESS_USAGE = KernelUsage()  # what ran in this process: /metrics reports it
+_active = threading.local()  # .dispatch: the dispatch of the thread's step in progress
+
+
+class AttentionDispatch:
+    """The kernel choice of one owner (a runner; the paths without one share
+    :func:`default_attention_dispatch`): its setting, read once when it is built, the plans it
+    memoizes, and the record it notes each choice in (the process's by default).
+
+    ``step()`` makes it the dispatch of the calling thread's ``oscar::attention`` calls for one
+    step and drops the step's plans at the end. Outside a step the plans stay, up to
+    ``max_plans`` (the oldest go first; 0 keeps none: every call plans, ``bench.serve --plan-ab``'s
+    baseline)."""
+
+    def __init__(self, kernel: str | None = None, usage: KernelUsage | None = None, max_plans: int = MAX_PLANS):
+        self.kernel = attention_kernel_from_env() if kernel is None else check_kernel_setting(kernel)
+        self.usage = PROCESS_USAGE if usage is None else usage
+        self.max_plans = max_plans
+        self.plans: dict[tuple, AttentionPlan] = {}  # plan_key -> plan, oldest first
+
+    def choose(self, a: AttentionArgs) -> tuple[str, str]:
+        return choose_attention_kernel(a.q, a.k, a.k_win, a.k_codes, a.k_scale, a.bits, a.group_size,
+                                       a.cache_lens.shape[0], a.window_table, a.quant_table, forced=self.kernel)
+
+    def plan(self, a: AttentionArgs) -> AttentionPlan:
+        """The plan of this call: the memoized one of its ``plan_key`` (every layer of a step after
+        the first), else a fresh one, kept."""
+        key = plan_key(a)
+        plan = self.plans.get(key)
+        if plan is None:
+            kernel, why = self.choose(a)
+            plan = AttentionPlan(kernel, why, launch_plan(kernel, a))
+            if self.max_plans > 0:
+                if len(self.plans) >= self.max_plans:
+                    del self.plans[next(iter(self.plans))]
+                self.plans[key] = plan
+        return plan
+
+    def run(self, a: AttentionArgs):
+        """``oscar::attention`` on CUDA, its arguments bound by name."""
+        plan = self.plan(a)
+        self.usage.note(plan.kernel, plan.why)
+        return run_planned(plan, a)
+
+    @contextlib.contextmanager
+    def step(self):
+        """One step: this dispatch serves the thread's ``oscar::attention`` calls, planning at the
+        first layer for the others; the plans end with the step. Nests (the outer one resumes)."""
+        previous = getattr(_active, "dispatch", None)
+        _active.dispatch = self
+        self.plans.clear()
+        try:
+            yield self
+        finally:
+            self.plans.clear()
+            _active.dispatch = previous
+
+
+@functools.cache
+def default_attention_dispatch() -> AttentionDispatch:
+    """The dispatch of the paths without a runner (``generate()`` after ``apply()``, the eval, the
+    ``torch.compile`` backend, ONNX's checks): built at the first call of one of them, so the
+    setting is read once per process. A runner builds its own."""
+    return AttentionDispatch()
+
+
+def active_attention_dispatch() -> AttentionDispatch:
+    """The dispatch of the calling thread's step in progress, else the default one."""
+    dispatch = getattr(_active, "dispatch", None)
+    return default_attention_dispatch() if dispatch is None else dispatch
+
+
+def attention_cuda(a: AttentionArgs):
+    """``oscar::attention`` on CUDA (ops.py): the active dispatch runs it."""
+    return active_attention_dispatch().run(a)
 
 
 def kernels_in_use() -> dict[str, str]:
     """The attention kernels that ran in this process, with the reason each was chosen."""
-    return dict(_used)
+    return PROCESS_USAGE.snapshot()

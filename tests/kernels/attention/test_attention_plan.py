@@ -1,8 +1,9 @@
-"""The per-step attention plan (``attention_dispatch.plan_attention``) on a CPU: the memoized choice
-and launch plan are the ones a fresh plan gives, for every case the dispatch tests cover; a
-change of setting between calls (``OSCAR_ATTENTION_KERNEL``, deterministic mode, the device
-check) is a new key, never a stale plan; and a wrapper handed the plan launches exactly what it
-plans itself (same grid, same arguments: bitwise the same output)."""
+"""The per-step attention plan (``AttentionDispatch.plan``) on a CPU: the memoized choice and launch
+plan are the ones a fresh plan gives, for every case the dispatch tests cover; a change of mode
+between calls (deterministic mode, the device check) is a new key, never a stale plan; the
+setting (``OSCAR_ATTENTION_KERNEL``) is read once, when a dispatch is built; a step's plans end
+with the step; and a wrapper handed the plan launches exactly what it plans itself (same grid,
+same arguments: bitwise the same output)."""
 from __future__ import annotations
 
 import itertools
@@ -16,13 +17,9 @@ from oscar_compile.kernels.determinism import deterministic
 
 
 @pytest.fixture(autouse=True)
-def fresh_plans(monkeypatch):
-    """No plan from another test; an sm_90 device unless a test says otherwise."""
-    monkeypatch.delenv(ad.ENV, raising=False)
+def sm90(monkeypatch):
+    """An sm_90 device unless a test says otherwise."""
     monkeypatch.setattr(ad, "gluon_device_problem", lambda index: None)
-    ad.clear_attention_plans()
-    yield
-    ad.clear_attention_plans()
 
 
 def _args(N=4, B=4, H_q=32, H_kv=8, D=128, P=16, bits=2, group=None, sdt=torch.float16, wdt=torch.bfloat16,
@@ -51,9 +48,9 @@ CASES = {  # the shapes of the dispatch tests (test_attention_gluon_compile, _gl
 }
 
 
-def _fresh(a: AttentionArgs) -> tuple[str, str]:
+def _fresh(a: AttentionArgs, forced: str = "auto") -> tuple[str, str]:
     return ad.choose_attention_kernel(a.q, a.k, a.k_win, a.k_codes, a.k_scale, a.bits, a.group_size,
-                                      a.cache_lens.shape[0], a.window_table, a.quant_table)
+                                      a.cache_lens.shape[0], a.window_table, a.quant_table, forced=forced)
 
 
 @pytest.mark.parametrize("problem", [None, "compute capability 8.0"])
@@ -61,13 +58,13 @@ def _fresh(a: AttentionArgs) -> tuple[str, str]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_memoized_plan_is_the_fresh_one(monkeypatch, case, forced, problem):
     monkeypatch.setattr(ad, "gluon_device_problem", lambda index: problem)
-    monkeypatch.setenv(ad.ENV, forced)
+    dispatch = ad.AttentionDispatch(forced)
     a = _args(**CASES[case])
-    first = ad.plan_attention(a)  # planned
-    again = ad.plan_attention(_args(**CASES[case]))  # memoized: other tensors, same shapes
-    assert again is first and len(ad._plans) == 1
-    assert first[:2] == _fresh(a)
-    assert first.launch == ad._launch_plan(first.kernel, a)
+    first = dispatch.plan(a)  # planned
+    again = dispatch.plan(_args(**CASES[case]))  # memoized: other tensors, same shapes
+    assert again is first and len(dispatch.plans) == 1
+    assert first[:2] == _fresh(a, forced)
+    assert first.launch == ad.launch_plan(first.kernel, a)
     if first.kernel in ("gluon", "gluon_int8") and a.q.shape[0]:
         assert first.launch["nsplit"] >= 1 and first.launch["win_splits"] >= 1
     elif first.kernel == "triton" and a.q.shape[0] and a.q.shape[-1] != 96:  # (head_dim 96: the reference)
@@ -77,47 +74,87 @@ def test_memoized_plan_is_the_fresh_one(monkeypatch, case, forced, problem):
 
 
 def test_tensor_values_share_a_plan_and_shapes_do_not():
+    dispatch = ad.AttentionDispatch("auto")
     a = _args(qcols=64)
-    plan = ad.plan_attention(a)
+    plan = dispatch.plan(a)
     grown = a._replace(cache_lens=a.cache_lens + 700, quant_table=a.quant_table + 3)  # values only
-    assert ad.plan_attention(grown) is plan
-    wider = ad.plan_attention(_args(qcols=512))  # a wider table: another split plan
+    assert dispatch.plan(grown) is plan
+    wider = dispatch.plan(_args(qcols=512))  # a wider table: another split plan
     assert wider is not plan and wider.launch != plan.launch
-    assert ad.plan_attention(_args(qcols=64, sink=16, recent=32)) is not plan
+    assert dispatch.plan(_args(qcols=64, sink=16, recent=32)) is not plan
 
 
-def test_a_new_setting_between_calls_is_never_a_stale_plan(monkeypatch):
+def test_a_new_mode_between_calls_is_never_a_stale_plan(monkeypatch):
     a = _args()
-    assert ad.plan_attention(a).kernel == "gluon_int8"
-    monkeypatch.setenv(ad.ENV, "triton")
-    assert ad.plan_attention(a)[:2] == ("triton", f"{ad.ENV}=triton")
-    monkeypatch.setenv(ad.ENV, "auto")
-    assert ad.plan_attention(a).kernel == "gluon_int8"
+    dispatch, forced_gluon = ad.AttentionDispatch("auto"), ad.AttentionDispatch("gluon")
+    assert dispatch.plan(a).kernel == "gluon_int8"
+    assert ad.AttentionDispatch("triton").plan(a)[:2] == ("triton", f"{ad.ENV}=triton")
     with deterministic():
-        assert ad.plan_attention(a)[:2] == ("triton", "deterministic mode")
-        assert ad.plan_attention(a).launch["launch_plan"][2] == 1  # split_tokens() splits, one window program
-        monkeypatch.setenv(ad.ENV, "gluon")
+        assert dispatch.plan(a)[:2] == ("triton", "deterministic mode")
+        assert dispatch.plan(a).launch["launch_plan"][2] == 1  # split_tokens() splits, one window program
         for _ in range(2):  # an error every time, not a memoized plan
             with pytest.raises(RuntimeError, match="no deterministic mode"):
-                ad.plan_attention(a)
-    monkeypatch.setenv(ad.ENV, "auto")
-    assert ad.plan_attention(a).kernel == "gluon_int8"
+                forced_gluon.plan(a)
+    assert dispatch.plan(a).kernel == "gluon_int8"
     monkeypatch.setattr(ad, "gluon_device_problem", lambda index: "compute capability 8.0")
-    assert ad.plan_attention(a)[:2] == ("triton", "compute capability 8.0")
+    assert dispatch.plan(a)[:2] == ("triton", "compute capability 8.0")
+
+
+def test_the_setting_is_read_when_the_dispatch_is_built(monkeypatch):
+    a = _args()
+    monkeypatch.setenv(ad.ENV, " Triton ")
+    dispatch = ad.AttentionDispatch()
+    assert dispatch.kernel == "triton"
+    monkeypatch.setenv(ad.ENV, "auto")  # later changes reach new dispatches only
+    assert dispatch.plan(a)[:2] == ("triton", f"{ad.ENV}=triton")
+    assert ad.AttentionDispatch().plan(a).kernel == "gluon_int8"
     monkeypatch.setenv(ad.ENV, "fastest")
     with pytest.raises(ValueError, match="auto, gluon, triton"):
-        ad.plan_attention(a)
+        ad.AttentionDispatch()
+    with pytest.raises(ValueError, match="auto, gluon, triton"):
+        ad.AttentionDispatch("fastest")
 
 
-def test_memo_is_bounded_and_clears(monkeypatch):
-    monkeypatch.setattr(ad, "MAX_PLANS", 4)
-    plans = [ad.plan_attention(_args(qcols=c)) for c in range(1, 8)]
-    assert len(ad._plans) == 4
-    assert ad.plan_attention(_args(qcols=7)) is plans[-1]  # the newest stay
-    assert ad.plan_attention(_args(qcols=1)) is not plans[0]  # the oldest went (planned again, equal)
-    assert ad.plan_attention(_args(qcols=1)) == plans[0]
-    ad.clear_attention_plans()
-    assert not ad._plans
+def test_memo_is_bounded():
+    dispatch = ad.AttentionDispatch("auto", max_plans=4)
+    plans = [dispatch.plan(_args(qcols=c)) for c in range(1, 8)]
+    assert len(dispatch.plans) == 4
+    assert dispatch.plan(_args(qcols=7)) is plans[-1]  # the newest stay
+    assert dispatch.plan(_args(qcols=1)) is not plans[0]  # the oldest went (planned again, equal)
+    assert dispatch.plan(_args(qcols=1)) == plans[0]
+    unplanned = ad.AttentionDispatch("auto", max_plans=0)  # bench.serve --plan-ab's baseline
+    assert unplanned.plan(_args()) is not unplanned.plan(_args()) and not unplanned.plans
+
+
+def test_a_step_owns_its_plans_and_serves_its_thread(monkeypatch):
+    """Inside ``step()`` the dispatch runs the thread's calls (``attention_cuda``) and plans once for
+    every layer; its plans end with the step; another thread, and the thread after the step, get
+    the default dispatch."""
+    import threading
+
+    ran = []
+    monkeypatch.setattr(ad, "run_planned", lambda plan, a: ran.append(plan))
+    outside = ad.AttentionDispatch("auto", usage=ad.KernelUsage())
+    monkeypatch.setattr(ad, "default_attention_dispatch", lambda: outside)
+    dispatch = ad.AttentionDispatch("triton", usage=ad.KernelUsage())
+    a = _args()
+    with dispatch.step():
+        assert ad.active_attention_dispatch() is dispatch
+        for _ in range(3):  # three layers: one plan
+            ad.attention_cuda(a)
+        assert len(dispatch.plans) == 1 and ran[0] is ran[1] is ran[2]
+        other = []
+        thread = threading.Thread(target=lambda: other.append(ad.active_attention_dispatch()))
+        thread.start()
+        thread.join()
+        assert other == [outside]
+    assert not dispatch.plans and ad.active_attention_dispatch() is outside
+    assert dispatch.usage.snapshot() == {"triton": f"{ad.ENV}=triton"} and not outside.usage.snapshot()
+    with dispatch.step():
+        ad.attention_cuda(a)
+    assert ran[3] is not ran[0] and ran[3] == ran[0]  # a new step plans again, the same plan
+    ad.attention_cuda(a)
+    assert outside.usage.snapshot() == {"gluon_int8": "sm_90, INT2 codes masked in place"}
 
 
 class _Recorder:
@@ -163,14 +200,14 @@ WRAPPERS = {  # (module, its kernels, the shapes of the call)
 @pytest.mark.parametrize("sms", [4, 132])
 @pytest.mark.parametrize("case", list(WRAPPERS))
 def test_a_wrapper_given_the_plan_launches_what_it_plans(monkeypatch, case, sms, forced, det):
-    """The op through ``attention_cuda`` (the plan passed in, planned then memoized) and the
+    """The op through the dispatch (the plan passed in, planned then memoized) and the
     wrapper planning for itself launch the same grids with the same arguments."""
     import importlib
 
-    monkeypatch.setenv(ad.ENV, forced)
+    dispatch = ad.AttentionDispatch(forced, usage=ad.KernelUsage())
     a = _args(**WRAPPERS[case][2])
     with deterministic(det):
-        kernel = ad.plan_attention(a).kernel
+        kernel = dispatch.plan(a).kernel
     module = {"gluon_int8": "attention_gluon_int8", "gluon": "attention_gluon", "triton": "attention_triton"}[kernel]
     mod = importlib.import_module(f"oscar_compile.kernels.attention.decode.{module}")
     rec = _Recorder()
@@ -182,12 +219,12 @@ def test_a_wrapper_given_the_plan_launches_what_it_plans(monkeypatch, case, sms,
     for name in ("merge_partials", "merge_partials_in_order"):
         if hasattr(mod, name):
             monkeypatch.setattr(mod, name, lambda *args, **kwargs: None)
-    ad.clear_attention_plans()  # (planned again under the patched SM count)
+    dispatch.plans.clear()  # (planned again under the patched SM count)
     with deterministic(det):
         for _ in range(3):  # planned, then memoized twice
-            ad.attention_cuda(a)
+            dispatch.run(a)
         getattr(mod, module)(**a._asdict())  # the wrapper's own plan
-    assert len(rec.launches) == 4 and len(ad._plans) == 1
+    assert len(rec.launches) == 4 and len(dispatch.plans) == 1
     want = _launch_signature(rec.launches[-1])
     assert all(_launch_signature(got) == want for got in rec.launches[:-1])
     if kernel != "triton":

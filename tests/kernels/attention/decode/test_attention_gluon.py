@@ -134,7 +134,7 @@ def test_large_values_keep_the_softmax_finite():
 
 
 @needs_sm90
-def test_dispatch_runs_gluon_for_decode_and_extend_for_prefill(monkeypatch):
+def test_dispatch_runs_gluon_for_decode_and_extend_for_prefill():
     """The op on an H200: decode goes to Gluon, a prefill chunk to the extend path (dequantize
     once, paged BF16 kernel); forcing Gluon or Triton works. INT4: INT2 at head_dim 128 is masked
     (cache format version 2) and runs the Triton kernel until issue #32's decode lands."""
@@ -144,8 +144,8 @@ def test_dispatch_runs_gluon_for_decode_and_extend_for_prefill(monkeypatch):
     case = build_case([300, 90], 2, 128, 16, 16, 32, 4, 128, torch.float16, seed=12,
                       extra_tokens=40, device="cuda")
     gen = torch.Generator().manual_seed(13)
+    usage = ad.KernelUsage()
     for chunk_lens, expected in (([1, 1], "gluon"), ([37, 3], "extend")):
-        monkeypatch.delenv(ad.ENV, raising=False)  # auto (the loop below leaves it forced)
         n = sum(chunk_lens)
         q, k, v = (random_kv(n, h, 128, gen, device="cuda") for h in (8, 2, 2))
         cu = torch.tensor([0] + chunk_lens, device="cuda").cumsum(0).to(torch.int32)
@@ -156,9 +156,9 @@ def test_dispatch_runs_gluon_for_decode_and_extend_for_prefill(monkeypatch):
                                           case.quant_table)[0] == expected
         want = attention_ref(*args)
         for forced in ("auto", "gluon", "triton"):
-            monkeypatch.setenv(ad.ENV, forced)
-            assert rel_err(ops.attention(*args), want) < TOL
-    assert set(ad.kernels_in_use()) == {"gluon", "extend", "triton"}
+            with ad.AttentionDispatch(forced, usage=usage).step():
+                assert rel_err(ops.attention(*args), want) < TOL
+    assert set(usage.snapshot()) == {"gluon", "extend", "triton"}
 
 
 @needs_sm90

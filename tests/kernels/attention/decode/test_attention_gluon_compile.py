@@ -62,7 +62,6 @@ def test_dispatch_picks_gluon_only_for_what_it_takes(monkeypatch):
     8-bit integer kernel; INT2 at head_dim 64 and INT4 to the fp16-operand one), everything else
     to Triton."""
     monkeypatch.setattr(ad, "gluon_device_problem", lambda index: None)
-    monkeypatch.delenv(ad.ENV, raising=False)
     q, k, k_win, k_codes, k_scale = _call_shapes()
     assert ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, 2, 128, 4)[0] == "gluon_int8"
     assert ad.choose_attention_kernel(*_call_shapes(D=64), 2, 64, 4) == ("gluon", "sm_90")
@@ -79,21 +78,18 @@ def test_dispatch_picks_gluon_only_for_what_it_takes(monkeypatch):
     for name, call in refused.items():
         kernel, why = ad.choose_attention_kernel(*call)
         assert kernel == "triton" and why, name
-    monkeypatch.setenv(ad.ENV, "triton")
-    assert ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, 2, 128, 4)[0] == "triton"
+    assert ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, 2, 128, 4, forced="triton")[0] == "triton"
 
 
 def test_forcing_gluon_where_it_cannot_run_is_an_error(monkeypatch):
     monkeypatch.setattr(ad, "gluon_device_problem", lambda index: "compute capability 8.0")
     q, k, k_win, k_codes, k_scale = _call_shapes()
-    monkeypatch.setenv(ad.ENV, "auto")
-    assert ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, 2, 128, 4)[0] == "triton"
-    monkeypatch.setenv(ad.ENV, "gluon")
+    assert ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, 2, 128, 4, forced="auto")[0] == "triton"
     with pytest.raises(RuntimeError, match="compute capability 8.0"):
-        ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, 2, 128, 4)
+        ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, 2, 128, 4, forced="gluon")
     monkeypatch.setenv(ad.ENV, "fastest")
     with pytest.raises(ValueError, match="auto, gluon, triton"):
-        ad.forced_kernel()
+        ad.attention_kernel_from_env()
 
 
 def test_the_interpreter_never_gets_the_gluon_kernel(monkeypatch):
@@ -136,18 +132,22 @@ def test_metrics_say_which_attention_kernel_ran(monkeypatch):
     stats = {key: 0 for *_, key in metrics._SCALARS}
     stats.update({f"{kind}_{suffix}": 0 for *_, suffix in metrics._PAGES for kind in metrics.PAGE_KINDS})
     stats.update({f"fork_{kind}_pages_{how}": 0 for kind in ("window", "quant") for how in ("shared", "copied")})
-    monkeypatch.setattr(ad, "_used", {"gluon": "sm_90", "triton": 'a "prefill-like" batch'})
+    usage = ad.KernelUsage()
+    usage.note("gluon", "sm_90")
+    usage.note("triton", 'a "prefill-like" batch')
+    monkeypatch.setattr(ad, "PROCESS_USAGE", usage)  # what the process's runners and default dispatch note in
     text = metrics.render_metrics(stats)
     assert '\noscar_attention_kernel_info{kernel="gluon",reason="sm_90"} 1.0\n' in text
     assert 'oscar_attention_kernel_info{kernel="triton",reason="a \\"prefill-like\\" batch"} 1.0' in text
 
 
 def test_each_kernel_choice_is_logged_once(monkeypatch, caplog):
-    monkeypatch.setattr(ad, "_used", {})
-    monkeypatch.setattr(ad, "_logged", set())
+    usage = ad.KernelUsage()
     with caplog.at_level("INFO", logger=ad.__name__):
         for _ in range(3):  # a server alternating prefill chunks and 16-bit layers
-            ad.note_choice("triton", "a prefill-like batch")
-            ad.note_choice("triton", "bits 16")
+            usage.note("triton", "a prefill-like batch")
+            usage.note("triton", "bits 16")
     assert len(caplog.records) == 2
-    assert ad.kernels_in_use() == {"triton": "bits 16"}
+    assert usage.snapshot() == {"triton": "bits 16"}
+    usage.clear()
+    assert usage.snapshot() == {}

@@ -151,21 +151,21 @@ def test_deterministic_mode_is_batch_invariant():
 
 
 @needs_sm90
-def test_dispatch_runs_the_int8_kernel_for_int2_decode(monkeypatch):
+def test_dispatch_runs_the_int8_kernel_for_int2_decode():
     """INT2 decode at head_dim 128 goes to this kernel through the op."""
     from oscar_compile.kernels import ops
     from oscar_compile.kernels.attention import attention_dispatch as ad
 
-    monkeypatch.setattr(ad, "_used", {})  # (the other dispatch tests count what ran)
-    monkeypatch.delenv(ad.ENV, raising=False)
     case = build_case([300, 90], 2, 128, 16, 16, 32, 2, 128, torch.float16, seed=12, extra_tokens=4,
                       device="cuda")
     args = make_args(case, [1, 1], 8, seed=13)
     q, k = args[0], args[1]
     kernel, _ = ad.choose_attention_kernel(q, k, args[7], args[9], args[10], 2, 128, 2, args[5], args[6])
     assert kernel == "gluon_int8"
-    assert rel_err(ops.attention(*args), attention_ref(*args)) < TOL
-    assert "gluon_int8" in ad.kernels_in_use()
+    dispatch = ad.AttentionDispatch("auto", usage=ad.KernelUsage())  # (the other dispatch tests count what ran)
+    with dispatch.step():
+        assert rel_err(ops.attention(*args), attention_ref(*args)) < TOL
+    assert "gluon_int8" in dispatch.usage.snapshot()
 
 
 @needs_sm90

@@ -183,8 +183,8 @@ def _shapes(N, B=4, H_q=32, H_kv=8, D=128, qcols=8):
     return q, k, k_win, k_codes, k_scale, wt, qt
 
 
-def _choose(q, k, k_win, k_codes, k_scale, wt, qt, bits=2, B=4):
-    return ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, bits, 128, B, wt, qt)
+def _choose(q, k, k_win, k_codes, k_scale, wt, qt, bits=2, B=4, forced="auto"):
+    return ad.choose_attention_kernel(q, k, k_win, k_codes, k_scale, bits, 128, B, wt, qt, forced=forced)
 
 
 def test_dispatch_sends_prefill_like_int_b_calls_to_the_extend_path(monkeypatch):
@@ -195,7 +195,6 @@ def test_dispatch_sends_prefill_like_int_b_calls_to_the_extend_path(monkeypatch)
     on any GPU; ``OSCAR_ATTENTION_KERNEL=triton`` keeps the fused kernel everywhere."""
     import oscar_compile.kernels.attention.prefill.attention_extend_triton as ext
 
-    monkeypatch.delenv(ad.ENV, raising=False)
     for problem in (None, "compute capability 8.0"):
         monkeypatch.setattr(ad, "gluon_device_problem", lambda index, problem=problem: problem)
         assert _choose(*_shapes(N=40))[0] == "extend"
@@ -217,8 +216,7 @@ def test_dispatch_sends_prefill_like_int_b_calls_to_the_extend_path(monkeypatch)
     assert _choose(q, k, k_win, k_codes, k_scale, wt, qt)[0] == "triton"
     monkeypatch.setattr(ext, "MAX_SCRATCH_BYTES", need)
     assert _choose(q, k, k_win, k_codes, k_scale, wt, qt)[0] == "extend"
-    monkeypatch.setenv(ad.ENV, "triton")
-    assert _choose(q, k, k_win, k_codes, k_scale, wt, qt)[0] == "triton"
+    assert _choose(q, k, k_win, k_codes, k_scale, wt, qt, forced="triton")[0] == "triton"
 
 
 def test_extend_path_refuses_what_the_dispatch_would_not_send():
@@ -265,12 +263,11 @@ def test_dequant_kernel_compiles_for_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_op_takes_the_extend_path_on_cuda(monkeypatch):
+def test_the_op_takes_the_extend_path_on_cuda():
     """``oscar::attention`` on a GPU: a prefill-like INT2 call after prefix hits runs the extend
     path (kernels_in_use says so) and matches the reference; forced to the fused kernel, too."""
     from oscar_compile.kernels import ops
 
-    monkeypatch.delenv(ad.ENV, raising=False)
     case = build_case([300, 90, 20], 2, 128, P, 16, 32, 2, 64, torch.float16, seed=21,
                       extra_tokens=70, hits=[0, 80, 0], device="cuda")
     gen = torch.Generator().manual_seed(22)
@@ -279,7 +276,9 @@ def test_the_op_takes_the_extend_path_on_cuda(monkeypatch):
     args = (q, k, v, cu, case.cache_lens, case.window_table, case.quant_table, *case.pools,
             128 ** -0.5, 16, 32, 2, 64, case.history_lens)
     want = attention_ref(*args)
-    assert rel_err(ops.attention(*args), want) < TOL
-    assert "extend" in ad.kernels_in_use()
-    monkeypatch.setenv(ad.ENV, "triton")
-    assert rel_err(ops.attention(*args), want) < TOL
+    dispatch = ad.AttentionDispatch("auto", usage=ad.KernelUsage())
+    with dispatch.step():
+        assert rel_err(ops.attention(*args), want) < TOL
+    assert "extend" in dispatch.usage.snapshot()
+    with ad.AttentionDispatch("triton").step():
+        assert rel_err(ops.attention(*args), want) < TOL
