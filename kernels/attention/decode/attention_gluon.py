@@ -73,6 +73,14 @@ from oscar_compile.kernels.attention.decode.attention_gluon_tiles import (
     _value_operand,
 )
 from oscar_compile.kernels.attention.decode.attention_triton import LOG2E, MAX_SPLIT_TOKENS, plan_window_splits
+from oscar_compile.kernels.attention.decode.gluon_host import (
+    begin_decode,
+    compile_decode_offline,
+    decode_call_problem,
+    decode_launch_args,
+    fill_plan,
+    split_partials,
+)
 from oscar_compile.kernels.device import num_sms
 from oscar_compile.kernels.gluon_compat import (
     fence_async_shared,
@@ -83,7 +91,6 @@ from oscar_compile.kernels.gluon_compat import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from oscar_compile.kernels.pools import attention_output_for
 
 
 @gluon.jit
@@ -295,8 +302,6 @@ CODE_LAYOUTS_READ = ("planar",)
 def gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits: int, group_size: int, N: int,
                              B: int) -> str | None:
     """Why the Gluon kernel does not take this call (None: it does). Shapes and dtypes only."""
-    import torch
-
     H_q, D = q.shape[1], q.shape[2]
     H_kv, P = k.shape[1], k_win.shape[2]
     if bits not in (2, 4):
@@ -313,11 +318,7 @@ def gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits: int, group_siz
                 f"{'/'.join(CODE_LAYOUTS_READ)} code rows; the masked INT2 decode is issue #32's)")
     if H_q % H_kv or H_q // H_kv > 32:
         return f"{H_q} query heads over {H_kv} KV heads"
-    if k_win.dtype not in (torch.bfloat16, torch.float16) or q.dtype not in (torch.bfloat16, torch.float16):
-        return f"window dtype {k_win.dtype} / query dtype {q.dtype} (16-bit only)"
-    if N > 2 * B:
-        return "a prefill-like batch (more than 2 tokens per sequence)"
-    return None
+    return decode_call_problem(q, k_win, N, B)
 
 
 # Registers per thread the decode launch is capped at: the cap sets how many 4-warp programs
@@ -398,34 +399,20 @@ def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, 
     ``maxnreg`` caps the registers per thread (benchmark sweeps, tests)."""
     import torch
 
-    N, H_q, D = q.shape
-    H_kv = k.shape[1]
-    B = cache_lens.shape[0]
-    P = k_win.shape[2]
-    why = gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits, group_size, N, B)
-    if why is not None:
-        raise ValueError(f"the Gluon decode kernel does not take this call: {why}")
-    out = attention_output_for(q, k, v, (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero),
-                               history_lens, B)
-    if N == 0:
+    s, out = begin_decode("Gluon decode kernel", lambda N, B: gluon_unsupported_reason(
+        q, k, k_win, k_codes, k_scale, bits, group_size, N, B), q, k, v, cache_lens, k_win,
+        (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), history_lens)
+    if s.N == 0:
         return out
-    g = H_q // H_kv
-    if nsplit is None or win_splits is None:  # (attention_dispatch passes the plan of its step)
-        planned = plan_gluon_launch(N, B, H_kv, g, quant_table.shape[1] * P, sink, recent, q.device,
-                                    maxnreg, D)
-        nsplit = planned[0] if nsplit is None else nsplit
-        win_splits = planned[1] if win_splits is None else win_splits
-    nwin = win_splits
+    nsplit, nwin = fill_plan(nsplit, win_splits, lambda: plan_gluon_launch(
+        s.N, s.B, s.H_kv, s.g, quant_table.shape[1] * s.P, sink, recent, q.device, maxnreg, s.D))
     ns = nsplit + nwin
-    po = torch.empty(N * H_q * ns, D, dtype=torch.float32, device=q.device)
-    pl = torch.empty(N * H_q * ns, dtype=torch.float32, device=q.device)
-    _decode_kernel[(N, H_kv, ns)](
-        q, k, v, cu_seqlens, cache_lens, history_lens if history_lens is not None else cache_lens,
-        window_table, quant_table, k_win, v_win, k_codes.view(torch.int32), k_scale, k_zero, v_codes,
-        v_scale, v_zero, po, pl, scale * LOG2E, B, nsplit, nwin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        window_table.stride(0), quant_table.stride(0),
-        H_KV=H_kv, G_Q=g, NH=max(8, triton.next_power_of_2(g)), D=D, P=P, SINK=sink, RECENT=recent,
+    po, pl = split_partials(s, ns, q.device)
+    _decode_kernel[(s.N, s.H_kv, ns)](
+        *decode_launch_args(q, k, v, cu_seqlens, cache_lens, history_lens, window_table, quant_table, k_win, v_win,
+                            (k_codes.view(torch.int32), k_scale, k_zero, v_codes, v_scale, v_zero), po, pl,
+                            scale * LOG2E, nsplit, nwin),
+        H_KV=s.H_kv, G_Q=s.g, NH=max(8, triton.next_power_of_2(s.g)), D=s.D, P=s.P, SINK=sink, RECENT=recent,
         HAS_HIST=history_lens is not None, STAGES=stages, BITS=bits, num_warps=4,
         maxnreg=maxnreg,
     )
@@ -437,27 +424,9 @@ def compile_offline(head_dim: int = 128, num_q_per_kv: int = 4, num_kv_heads: in
                     page_size: int = 16, sink: int = 64, recent: int = 256,
                     window_dtype: str = "bf16", scale_dtype: str = "fp16", has_hist: bool = False,
                     stages: int = STAGES, maxnreg: int = MAXNREG, bits: int = 2):
-    """Compile the kernel for sm_90 without a GPU (CI, and the benchmark's instruction counts).
-
-    Returns Triton's compiled kernel: ``.asm`` holds "ttgir", "ptx", "cubin" (and "sass" where
-    Triton finds its disassembler), ``.metadata.shared`` the shared memory in bytes."""
-    from triton.backends.compiler import GPUTarget
-
-    from oscar_compile.kernels.gluon_compat import gluon_ast_source
-
-    ptrs = {"q_ptr": window_dtype, "k_ptr": window_dtype, "v_ptr": window_dtype, "cu_ptr": "i32",
-            "lens_ptr": "i32", "hist_ptr": "i32", "wt_ptr": "i32", "qt_ptr": "i32",
-            "kwin_ptr": window_dtype, "vwin_ptr": window_dtype, "kc_ptr": "i32", "ks_ptr": scale_dtype,
-            "kz_ptr": scale_dtype, "vc_ptr": "u8", "vs_ptr": scale_dtype, "vz_ptr": scale_dtype,
-            "po_ptr": "fp32", "pl_ptr": "fp32"}
-    sig = {name: f"*{t}" for name, t in ptrs.items()}
-    sig.update({"qk_scale": "fp32", **{n: "i32" for n in (
-        "B", "nsplit", "nwin", "sqn", "sqh", "skn", "skh", "svn", "svh", "stride_wt", "stride_qt")}})
+    """Compile the kernel for sm_90 without a GPU (``gluon_host.compile_decode_offline``)."""
     g = num_q_per_kv
     consts = {"H_KV": num_kv_heads, "G_Q": g, "NH": max(8, triton.next_power_of_2(g)), "D": head_dim,
               "P": page_size, "SINK": sink, "RECENT": recent, "HAS_HIST": has_hist, "STAGES": stages, "BITS": bits}
-    sig.update({k: "constexpr" for k in consts})
-    # as the JIT specializes: pointers and the strides (multiples of 16 in practice) divisible by 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(len(ptrs)), *range(len(ptrs) + 4, len(ptrs) + 12))}
-    src = gluon_ast_source()(_decode_kernel, sig, consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})
+    pools = ("i32", scale_dtype, scale_dtype, "u8", scale_dtype, scale_dtype)
+    return compile_decode_offline(_decode_kernel, window_dtype, pools, consts, maxnreg)

@@ -66,6 +66,14 @@ from oscar_compile.kernels.attention.decode.attention_gluon_int8_tiles import (
 )
 from oscar_compile.kernels.attention.decode.attention_gluon_tiles import NEG_INIT, _mma_layout, _seq_of_token
 from oscar_compile.kernels.attention.decode.attention_triton import LOG2E, MAX_SPLIT_TOKENS, plan_window_splits
+from oscar_compile.kernels.attention.decode.gluon_host import (
+    begin_decode,
+    compile_decode_offline,
+    decode_call_problem,
+    decode_launch_args,
+    fill_plan,
+    split_partials,
+)
 from oscar_compile.kernels.device import num_sms
 from oscar_compile.kernels.gluon_compat import (
     fence_async_shared,
@@ -75,7 +83,6 @@ from oscar_compile.kernels.gluon_compat import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from oscar_compile.kernels.pools import attention_output_for
 
 NH_INT8 = 8  # the wgmma N: 4 query heads and their 4 low halves
 MAX_HEADS_PER_PROGRAM = NH_INT8 // 2
@@ -317,11 +324,7 @@ def int8_unsupported_reason(q, k, k_win, k_codes, k_scale, bits: int, group_size
         return f"page_size {P} (the masked layout's unit is a 16-token page)"
     if H_q % H_kv:
         return f"{H_q} query heads over {H_kv} KV heads"
-    if k_win.dtype not in (torch.bfloat16, torch.float16) or q.dtype not in (torch.bfloat16, torch.float16):
-        return f"window dtype {k_win.dtype} / query dtype {q.dtype} (16-bit only)"
-    if N > 2 * B:
-        return "a prefill-like batch (more than 2 tokens per sequence)"
-    return None
+    return decode_call_problem(q, k_win, N, B)
 
 
 def heads_per_program(g: int) -> int:
@@ -395,37 +398,24 @@ def attention_gluon_int8(q, k, v, cu_seqlens, cache_lens, window_table, quant_ta
     masked code layout. ``nsplit`` / ``win_splits`` override the plan (benchmark sweeps, tests);
     ``pdl``: the merge as a programmatic dependent launch (its launch overlaps the decode's tail);
     ``early_load`` overrides the EARLY_STEPS rule."""
-    N, H_q, D = q.shape
-    H_kv = k.shape[1]
-    B = cache_lens.shape[0]
-    P = k_win.shape[2]
-    why = int8_unsupported_reason(q, k, k_win, k_codes, k_scale, bits, group_size, N, B)
-    if why is not None:
-        raise ValueError(f"the 8-bit integer decode kernel does not take this call: {why}")
-    out = attention_output_for(q, k, v, (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero),
-                               history_lens, B)
-    if N == 0:
+    s, out = begin_decode("8-bit integer decode kernel", lambda N, B: int8_unsupported_reason(
+        q, k, k_win, k_codes, k_scale, bits, group_size, N, B), q, k, v, cache_lens, k_win,
+        (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), history_lens)
+    if s.N == 0:
         return out
-    g = H_q // H_kv
-    gp = heads_per_program(g)
-    max_hist = quant_table.shape[1] * P
-    if nsplit is None or win_splits is None:  # (attention_dispatch passes the plan of its step)
-        planned = plan_int8_launch(N, H_kv, g, max_hist, sink, recent, q.device, deterministic)
-        nsplit = planned[0] if nsplit is None else nsplit
-        win_splits = planned[1] if win_splits is None else win_splits
-    nwin = win_splits
+    gp = heads_per_program(s.g)
+    max_hist = quant_table.shape[1] * s.P
+    nsplit, nwin = fill_plan(nsplit, win_splits, lambda: plan_int8_launch(
+        s.N, s.H_kv, s.g, max_hist, sink, recent, q.device, deterministic))
     ns = nsplit + nwin
     if early_load is None:
         early_load = early_load_for(max_hist, nsplit, deterministic)
-    po = torch.empty(N * H_q * ns, D, dtype=torch.float32, device=q.device)
-    pl = torch.empty(N * H_q * ns, dtype=torch.float32, device=q.device)
-    _decode_int8_kernel[(N, H_kv * (g // gp), ns)](
-        q, k, v, cu_seqlens, cache_lens, history_lens if history_lens is not None else cache_lens,
-        window_table, quant_table, k_win, v_win, _words(k_codes), _words(k_scale), _words(k_zero),
-        _words(v_codes), _words(v_scale), _words(v_zero), po, pl, scale * LOG2E, B, nsplit, nwin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        window_table.stride(0), quant_table.stride(0),
-        H_KV=H_kv, G_ALL=g, G_Q=gp, NH=NH_INT8, D=D, P=P, SINK=sink, RECENT=recent,
+    po, pl = split_partials(s, ns, q.device)
+    code_pools = tuple(_words(x) for x in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero))
+    _decode_int8_kernel[(s.N, s.H_kv * (s.g // gp), ns)](
+        *decode_launch_args(q, k, v, cu_seqlens, cache_lens, history_lens, window_table, quant_table, k_win, v_win,
+                            code_pools, po, pl, scale * LOG2E, nsplit, nwin),
+        H_KV=s.H_kv, G_ALL=s.g, G_Q=gp, NH=NH_INT8, D=s.D, P=s.P, SINK=sink, RECENT=recent,
         HAS_HIST=history_lens is not None, DET_SPLIT=DET_SPLIT_TOKENS if deterministic else 0, PDL=pdl,
         EARLY=early_load,
         num_warps=4, maxnreg=MAXNREG,
@@ -440,25 +430,10 @@ def attention_gluon_int8(q, k, v, cu_seqlens, cache_lens, window_table, quant_ta
 def compile_offline(num_q_per_kv: int = 4, num_kv_heads: int = 8, sink: int = 64, recent: int = 256,
                     window_dtype: str = "bf16", has_hist: bool = False, deterministic: bool = False,
                     pdl: bool = False, early_load: bool = False):
-    """Compile the kernel for sm_90 without a GPU (CI, and the SASS counts of the results README)."""
-    from triton.backends.compiler import GPUTarget
-
-    from oscar_compile.kernels.gluon_compat import gluon_ast_source
-
-    ptrs = {"q_ptr": window_dtype, "k_ptr": window_dtype, "v_ptr": window_dtype, "cu_ptr": "i32",
-            "lens_ptr": "i32", "hist_ptr": "i32", "wt_ptr": "i32", "qt_ptr": "i32",
-            "kwin_ptr": window_dtype, "vwin_ptr": window_dtype, "kc_ptr": "i32", "ks_ptr": "i32",
-            "kz_ptr": "i32", "vc_ptr": "i32", "vs_ptr": "i32", "vz_ptr": "i32",
-            "po_ptr": "fp32", "pl_ptr": "fp32"}
-    sig = {name: f"*{t}" for name, t in ptrs.items()}
-    sig.update({"qk_scale": "fp32", **{n: "i32" for n in (
-        "B", "nsplit", "nwin", "sqn", "sqh", "skn", "skh", "svn", "svh", "stride_wt", "stride_qt")}})
+    """Compile the kernel for sm_90 without a GPU (CI, and the SASS counts of the results README;
+    ``gluon_host.compile_decode_offline``)."""
     consts = {"H_KV": num_kv_heads, "G_ALL": num_q_per_kv, "G_Q": heads_per_program(num_q_per_kv), "NH": NH_INT8,
               "D": 128, "P": 16, "SINK": sink, "RECENT": recent, "HAS_HIST": has_hist,
               "DET_SPLIT": DET_SPLIT_TOKENS if deterministic else 0, "PDL": pdl,
               "EARLY": early_load}
-    sig.update({k: "constexpr" for k in consts})
-    # as the JIT specializes: pointers and the strides (multiples of 16 in practice) divisible by 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(len(ptrs)), *range(len(ptrs) + 4, len(ptrs) + 12))}
-    src = gluon_ast_source()(_decode_int8_kernel, sig, consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
+    return compile_decode_offline(_decode_int8_kernel, window_dtype, ("i32",) * 6, consts, MAXNREG)
