@@ -53,6 +53,7 @@ import triton
 
 from oscar_compile.formats.cache import CACHE_FORMAT_VERSION, code_layout
 from oscar_compile.kernels.attention.attention_blocks_triton import merge_partials
+from oscar_compile.kernels.attention.decode import gluon_host
 from oscar_compile.kernels.attention.decode.attention_gluon_tiles import (
     NEG_INIT,
     TILE,
@@ -73,14 +74,6 @@ from oscar_compile.kernels.attention.decode.attention_gluon_tiles import (
     _value_operand,
 )
 from oscar_compile.kernels.attention.decode.attention_triton import LOG2E, MAX_SPLIT_TOKENS, plan_window_splits
-from oscar_compile.kernels.attention.decode.gluon_host import (
-    begin_decode,
-    compile_decode_offline,
-    decode_call_problem,
-    decode_launch_args,
-    fill_plan,
-    split_partials,
-)
 from oscar_compile.kernels.device import num_sms
 from oscar_compile.kernels.gluon_compat import (
     fence_async_shared,
@@ -318,7 +311,7 @@ def gluon_unsupported_reason(q, k, k_win, k_codes, k_scale, bits: int, group_siz
                 f"{'/'.join(CODE_LAYOUTS_READ)} code rows; the masked INT2 decode is issue #32's)")
     if H_q % H_kv or H_q // H_kv > 32:
         return f"{H_q} query heads over {H_kv} KV heads"
-    return decode_call_problem(q, k_win, N, B)
+    return gluon_host.decode_call_problem(q, k_win, N, B)
 
 
 # Registers per thread the decode launch is capped at: the cap sets how many 4-warp programs
@@ -399,19 +392,20 @@ def attention_gluon(q, k, v, cu_seqlens, cache_lens, window_table, quant_table, 
     ``maxnreg`` caps the registers per thread (benchmark sweeps, tests)."""
     import torch
 
-    s, out = begin_decode("Gluon decode kernel", lambda N, B: gluon_unsupported_reason(
+    s, out = gluon_host.begin_decode("Gluon decode kernel", lambda N, B: gluon_unsupported_reason(
         q, k, k_win, k_codes, k_scale, bits, group_size, N, B), q, k, v, cache_lens, k_win,
         (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), history_lens)
     if s.N == 0:
         return out
-    nsplit, nwin = fill_plan(nsplit, win_splits, lambda: plan_gluon_launch(
+    nsplit, nwin = gluon_host.fill_plan(nsplit, win_splits, lambda: plan_gluon_launch(
         s.N, s.B, s.H_kv, s.g, quant_table.shape[1] * s.P, sink, recent, q.device, maxnreg, s.D))
     ns = nsplit + nwin
-    po, pl = split_partials(s, ns, q.device)
+    po, pl = gluon_host.split_partials(s, ns, q.device)
     _decode_kernel[(s.N, s.H_kv, ns)](
-        *decode_launch_args(q, k, v, cu_seqlens, cache_lens, history_lens, window_table, quant_table, k_win, v_win,
-                            (k_codes.view(torch.int32), k_scale, k_zero, v_codes, v_scale, v_zero), po, pl,
-                            scale * LOG2E, nsplit, nwin),
+        *gluon_host.decode_launch_args(
+            q, k, v, cu_seqlens, cache_lens, history_lens, window_table, quant_table, k_win, v_win,
+            (k_codes.view(torch.int32), k_scale, k_zero, v_codes, v_scale, v_zero), po, pl, scale * LOG2E,
+            nsplit, nwin),
         H_KV=s.H_kv, G_Q=s.g, NH=max(8, triton.next_power_of_2(s.g)), D=s.D, P=s.P, SINK=sink, RECENT=recent,
         HAS_HIST=history_lens is not None, STAGES=stages, BITS=bits, num_warps=4,
         maxnreg=maxnreg,
@@ -429,4 +423,4 @@ def compile_offline(head_dim: int = 128, num_q_per_kv: int = 4, num_kv_heads: in
     consts = {"H_KV": num_kv_heads, "G_Q": g, "NH": max(8, triton.next_power_of_2(g)), "D": head_dim,
               "P": page_size, "SINK": sink, "RECENT": recent, "HAS_HIST": has_hist, "STAGES": stages, "BITS": bits}
     pools = ("i32", scale_dtype, scale_dtype, "u8", scale_dtype, scale_dtype)
-    return compile_decode_offline(_decode_kernel, window_dtype, pools, consts, maxnreg)
+    return gluon_host.compile_decode_offline(_decode_kernel, window_dtype, pools, consts, maxnreg)

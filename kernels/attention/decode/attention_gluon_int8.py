@@ -45,6 +45,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from oscar_compile.kernels.attention.attention_blocks_triton import merge_partials
+from oscar_compile.kernels.attention.decode import gluon_host
 from oscar_compile.kernels.attention.decode.attention_gluon import _window_part
 from oscar_compile.kernels.attention.decode.attention_gluon_int8_tiles import (
     MAGIC,
@@ -66,14 +67,6 @@ from oscar_compile.kernels.attention.decode.attention_gluon_int8_tiles import (
 )
 from oscar_compile.kernels.attention.decode.attention_gluon_tiles import NEG_INIT, _mma_layout, _seq_of_token
 from oscar_compile.kernels.attention.decode.attention_triton import LOG2E, MAX_SPLIT_TOKENS, plan_window_splits
-from oscar_compile.kernels.attention.decode.gluon_host import (
-    begin_decode,
-    compile_decode_offline,
-    decode_call_problem,
-    decode_launch_args,
-    fill_plan,
-    split_partials,
-)
 from oscar_compile.kernels.device import num_sms
 from oscar_compile.kernels.gluon_compat import (
     fence_async_shared,
@@ -324,7 +317,7 @@ def int8_unsupported_reason(q, k, k_win, k_codes, k_scale, bits: int, group_size
         return f"page_size {P} (the masked layout's unit is a 16-token page)"
     if H_q % H_kv:
         return f"{H_q} query heads over {H_kv} KV heads"
-    return decode_call_problem(q, k_win, N, B)
+    return gluon_host.decode_call_problem(q, k_win, N, B)
 
 
 def heads_per_program(g: int) -> int:
@@ -398,23 +391,24 @@ def attention_gluon_int8(q, k, v, cu_seqlens, cache_lens, window_table, quant_ta
     masked code layout. ``nsplit`` / ``win_splits`` override the plan (benchmark sweeps, tests);
     ``pdl``: the merge as a programmatic dependent launch (its launch overlaps the decode's tail);
     ``early_load`` overrides the EARLY_STEPS rule."""
-    s, out = begin_decode("8-bit integer decode kernel", lambda N, B: int8_unsupported_reason(
+    s, out = gluon_host.begin_decode("8-bit integer decode kernel", lambda N, B: int8_unsupported_reason(
         q, k, k_win, k_codes, k_scale, bits, group_size, N, B), q, k, v, cache_lens, k_win,
         (k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), history_lens)
     if s.N == 0:
         return out
     gp = heads_per_program(s.g)
     max_hist = quant_table.shape[1] * s.P
-    nsplit, nwin = fill_plan(nsplit, win_splits, lambda: plan_int8_launch(
+    nsplit, nwin = gluon_host.fill_plan(nsplit, win_splits, lambda: plan_int8_launch(
         s.N, s.H_kv, s.g, max_hist, sink, recent, q.device, deterministic))
     ns = nsplit + nwin
     if early_load is None:
         early_load = early_load_for(max_hist, nsplit, deterministic)
-    po, pl = split_partials(s, ns, q.device)
+    po, pl = gluon_host.split_partials(s, ns, q.device)
     code_pools = tuple(_words(x) for x in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero))
     _decode_int8_kernel[(s.N, s.H_kv * (s.g // gp), ns)](
-        *decode_launch_args(q, k, v, cu_seqlens, cache_lens, history_lens, window_table, quant_table, k_win, v_win,
-                            code_pools, po, pl, scale * LOG2E, nsplit, nwin),
+        *gluon_host.decode_launch_args(
+            q, k, v, cu_seqlens, cache_lens, history_lens, window_table, quant_table, k_win, v_win, code_pools,
+            po, pl, scale * LOG2E, nsplit, nwin),
         H_KV=s.H_kv, G_ALL=s.g, G_Q=gp, NH=NH_INT8, D=s.D, P=s.P, SINK=sink, RECENT=recent,
         HAS_HIST=history_lens is not None, DET_SPLIT=DET_SPLIT_TOKENS if deterministic else 0, PDL=pdl,
         EARLY=early_load,
@@ -436,4 +430,4 @@ def compile_offline(num_q_per_kv: int = 4, num_kv_heads: int = 8, sink: int = 64
               "D": 128, "P": 16, "SINK": sink, "RECENT": recent, "HAS_HIST": has_hist,
               "DET_SPLIT": DET_SPLIT_TOKENS if deterministic else 0, "PDL": pdl,
               "EARLY": early_load}
-    return compile_decode_offline(_decode_int8_kernel, window_dtype, ("i32",) * 6, consts, MAXNREG)
+    return gluon_host.compile_decode_offline(_decode_int8_kernel, window_dtype, ("i32",) * 6, consts, MAXNREG)
