@@ -102,36 +102,30 @@ def _check_page(codes: torch.Tensor) -> None:
         raise ValueError(f"a masked page holds a multiple of {BLOCK} token rows, got {tuple(codes.shape)}")
 
 
-def pack_key_page(codes: torch.Tensor) -> torch.Tensor:
-    """Key codes of whole pages [..., P, 128] (P a multiple of 16) -> the page bytes [..., P, 32]."""
+def _pack_masked_page(codes: torch.Tensor, kind: str) -> torch.Tensor:
+    """Codes of whole pages [..., P, 128] (P a multiple of 16) -> the page bytes [..., P, 32]."""
     _check_page(codes)
     P = codes.shape[-2]
     blocks = codes.reshape(*codes.shape[:-2], P // BLOCK, BLOCK, MASKED_HEAD_DIM)
-    return _pack_blocks(blocks, "k").reshape(*codes.shape[:-2], P, ROW_BYTES)
+    return _pack_blocks(blocks, kind).reshape(*codes.shape[:-2], P, ROW_BYTES)
 
 
-def unpack_key_page(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_key_page`: [..., P, 32] uint8 -> codes [..., P, 128] uint8."""
+def _unpack_masked_page(packed: torch.Tensor, kind: str) -> torch.Tensor:
+    """Inverse of :func:`_pack_masked_page`: [..., P, 32] uint8 -> codes [..., P, 128] uint8."""
     _check_page(packed)
     P = packed.shape[-2]
     blocks = packed.reshape(*packed.shape[:-2], P // BLOCK, BLOCK_BYTES)
-    return unpack_blocks(blocks, "k").reshape(*packed.shape[:-2], P, MASKED_HEAD_DIM)
+    return unpack_blocks(blocks, kind).reshape(*packed.shape[:-2], P, MASKED_HEAD_DIM)
+
+
+def pack_key_page(codes: torch.Tensor) -> torch.Tensor:
+    """Key codes of whole pages [..., P, 128] (P a multiple of 16) -> the page bytes [..., P, 32]."""
+    return _pack_masked_page(codes, "k")
 
 
 def pack_value_page(codes: torch.Tensor) -> torch.Tensor:
     """Value codes of whole pages [..., P, 128] -> the page bytes [..., P, 32]."""
-    _check_page(codes)
-    P = codes.shape[-2]
-    blocks = codes.reshape(*codes.shape[:-2], P // BLOCK, BLOCK, MASKED_HEAD_DIM)
-    return _pack_blocks(blocks, "v").reshape(*codes.shape[:-2], P, ROW_BYTES)
-
-
-def unpack_value_page(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_value_page`: [..., P, 32] uint8 -> codes [..., P, 128] uint8."""
-    _check_page(packed)
-    P = packed.shape[-2]
-    blocks = packed.reshape(*packed.shape[:-2], P // BLOCK, BLOCK_BYTES)
-    return unpack_blocks(blocks, "v").reshape(*packed.shape[:-2], P, MASKED_HEAD_DIM)
+    return _pack_masked_page(codes, "v")
 
 
 def pack_page(codes: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
@@ -139,7 +133,7 @@ def pack_page(codes: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
     P, D = codes.shape[-2], codes.shape[-1]
     if code_layout(bits, D, P) == "planar":
         return quant.pack_codes(codes, bits)
-    return pack_key_page(codes) if kind == "k" else pack_value_page(codes)
+    return _pack_masked_page(codes, kind)
 
 
 def unpack_page(packed: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
@@ -147,7 +141,7 @@ def unpack_page(packed: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
     P, D = packed.shape[-2], packed.shape[-1] * 8 // bits
     if code_layout(bits, D, P) == "planar":
         return quant.unpack_codes(packed, bits)
-    return unpack_key_page(packed) if kind == "k" else unpack_value_page(packed)
+    return _unpack_masked_page(packed, kind)
 
 
 def read_code_rows(pool: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
