@@ -82,6 +82,17 @@ def _triton_impl(module: str, name: str):
     return getattr(importlib.import_module(full), name)
 
 
+def _triton_on_cuda(op, definition: type, module: str, name: str, ref) -> None:
+    """On CUDA, ``op`` runs the Triton wrapper ``oscar_compile.kernels.<module>.<name>`` (imported
+    at its first call), or ``ref`` without Triton; both take the op's arguments by name."""
+
+    @op.register_kernel("cuda")
+    def _(*args, **kwargs):
+        fields = definition(*args, **kwargs)._asdict()
+        impl = _triton_impl(module, name)
+        return impl(**fields) if impl is not None else ref(**fields)
+
+
 def _rotate_tokens_ref(k: Tensor, rot: Tensor, mean: Tensor | None) -> Tensor:
     # k: [N, H_kv, D] -> rotate sees [1, H_kv, N, D]
     return rotate_ref(k.transpose(0, 1).unsqueeze(0), rot, mean).squeeze(0).transpose(0, 1)
@@ -168,11 +179,8 @@ def _(*args, **kwargs):
     return None
 
 
-@cache_write_bf16.register_kernel("cuda")
-def _(*args, **kwargs):
-    fields = CacheWriteBf16Args(*args, **kwargs)._asdict()
-    impl = _triton_impl("attention.attention_bf16_triton", "cache_write_bf16_triton")
-    return impl(**fields) if impl is not None else cache_write_bf16_ref(**fields)
+_triton_on_cuda(cache_write_bf16, CacheWriteBf16Args, "attention.attention_bf16_triton", "cache_write_bf16_triton",
+                cache_write_bf16_ref)
 
 
 @_register(AttentionBf16Args)
@@ -186,13 +194,8 @@ def _(*args, **kwargs):
     return torch.empty_like(AttentionBf16Args(*args, **kwargs).q)
 
 
-@attention_bf16.register_kernel("cuda")
-def _(*args, **kwargs):
-    fields = AttentionBf16Args(*args, **kwargs)._asdict()
-    impl = _triton_impl("attention.attention_bf16_triton", "attention_bf16_triton")
-    if impl is not None:
-        return impl(**fields)
-    return attention_bf16_ref(**fields)
+_triton_on_cuda(attention_bf16, AttentionBf16Args, "attention.attention_bf16_triton", "attention_bf16_triton",
+                attention_bf16_ref)
 
 
 # ---------------------------------------------------------------- fused per-layer elementwise ops
@@ -208,11 +211,7 @@ def _(*args, **kwargs):
     return a.x.new_empty(a.x.shape, dtype=torch.promote_types(a.x.dtype, a.weight.dtype))
 
 
-@rms_norm.register_kernel("cuda")
-def _(*args, **kwargs):
-    fields = RmsNormArgs(*args, **kwargs)._asdict()
-    impl = _triton_impl("elementwise.elementwise_triton", "rms_norm_triton")
-    return impl(**fields) if impl is not None else rms_norm_ref(**fields)
+_triton_on_cuda(rms_norm, RmsNormArgs, "elementwise.elementwise_triton", "rms_norm_triton", rms_norm_ref)
 
 
 @_register(RopeArgs)
@@ -251,8 +250,4 @@ def _(*args, **kwargs):
     return torch.empty_like(SiluMulArgs(*args, **kwargs).gate)
 
 
-@silu_mul.register_kernel("cuda")
-def _(*args, **kwargs):
-    fields = SiluMulArgs(*args, **kwargs)._asdict()
-    impl = _triton_impl("elementwise.elementwise_triton", "silu_mul_triton")
-    return impl(**fields) if impl is not None else silu_mul_ref(**fields)
+_triton_on_cuda(silu_mul, SiluMulArgs, "elementwise.elementwise_triton", "silu_mul_triton", silu_mul_ref)

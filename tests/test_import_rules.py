@@ -213,6 +213,7 @@ FORWARDS_ALLOWED = {
     ("testing.py", "write"): "a test's write call passed on as it came, with history_lens added",
     ("determinism.py", "func"): "a torch function mode passes every torch call on as it came",
     ("determinism.py", "batch_invariant_linear"): "F.linear's own arguments, as the mode received them",
+    ("ops.py", "definition"): "an op's definition (its formats/op_args.py NamedTuple), handed to _triton_on_cuda",
 }
 
 
