@@ -19,8 +19,10 @@ extend path and the Gluon kernel do not honour yet.
 
 **The setting is read once.** An :class:`AttentionDispatch` holds it, taken when the dispatch is
 built: the runner builds its own (``CompressedRunner``, so at engine start), and the paths
-without a runner (``generate()`` after ``apply()``, the eval, the ``torch.compile`` backend,
-ONNX's checks) share :func:`default_attention_dispatch`, built at their first call.
+without a runner that reach this op on CUDA (``generate()`` or a forward after ``apply()``, which
+the eval's prefix-hit runs use, and the ``torch.compile`` backend) share
+:func:`default_attention_dispatch`, built at the first such call. (The eval's simulation and the
+ONNX export run no CUDA attention: nothing is chosen there.)
 :func:`attention_kernel_from_env` is the one place that reads ``OSCAR_ATTENTION_KERNEL``
 (``tests/test_import_rules.py`` fails on any other environment read under ``kernels/``).
 
@@ -277,9 +279,9 @@ class AttentionDispatch:
 
 @functools.cache
 def default_attention_dispatch() -> AttentionDispatch:
-    """The dispatch of the paths without a runner (``generate()`` after ``apply()``, the eval, the
-    ``torch.compile`` backend, ONNX's checks): built at the first call of one of them, so the
-    setting is read once per process. A runner builds its own."""
+    """The dispatch of the paths without a runner (``generate()`` or a forward after ``apply()``,
+    the ``torch.compile`` backend): built at the first call of one of them, so the setting is read
+    once per process. A runner builds its own."""
     return AttentionDispatch()
 
 
