@@ -67,9 +67,10 @@ from oscar_compile.kernels.attention.decode.attention_gluon_tiles import (
     _pow2,
     _read_step,
     _rows_layout,
-    _seq_of_token,
     _slot_ok,
     _softmax_step,
+    _store_partial,
+    _token_state,
     _value_channel,
     _value_operand,
 )
@@ -240,14 +241,8 @@ def _decode_kernel(
     n = gl.program_id(0)
     kvh = gl.program_id(1)
     sid = gl.program_id(2)
-    i = _seq_of_token(cu_ptr, n, B)
-    start = gl.load(cu_ptr + i)
+    i, start, L, n_hist = _token_state(cu_ptr, lens_ptr, hist_ptr, n, B, SINK, RECENT, HAS_HIST)
     t = n - start
-    L = gl.load(lens_ptr + i)
-    if HAS_HIST:
-        n_hist = gl.load(hist_ptr + i)
-    else:
-        n_hist = gl.maximum(L - SINK - RECENT, 0)
     q_row = q_ptr + n.to(gl.int64) * sqn + kvh * G_Q * sqh
     ns = nsplit + nwin
     head = gl.arange(0, NH, layout=gl.SliceLayout(0, mma))
@@ -277,12 +272,7 @@ def _decode_kernel(
                                  v_ptr + (start.to(gl.int64) * svn + kvh * svh), skn, svn, q_smem_w, kv_smem,
                                  p_smem_w, red_smem, qk_scale, H_KV, G_Q, NH, D, P, SINK, RECENT)
         chan = m_rows
-    inv_l = gl.where(l > 0.0, 1.0 / l, 0.0)
-    o = o * gl.expand_dims(inv_l, 0)
-    gl.store(po_ptr + gl.expand_dims(prow * D, 0) + gl.expand_dims(chan, 1), o,
-             mask=gl.expand_dims(hok, 0) & gl.expand_dims(m_rows >= 0, 1))
-    lse = gl.where(l > 0.0, m_i + gl.log2(l), float("-inf"))
-    gl.store(pl_ptr + prow, lse, mask=hok)
+    _store_partial(po_ptr, pl_ptr, o, m_i, l, prow, chan, hok, m_rows, D)
 
 
 # ------------------------------------------------------------------ host side

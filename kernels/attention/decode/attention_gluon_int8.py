@@ -65,7 +65,12 @@ from oscar_compile.kernels.attention.decode.attention_gluon_int8_tiles import (
     _tile_max128,
     _value_operand,
 )
-from oscar_compile.kernels.attention.decode.attention_gluon_tiles import NEG_INIT, _mma_layout, _seq_of_token
+from oscar_compile.kernels.attention.decode.attention_gluon_tiles import (
+    NEG_INIT,
+    _mma_layout,
+    _store_partial,
+    _token_state,
+)
 from oscar_compile.kernels.attention.decode.attention_triton import LOG2E, MAX_SPLIT_TOKENS, plan_window_splits
 from oscar_compile.kernels.device import num_sms
 from oscar_compile.kernels.gluon_compat import (
@@ -221,14 +226,8 @@ def _decode_int8_kernel(
     kvh = gl.program_id(1) // NG
     h0 = kvh * G_ALL + (gl.program_id(1) % NG) * G_Q  # the group's first query head
     sid = gl.program_id(2)
-    i = _seq_of_token(cu_ptr, n, B)
-    start = gl.load(cu_ptr + i)
+    i, start, L, n_hist = _token_state(cu_ptr, lens_ptr, hist_ptr, n, B, SINK, RECENT, HAS_HIST)
     t = n - start
-    L = gl.load(lens_ptr + i)
-    if HAS_HIST:
-        n_hist = gl.load(hist_ptr + i)
-    else:
-        n_hist = gl.maximum(L - SINK - RECENT, 0)
     q_row = q_ptr + n.to(gl.int64) * sqn + h0 * sqh
     ns = nsplit + nwin
     head = gl.arange(0, NH, layout=gl.SliceLayout(0, mma))
@@ -264,12 +263,7 @@ def _decode_int8_kernel(
                                  L, n_hist, t, kwin_ptr, vwin_ptr, k_ptr + (start.to(gl.int64) * skn + kvh * skh),
                                  v_ptr + (start.to(gl.int64) * svn + kvh * svh), skn, svn, q_smem_w, kv_smem,
                                  p_smem_w, red_smem, qk_scale, H_KV, G_Q, NH, D, P, SINK, RECENT)
-    inv_l = gl.where(l > 0.0, 1.0 / l, 0.0)
-    o = o * gl.expand_dims(inv_l, 0)
-    gl.store(po_ptr + gl.expand_dims(prow * D, 0) + gl.expand_dims(m_rows, 1), o,
-             mask=gl.expand_dims(hok, 0) & gl.expand_dims(m_rows >= 0, 1))
-    lse = gl.where(l > 0.0, m_i + gl.log2(l), float("-inf"))
-    gl.store(pl_ptr + prow, lse, mask=hok)
+    _store_partial(po_ptr, pl_ptr, o, m_i, l, prow, m_rows, hok, m_rows, D)
 
 
 @triton.jit(do_not_specialize=["NS"])

@@ -163,6 +163,34 @@ def _seq_of_token(cu_ptr, n, B):
 
 
 @gluon.jit
+def _token_state(cu_ptr, lens_ptr, hist_ptr, n, B, SINK: gl.constexpr, RECENT: gl.constexpr,
+                 HAS_HIST: gl.constexpr):
+    """Flat token n's sequence i, the sequence's first new token, its cached length L and its
+    history length (given, or the standard max(0, L - S0 - W)): the start of every decode program."""
+    i = _seq_of_token(cu_ptr, n, B)
+    start = gl.load(cu_ptr + i)
+    L = gl.load(lens_ptr + i)
+    if HAS_HIST:
+        n_hist = gl.load(hist_ptr + i)
+    else:
+        n_hist = gl.maximum(L - SINK - RECENT, 0)
+    return i, start, L, n_hist
+
+
+@gluon.jit
+def _store_partial(po_ptr, pl_ptr, o, m_i, den, prow, chan, hok, m_rows, D: gl.constexpr):
+    """A split's normalised partial o [D, NH] (channel rows ``chan``) and its log2-sum-exp (from the
+    running max m_i and denominator den), for
+    the heads ``hok`` of rows ``prow`` (an empty split: zeros and -inf, which the merge skips)."""
+    inv_l = gl.where(den > 0.0, 1.0 / den, 0.0)
+    o = o * gl.expand_dims(inv_l, 0)
+    gl.store(po_ptr + gl.expand_dims(prow * D, 0) + gl.expand_dims(chan, 1), o,
+             mask=gl.expand_dims(hok, 0) & gl.expand_dims(m_rows >= 0, 1))
+    lse = gl.where(den > 0.0, m_i + gl.log2(den), float("-inf"))
+    gl.store(pl_ptr + prow, lse, mask=hok)
+
+
+@gluon.jit
 def _slot_ok(w, n_sink, n_hist, n_rec, SINK: gl.constexpr, RECENT: gl.constexpr):
     """Window slots that hold a cached token (attention_triton.window_slot_ok, same rule)."""
     ok = w < n_sink
