@@ -46,13 +46,13 @@ def split_tokens() -> int | None:
 def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` whose every output row depends on its input row only (see the module docstring)."""
     if x.is_cuda:
-        from oscar_compile.kernels.matmul_triton import linear_triton
+        from oscar_compile.kernels.matmul.matmul_triton import linear_triton
 
         if torch.autograd._profiler_enabled():  # a named range, so that profiles count it as a GEMM
             with torch.profiler.record_function(LINEAR_RANGE):
                 return linear_triton(x, weight, bias)
         return linear_triton(x, weight, bias)
-    from oscar_compile.kernels.matmul_ref import linear_tiled
+    from oscar_compile.kernels.matmul.matmul_ref import linear_tiled
 
     return linear_tiled(x, weight, bias)
 

@@ -7,8 +7,8 @@ binds its arguments by name). Each op is a ``torch.library.custom_op`` with a fa
 implementation (CPU and any device without a kernel) is the ``*_ref`` module; on CUDA the Triton
 wrapper runs when Triton is importable, else the reference. ``oscar::attention`` on sm_90 runs
 the Gluon kernel for decode-like INT2 batches, and on any GPU prefill-like INT-b calls take the
-extend path (history dequantized once, then the paged BF16 kernel; ``attention_dispatch``:
-``OSCAR_ATTENTION_KERNEL``).
+extend path (history dequantized once, then the paged BF16 kernel; ``attention_dispatch``: the
+active ``AttentionDispatch``, whose setting ``OSCAR_ATTENTION_KERNEL`` is read once).
 
 Importing this module is cheap: Triton modules are imported inside the CUDA implementations, on
 first call, never here (no CUDA initialisation, no compilation at import).
@@ -52,12 +52,12 @@ from oscar_compile.formats.op_args import (
     SiluMulArgs,
     op_schema,
 )
-from oscar_compile.kernels.attention_bf16_ref import attention_bf16_ref, cache_write_bf16_ref
-from oscar_compile.kernels.attention_ref import attention_ref
-from oscar_compile.kernels.cache_write_ref import cache_write_ref
-from oscar_compile.kernels.elementwise_ref import rms_norm_ref, rope_ref, silu_mul_ref
+from oscar_compile.kernels.attention.attention_bf16_ref import attention_bf16_ref, cache_write_bf16_ref
+from oscar_compile.kernels.attention.decode.attention_ref import attention_ref
+from oscar_compile.kernels.cache_write.cache_write_ref import cache_write_ref
+from oscar_compile.kernels.elementwise.elementwise_ref import rms_norm_ref, rope_ref, silu_mul_ref
+from oscar_compile.kernels.elementwise.rotate_ref import rotate_ref
 from oscar_compile.kernels.pools import CachePools, allocate_pools  # noqa: F401  (re-export)
-from oscar_compile.kernels.rotate_ref import rotate_ref
 
 
 def _register(definition: type):
@@ -80,6 +80,17 @@ def _triton_impl(module: str, name: str):
     if not triton_available() or importlib.util.find_spec(full) is None:
         return None
     return getattr(importlib.import_module(full), name)
+
+
+def _triton_on_cuda(op, definition: type, module: str, name: str, ref) -> None:
+    """On CUDA, ``op`` runs the Triton wrapper ``oscar_compile.kernels.<module>.<name>`` (imported
+    at its first call), or ``ref`` without Triton; both take the op's arguments by name."""
+
+    @op.register_kernel("cuda")
+    def _(*args, **kwargs):
+        fields = definition(*args, **kwargs)._asdict()
+        impl = _triton_impl(module, name)
+        return impl(**fields) if impl is not None else ref(**fields)
 
 
 def _rotate_tokens_ref(k: Tensor, rot: Tensor, mean: Tensor | None) -> Tensor:
@@ -126,7 +137,7 @@ def _(*args, **kwargs):
 @cache_write.register_kernel("cuda")
 def _(*args, **kwargs):
     a = CacheWriteArgs(*args, **kwargs)
-    impl = _triton_impl("cache_write_triton", "cache_write_triton")
+    impl = _triton_impl("cache_write.cache_write_triton", "cache_write_triton")
     head_dim = a.k.shape[-1]
     if impl is not None and not head_dim & (head_dim - 1):  # the kernel tiles D: a power of two
         return impl(**a._asdict())
@@ -149,8 +160,8 @@ def _(*args, **kwargs):
 @attention.register_kernel("cuda")
 def _(*args, **kwargs):  # as the dispatcher passes them (history_lens only when given)
     a = AttentionArgs(*args, **kwargs)
-    # the Gluon Hopper kernel or the Triton one: kernels/attention_dispatch.py chooses
-    impl = _triton_impl("attention_dispatch", "attention_cuda")
+    # the Gluon Hopper kernel or the Triton one: kernels/attention/attention_dispatch.py chooses
+    impl = _triton_impl("attention.attention_dispatch", "attention_cuda")
     if impl is not None:
         return impl(a)
     return attention_ref(**a._asdict())
@@ -168,11 +179,8 @@ def _(*args, **kwargs):
     return None
 
 
-@cache_write_bf16.register_kernel("cuda")
-def _(*args, **kwargs):
-    fields = CacheWriteBf16Args(*args, **kwargs)._asdict()
-    impl = _triton_impl("attention_bf16_triton", "cache_write_bf16_triton")
-    return impl(**fields) if impl is not None else cache_write_bf16_ref(**fields)
+_triton_on_cuda(cache_write_bf16, CacheWriteBf16Args, "attention.attention_bf16_triton", "cache_write_bf16_triton",
+                cache_write_bf16_ref)
 
 
 @_register(AttentionBf16Args)
@@ -186,13 +194,8 @@ def _(*args, **kwargs):
     return torch.empty_like(AttentionBf16Args(*args, **kwargs).q)
 
 
-@attention_bf16.register_kernel("cuda")
-def _(*args, **kwargs):
-    fields = AttentionBf16Args(*args, **kwargs)._asdict()
-    impl = _triton_impl("attention_bf16_triton", "attention_bf16_triton")
-    if impl is not None:
-        return impl(**fields)
-    return attention_bf16_ref(**fields)
+_triton_on_cuda(attention_bf16, AttentionBf16Args, "attention.attention_bf16_triton", "attention_bf16_triton",
+                attention_bf16_ref)
 
 
 # ---------------------------------------------------------------- fused per-layer elementwise ops
@@ -208,11 +211,7 @@ def _(*args, **kwargs):
     return a.x.new_empty(a.x.shape, dtype=torch.promote_types(a.x.dtype, a.weight.dtype))
 
 
-@rms_norm.register_kernel("cuda")
-def _(*args, **kwargs):
-    fields = RmsNormArgs(*args, **kwargs)._asdict()
-    impl = _triton_impl("elementwise_triton", "rms_norm_triton")
-    return impl(**fields) if impl is not None else rms_norm_ref(**fields)
+_triton_on_cuda(rms_norm, RmsNormArgs, "elementwise.elementwise_triton", "rms_norm_triton", rms_norm_ref)
 
 
 @_register(RopeArgs)
@@ -234,8 +233,8 @@ def _(*args, **kwargs):
 @rope.register_kernel("cuda")
 def _(*args, **kwargs):
     a = RopeArgs(*args, **kwargs)
-    impl = _triton_impl("elementwise_triton", "rope_triton")
-    if impl is not None and _triton_impl("elementwise_triton", "rope_supported")(a.q, a.k, a.cos, a.sin):
+    impl = _triton_impl("elementwise.elementwise_triton", "rope_triton")
+    if impl is not None and _triton_impl("elementwise.elementwise_triton", "rope_supported")(a.q, a.k, a.cos, a.sin):
         return impl(**a._asdict())
     return rope_ref(**a._asdict())
 
@@ -251,8 +250,4 @@ def _(*args, **kwargs):
     return torch.empty_like(SiluMulArgs(*args, **kwargs).gate)
 
 
-@silu_mul.register_kernel("cuda")
-def _(*args, **kwargs):
-    fields = SiluMulArgs(*args, **kwargs)._asdict()
-    impl = _triton_impl("elementwise_triton", "silu_mul_triton")
-    return impl(**fields) if impl is not None else silu_mul_ref(**fields)
+_triton_on_cuda(silu_mul, SiluMulArgs, "elementwise.elementwise_triton", "silu_mul_triton", silu_mul_ref)

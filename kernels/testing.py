@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from oscar_compile.formats.op_args import CacheWriteArgs
-from oscar_compile.kernels.cache_write_ref import cache_write_ref
+from oscar_compile.kernels.cache_write.cache_write_ref import cache_write_ref
 from oscar_compile.kernels.pools import (
     CachePools,
     allocate_pools,

@@ -16,7 +16,7 @@ one vector x of D channels, already in rotated coordinates:
    at bit offsets 0, b, 2b, ... A kernel unpacks a contiguous block of D/n channels from the
    whole byte row with one shift and one mask. (The cache's pools store INT2 at head_dim 128 in
    another byte order, per 16-token block: ``formats.cache.code_layout``,
-   ``kernels/code_layout_ref.py``.)
+   ``kernels/layout/code_layout_ref.py``.)
 """
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ def test_int2_decoding_on_gpu_matches_the_cpu_reference_ops(spec):
 def test_cache_write_compiles_and_matches_the_reference_for_every_batch_shape(batch, tokens, with_history_lens):
     """Each (batch, chunk) shape picks its own kernel variant (search steps, row block); Triton 3.6
     once failed to compile one of them, so every variant runs here, bitwise against the reference."""
-    from oscar_compile.kernels.cache_write_ref import cache_write_ref
+    from oscar_compile.kernels.cache_write.cache_write_ref import cache_write_ref
     from oscar_compile.kernels.pools import allocate_pools
 
     S0, W, P, H, D = 16, 32, 16, 2, 64

@@ -216,6 +216,7 @@ FORWARDS_ALLOWED = {
     ("testing.py", "write"): "a test's write call passed on as it came, with history_lens added",
     ("determinism.py", "func"): "a torch function mode passes every torch call on as it came",
     ("determinism.py", "batch_invariant_linear"): "F.linear's own arguments, as the mode received them",
+    ("ops.py", "definition"): "an op's definition (its formats/op_args.py NamedTuple), handed to _triton_on_cuda",
 }
 
 
@@ -310,3 +311,74 @@ def test_the_attribute_rule_sees_each_way_of_reaching_an_attribute():
               "name = '_oscar'  # not an attribute name\n")
     assert [u.rsplit(": ", 1)[1] for u in _model_attribute_uses(source, "probe")] == [
         "_oscar_compile_report", "_oscar_x", "oscar_graph", "_oscar_tensor_parallel"]
+
+
+# The one read of the environment under kernels/ besides TRITON_INTERPRET (which Triton itself
+# reads at import): the attention kernel setting, read when a dispatch is built.
+ENVIRONMENT_READERS = {("attention_dispatch.py", "attention_kernel_from_env")}
+
+
+def _environment_reads(path: Path, source: str) -> list[str]:
+    """``os.environ`` / ``os.getenv`` / ``environ`` uses in ``source``, as ``file:line: function``,
+    but those that read ``TRITON_INTERPRET`` (a string constant key) and those of
+    ``ENVIRONMENT_READERS``."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+    def reads_triton_interpret(node: ast.AST) -> bool:
+        for above in (parents.get(node), parents.get(parents.get(node))):
+            keys = (above.args[:1] if isinstance(above, ast.Call) else [above.slice]
+                    if isinstance(above, ast.Subscript) else [])
+            if any(isinstance(k, ast.Constant) and k.value == "TRITON_INTERPRET" for k in keys):
+                return True
+        return False
+
+    def function_of(node: ast.AST) -> str:
+        while node in parents:
+            node = parents[node]
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                return node.name
+        return "<module>"
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os" and \
+                any(a.name in ("environ", "getenv", "getenvb", "environb") for a in node.names):
+            found.append(f"{path}:{node.lineno}: from os import ...")
+        elif (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "getenvb", "environb")
+              and isinstance(node.value, ast.Name) and node.value.id == "os"):
+            if reads_triton_interpret(node if node.attr.startswith("getenv") else parents.get(node)):
+                continue
+            if (path.name, function_of(node)) not in ENVIRONMENT_READERS:
+                found.append(f"{path}:{node.lineno}: {function_of(node)}")
+    return found
+
+
+def test_kernels_read_the_environment_in_one_place():
+    """The attention setting is read once, by the dispatch (``attention_kernel_from_env``), never
+    at a call: a kernel that read ``os.environ`` per layer would change its choice mid-run."""
+    kernels = ROOT / "kernels"
+    found = [r for path in sorted(kernels.rglob("*.py"))
+             for r in _environment_reads(path.relative_to(ROOT), path.read_text())]
+    assert found == []
+    readers = [r for path in sorted(kernels.rglob("attention_dispatch.py"))
+               for r in _environment_reads(path.relative_to(ROOT), path.read_text().replace(
+                   "def attention_kernel_from_env", "def renamed"))]
+    assert len(readers) == 1, readers  # the allowed reader is there, and the rule sees it
+
+
+def test_the_environment_rule_catches_a_read():
+    source = ("import os\nfrom os import environ\n"
+              "def choose():\n    return os.environ.get('OSCAR_ATTENTION_KERNEL')\n"
+              "def flag():\n    return os.getenv('X'), os.environ['Y']\n"
+              "def interpreting():\n"
+              "    return os.environ.get('TRITON_INTERPRET') == '1', os.getenv('TRITON_INTERPRET')\n")
+    assert _environment_reads(Path("kernels/x.py"), source) == [
+        "kernels/x.py:2: from os import ...", "kernels/x.py:4: choose", "kernels/x.py:6: flag", "kernels/x.py:6: flag"]
+
+
+def test_no_flat_attention_module_at_the_top_of_kernels():
+    """Attention lives in ``kernels/attention/`` (decode/, prefill/, the plans and the dispatch)."""
+    flat = sorted(p.name for p in (ROOT / "kernels").glob("attention*.py"))
+    assert flat == []
+    assert (ROOT / "kernels" / "attention" / "attention_dispatch.py").is_file()

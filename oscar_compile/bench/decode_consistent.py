@@ -47,8 +47,8 @@ def time_ms(fn, reps: int) -> float:
 def bench_shape(cached: int, chunk: int, reps: int = 5, device: str = "cuda") -> dict:
     """One row (``device`` other than CUDA: a smoke test of this code under the interpreter)."""
     from oscar_compile.cache.decode_consistent import triton_decode_consistent_attention
-    from oscar_compile.kernels.attention_decode_consistent_ref import attention_decode_consistent_ref
-    from oscar_compile.kernels.attention_decode_consistent_triton import packed_views
+    from oscar_compile.kernels.attention.prefill.attention_decode_consistent_ref import attention_decode_consistent_ref
+    from oscar_compile.kernels.attention.prefill.attention_decode_consistent_triton import packed_views
 
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(0)

@@ -9,8 +9,8 @@ queries and P' in the int8 Gluon kernel) is measured here instead: the bundled m
 by ``apply`` with its shipped spec and rotations, prefills ``context - scored`` tokens of each
 held-out window, then takes the ``scored`` true tokens one decode step at a time (teacher
 forcing), each step's attention running through ``oscar::attention`` on the device. Every
-kernel setting (``OSCAR_ATTENTION_KERNEL``, read at each call: ``triton`` the fused Triton
-kernel, ``auto`` the dispatch, on sm_90 the int8 kernel for INT2 decode) scores the same windows,
+kernel setting (an ``AttentionDispatch`` each, the values of ``OSCAR_ATTENTION_KERNEL``: ``triton``
+the fused Triton kernel, ``auto`` the dispatch, on sm_90 the int8 kernel for INT2 decode) scores the same windows,
 so the difference is paired: per window ``nll_b - nll_a``, its mean and standard error.
 """
 
@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 
 import torch
 
-from oscar_compile.kernels.attention_dispatch import ENV, clear_kernels_in_use, kernels_in_use
+from oscar_compile.kernels.attention.attention_dispatch import ENV, AttentionDispatch, KernelUsage
 
 
 def teacher_forced_nll(model, windows: torch.Tensor, scored: int) -> torch.Tensor:
@@ -70,16 +69,12 @@ def main(argv=None) -> int:
     windows = heldout_windows(tokens, args.context, args.num_samples, bos_id(model, tokenizer)).to(args.device)
     nll: dict[str, list[float]] = {}
     used: dict[str, dict] = {}
-    previous = os.environ.get(ENV)
-    try:
-        for kernel in args.kernels:
-            os.environ[ENV] = kernel
-            clear_kernels_in_use()
+    for kernel in args.kernels:
+        dispatch = AttentionDispatch(kernel, usage=KernelUsage())  # (a step spanning the windows: plans by shape)
+        with dispatch.step():
             rows = [teacher_forced_nll(model, b, args.scored) for b in windows.split(args.batch_size)]
-            nll[kernel] = torch.cat(rows).tolist()
-            used[kernel] = kernels_in_use()
-    finally:
-        os.environ.pop(ENV, None) if previous is None else os.environ.__setitem__(ENV, previous)
+        nll[kernel] = torch.cat(rows).tolist()
+        used[kernel] = dispatch.usage.snapshot()
     base = args.kernels[0]
     result = dict(spec=args.spec, context=args.context, scored=args.scored, windows=len(windows), kernels={})
     for kernel in args.kernels:

@@ -42,7 +42,7 @@ EXTEND_SHAPES = ((2048, 8), (6144, 8), (30720, 1))
 
 def _errors(fns: dict, q, k, v, cu, lens, layer, scale, B: int) -> dict:
     """Relative error of each INT2 path against attention_ref, over the first and last sequence."""
-    from oscar_compile.kernels.attention_ref import attention_ref
+    from oscar_compile.kernels.attention.decode.attention_ref import attention_ref
 
     pools, (wt, qt) = layer
     got = {name: fn(pools, (wt, qt)) for name, fn in fns.items()}
@@ -61,9 +61,13 @@ def _errors(fns: dict, q, k, v, cu, lens, layer, scale, B: int) -> dict:
 def bench_extend(cached: int, B: int, chunk: int = 2048, check: bool = True, device: str = "cuda") -> dict:
     """One row: the three paths' µs per layer, tokens/s, ratios to paged BF16 and errors
     (``device`` other than CUDA: only for a smoke test of this code under the interpreter)."""
-    from oscar_compile.kernels.attention_extend_triton import MAX_SCRATCH_BYTES, attention_extend_triton, scratch_bytes
-    from oscar_compile.kernels.attention_triton import attention_triton
-    from oscar_compile.kernels.cache_dequant_triton import dequantize_cache_triton
+    from oscar_compile.kernels.attention.decode.attention_triton import attention_triton
+    from oscar_compile.kernels.attention.prefill.attention_extend_triton import (
+        MAX_SCRATCH_BYTES,
+        attention_extend_triton,
+        scratch_bytes,
+    )
+    from oscar_compile.kernels.layout.cache_dequant_triton import dequantize_cache_triton
 
     dev = torch.device(device)
     scale = D ** -0.5

@@ -55,7 +55,7 @@ from oscar_compile.bench.kernel_setup import (
 )
 from oscar_compile.formats.op_args import POOLS, CacheWriteArgs
 from oscar_compile.kernels import ops
-from oscar_compile.kernels.cache_write_triton import cache_write_triton
+from oscar_compile.kernels.cache_write.cache_write_triton import cache_write_triton
 
 
 def bench_attention(ctx: int, B: int, check: bool) -> dict:
@@ -97,19 +97,19 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
         [lambda kp=kp, vp=vp, pt=pt: ops.attention_bf16(q, kn, vn, cu, lens, pt, kp, vp, scale)
          for kp, vp, pt in pages])
     if check:
-        from oscar_compile.kernels.attention_bf16_ref import attention_bf16_ref
+        from oscar_compile.kernels.attention.attention_bf16_ref import attention_bf16_ref
 
         kp, vp, pt = pages[0]
         got = ops.attention_bf16(q, kn, vn, cu, lens, pt, kp, vp, scale)[:1]
         want = attention_bf16_ref(q[:1], kn[:1], vn[:1], cu[:2], lens[:1], pt[:1], kp, vp, scale)
         row["paged_bf16_rel_err"] = rel_err(got, want)
     del pages
-    from oscar_compile.kernels.attention_triton import attention_triton
+    from oscar_compile.kernels.attention.decode.attention_triton import attention_triton
 
     kernels = [(attention_triton, torch.float16, "int2_fp16", 2), (attention_triton, torch.float16, "int4_fp16", 4)]
     if gluon_runs():
-        from oscar_compile.kernels.attention_gluon import attention_gluon
-        from oscar_compile.kernels.attention_gluon_int8 import attention_gluon_int8
+        from oscar_compile.kernels.attention.decode.attention_gluon import attention_gluon
+        from oscar_compile.kernels.attention.decode.attention_gluon_int8 import attention_gluon_int8
 
         # (INT2 at head_dim 128 is masked since cache format version 2: the fp16-operand Gluon kernel
         # reads INT4 only here; its last INT2 rows are in bench/results/2026-12-03-h200-int2-decode-int8-product)
@@ -131,7 +131,7 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
         row[f"{tag}_speedup_vs_sdpa"] = row["sdpa_us"] / t
         row[f"{tag}_speedup_vs_paged_bf16"] = row["paged_bf16_us"] / t
         if check:
-            from oscar_compile.kernels.attention_ref import attention_ref
+            from oscar_compile.kernels.attention.decode.attention_ref import attention_ref
 
             pools, (wt, qt) = layers[0]
             got = call(pools, (wt, qt))
@@ -151,7 +151,7 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
 
 def gluon_runs() -> bool:
     """The Gluon Hopper kernel can run here (sm_90 and a Triton with Gluon)."""
-    from oscar_compile.kernels.attention_dispatch import gluon_device_problem
+    from oscar_compile.kernels.attention.attention_dispatch import gluon_device_problem
 
     return gluon_device_problem(torch.cuda.current_device()) is None
 
@@ -174,7 +174,7 @@ def _decode_case(ctx: int, B: int):
 def bench_gluon_variants(ctx: int, B: int) -> list[dict]:
     """The Gluon kernel at one shape against its number of history splits and window programs
     (``planned`` marks the default plan)."""
-    from oscar_compile.kernels.attention_gluon import MAXNREG, attention_gluon, plan_gluon_launch
+    from oscar_compile.kernels.attention.decode.attention_gluon import MAXNREG, attention_gluon, plan_gluon_launch
 
     dev, q, kn, cu, lens, nbytes, layers, max_hist = _decode_case(ctx, B)
     out = []
@@ -212,8 +212,8 @@ def bench_variants(ctx: int, B: int) -> list[dict]:
     ``planned`` marks the default plan. (bench/results/kernels_h200.json swept the history block,
     num_warps, pipelining depth and the bit-trick decode: 128, 4 warps, 2 stages and the bit trick
     won.)"""
-    from oscar_compile.kernels.attention_blocks_triton import merge_partials
-    from oscar_compile.kernels.attention_triton import attention_triton, plan_launch, window_programs
+    from oscar_compile.kernels.attention.attention_blocks_triton import merge_partials
+    from oscar_compile.kernels.attention.decode.attention_triton import attention_triton, plan_launch, window_programs
 
     dev, q, kn, cu, lens, nbytes, layers, max_hist = _decode_case(ctx, B)
     out = []
@@ -269,7 +269,7 @@ def on_cpu(a: CacheWriteArgs) -> CacheWriteArgs:
 
 def reference_write(a: CacheWriteArgs) -> None:
     """``cache_write_ref`` of a write without a key rotation (the reference takes no rot_k / mean_k)."""
-    from oscar_compile.kernels.cache_write_ref import cache_write_ref
+    from oscar_compile.kernels.cache_write.cache_write_ref import cache_write_ref
 
     fields = a._asdict()
     del fields["rot_k"], fields["mean_k"]
@@ -316,7 +316,7 @@ def bench_write(check: bool) -> dict:
         t = graph_time_us([lambda a=a: ops.cache_write(*a)] * LAYERS)
         tr = graph_time_us([lambda a=a: ops.cache_write(*a._replace(rot_k=rot, mean_k=mean))] * LAYERS)
         entry = {"batch": B, "us_per_layer": t, "us_per_layer_with_rotation": tr}
-        if check:  # the oracle is the CPU reference (see tests/kernels/test_cache_write_triton.py)
+        if check:  # the oracle is the CPU reference (see tests/kernels/cache_write/test_cache_write_triton.py)
             ref = on_cpu(a)
             reference_write(ref)
             cache_write_triton(**a._asdict())
@@ -350,9 +350,9 @@ def bench_write(check: bool) -> dict:
 
 def profile_launches(ctx: int, B: int, kernel: str) -> None:
     """Plain launches of one decode kernel (for Nsight Compute: ``ncu --kernel-name regex:...``)."""
-    from oscar_compile.kernels.attention_gluon import attention_gluon
-    from oscar_compile.kernels.attention_gluon_int8 import attention_gluon_int8
-    from oscar_compile.kernels.attention_triton import attention_triton
+    from oscar_compile.kernels.attention.decode.attention_gluon import attention_gluon
+    from oscar_compile.kernels.attention.decode.attention_gluon_int8 import attention_gluon_int8
+    from oscar_compile.kernels.attention.decode.attention_triton import attention_triton
 
     fn = {"gluon": attention_gluon, "int8": attention_gluon_int8, "triton": attention_triton}[kernel]
     _, q, kn, cu, lens, _, layers, _ = _decode_case(ctx, B)

@@ -27,8 +27,8 @@ from oscar_compile.bench.kernel_setup import (
 
 def bench_int8_variants(ctx: int, B: int, decode_case: tuple) -> list[dict]:
     """``decode_case``: bench.kernels._decode_case(ctx, B) (inputs, the L2-flushing layers)."""
-    from oscar_compile.kernels.attention_blocks_triton import merge_partials
-    from oscar_compile.kernels.attention_gluon_int8 import (
+    from oscar_compile.kernels.attention.attention_blocks_triton import merge_partials
+    from oscar_compile.kernels.attention.decode.attention_gluon_int8 import (
         EARLY_STEPS,
         STEP_TOKENS,
         attention_gluon_int8,

@@ -223,22 +223,20 @@ def _graph_covers(runner: CompressedRunner, batch: Batch) -> bool:
 
 def plan_ab_ms(runner: CompressedRunner, batch: Batch, reps: int) -> dict:
     """Median eager step times with the attention plan memoized per step (the default) and with
-    every ``oscar::attention`` call planning for itself (``attention_dispatch.MAX_PLANS = 0``), the
-    two alternated step by step; their difference is the host time the per-step plan saves."""
-    from oscar_compile.kernels import attention_dispatch as ad
-
-    kept, times = ad.MAX_PLANS, {"planned": [], "unplanned": []}
+    every ``oscar::attention`` call planning for itself (the runner's dispatch keeping no plan,
+    ``max_plans = 0``), the two alternated step by step; their difference is the host time the
+    per-step plan saves."""
+    kept, times = runner.attention.max_plans, {"planned": [], "unplanned": []}
     try:
         for _ in range(reps + 1):
             for name, max_plans in (("planned", kept), ("unplanned", 0)):
-                ad.MAX_PLANS = max_plans
-                ad.clear_attention_plans()  # (a planned step plans at its first layer, as a new batch shape does)
+                runner.attention.max_plans = max_plans  # (a planned step plans at its first layer)
                 start = time.perf_counter()
                 runner.run(batch)
                 _sync(runner.device)
                 times[name].append(time.perf_counter() - start)
     finally:
-        ad.MAX_PLANS = kept
+        runner.attention.max_plans = kept
     planned, unplanned = (statistics.median(t[1:]) * 1e3 for t in times.values())  # (the first: warm-up)
     return dict(eager_planned_ms=planned, eager_unplanned_ms=unplanned, plan_saved_ms=unplanned - planned)
 

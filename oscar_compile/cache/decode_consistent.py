@@ -3,7 +3,7 @@
 The graph's ops attend prompt-exact: ``oscar::attention`` lets a chunk read its own tokens in
 full precision. Under the decode-consistent semantics a cache runs the layer's INT-b ops itself
 when the graph asks for their inputs (:func:`run_decode_consistent`): the decode-consistent
-attention (``kernels/attention_decode_consistent_ref.py`` states it) on the new tokens, then the
+attention (``kernels/attention/prefill/attention_decode_consistent_ref.py`` states it) on the new tokens, then the
 graph's own ``oscar::cache_write``, with the constants the graph's calls carry
 (``cache.op_constants``). It hands the graph's ops an empty chunk (no token to attend or write)
 and gives back the output it computed when the graph hands in theirs. Each step runs so, one-token
@@ -12,7 +12,7 @@ the same way; on CUDA by ``oscar::attention``, below), except in a captured CUDA
 step, which runs the graph's ops (``runtime/worker/compressed_runner.py``).
 
 The attention runs the Triton path on CUDA (:func:`triton_decode_consistent_attention`: the
-kernel of ``kernels/attention_decode_consistent_triton.py``, flash-style over the reference's
+kernel of ``kernels/attention/prefill/attention_decode_consistent_triton.py``, flash-style over the reference's
 views, O(context) memory, for chunks; ``oscar::attention`` for decode rows) and the plain-torch
 reference elsewhere (:func:`decode_consistent_attention`).
 """
@@ -27,7 +27,7 @@ import torch
 from ..formats.cache import LayerFormat
 from ..formats.op_args import AttentionArgs, CacheWriteArgs
 from ..kernels import ops  # noqa: F401  registers the oscar:: ops called below (cheap: no Triton at import)
-from ..kernels.attention_decode_consistent_ref import attention_decode_consistent_ref
+from ..kernels.attention.prefill.attention_decode_consistent_ref import attention_decode_consistent_ref
 from .contract import layer_input_names
 
 
@@ -46,7 +46,7 @@ def triton_decode_consistent_attention(q, k, v, cu_seqlens, clip_k, clip_v, **re
     rows) through ``oscar::attention``, whose one-token rows are the rule's (the decode step's own
     kernels, without views of each sequence's whole context), longer chunks through the Triton
     kernel. Triton is imported on first use (``import oscar_compile`` stays cheap)."""
-    from ..kernels.attention_decode_consistent_triton import attention_decode_consistent_triton
+    from ..kernels.attention.prefill.attention_decode_consistent_triton import attention_decode_consistent_triton
 
     starts = cu_seqlens.tolist()
     counts = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]

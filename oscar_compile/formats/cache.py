@@ -44,7 +44,7 @@ def code_layout(bits: int, head_dim: int, page_size: int) -> str:
     ``"rows"``), both cache format version :data:`CACHE_FORMAT_VERSION` (docs/cache-format.md).
 
     ``masked`` (the byte order of the INT2 decode on 8-bit integer wgmma, issue #32;
-    ``kernels/code_layout_ref.py``) for INT2 at head_dim 128 with pages of a multiple of 16 tokens;
+    ``kernels/layout/code_layout_ref.py``) for INT2 at head_dim 128 with pages of a multiple of 16 tokens;
     ``planar`` rows for the rest: INT4 (it takes the new decode only if its error budget holds, not
     measured yet), head_dim 64 (its value tile has one m64 tile of channels, so where the 4 rows of
     a value byte come from, two KV heads per program or a second accumulator per k-half, is a

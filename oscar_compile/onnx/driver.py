@@ -1,6 +1,7 @@
 """A thin numpy driver for the exported graphs: it owns the cache buffers, demotes, generates greedily.
 
-Imports numpy and onnxruntime only (no torch): an exported directory runs where those two do.
+Imports numpy and onnxruntime only (no torch; the cache format's version and block size come from
+``formats.cache``, which imports nothing): an exported directory runs where those two do.
 
 Per layer, token-major buffers (the graph inputs are their first rows, no copies):
 - sink [S0, H, D] float32: positions [0, min(L, S0));
@@ -22,11 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..formats.cache import MASKED_BLOCK_TOKENS as BLOCK  # tokens of a masked history block
+from ..formats.cache import check_cache_format_version
+
 MANIFEST = "manifest.json"
 FORMAT = "oscar_compile.onnx"
 FORMAT_VERSION = 2  # 2: the manifest names the cache format version and the codes' byte order
-CACHE_FORMAT_VERSION = 2  # oscar_compile.formats.cache.CACHE_FORMAT_VERSION (a test keeps them equal)
-BLOCK = 16  # tokens of a masked history block
 _SCALE_DTYPES = {"float16": np.float16, "float32": np.float32}
 
 
@@ -170,10 +172,7 @@ class OnnxGenerator:
         if m.get("format") != FORMAT or m.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{path}: format {m.get('format')!r} version {m.get('format_version')!r}, "
                              f"this driver reads {FORMAT} version {FORMAT_VERSION}")
-        if m.get("cache_format_version") != CACHE_FORMAT_VERSION:
-            raise ValueError(f"{path}: KV-cache format version {m.get('cache_format_version')!r}, this driver "
-                             f"reads cache format version {CACHE_FORMAT_VERSION} (the INT2 code byte order "
-                             f"differs: docs/cache-format.md); re-export with this version")
+        check_cache_format_version(m.get("cache_format_version"), str(path))
         self.manifest = m
         options = ort.SessionOptions()
         if num_threads:

@@ -28,7 +28,7 @@ from ..architectures import ModelFingerprint, attention_modules
 from ..artifact import Rotations
 from ..checkpoint import compression_of, write_tokenizer
 from ..formats.cache import CACHE_FORMAT_VERSION, MASKED_BLOCK_TOKENS, code_layout
-from ..kernels.code_layout_ref import BLOCK_BYTES
+from ..kernels.layout.code_layout_ref import BLOCK_BYTES
 from ..loading import load_model
 from ..passes.apply import resolve_layers
 from ..passes.fold_values import fold_value_rotation
@@ -191,7 +191,7 @@ def export_onnx(model_dir: str | Path, spec: CompressionSpec | str | Path,
 def _layout_maps() -> dict:
     """Where the masked layout puts each (token row, channel) code: byte and bit pair [16][128] per
     kind, from ``code_layout_ref`` (the driver, numpy only, writes demoted tokens with them)."""
-    from ..kernels.code_layout_ref import key_byte_map, value_byte_map
+    from ..kernels.layout.code_layout_ref import key_byte_map, value_byte_map
 
     return {kind: {"byte": byte.tolist(), "pair": pair.tolist()}
             for kind, (byte, pair) in (("k", key_byte_map()), ("v", value_byte_map()))}

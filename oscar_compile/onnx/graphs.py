@@ -12,7 +12,7 @@ buffer without a copy (H = H_kv, D = head_dim, G = group size, b = bits):
   hist_k_codes, _v_codes   [N, H, D * b / 8] uint8 planar-packed codes, or, where the cache
                            format stores masked INT2 (INT2 at D = 128: formats.cache.code_layout),
                            [ceil(N / 16), H, 512] uint8: 16-token blocks in the pools' byte
-                           order (kernels/code_layout_ref.py), the last one partly filled
+                           order (kernels/layout/code_layout_ref.py), the last one partly filled
   hist_k_scale/_zero, v    [N, H, D / G] scale dtype
   recent_k, recent_v       [R, H, D] float32      the recent window, in any order (a ring)
 Attention is a sum over keys, so the order of cached tokens does not matter; only the new tokens
@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import quant
 from ..attention_override import override_attention
-from ..kernels.code_layout_ref import unpack_blocks
+from ..kernels.layout.code_layout_ref import unpack_blocks
 
 CACHE_FIELDS = ("sink_k", "sink_v", "hist_k_codes", "hist_k_scale", "hist_k_zero",
                 "hist_v_codes", "hist_v_scale", "hist_v_zero", "recent_k", "recent_v")

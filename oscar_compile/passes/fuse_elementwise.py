@@ -4,7 +4,7 @@
 
 Why: at batch 1 a decode step is bound by kernel launches, not bytes: each layer runs four
 RMSNorms of eight kernels, a RoPE of about ten, two rotations of four, and the MLP's SiLU and
-product, ~45 launches that the fused ops do in 6 (kernels/elementwise_ref.py). With the GEMMs
+product, ~45 launches that the fused ops do in 6 (kernels/elementwise/elementwise_ref.py). With the GEMMs
 and attention fixed, these launches are what is left of the step.
 
 Nothing is swapped on faith: before a module's forward (or a traced ``apply_rotary_pos_emb``) is
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats.op_args import RopeArgs, op_of
-from ..kernels.elementwise_ref import rms_norm_ref, rope_ref
+from ..kernels.elementwise.elementwise_ref import rms_norm_ref, rope_ref
 from .merge_projections import merge_gate_up
 from .sites import AttentionSite
 

@@ -84,23 +84,23 @@ def test_a_disagreeing_definition_is_caught():
 
 # the functions each op implementation calls with ``**definition._asdict()`` (module, function, op)
 KEYWORD_CALLEES = [
-    ("attention_ref", "attention_ref", "attention"),
-    ("attention_triton", "attention_triton", "attention"),
-    ("attention_gluon", "attention_gluon", "attention"),
-    ("attention_extend_triton", "attention_extend_triton", "attention"),
-    ("cache_write_ref", "cache_write_ref", "cache_write"),  # without rot_k / mean_k: ops.py rotates first
-    ("cache_write_triton", "cache_write_triton", "cache_write"),
-    ("attention_bf16_ref", "attention_bf16_ref", "attention_bf16"),
-    ("attention_bf16_triton", "attention_bf16_triton", "attention_bf16"),
-    ("attention_bf16_ref", "cache_write_bf16_ref", "cache_write_bf16"),
-    ("attention_bf16_triton", "cache_write_bf16_triton", "cache_write_bf16"),
-    ("rotate_ref", "rotate_ref", "rotate"),
-    ("elementwise_ref", "rms_norm_ref", "rms_norm"),
-    ("elementwise_ref", "rope_ref", "rope"),
-    ("elementwise_ref", "silu_mul_ref", "silu_mul"),
-    ("elementwise_triton", "rms_norm_triton", "rms_norm"),
-    ("elementwise_triton", "rope_triton", "rope"),
-    ("elementwise_triton", "silu_mul_triton", "silu_mul"),
+    ("attention.decode.attention_ref", "attention_ref", "attention"),
+    ("attention.decode.attention_triton", "attention_triton", "attention"),
+    ("attention.decode.attention_gluon", "attention_gluon", "attention"),
+    ("attention.prefill.attention_extend_triton", "attention_extend_triton", "attention"),
+    ("cache_write.cache_write_ref", "cache_write_ref", "cache_write"),  # without rot_k / mean_k: ops.py rotates first
+    ("cache_write.cache_write_triton", "cache_write_triton", "cache_write"),
+    ("attention.attention_bf16_ref", "attention_bf16_ref", "attention_bf16"),
+    ("attention.attention_bf16_triton", "attention_bf16_triton", "attention_bf16"),
+    ("attention.attention_bf16_ref", "cache_write_bf16_ref", "cache_write_bf16"),
+    ("attention.attention_bf16_triton", "cache_write_bf16_triton", "cache_write_bf16"),
+    ("elementwise.rotate_ref", "rotate_ref", "rotate"),
+    ("elementwise.elementwise_ref", "rms_norm_ref", "rms_norm"),
+    ("elementwise.elementwise_ref", "rope_ref", "rope"),
+    ("elementwise.elementwise_ref", "silu_mul_ref", "silu_mul"),
+    ("elementwise.elementwise_triton", "rms_norm_triton", "rms_norm"),
+    ("elementwise.elementwise_triton", "rope_triton", "rope"),
+    ("elementwise.elementwise_triton", "silu_mul_triton", "silu_mul"),
 ]
 
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from oscar_compile.kernels.determinism import batch_invariant_linear, deterministic, is_deterministic, split_tokens
-from oscar_compile.kernels.elementwise_ref import rms_norm_ref
-from oscar_compile.kernels.matmul_ref import ROW_TILE, linear_ref, linear_tiled
+from oscar_compile.kernels.elementwise.elementwise_ref import rms_norm_ref
+from oscar_compile.kernels.matmul.matmul_ref import ROW_TILE, linear_ref, linear_tiled
 
 BATCHES = (1, 3, 64)
 
@@ -81,7 +81,7 @@ def test_rms_norm_reference_is_per_row():
 
 @pytest.mark.parametrize("n,k,bias", [(96, 256, True), (64, 200, False)])
 def test_triton_linear_is_batch_invariant(tdevice, n, k, bias):
-    from oscar_compile.kernels.matmul_triton import linear_triton
+    from oscar_compile.kernels.matmul.matmul_triton import linear_triton
 
     x, w, b = _inputs(n, k, tdevice, bias=bias)
     _rows_invariant(lambda rows: linear_triton(rows, w, b), x)
@@ -89,7 +89,7 @@ def test_triton_linear_is_batch_invariant(tdevice, n, k, bias):
 
 
 def test_triton_rms_norm_is_per_row(tdevice):
-    from oscar_compile.kernels.elementwise_triton import rms_norm_triton
+    from oscar_compile.kernels.elementwise.elementwise_triton import rms_norm_triton
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64, 256, generator=g).to(tdevice)
@@ -102,7 +102,7 @@ def test_triton_rms_norm_is_per_row(tdevice):
 def test_triton_linear_bf16_rows_on_the_gpu(n, k):
     """The 8B shapes (merged QKV, O, down) and an LM head, in bfloat16 as served: 300 rows take
     the prefill tile, 1, 3 and 64 the decode tile (matmul_triton.TILES), and agree bitwise."""
-    from oscar_compile.kernels.matmul_triton import linear_triton, tile_for
+    from oscar_compile.kernels.matmul.matmul_triton import linear_triton, tile_for
 
     x, w, _ = _inputs(n, k, "cuda", torch.bfloat16, bias=False, rows=300)
     assert tile_for(300) != tile_for(64)
@@ -113,7 +113,7 @@ def test_triton_linear_bf16_rows_on_the_gpu(n, k):
 def test_reference_attention_rows_do_not_depend_on_the_chunking():
     """Deterministic mode: a query row's output is the same whether its sequence's earlier
     tokens came in its chunk or from the cache (L), and close to the plain reference."""
-    from oscar_compile.kernels.attention_ref import _attend, _attend_invariant
+    from oscar_compile.kernels.attention.decode.attention_ref import _attend, _attend_invariant
 
     g = torch.Generator().manual_seed(4)
     S, H_q, H_kv, D = 150, 6, 2, 64
@@ -126,7 +126,7 @@ def test_reference_attention_rows_do_not_depend_on_the_chunking():
 
 
 def test_reference_rotation_rows_are_batch_invariant():
-    from oscar_compile.kernels.rotate_ref import rotate_ref
+    from oscar_compile.kernels.elementwise.rotate_ref import rotate_ref
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1, 4, 64, 128, generator=g)  # [B, H, T, D]
@@ -142,7 +142,7 @@ def test_reference_rotation_rows_are_batch_invariant():
 def test_triton_rope_with_rotation_rows_are_batch_invariant(tdevice):
     """The fused RoPE + key rotation: its column split and token packing follow the token count by
     default; in deterministic mode one tiling serves every count."""
-    from oscar_compile.kernels.elementwise_triton import rope_triton
+    from oscar_compile.kernels.elementwise.elementwise_triton import rope_triton
 
     g = torch.Generator().manual_seed(6)
     T, H_q, H_kv, D = 64, 4, 2, 128

@@ -14,9 +14,9 @@ import torch
 
 from oscar_compile import quant
 from oscar_compile.kernels import ops
-from oscar_compile.kernels.attention_ref import attention_ref
-from oscar_compile.kernels.cache_write_ref import cache_write_ref
-from oscar_compile.kernels.rotate_ref import rotate_ref
+from oscar_compile.kernels.attention.decode.attention_ref import attention_ref
+from oscar_compile.kernels.cache_write.cache_write_ref import cache_write_ref
+from oscar_compile.kernels.elementwise.rotate_ref import rotate_ref
 from oscar_compile.kernels.testing import build_case, random_kv, with_standard_history_lens
 
 RTOL = 1e-5
@@ -171,7 +171,7 @@ def _full_precision_pages(case, room: int, page_size: int = 16):
 def test_16_bit_history_is_the_full_precision_paged_cache(sink, recent):
     """bits = 16 (a layer kept at 16 bits beside INT-b layers): whatever the windows, the cache
     holds the written tokens as they are, so attention is the full-precision paged op's."""
-    from oscar_compile.kernels.attention_bf16_ref import attention_bf16_ref
+    from oscar_compile.kernels.attention.attention_bf16_ref import attention_bf16_ref
 
     case = build_case([0, 7, 48, 100], 2, 64, 16, sink, recent, 16, 64, seed=5, extra_tokens=8)
     q, k, v, cu, scale, got = run_chunk_attention(case, [3, 1, 0, 5], 8, seed=6)
@@ -323,7 +323,9 @@ def test_every_cuda_registration_names_an_existing_triton_wrapper():
     import re
 
     pytest.importorskip("triton")
-    pairs = set(re.findall(r'_triton_impl\("(\w+)", "(\w+)"\)', inspect.getsource(ops)))
+    source = inspect.getsource(ops)
+    pairs = set(re.findall(r'_triton_impl\("([\w.]+)", "(\w+)"\)', source))
+    pairs |= set(re.findall(r'_triton_on_cuda\(\w+, \w+, "([\w.]+)", "(\w+)"', source))
     assert len(pairs) >= 7
     for module, name in sorted(pairs):
         assert ops._triton_impl(module, name) is not None, f"oscar_compile.kernels.{module}.{name}"
@@ -337,7 +339,7 @@ def test_masked_pages_hold_the_pack_of_the_quantized_tokens(chunk, hits):
     """INT2 at head_dim 128 (masked pages): after a bulk write, chunk edges inside 4-token groups,
     decode steps and prefix-hit starts, each history row holds the quantizer's codes of its token
     and each full page is the bulk pack (code_layout_ref.pack_page) of its 16 rows."""
-    from oscar_compile.kernels import code_layout_ref as cl
+    from oscar_compile.kernels.layout import code_layout_ref as cl
     from oscar_compile.kernels.pools import history_lens_of
 
     sink, recent, P, H = 16, 32, 16, 2

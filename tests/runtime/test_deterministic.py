@@ -14,7 +14,7 @@ runs the same cases with CUDA graphs, chunking aside.
 
 Both prefill semantics run these cases on the CPU: prompt-exact, and decode-consistent (the
 default), whose reference attends in deterministic mode by fixed key blocks at absolute
-positions (kernels/attention_decode_consistent_ref.py), so a row's bits do not depend on its
+positions (kernels/attention/prefill/attention_decode_consistent_ref.py), so a row's bits do not depend on its
 chunk. Under decode-consistent the cases a prompt-exact engine cannot make exact hold too: a
 resend hitting a window snapshot past the sink, and recompute preemption.
 """

@@ -21,8 +21,8 @@ from oscar_compile.runtime.core.sampling_params import SamplingParams
 from oscar_compile.runtime.core.scheduler import Scheduler
 from oscar_compile.runtime.core.sequence import Sequence
 
-cache_write_ref = pytest.importorskip("oscar_compile.kernels.cache_write_ref").cache_write_ref
-gather_cached = pytest.importorskip("oscar_compile.kernels.attention_ref").gather_cached
+cache_write_ref = pytest.importorskip("oscar_compile.kernels.cache_write.cache_write_ref").cache_write_ref
+gather_cached = pytest.importorskip("oscar_compile.kernels.attention.decode.attention_ref").gather_cached
 allocate_pools = pytest.importorskip("oscar_compile.kernels.pools").allocate_pools
 
 P, D = 16, 8

@@ -158,7 +158,7 @@ class SnapshotCollector:
     def collect(self) -> Iterator[Metric]:
         # which oscar::attention kernel ran in this process (Gluon on sm_90 decode, the extend path
         # for prefill-like INT-b calls, Triton otherwise)
-        from oscar_compile.kernels.attention_dispatch import kernels_in_use
+        from oscar_compile.kernels.attention.attention_dispatch import kernels_in_use
         from oscar_compile.kernels.jit_watch import compile_stats
 
         stats = self._stats()

@@ -31,6 +31,7 @@ from oscar_compile.cache.hf_cache import OscarCache
 from oscar_compile.cache.op_constants import OpConstants
 from oscar_compile.formats.cache import CacheLayout, LayerFormat
 from oscar_compile.formats.prefill import DECODE_CONSISTENT, DEFAULT_PREFILL_SEMANTICS, check_prefill_semantics
+from oscar_compile.kernels.attention.attention_dispatch import AttentionDispatch
 from oscar_compile.kernels.determinism import deterministic as deterministic_mode
 from oscar_compile.kernels.pools import allocate_layer_pools
 from oscar_compile.runtime.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, RunnerCapabilities
@@ -126,6 +127,7 @@ class CompressedRunner:
         self.constants = compressed.constants
         self.layout = layout
         self.deterministic = deterministic
+        self.attention = AttentionDispatch()  # the kernel choice: OSCAR_ATTENTION_KERNEL read once, here
         # transformers renamed the forward's past_key_values to cache (5.2x): look it up once, not per step
         parameters = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
@@ -323,7 +325,7 @@ class CompressedRunner:
         if rows is not None and self.keeps_logit_rows:
             kwargs["logits_to_keep"] = rows
         mode = deterministic_mode() if self.deterministic else contextlib.nullcontext()
-        with mode, _without_hf_masks(self.model.config):
+        with self.attention.step(), mode, _without_hf_masks(self.model.config):  # (the step's attention plans)
             logits = self.model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=True,
                                 **kwargs).logits[0]
         return logits if rows is None or self.keeps_logit_rows else logits[rows]

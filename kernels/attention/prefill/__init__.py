@@ -1,0 +1,1 @@
+"""Prefill attention over the compressed paged cache (decode-consistent and extend)."""

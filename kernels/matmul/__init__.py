@@ -1,0 +1,1 @@
+"""Batch-invariant ``x @ w.T + b`` for deterministic mode: the reference and the Triton kernel."""
