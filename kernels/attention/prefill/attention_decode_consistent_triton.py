@@ -248,7 +248,7 @@ def packed_views(k, v, cu, lens, hists, tables, pools, sink, recent, bits, group
     (``gather_cached_into``). The quantizer works row by row (per token and head), so the values
     are the reference's, bitwise. Built per sequence, a batch of 32 prompts of 512 tokens (two
     chunks each: one ends at the snapshot boundary of its last page) took 8.7 s to first token at
-    8B, bench/results/2026-12-03-h200-session5."""
+    8B, bench/results/2026-12-03-h200-deterministic-gpu-ttft-decode-capacity."""
     k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = pools
     counts = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
     sizes = [L + n if n else 0 for L, n in zip(lens, counts, strict=True)]

@@ -3,7 +3,7 @@
 # staging, prefix hits at window snapshots), the eager-step host time of the per-step attention
 # plan, then the GPU tests of what changed (the decode-consistent kernel's deterministic mode,
 # deterministic serving under decode-consistent prefill, the planned dispatch) in three processes.
-#   BUDGET_S=560 bash bench/results/2026-12-03-h200-session5/call2.sh
+#   BUDGET_S=560 bash bench/results/2026-12-03-h200-deterministic-gpu-ttft-decode-capacity/call2.sh
 set -u
 source "$(dirname "$0")/common.sh"
 step ttft 290 python3 -m oscar_compile.bench.serve --shapes 8b --parts ttft --ttft-contexts 32768 131072 \

@@ -2,7 +2,7 @@
 # Device call 1 of session 5, on the landed tree: the timings first, one at a time (the
 # structured-output row after the fill fix, the cache write per layer, the int8 kernel's Nsight
 # Compute profile at 128k / 1 and 8k / 1), then the GPU tests in three processes.
-#   BUDGET_S=570 bash bench/results/2026-12-03-h200-session5/call1.sh
+#   BUDGET_S=570 bash bench/results/2026-12-03-h200-deterministic-gpu-ttft-decode-capacity/call1.sh
 set -u
 source "$(dirname "$0")/common.sh"
 step serve_structured 180 python3 -m oscar_compile.bench.serve --shapes 8b --parts structured --structured-batch 32 \

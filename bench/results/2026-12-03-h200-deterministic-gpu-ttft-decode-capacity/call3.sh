@@ -3,7 +3,7 @@
 # decode-consistent views), the decode and capacity rows of the 8B and 4B shapes on the int8
 # kernel, then the GPU tests the second call's time cut (the decode-consistent kernel's aligned
 # blocks across chunkings on CUDA) and the int8 kernel's tests, beside each other.
-#   BUDGET_S=470 bash bench/results/2026-12-03-h200-session5/call3.sh
+#   BUDGET_S=470 bash bench/results/2026-12-03-h200-deterministic-gpu-ttft-decode-capacity/call3.sh
 set -u
 source "$(dirname "$0")/common.sh"
 step serve_structured 150 python3 -m oscar_compile.bench.serve --shapes 8b --parts structured --structured-batch 32 \

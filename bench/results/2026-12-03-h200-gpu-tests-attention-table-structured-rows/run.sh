@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the merged tree (issues #30, #31, #32): the GPU tests first, then the
 # benchmarks, each step under its own time limit so that a slow one cannot take the others' time.
-# Run from the repository root with .whl carried: bash bench/results/2026-12-03-h200-merged-issues-30-31-32/run.sh
+# Run from the repository root with .whl carried: bash bench/results/2026-12-03-h200-gpu-tests-attention-table-structured-rows/run.sh
 set -u
 R=$OUT/r; mkdir -p "$R"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -2,7 +2,7 @@
 # Device call 2 of session 4: the GPU tests that failed or did not run in call 1 (prompt logprobs
 # on the GPU path, CUDA graphs, the split-K matmul's rows), then the split-K matmul against cuBLAS,
 # the structured-output row after the one-thread fill, and the perplexity through the int8 kernel.
-#   BUDGET_S=400 bash bench/results/2026-12-03-h200-session4-kernels-serve/call2.sh
+#   BUDGET_S=400 bash bench/results/2026-12-03-h200-deterministic-serving-matmul-int8-ppl/call2.sh
 set -u
 source "$(dirname "$0")/common.sh"
 step gpu_tests 150 python3 -m pytest -q -rs -m gpu --tb=short -p no:cacheprovider tests/runtime/test_prompt_logprobs.py \

@@ -4,7 +4,7 @@
 # then the timings one at a time: the structured-output row, the attention table and the write,
 # the deterministic serve rows against the default, decode-consistent prefill at 32k, the matmul tiles.
 # (the default rows are call 1's: ../2026-12-03-h200-gpu-tests-structured-deterministic/)
-#   BUDGET_S=390 bash bench/results/2026-12-03-h200-session4-kernels-serve/call3.sh
+#   BUDGET_S=390 bash bench/results/2026-12-03-h200-deterministic-serving-matmul-int8-ppl/call3.sh
 set -u
 source "$(dirname "$0")/common.sh"
 P="python3 -m pytest -q -rs --tb=short -p no:cacheprovider"
