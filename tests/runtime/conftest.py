@@ -7,25 +7,20 @@ over the same weights. A wider init than the default spreads the logits so greed
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+# the helper modules here (server_http, runtime_fakes, fuzz_bodies, tiny_models) are imported by
+# the tests of core/, worker/, server/ and structured_output/ as top-level modules
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiny_models import build_model  # noqa: E402
+
 from oscar_compile.testing import CHAT_TEMPLATE, SPECIALS  # noqa: F401
 from oscar_compile.testing import tiny_tokenizer as build_tokenizer
-
-
-def build_model(vocab_size: int, seed: int = 0):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, max_position_embeddings=512, initializer_range=0.3,
-                         tie_word_embeddings=False)
-    model = Qwen3ForCausalLM(config).eval()
-    model.generation_config.eos_token_id = 0  # "<|endoftext|>" is the first special token
-    model.generation_config.pad_token_id = 0
-    return model
 
 
 @pytest.fixture(autouse=True, scope="module")

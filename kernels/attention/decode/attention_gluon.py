@@ -346,7 +346,7 @@ def plan_gluon_launch(N: int, B: int, H_kv: int, g: int, max_hist: int, sink: in
     if max_hist <= MIN_SPLIT_TOKENS:
         # one split and one window program, whatever the table width: a CUDA-graph step (full-width
         # tables) and an eager one (tables trimmed to the batch) then launch the same programs,
-        # and their outputs agree bitwise (tests/runtime/test_cuda_graphs.py), as the Triton plan's
+        # and their outputs agree bitwise (tests/runtime/worker/test_cuda_graphs.py), as the Triton plan's
         # no-split rule below 2 x 128 tokens gives
         return 1, 1
     slots = programs_per_sm(maxnreg, head_dim, max(8, triton.next_power_of_2(g))) * num_sms(device)

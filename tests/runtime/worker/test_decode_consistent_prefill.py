@@ -1,7 +1,7 @@
 """Decode-consistent prefill in the engine (CPU reference path): what is served equals what
 ``generate()`` computes under the same semantics, and equals itself however it was computed.
 
-S0 = 4, W = 8, P = 4 and a step budget of 16 tokens, as tests/runtime/test_exact_prefill.py. The
+S0 = 4, W = 8, P = 4 and a step budget of 16 tokens, as tests/runtime/worker/test_exact_prefill.py. The
 reference is ``generate()`` on the same rewritten model with ``set_prefill_semantics``: greedy
 tokens equal, chosen-token logprobs within 1e-3 (float32; float summation order only). It is the
 default semantics; the tests ask for it by name all the same. Under prompt-exact the recomputed

@@ -159,7 +159,7 @@ def test_disconnect_storms_free_every_page_and_spare_the_clients_that_stay(tiny_
 def _paged_bf16(tokenizer, **engine_kwargs):
     """An engine over a fresh copy of the tiny model in the runtime's BF16 mode (the compressed
     runner over 16-bit pages; on a CPU its reference ops)."""
-    from conftest import build_model
+    from tiny_models import build_model
 
     from oscar_compile.runtime.llm import compress
     from oscar_compile.spec import shipped_spec

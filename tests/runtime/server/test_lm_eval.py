@@ -114,7 +114,7 @@ metric_list:
 # weights, but the server computes the prompt's log-softmax in its own chunked prefill (8-token
 # steps, batched with the other prompts of the request) while the reference is one forward of the
 # whole sequence: the matmuls reduce in a different order, an ulp-level difference per logit
-# (observed up to 4e-5 on a sum of about -60, tests/runtime/fixtures/check_lm_eval_e2e.py). 1e-6
+# (observed up to 4e-5 on a sum of about -60, tests/runtime/server/fixtures/check_lm_eval_e2e.py). 1e-6
 # relative (float32's 1e-7 times the few reductions) plus 1e-4 absolute covers it with margin; an
 # off-by-one token, a dropped choice or a wrong context split moves a sum by whole nats.
 REL, ABS = 1e-6, 1e-4
