@@ -40,7 +40,15 @@ import triton.language as tl
 
 from oscar_compile.formats.cache import code_layout
 from oscar_compile.kernels.attention.prefill.band_triton import band_cu, write_band
-from oscar_compile.kernels.attention.prefill.paged_tiles_triton import band_tile, history_tile, window_tile
+from oscar_compile.kernels.attention.prefill.paged_tiles_triton import (
+    band_tile,
+    code_offset,
+    code_tile,
+    history_rows,
+    history_tile,
+    offset_codes,
+    window_tile,
+)
 from oscar_compile.kernels.attention_blocks_triton import seq_of_program
 from oscar_compile.kernels.attention_decode_consistent_ref import attention_decode_consistent_ref
 from oscar_compile.kernels.attention_triton import LOG2E, dot_dtype, query_block_prefix
@@ -83,6 +91,34 @@ def _attend_two(q, m, den, acc, kh, vh, ke, ve, quantized, exact, qk_scale, IEEE
 
 
 @triton.jit
+def _attend_folded(q, qsum, m, den, acc, zacc, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, qt_row, pos, ok, h,
+                   qk_scale, SINK: tl.constexpr, H_KV: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+                   BITS: tl.constexpr, MASKED: tl.constexpr, DOT_DT: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """A stored-history tile with one group per row (GROUP == D), scale and zero folded out of
+    the tiles: the dots take the codes (plus OFFSET, exact), score = s (q . (c + O)) - s (z + O)
+    sum(q), and the values' zero term sum_n p'_n (z_n + O), p' = p s rounded to the dots' dtype,
+    goes to ``zacc`` (subtracted once after the loop)."""
+    hidx, rows = history_rows(qt_row, pos, ok, h, SINK, H_KV, P)
+    OFF = code_offset(DOT_DT)
+    sk = tl.load(ks_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+    zk = tl.load(kz_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+    kt = offset_codes(code_tile(kc_ptr, hidx, rows, ok, D, BITS, MASKED, True), DOT_DT)
+    raw = _dot(q, tl.trans(kt), None, IEEE)
+    s = (raw * sk[None, :] - (sk * (zk + OFF))[None, :] * qsum[:, None]) * qk_scale
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    den = den * alpha + tl.sum(p, axis=1)
+    sv = tl.load(vs_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+    zv = tl.load(vz_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+    pv = (p * sv[None, :]).to(DOT_DT)
+    zacc = zacc * alpha + tl.sum(pv.to(tl.float32) * (zv + OFF)[None, :], axis=1)
+    vt = offset_codes(code_tile(vc_ptr, hidx, rows, ok, D, BITS, MASKED, False), DOT_DT)
+    return m_new, den, _dot(pv, vt, acc * alpha[:, None], IEEE), zacc
+
+
+@triton.jit
 def _paged_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, cub_ptr, bcu_ptr, lens_ptr, hist_ptr, wt_ptr, qt_ptr,
     kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ke_ptr, kh_ptr, ve_ptr, vh_ptr,
@@ -90,7 +126,7 @@ def _paged_kernel(
     H_KV: tl.constexpr, G_Q: tl.constexpr, D: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr,
     RECENT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, MASKED: tl.constexpr,
     HAS_HIST: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DT: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr,
+    DOT_DT: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -154,14 +190,24 @@ def _paged_kernel(
             kt = window_tile(kwin_ptr, wt_row, pos, ok, h, H_KV, P, D, DOT_DT)
             vt = window_tile(vwin_ptr, wt_row, pos, ok, h, H_KV, P, D, DOT_DT)
             m, den, acc = _attend(q, m, den, acc, kt, vt, ok[None, :], qk_scale, IEEE)
-        for n0 in range(SINK, hist_top, BLOCK_N):  # stored history, straight from the pages
-            pos = n0 + tl.arange(0, BLOCK_N)
-            ok = pos < hist_top
-            kt = history_tile(kc_ptr, ks_ptr, kz_ptr, qt_row, pos, ok, h, SINK, H_KV, P, D, BITS, GROUP, MASKED,
-                              True, DOT_DT)  # fmt: skip
-            vt = history_tile(vc_ptr, vs_ptr, vz_ptr, qt_row, pos, ok, h, SINK, H_KV, P, D, BITS, GROUP, MASKED,
-                              False, DOT_DT)  # fmt: skip
-            m, den, acc = _attend(q, m, den, acc, kt, vt, ok[None, :], qk_scale, IEEE)
+        if FOLD:  # stored history, straight from the pages, scale and zero folded out
+            qsum = tl.sum(q.to(tl.float32), axis=1)
+            zacc = tl.zeros([ROWS], tl.float32)
+            for n0 in range(SINK, hist_top, BLOCK_N):
+                pos = n0 + tl.arange(0, BLOCK_N)
+                m, den, acc, zacc = _attend_folded(q, qsum, m, den, acc, zacc, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr,
+                                                   vz_ptr, qt_row, pos, pos < hist_top, h, qk_scale, SINK, H_KV, P,
+                                                   D, BITS, MASKED, DOT_DT, IEEE)  # fmt: skip
+            acc -= zacc[:, None]
+        else:
+            for n0 in range(SINK, hist_top, BLOCK_N):  # stored history, dequantized tiles
+                pos = n0 + tl.arange(0, BLOCK_N)
+                ok = pos < hist_top
+                kt = history_tile(kc_ptr, ks_ptr, kz_ptr, qt_row, pos, ok, h, SINK, H_KV, P, D, BITS, GROUP, MASKED,
+                                  True, DOT_DT)  # fmt: skip
+                vt = history_tile(vc_ptr, vs_ptr, vz_ptr, qt_row, pos, ok, h, SINK, H_KV, P, D, BITS, GROUP, MASKED,
+                                  False, DOT_DT)  # fmt: skip
+                m, den, acc = _attend(q, m, den, acc, kt, vt, ok[None, :], qk_scale, IEEE)
         hs = tl.maximum(band_lo, SINK)
         own_sink_end = tl.minimum(hs, p_hi)
         for n0 in range(band_lo, own_sink_end, BLOCK_N):  # a first chunk's own sink tokens
@@ -206,12 +252,14 @@ def _torch_dtype(dt) -> torch.dtype:
 def attention_decode_consistent_paged_triton(
     q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win, k_codes, k_scale, k_zero,
     v_codes, v_scale, v_zero, scale, sink, recent, bits, group_size, clip_k, clip_v, history_lens=None,
-    block_rows: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+    block_rows: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2, fold: bool = True,
 ):  # fmt: skip
     """The reference's call (same arguments): the band pre-pass, then the kernel; two launches,
     no host sync (``history_lens`` None: the standard h, computed on the device). q: [N, H_q, D],
     k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype (rows past cu_seqlens[B]: zero). A head_dim the
-    tiles cannot take (not a power of two >= 16) runs the reference."""
+    tiles cannot take (not a power of two >= 16) runs the reference. ``fold``: with one group
+    per row (group_size = head_dim), fold scale and zero out of the stored-history tiles (never in
+    deterministic mode, whose tiles must equal the band's dequantized operands)."""
     N, H_q, D = q.shape
     H_kv = k.shape[1]
     if H_q % H_kv:
@@ -239,6 +287,7 @@ def attention_decode_consistent_paged_triton(
     if full:  # no scale / zero pools: stand-ins, never read
         pools = (k_win, v_win, k_codes, k_win, k_win, v_codes, v_win, v_win)
     cub = query_block_prefix(cu_seqlens, block_m)
+    aligned = is_deterministic()
     grid = (triton.cdiv(N, block_m) + B, H_kv)
     _paged_kernel[grid](
         q, k, v, out, cu_seqlens, cub, bcu, cache_lens, history_lens if history_lens is not None else cache_lens,
@@ -248,6 +297,34 @@ def attention_decode_consistent_paged_triton(
         H_KV=H_kv, G_Q=g, D=D, P=k_win.shape[2], SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size,
         MASKED=code_layout(bits, D, k_win.shape[2]) == "masked", HAS_HIST=history_lens is not None,
         BLOCK_M=block_m, ROWS=max(16, triton.next_power_of_2(block_m * g)), BLOCK_N=block_n, DOT_DT=dot_dt,
-        IEEE=dot_dt == tl.float32, ALIGNED=is_deterministic(), num_warps=num_warps, num_stages=num_stages,
+        IEEE=dot_dt == tl.float32, ALIGNED=aligned,
+        FOLD=fold and not aligned and group_size == D and bits != FULL_PRECISION_BITS,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
+
+
+def compile_offline(block_rows: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                    aligned: bool = False, fold: bool = True, bits: int = 2):  # fmt: skip
+    """Compile the kernel for sm_90 without a GPU (Qwen3-8B's layer: bf16, 32 / 8 heads, head_dim
+    128, group 128, S0 64, W 256, pages of 16; INT2 masked). Returns Triton's compiled kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptrs = dict(q_ptr="bf16", k_ptr="bf16", v_ptr="bf16", out_ptr="bf16", cu_ptr="i32", cub_ptr="i32",
+                bcu_ptr="i32", lens_ptr="i32", hist_ptr="i32", wt_ptr="i32", qt_ptr="i32", kwin_ptr="bf16",
+                vwin_ptr="bf16", kc_ptr="u8", ks_ptr="fp16", kz_ptr="fp16", vc_ptr="u8", vs_ptr="fp16",
+                vz_ptr="fp16", ke_ptr="bf16", kh_ptr="bf16", ve_ptr="bf16", vh_ptr="bf16")  # fmt: skip
+    sig = {name: f"*{t}" for name, t in ptrs.items()}
+    sig.update(B="i32", qk_scale="fp32")
+    sig.update({n: "i32" for n in ("sqn", "sqh", "skn", "skh", "svn", "svh", "stride_wt", "stride_qt")})
+    block_m = max(1, block_rows // 4)
+    consts = dict(H_KV=8, G_Q=4, D=128, P=16, SINK=64, RECENT=256, BITS=bits, GROUP=128,
+                  MASKED=code_layout(bits, 128, 16) == "masked", HAS_HIST=False, BLOCK_M=block_m,
+                  ROWS=max(16, triton.next_power_of_2(block_m * 4)), BLOCK_N=block_n, DOT_DT=tl.bfloat16,
+                  IEEE=False, ALIGNED=aligned, FOLD=fold and not aligned)  # fmt: skip
+    sig.update({k: "constexpr" for k in consts})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))}
+    src = ASTSource(_paged_kernel, sig, consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})

@@ -25,33 +25,71 @@ def window_tile(win_ptr, wt_row, pos, ok, h, H_KV: tl.constexpr, P: tl.constexpr
 
 
 @triton.jit
+def history_rows(qt_row, pos, ok, h, SINK: tl.constexpr, H_KV: tl.constexpr, P: tl.constexpr):
+    """(history row index [BN], flat pool rows [BN]) of stored history positions (row pos - S0)."""
+    hidx = tl.where(ok, pos - SINK, 0)
+    page = tl.load(qt_row + hidx // P, mask=ok, other=0)
+    return hidx, (page.to(tl.int64) * H_KV + h) * P + hidx % P
+
+
+@triton.jit
+def code_tile(c_ptr, hidx, rows, ok, D: tl.constexpr, BITS: tl.constexpr, MASKED: tl.constexpr,
+              IS_KEY: tl.constexpr):  # fmt: skip
+    """Codes [BN, D] int32 (0 .. 2^BITS - 1) of flat pool rows ``rows``: one byte gathered per
+    (token, channel), in the planar order or from the masked INT2 blocks."""
+    c = tl.arange(0, D)[None, :]
+    if MASKED:  # INT2 at head_dim 128: 16-token blocks of 512 bytes (code_layout_ref)
+        r = (hidx % 16)[:, None]
+        block = (rows[:, None] - r) * 32
+        if IS_KEY:
+            byte = 128 * (r // 4) + (32 * ((c // 4) % 4) + 8 * (c // 32) + 4 * ((c // 16) % 2) + c % 4)
+            pair = r % 4
+        else:
+            byte = r + 16 * (8 * ((c % 64) // 16) + c % 8)
+            pair = (c // 8) % 2 + 2 * (c // 64)
+        raw = tl.load(c_ptr + block + byte, mask=ok[:, None], other=0).to(tl.int32)
+        code = (raw >> (2 * pair)) & 3
+        code = code ^ tl.where(pair == 3, 2, 0)  # bit pair 3 stores (c + 2) mod 4
+    else:  # planar: byte j holds channels j + i WP at bits BITS i
+        WP: tl.constexpr = D * BITS // 8
+        raw = tl.load(c_ptr + rows[:, None] * WP + c % WP, mask=ok[:, None], other=0).to(tl.int32)
+        code = (raw >> (BITS * (c // WP))) & ((1 << BITS) - 1)
+    return code
+
+
+@triton.jit
+def offset_codes(code, DOT_DT: tl.constexpr):
+    """code + OFFSET in the dots' dtype, exact: bfloat16 by its bit pattern (0x4300 | c is
+    128 + c: no int-to-float conversion, PERF_NOTES), other dtypes by conversion (offset 0)."""
+    if DOT_DT == tl.bfloat16:
+        out = (code | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = code.to(DOT_DT)
+    return out
+
+
+@triton.jit
+def code_offset(DOT_DT: tl.constexpr):
+    """The OFFSET that :func:`offset_codes` adds."""
+    if DOT_DT == tl.bfloat16:
+        out = 128.0
+    else:
+        out = 0.0
+    return out
+
+
+@triton.jit
 def history_tile(c_ptr, s_ptr, z_ptr, qt_row, pos, ok, h, SINK: tl.constexpr, H_KV: tl.constexpr,
                  P: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                  MASKED: tl.constexpr, IS_KEY: tl.constexpr, DOT_DT: tl.constexpr):  # fmt: skip
-    """Stored history positions (history row pos - S0) from the INT-b (or 16-bit) pages."""
-    hidx = tl.where(ok, pos - SINK, 0)
-    page = tl.load(qt_row + hidx // P, mask=ok, other=0)
-    rows = (page.to(tl.int64) * H_KV + h) * P + hidx % P  # [BN] flat pool rows
+    """Stored history positions (history row pos - S0) from the INT-b (or 16-bit) pages,
+    dequantized: s * (code - z) in float32, rounded once to the dots' dtype."""
+    hidx, rows = history_rows(qt_row, pos, ok, h, SINK, H_KV, P)
     c = tl.arange(0, D)[None, :]
     if BITS == 16:
         x = tl.load(c_ptr + rows[:, None] * D + c, mask=ok[:, None], other=0.0).to(tl.float32)
     else:
-        if MASKED:  # INT2 at head_dim 128: 16-token blocks of 512 bytes (code_layout_ref)
-            r = (hidx % 16)[:, None]
-            block = (rows[:, None] - r) * 32
-            if IS_KEY:
-                byte = 128 * (r // 4) + 32 * ((c // 4) % 4) + 8 * (c // 32) + 4 * ((c // 16) % 2) + c % 4
-                pair = r % 4
-            else:
-                byte = 16 * (8 * ((c % 64) // 16) + c % 8) + r
-                pair = (c // 8) % 2 + 2 * (c // 64)
-            raw = tl.load(c_ptr + block + byte, mask=ok[:, None], other=0).to(tl.int32)
-            code = (raw >> (2 * pair)) & 3
-            code = tl.where(pair == 3, code ^ 2, code)  # bit pair 3 stores (c + 2) mod 4
-        else:  # planar: byte j holds channels j + i WP at bits BITS i
-            WP: tl.constexpr = D * BITS // 8
-            raw = tl.load(c_ptr + rows[:, None] * WP + c % WP, mask=ok[:, None], other=0).to(tl.int32)
-            code = (raw >> (BITS * (c // WP))) & ((1 << BITS) - 1)
+        code = code_tile(c_ptr, hidx, rows, ok, D, BITS, MASKED, IS_KEY)
         NG: tl.constexpr = D // GROUP
         grp = rows[:, None] * NG + c // GROUP
         sc = tl.load(s_ptr + grp, mask=ok[:, None], other=0.0).to(tl.float32)
