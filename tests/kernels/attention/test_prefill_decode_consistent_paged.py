@@ -203,3 +203,35 @@ def test_no_new_tokens(device):
     q, k, v = _tokens(CASES[0], [0] * len(LENS), device)
     got = _paged(*_args(case, q, k, v, [0] * len(LENS)))
     assert got.shape == (0, 2, 64)
+
+
+_COMPILE = """
+import json, sys
+from oscar_compile.kernels.attention.prefill.decode_consistent_paged_triton import compile_offline
+out = []
+for cfg in json.loads(sys.argv[1]):
+    ck = compile_offline(**cfg)
+    ptx = ck.asm["ptx"]
+    out.append({"local": ("ld.local" in ptx) or ("st.local" in ptx), "shared": ck.metadata.shared,
+                "wgmma": ptx.count("wgmma.mma_async")})
+print(json.dumps(out))
+"""
+
+
+def test_kernel_compiles_for_sm90():
+    """An offline sm_90 compile of the Qwen3-8B layer's kernel (default tiles and fold, the tiles
+    the benchmark picks, and deterministic mode): no local memory in the PTX, shared memory within
+    the 227 KiB of an sm_90 block, the dots on wgmma. In a child process: under TRITON_INTERPRET=1
+    the kernel is an interpreter function."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    configs = [{}, {"block_rows": 128, "num_warps": 8}, {"aligned": True}]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(configs)], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert all(not g["local"] and g["shared"] <= 227 * 1024 and g["wgmma"] > 0 for g in got), got
