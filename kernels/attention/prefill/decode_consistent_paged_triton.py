@@ -42,11 +42,10 @@ from oscar_compile.formats.cache import code_layout
 from oscar_compile.kernels.attention.prefill.band_triton import band_cu, write_band
 from oscar_compile.kernels.attention.prefill.paged_tiles_triton import (
     band_tile,
-    code_offset,
     code_tile,
+    code_values,
     history_rows,
     history_tile,
-    offset_codes,
     window_tile,
 )
 from oscar_compile.kernels.attention_blocks_triton import seq_of_program
@@ -95,16 +94,15 @@ def _attend_folded(q, qsum, m, den, acc, zacc, kc_ptr, ks_ptr, kz_ptr, vc_ptr, v
                    qk_scale, SINK: tl.constexpr, H_KV: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
                    BITS: tl.constexpr, MASKED: tl.constexpr, DOT_DT: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     """A stored-history tile with one group per row (GROUP == D), scale and zero folded out of
-    the tiles: the dots take the codes (plus OFFSET, exact), score = s (q . (c + O)) - s (z + O)
-    sum(q), and the values' zero term sum_n p'_n (z_n + O), p' = p s rounded to the dots' dtype,
-    goes to ``zacc`` (subtracted once after the loop)."""
+    the tiles: the dots take the codes (exact), score = s (q . c) - s z sum(q), and the values'
+    zero term sum_n p'_n z_n, p' = p s rounded to the dots' dtype, goes to ``zacc`` (subtracted
+    once after the loop)."""
     hidx, rows = history_rows(qt_row, pos, ok, h, SINK, H_KV, P)
-    OFF = code_offset(DOT_DT)
     sk = tl.load(ks_ptr + rows, mask=ok, other=0.0).to(tl.float32)
     zk = tl.load(kz_ptr + rows, mask=ok, other=0.0).to(tl.float32)
-    kt = offset_codes(code_tile(kc_ptr, hidx, rows, ok, D, BITS, MASKED, True), DOT_DT)
+    kt = code_values(code_tile(kc_ptr, hidx, rows, ok, D, BITS, MASKED, True), BITS, DOT_DT)
     raw = _dot(q, tl.trans(kt), None, IEEE)
-    s = (raw * sk[None, :] - (sk * (zk + OFF))[None, :] * qsum[:, None]) * qk_scale
+    s = (raw * sk[None, :] - (sk * zk)[None, :] * qsum[:, None]) * qk_scale
     s = tl.where(ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.math.exp2(m - m_new)
@@ -113,8 +111,8 @@ def _attend_folded(q, qsum, m, den, acc, zacc, kc_ptr, ks_ptr, kz_ptr, vc_ptr, v
     sv = tl.load(vs_ptr + rows, mask=ok, other=0.0).to(tl.float32)
     zv = tl.load(vz_ptr + rows, mask=ok, other=0.0).to(tl.float32)
     pv = (p * sv[None, :]).to(DOT_DT)
-    zacc = zacc * alpha + tl.sum(pv.to(tl.float32) * (zv + OFF)[None, :], axis=1)
-    vt = offset_codes(code_tile(vc_ptr, hidx, rows, ok, D, BITS, MASKED, False), DOT_DT)
+    zacc = zacc * alpha + tl.sum(pv.to(tl.float32) * zv[None, :], axis=1)
+    vt = code_values(code_tile(vc_ptr, hidx, rows, ok, D, BITS, MASKED, False), BITS, DOT_DT)
     return m_new, den, _dot(pv, vt, acc * alpha[:, None], IEEE), zacc
 
 

@@ -58,23 +58,17 @@ def code_tile(c_ptr, hidx, rows, ok, D: tl.constexpr, BITS: tl.constexpr, MASKED
 
 
 @triton.jit
-def offset_codes(code, DOT_DT: tl.constexpr):
-    """code + OFFSET in the dots' dtype, exact: bfloat16 by its bit pattern (0x4300 | c is
-    128 + c: no int-to-float conversion, PERF_NOTES), other dtypes by conversion (offset 0)."""
-    if DOT_DT == tl.bfloat16:
-        out = (code | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+def code_values(code, BITS: tl.constexpr, DOT_DT: tl.constexpr):
+    """Codes as values of the dots' dtype, exact. INT2 into bfloat16 by bit pattern (a select, a
+    shift and a mask; no int-to-float conversion, PERF_NOTES): 0, 1, 2, 3 are 0x0000, 0x3F80,
+    0x4000, 0x4040. No offset such as 0x4300 | c (= 128 + c): the value dot would then carry
+    128 sum(p s) beside a signal near zero, and on an H100 the result lost all its digits
+    (bench/results/2026-12-05-h100-decode-consistent-prefill-kernel)."""
+    if DOT_DT == tl.bfloat16 and BITS == 2:
+        word = tl.where(code >= 2, 0x40404000, 0x3F800000)
+        out = ((word >> ((code & 1) * 16)) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
-        out = code.to(DOT_DT)
-    return out
-
-
-@triton.jit
-def code_offset(DOT_DT: tl.constexpr):
-    """The OFFSET that :func:`offset_codes` adds."""
-    if DOT_DT == tl.bfloat16:
-        out = 128.0
-    else:
-        out = 0.0
+        out = code.to(tl.float32).to(DOT_DT)
     return out
 
 
