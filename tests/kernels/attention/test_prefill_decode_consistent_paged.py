@@ -235,3 +235,26 @@ def test_kernel_compiles_for_sm90():
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert all(not g["local"] and g["shared"] <= 227 * 1024 and g["wgmma"] > 0 for g in got), got
+
+
+try:  # a module-level kernel: a jit function sees module globals only
+    import triton
+    import triton.language as tl
+
+    from oscar_compile.kernels.attention.prefill.paged_tiles_triton import code_values
+
+    @triton.jit
+    def _decode_int2(c_ptr, out_ptr):
+        i = tl.arange(0, 16)
+        tl.store(out_ptr + i, code_values(tl.load(c_ptr + i), 2, tl.bfloat16))
+except ImportError:
+    _decode_int2 = None
+
+
+def test_int2_codes_decode_to_bf16_exactly(device):
+    """The INT2 codes' bf16 values by bit pattern (code_values: the GPU path's operand; the
+    interpreter's dots run in float32, so the kernel tests above do not reach it): 0, 1, 2, 3."""
+    codes = torch.arange(16, device=device, dtype=torch.int32) % 4
+    out = torch.empty(16, device=device, dtype=torch.bfloat16)
+    _decode_int2[(1,)](codes, out)
+    assert torch.equal(out, codes.to(torch.bfloat16))
