@@ -1,0 +1,184 @@
+"""Decode-consistent prefill on the paged cache as stored, against BF16 SDPA on the same shapes (issue 39).
+
+``python -m oscar_compile.bench.prefill_paged [--contexts 8192 32768 131072] [--chunk 8192] [--out rows.json]``
+prints one JSON row per context: one Qwen3-8B layer (bench.kernel_setup: 32 / 8 heads, head_dim
+128, sink 64, recent 256, pages of 16, INT2 group 128, fp16 scale / zero), one sequence whose
+chunk of ``chunk`` tokens ends at ``context`` (cached = context - chunk). ms per layer of
+
+- ``paged_ms``: kernels/attention/prefill (band pre-pass + kernel: every launch of the op),
+  eager, CUDA events; ``paged_graph_ms``: the same call replayed from a CUDA graph (it captures:
+  no host sync);
+- ``sdpa_ms``: torch SDPA in BF16 over a contiguous cache with
+  ``torch.nn.attention.bias.causal_lower_right(chunk, context)`` per backend (``cudnn`` runs with
+  the mask materialized once, outside the timing: the CausalBias only dispatches to flash or
+  efficient; ``flash`` and ``efficient`` through the CausalBias);
+- ``views_triton_ms``: today's path (``cache.decode_consistent``: packed_views, then the kernel);
+
+``x_cudnn`` / ``x_best_sdpa`` the ratios, ``tflops`` of each over the causal work
+(4 H_q D per (row, key) pair), ``rel_err`` of the paged op against today's path (both against the
+same reference semantics; the dense reference cannot hold these shapes). ``--sweep`` times tile
+configs of the paged kernel at the first context first and keeps the fastest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from oscar_compile.bench.kernel_setup import H_KV, H_Q, D, attention_args, quantized_layer, rel_err
+
+CLIP_K, CLIP_V = 0.96, 0.92
+SWEEP = [dict(block_rows=64, block_n=64, num_warps=4, num_stages=2), dict(block_rows=128, block_n=64, num_warps=8,
+         num_stages=2), dict(block_rows=128, block_n=64, num_warps=8, num_stages=1),
+         dict(block_rows=128, block_n=32, num_warps=4, num_stages=2), dict(block_rows=64, block_n=32, num_warps=4,
+         num_stages=2), dict(block_rows=128, block_n=64, num_warps=8, num_stages=2, fold=False)]  # fmt: skip
+
+
+def time_ms(fn, reps: int) -> float:
+    """Median of ``reps`` eager calls, CUDA events, in ms (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def graph_ms(fn, reps: int) -> float:
+    """Median of ``reps`` replays of a CUDA graph of one call, in ms."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay, reps)
+
+
+def _inputs(cached: int, chunk: int, dev):
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(chunk, h, D, device=dev, generator=gen, dtype=torch.bfloat16) for h in (H_Q, H_KV, H_KV))
+    cu = torch.tensor([0, chunk], dtype=torch.int32, device=dev)
+    lens = torch.tensor([cached], dtype=torch.int32, device=dev)
+    pools, tables = quantized_layer(1, max(cached, 64 + 256 + 16), torch.float16, dev)
+    return {**attention_args(q, k, v, cu, lens, tables, pools, D**-0.5), "clip_k": CLIP_K, "clip_v": CLIP_V}
+
+
+def sdpa_rows(chunk: int, context: int, reps: int, dev) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    gen = torch.Generator(device=dev).manual_seed(1)
+    q = torch.randn(1, H_Q, chunk, D, device=dev, generator=gen, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, H_KV, context, D, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    bias = causal_lower_right(chunk, context)
+    out = {}
+    for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                     ("efficient", SDPBackend.EFFICIENT_ATTENTION)):  # fmt: skip
+        mask = bias._materialize(dev) if name == "cudnn" else bias
+
+        def call(be=be, mask=mask):
+            with sdpa_kernel([be]):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+        try:
+            out[name] = time_ms(call, reps)
+        except Exception as e:  # a backend that refuses the shape is skipped, and said so
+            out[name] = f"unavailable: {type(e).__name__}: {str(e)[:200]}"
+        del mask
+    return out
+
+
+def bench_context(context: int, chunk: int, reps: int, tiles: dict, old: bool) -> dict:
+    from oscar_compile.kernels.attention.prefill.decode_consistent_paged_triton import (
+        attention_decode_consistent_paged_triton as paged,
+    )
+
+    dev = torch.device("cuda")
+    cached = context - chunk
+    args = _inputs(cached, chunk, dev)
+    work = 4 * H_Q * D * (chunk * cached + chunk * (chunk + 1) / 2)
+    row = {"context": context, "chunk": chunk, "cached": cached, "H_q": H_Q, "H_kv": H_KV, "D": D, "tiles": tiles}
+    row["paged_ms"] = time_ms(lambda: paged(**args, **tiles), reps)
+    row["paged_graph_ms"] = graph_ms(lambda: paged(**args, **tiles), reps)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated()
+    got = paged(**args, **tiles)
+    row["paged_peak_mib"] = (torch.cuda.max_memory_allocated() - held) / 2**20
+    sdpa = sdpa_rows(chunk, context, reps, dev)
+    row["sdpa_ms"] = sdpa
+    times = {k: t for k, t in sdpa.items() if isinstance(t, float)}
+    best = min(times.values()) if times else None
+    if isinstance(sdpa.get("cudnn"), float):
+        row["x_cudnn"] = row["paged_ms"] / sdpa["cudnn"]
+    if best:
+        row["x_best_sdpa"] = row["paged_ms"] / best
+    row["tflops"] = {"paged": work / row["paged_ms"] / 1e9, **{k: work / t / 1e9 for k, t in times.items()}}
+    if old:
+        from oscar_compile.cache.decode_consistent import triton_decode_consistent_attention
+
+        try:
+            row["views_triton_ms"] = time_ms(lambda: triton_decode_consistent_attention(**args), max(2, reps // 3))
+            row["rel_err_vs_views_triton"] = rel_err(got, triton_decode_consistent_attention(**args))
+        except Exception as e:  # e.g. out of memory at long contexts: said so
+            row["views_triton_ms"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+        torch.cuda.empty_cache()
+    return row
+
+
+def sweep(context: int, chunk: int, reps: int) -> tuple[dict, list[dict]]:
+    from oscar_compile.kernels.attention.prefill.decode_consistent_paged_triton import (
+        attention_decode_consistent_paged_triton as paged,
+    )
+
+    args = _inputs(context - chunk, chunk, torch.device("cuda"))
+    rows = []
+    for tiles in SWEEP:
+        try:
+            ms = time_ms(lambda t=tiles: paged(**args, **t), reps)
+            rows.append({"context": context, "tiles": tiles, "paged_ms": ms})
+        except Exception as e:
+            rows.append({"context": context, "tiles": tiles, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        print(json.dumps(rows[-1]), flush=True)
+    ok = [r for r in rows if "paged_ms" in r and r["tiles"].get("fold", True)]
+    return min(ok, key=lambda r: r["paged_ms"])["tiles"], rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="python -m oscar_compile.bench.prefill_paged", description=__doc__)
+    parser.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768, 131072])
+    parser.add_argument("--chunk", type=int, default=8192)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--sweep", action="store_true", help="pick the paged kernel's tiles first")
+    parser.add_argument("--no-old", action="store_true", help="skip today's packed_views path")
+    parser.add_argument("--out", help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    tiles, rows = dict(SWEEP[3]), []  # the fastest of the sweep on an H100 (2026-12-05)
+    if args.sweep:
+        tiles, sweep_rows = sweep(args.contexts[min(1, len(args.contexts) - 1)], args.chunk, args.reps)
+        rows += [{"sweep": r} for r in sweep_rows]
+    for context in args.contexts:
+        try:
+            rows.append(bench_context(context, args.chunk, args.reps, tiles, not args.no_old))
+        except Exception as e:  # one context's failure leaves the others' rows
+            rows.append({"context": context, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
