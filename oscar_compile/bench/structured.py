@@ -47,7 +47,7 @@ def _run(llm, prompts, params, sync) -> dict:
     clock = _StepClock(llm.engine)
     sync()
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = [c for o in llm.generate(prompts, params) for c in o.outputs]
     sync()
     wall = time.perf_counter() - start
     del llm.engine.runner.run, llm.engine.step  # the clock's wrappers: the next run gets its own

@@ -23,8 +23,8 @@ import importlib
 _EXPORTS = {
     "LLM": "llm",
     "CompletionOutput": "llm",
+    "RequestOutput": "llm",  # LLM.generate's, one per prompt (the engine's per-step one: runtime.engine)
     "LLMEngine": "engine",
-    "RequestOutput": "engine",
     "SamplingParams": "core.sampling_params",
     "StructuredOutputParams": "core.sampling_params",
     "RequestError": "core.sampling_params",
