@@ -259,7 +259,7 @@ def test_forked_choices_on_cuda_with_overlapped_steps_and_cuda_graphs():
             device="cuda",
             config=EngineConfig(overlap_steps=overlap),
         )
-        outputs[overlap] = [o.token_ids for o in llm.generate(prompts, params)]
+        outputs[overlap] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         stats = llm.engine.stats()
         assert stats["window_pages_used"] == stats["quant_pages_used"] == 0
         assert stats["fork_window_pages_copied"] > 0 and stats["fork_quant_pages_shared"] > 0

@@ -140,10 +140,10 @@ def test_forked_choices_split_over_two_ranks_equal_one():
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=3, ignore_eos=True)
     prompt = _prompts()[0][:70]  # history 22 tokens: a full page shared, a partial one copied
     with LLM(None, spec, None, device="cpu", config=config) as one:
-        single = [o.token_ids for o in one.generate(prompt, params)]
+        single = [o.outputs[0].token_ids for o in one.generate(prompt, params)]
         assert one.engine.stats()["fork_quant_pages_copied"] == 2
     with LLM(None, spec, None, device="cpu", config=config, tensor_parallel_size=2) as two:
-        assert [o.token_ids for o in two.generate(prompt, params)] == single
+        assert [o.outputs[0].token_ids for o in two.generate(prompt, params)] == single
     assert len({tuple(t) for t in single}) == 3
 
 
