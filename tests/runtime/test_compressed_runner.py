@@ -50,7 +50,7 @@ def test_runtime_greedy_equals_generate_on_the_compressed_model(setup):
     params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0)
     outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.token_ids == _reference(model, rot, prompt, 24)
+        assert out.outputs[0].token_ids == _reference(model, rot, prompt, 24)
     for pool in (llm.engine.page_manager.window_pool, llm.engine.page_manager.quant_pool):
         assert pool.num_used == 0 and pool.num_free + pool.num_cached == pool.num_pages
 
@@ -100,7 +100,7 @@ def test_mixed_16_bit_and_int2_layers_equal_generate(setup, name):
     apply(ref, spec, rot)
     for prompt, out in zip(prompts, outputs, strict=True):
         expected = ref.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-        assert out.token_ids == expected[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist()
     for pool in (llm.engine.page_manager.window_pool, llm.engine.page_manager.quant_pool):
         assert pool.num_used == 0
     # layer 0 keeps 16 bits and sees no quantized layer before it: its outputs, history read back
@@ -207,10 +207,11 @@ def test_prefix_cache_hits_past_the_sink_with_the_int2_runner(setup):
         llm.generate([first], params)
         hit_pages = list(bm.match_prefix(Sequence(second)).quant_pages)  # cached after the first
         before = [[pool[hit_pages].clone() for pool in pools[2:]] for pools in runner.pools]
-        outputs[caching] = llm.generate([second], params)[0].outputs[0]
+        request = llm.generate([second], params)[0]
+        outputs[caching] = request.outputs[0]
         if caching:
             assert bm.num_prefix_hit_tokens == len(shared) and len(hit_pages) == 9
-            assert outputs[caching].num_cached_prompt_tokens == len(shared)  # reported after the finish
+            assert request.num_cached_tokens == len(shared)  # reported after the finish
             for pools, saved in zip(runner.pools, before, strict=True):  # codes, scales, zeros of every layer
                 for pool, old in zip(pools[2:], saved, strict=True):
                     assert torch.equal(pool[hit_pages], old)

@@ -239,7 +239,7 @@ def test_llm_outputs_match_their_constraints_and_a_bad_one_fails_alone(bundled_l
         SamplingParams(max_tokens=6, temperature=0.0),
     ]
     prompts = ["A user as JSON:", "Answer:", "Code:", "x", "def f():"]
-    out = bundled_llm.generate(prompts, params)
+    out = [o.outputs[0] for o in bundled_llm.generate(prompts, params)]
     jsonschema.validate(json.loads(out[0].text), SCHEMA)
     assert out[0].finish_reason == "stop"
     assert out[0].text == json.dumps(json.loads(out[0].text), separators=(",", ":"), ensure_ascii=False)  # compact
@@ -349,7 +349,8 @@ def test_structured_output_on_cuda_with_overlapped_steps_and_cuda_graphs():
         replays = []
         run = llm.engine.runner.graphs.run
         llm.engine.runner.graphs.run = _counting(run, replays)
-        outputs[overlap] = [(o.token_ids, o.finish_reason, o.text) for o in llm.generate(prompts, params)]
+        choices = [o.outputs[0] for o in llm.generate(prompts, params)]
+        outputs[overlap] = [(c.token_ids, c.finish_reason, c.text) for c in choices]
         assert replays  # the decode steps ran from CUDA graphs
         plain = llm.generate(prompts[1:2], params[1])[0].outputs[0].token_ids
         llm.close()
