@@ -138,8 +138,9 @@ def _add_delta(request: RequestOutput, delta: StepOutput) -> None:
     out.token_ids += delta.new_token_ids
     out.text += delta.new_text
     if out.logprobs is not None:
-        out.logprobs += delta.new_logprobs
-        out.cumulative_logprob += sum(lp.logprob for lp in delta.new_logprobs)
+        for lp in delta.new_logprobs:
+            out.logprobs.append(lp)
+            out.cumulative_logprob += lp.logprob
     if delta.index == 0:
         request.num_cached_tokens = delta.num_cached_prompt_tokens
     if delta.prompt_logprobs is not None:
@@ -148,6 +149,7 @@ def _add_delta(request: RequestOutput, delta: StepOutput) -> None:
         out.finish_reason = delta.finish_reason
         out.error = delta.error
     request.finished = request.finished or delta.request_finished
+
 
 def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, str):
