@@ -4,13 +4,15 @@
 and returns the engine that serves them: it reads a compressed checkpoint's own spec and
 rotations, fits the spec to the model once (from ``config.json``, before any weight is loaded),
 loads the model, rewrites it (``compress``) and builds the engine, or starts the ranks of a
-tensor-parallel split. ``build_app`` puts the OpenAI server on top, with the serve command's
-defaults (``default_compression``).
+tensor-parallel split. ``build_app`` is the one factory of the OpenAI server over an assembly
+(the serve command, the random-model bench and any other server call it); ``assemble_for_serving``
+assembles with the serve command's defaults (``default_compression``).
 
 It sits at the top of the package beside ``compress`` and ``LLM``: it reaches into the
 checkpoint, the passes, tensor parallelism and the runtime, which know nothing of each other.
 ``oscar_compile.cli.serve`` (``oscar-compile serve`` and ``python -m oscar_compile.runtime.serve``)
-parses flags and calls ``build_app``; ``oscar_compile.llm.LLM`` calls ``assemble``.
+parses flags and calls ``assemble_for_serving`` and ``build_app``; ``oscar_compile.llm.LLM`` calls
+``assemble``.
 """
 from __future__ import annotations
 
@@ -42,13 +44,15 @@ CLI_WORDING = Wording("drop --spec / --rotations", "--tensor-parallel-size",
 @dataclass
 class Assembly:
     """What ``assemble`` built. ``compression``: the compressed checkpoint's block, or None.
-    ``tensor_parallel``: the other ranks (``close()`` stops them), or None on one device."""
+    ``tensor_parallel``: the other ranks (``close()`` stops them), or None on one device.
+    ``name``: what a server calls the model unless told otherwise (its directory's name)."""
 
     model: torch.nn.Module  # rank 0's shard under tensor parallelism
     tokenizer: Any
     engine: Any  # oscar_compile.runtime.engine.LLMEngine
     compression: Any = None
     tensor_parallel: Any = None
+    name: str | None = None
 
 
 def assemble(model: str | Path | torch.nn.Module | None = None, spec=None, rotations=None, *, tokenizer=None,
@@ -68,7 +72,7 @@ def assemble(model: str | Path | torch.nn.Module | None = None, spec=None, rotat
     if tensor_parallel_size != 1 and (isinstance(model, torch.nn.Module) or make_runner is not None):
         raise ValueError("tensor_parallel_size > 1 loads the model in every rank: pass a model directory "
                          "(not a loaded model or a make_runner)")
-    compression = None
+    compression, name = None, None
     if isinstance(model, torch.nn.Module):
         if tokenizer is None:
             raise ValueError("tokenizer is required when model is an nn.Module")
@@ -88,6 +92,7 @@ def assemble(model: str | Path | torch.nn.Module | None = None, spec=None, rotat
         if tensor_parallel_size != 1:
             return _assemble_split(model_dir, spec, rotations, tokenizer, resolve_device(device), dtype, config,
                                    tensor_parallel_size)
+        name = model_dir.name
         fitted = None if spec is None else _fit(spec, model_dir=model_dir)  # before loading weights
         model, loaded_tokenizer = load_model(model_dir, resolve_device(device), dtype)
         tokenizer = tokenizer or loaded_tokenizer
@@ -96,11 +101,11 @@ def assemble(model: str | Path | torch.nn.Module | None = None, spec=None, rotat
     if fitted is not None:
         from oscar_compile.compress import compress
 
-        config, make_runner = compress(model, fitted, rotations, config, values_folded=compression is not None)
+        _, config, make_runner = compress(model, fitted, rotations, config, values_folded=compression is not None)
     from oscar_compile.runtime.engine_config import build_engine
 
     engine = build_engine(model, tokenizer, config, make_runner=make_runner)
-    return Assembly(model, tokenizer, engine, compression)
+    return Assembly(model, tokenizer, engine, compression, name=name)
 
 
 def _fit(spec, model=None, model_dir=None):
@@ -123,7 +128,7 @@ def _assemble_split(model_dir: Path, spec, rotations, tokenizer, device: torch.d
                          "(specs/bf16.yaml for no compression)")
     group, model, tokenizer, engine = launch.start_engine(model_dir, spec, rotations, config, world_size, device,
                                                           dtype, tokenizer)
-    return Assembly(model, tokenizer, engine, tensor_parallel=group)
+    return Assembly(model, tokenizer, engine, tensor_parallel=group, name=model_dir.name)
 
 
 def default_compression(model_dir: Path, spec: str | None, rotations: str | None, bundled: bool
@@ -141,20 +146,14 @@ def default_compression(model_dir: Path, spec: str | None, rotations: str | None
     return spec, rotations
 
 
-def build_app(model: str | Path | None = None, spec: str | None = None, rotations: str | None = None, *,
-              server=None, config=None, device: str | torch.device = "auto",
-              served_model_name: str | list[str] | None = None,
-              tensor_parallel_size: int = 1, wording: Wording = CLI_WORDING) -> tuple[Any, str]:
-    """(FastAPI app, served model name) for a model directory (None: the bundled model).
-
-    ``server``: the ServerConfig (access and limits); ``config``: the EngineConfig. A plain model
+def assemble_for_serving(model: str | Path | None = None, spec: str | None = None, rotations: str | None = None, *,
+                         config=None, device: str | torch.device = "auto", tensor_parallel_size: int = 1,
+                         wording: Wording = CLI_WORDING) -> Assembly:
+    """The assembly a server runs for a model directory (None: the bundled model): a plain model
     is compressed with ``default_compression``'s spec and rotations where none are given.
-    ``app.state.tensor_parallel`` holds the other ranks (None on one device): stop them after
-    the server."""
+    ``config``: the EngineConfig."""
     from oscar_compile.checkpoint import compression_of
     from oscar_compile.loading import resolve_device, resolve_model_dir
-    from oscar_compile.runtime.async_engine import AsyncEngine
-    from oscar_compile.runtime.server.app import create_app
 
     model_dir = resolve_model_dir(model)
     device = resolve_device(device)
@@ -164,14 +163,30 @@ def build_app(model: str | Path | None = None, spec: str | None = None, rotation
                      tensor_parallel_size=tensor_parallel_size, wording=wording)
     if built.compression is not None:
         spec, rotations = f"{model_dir} (compressed checkpoint)", built.compression.rotations_path
+    logger.info("assembled %s on %s with %s (rotations: %s, tensor-parallel size %d)", model_dir, device, spec,
+                rotations, tensor_parallel_size)
+    return built
+
+
+def build_app(built: Assembly, served_model_name: str | list[str] | None = None, server=None) -> tuple[Any, str]:
+    """(FastAPI app, served model name): the OpenAI server over an assembly, the one app factory.
+
+    ``served_model_name``: the names clients may use, responses report the first (default: the
+    assembly's ``name``); ``server``: the ServerConfig (access and limits).
+    ``app.state.tensor_parallel`` holds the other ranks (None on one device): stop them after
+    the server."""
+    from oscar_compile.runtime.async_engine import AsyncEngine
+    from oscar_compile.runtime.server.app import create_app
+
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
-    names = names or [model_dir.name]
-    name = names[0]  # the one responses report; a request may name any of them
-    logger.info("serving %s from %s on %s with %s (rotations: %s, tensor-parallel size %d)", name, model_dir, device,
-                spec, rotations, tensor_parallel_size)
+    names = names or ([built.name] if built.name else [])
+    if not names:
+        raise ValueError("name the served model (served_model_name): the assembly has no directory name")
+    logger.info("serving %s on %s", names[0], next(built.model.parameters()).device)
     app = create_app(AsyncEngine(built.engine), names, server)
     app.state.tensor_parallel = built.tensor_parallel  # the other ranks: stopped after the server
-    return app, name
+    return app, names[0]
 
 
-__all__ = ["Assembly", "CLI_WORDING", "LIBRARY_WORDING", "Wording", "assemble", "build_app", "default_compression"]
+__all__ = ["Assembly", "CLI_WORDING", "LIBRARY_WORDING", "Wording", "assemble", "assemble_for_serving", "build_app",
+           "default_compression"]

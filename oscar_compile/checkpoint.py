@@ -199,7 +199,9 @@ def save_compressed(model: torch.nn.Module, spec: CompressionSpec | str | Path,
                     rotations: Rotations | str | Path, out_dir: str | Path, tokenizer=None) -> Path:
     """Write ``model`` (as loaded, before ``apply``) compressed with ``spec`` and ``rotations`` to
     ``out_dir``, a directory ``load_compressed``, ``LLM(out_dir)`` and ``serve --model`` take as it is."""
-    if hasattr(model, "_oscar_compile_report"):
+    from .passes.apply import is_rewritten
+
+    if is_rewritten(model):
         raise ValueError("save_compressed takes the model before apply(): its v_proj / o_proj must not hold R_V yet")
     if getattr(model.config, COMPRESSED_CONFIG_KEY, None):
         raise ValueError("this model is already a compressed checkpoint: copy its directory instead")
@@ -251,7 +253,8 @@ def load_compressed(model_dir: str | Path, device: str = "auto", dtype=None, fus
 
 
 def apply_compression(model: torch.nn.Module, compression: Compression, fuse: bool = True):
-    """``apply`` a loaded compressed checkpoint's own spec and rotations (values already folded)."""
+    """``apply`` a loaded compressed checkpoint's own spec and rotations (values already folded);
+    returns the handle ``apply`` returns."""
     from .passes import apply
 
     rotations = compression.load_rotations(model)

@@ -9,27 +9,27 @@ reach into each other; the offline ``LLM`` and the server both call it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 from oscar_compile.artifact import Rotations
 from oscar_compile.calibration import calibrate
-from oscar_compile.passes import apply
-from oscar_compile.passes.apply import set_prefill_semantics
+from oscar_compile.passes import CompressedModel, apply
 from oscar_compile.runtime.engine_config import EngineConfig
 from oscar_compile.runtime.worker.compressed_runner import compressed_layout, runner_factory
 from oscar_compile.spec import CompressionSpec
 from oscar_compile.spec_fit import fit_spec_to_model
 
 
-def compress(model: torch.nn.Module, spec, rotations, config: EngineConfig | None, values_folded: bool = False):
-    """Apply ``spec`` to ``model`` in place; the engine config and runner factory that serve it.
+def compress(model: torch.nn.Module, spec, rotations, config: EngineConfig | None,
+             values_folded: bool = False) -> tuple[CompressedModel, EngineConfig, Callable]:
+    """Apply ``spec`` to ``model`` in place; (the handle ``apply`` returned, the engine config, and
+    the runner factory that serves it: the handle is handed to the runner, and the prefill
+    semantics of the model's ``generate()`` set to the engine's).
 
     ``values_folded``: the model is a compressed checkpoint whose weights hold R_V already
     (``oscar_compile.checkpoint``); ``rotations`` are then its own, checked on load."""
-
-
-
     if not isinstance(spec, CompressionSpec):
         spec = CompressionSpec.from_yaml(spec)
     spec = fit_spec_to_model(spec, model)  # before calibrating or loading rotations
@@ -41,8 +41,8 @@ def compress(model: torch.nn.Module, spec, rotations, config: EngineConfig | Non
                              "`oscar-compile calibrate`, or a Rotations)") from None
     elif not isinstance(rotations, Rotations):
         rotations = Rotations.load(rotations, model)
-    apply(model, spec, rotations, values_folded=values_folded)
+    compressed = apply(model, spec, rotations, values_folded=values_folded)
     layout = compressed_layout(model, spec)
     config = dataclasses.replace(config or EngineConfig(), layout=layout)
-    set_prefill_semantics(model, config.prefill_semantics)  # generate() on the served model reads as the engine
-    return config, runner_factory(model, layout, config)
+    compressed.set_prefill_semantics(config.prefill_semantics)  # generate() on the served model reads as the engine
+    return compressed, config, runner_factory(compressed, layout, config)

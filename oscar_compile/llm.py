@@ -18,9 +18,10 @@ import torch
 
 from oscar_compile.assembly import assemble
 from oscar_compile.runtime.core.sampling_params import SamplingParams
-from oscar_compile.runtime.engine import LLMEngine, TokenLogprob
-from oscar_compile.runtime.engine import RequestOutput as StepOutput
+from oscar_compile.runtime.core.token_logprob import TokenLogprob
+from oscar_compile.runtime.engine import LLMEngine
 from oscar_compile.runtime.engine_config import EngineConfig
+from oscar_compile.runtime.output_processor import RequestOutput as StepOutput
 
 
 @dataclass
@@ -48,8 +49,8 @@ class CompletionOutput:
 class RequestOutput:
     """One prompt's request: its ``n`` choices in ``outputs`` (vLLM's ``RequestOutput``).
 
-    Not the engine's ``oscar_compile.runtime.engine.RequestOutput``, which is one step's delta of
-    one choice; this one gathers those deltas into the finished request."""
+    Not the engine's ``oscar_compile.runtime.output_processor.RequestOutput``, which is one step's
+    delta of one choice; this one gathers those deltas into the finished request."""
 
     request_id: str
     prompt: str | None  # the prompt string; None when token ids were given (vLLM's)
@@ -69,7 +70,8 @@ class LLM:
     are made without data, which only ``none`` / ``hadamard`` rotations allow) and served by the
     compressed runner over the paged cache. Without a spec the exact (uncached) RecomputeRunner
     runs the plain model. A compressed checkpoint (``oscar_compile.save_compressed``) brings its
-    own spec and rotations: give neither. ``make_runner(page_manager)`` plugs in another runner.
+    own spec and rotations: give neither. ``make_runner`` (a ``RunnerFactory``: the capabilities
+    of the runner it builds, and ``build(page_manager)``) plugs in another runner.
 
     ``tensor_parallel_size=N`` splits the model over ``N`` processes, one per device (this one is
     rank 0 and runs the engine; ``oscar_compile.tensor_parallel``): it needs a plain model
@@ -115,11 +117,11 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         all_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        for ids, p in zip(all_ids, params, strict=True):  # refuse the batch before queueing any of it
-            self.engine.validate_request(ids, p)
+        # the one validation (the engine's input processor): the batch is refused before any of it is queued
+        accepted = [self.engine.input_processor.process(ids, p) for ids, p in zip(all_ids, params, strict=True)]
         requests: dict[str, RequestOutput] = {}
-        for prompt, ids, p in zip(prompts, all_ids, params, strict=True):
-            seq = self.engine.add_request(ids, p)
+        for prompt, ids, p, accepted_request in zip(prompts, all_ids, params, accepted, strict=True):
+            seq = self.engine.add(accepted_request)
             wants_logprobs = p.logprobs is not None
             choices = [CompletionOutput(index=i, seed=seq.seed + i, logprobs=[] if wants_logprobs else None,
                                         cumulative_logprob=0.0 if wants_logprobs else None) for i in range(p.n)]

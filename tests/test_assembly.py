@@ -32,7 +32,7 @@ def test_one_serve_start_fits_the_spec_once(fits):
     """The bundled model in INT2 with its shipped rotations, built as ``oscar-compile serve`` builds it."""
     from oscar_compile.cli import serve
 
-    app, name = serve.build_app(serve.parse_args(["--device", "cpu", "--kv-memory", "0.05", "--no-cuda-graphs"]))
+    app, name = serve.app_from_args(serve.parse_args(["--device", "cpu", "--kv-memory", "0.05", "--no-cuda-graphs"]))
     assert name == "oscar-tiny-qwen3" and app.state.tensor_parallel is None
     assert len(fits) == 1, fits
 

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from oscar_compile import ArtifactError, CompressionSpec, Rotations, apply, calibrate, load_compressed, save_compressed
-from oscar_compile.checkpoint import compression_of
+from oscar_compile.checkpoint import apply_compression, compression_of
 from oscar_compile.cli import main
 from oscar_compile.loading import BUNDLED_MODEL_DIR, load_model
 from oscar_compile.spec import shipped_spec
@@ -72,8 +72,10 @@ def test_round_trip_logits_equal_the_saved_model(plain_dir, rotations, compresse
     loaded, tokenizer = load_compressed(compressed_dir)
     assert torch.equal(_logits(loaded, ids), _logits(_applied(plain_dir, rotations), ids))
     assert tokenizer is not None and len(tokenizer) == len(tiny_tokenizer())
-    report = loaded._oscar_compile_report
-    assert all(layer.value_folded for layer in report.layers) and report.spec.key.center
+    model, _ = load_model(compressed_dir, "cpu")  # what load_compressed does, keeping apply's handle
+    compressed = apply_compression(model, compression_of(compressed_dir))
+    assert compressed.model is model and torch.equal(_logits(model, ids), _logits(loaded, ids))
+    assert all(layer.value_folded for layer in compressed.report.layers) and compressed.report.spec.key.center
 
 
 def test_the_checkpoint_is_sharded_like_its_source_and_holds_folded_weights(plain_dir, rotations, compressed_dir):
@@ -188,10 +190,10 @@ def test_llm_and_serve_pick_up_spec_and_rotations(plain_dir, rotations, compress
     from oscar_compile.cli import serve
 
     args = serve.parse_args(["--model", str(compressed_dir), "--device", "cpu", "--kv-memory", "0.01"])
-    app, name = serve.build_app(args)
+    app, name = serve.app_from_args(args)
     assert name == compressed_dir.name
     with pytest.raises(ValueError, match="drop --spec"):
-        serve.build_app(serve.parse_args(["--model", str(compressed_dir), "--spec", "x.yaml"]))
+        serve.app_from_args(serve.parse_args(["--model", str(compressed_dir), "--spec", "x.yaml"]))
 
 
 def test_cli_export_hf_on_the_bundled_model(tmp_path, capsys):

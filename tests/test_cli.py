@@ -83,3 +83,14 @@ def test_python_m_evaluation_is_the_eval_command(capsys):
     assert main(["eval", "--model", "/nonexistent"]) == eval_main(["--model", "/nonexistent"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[0] == err[1] and err[0].startswith("oscar-compile eval: error:")
+
+
+def test_export_onnx_without_its_extra_says_so_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "onnxscript", None)  # find_spec answers None: not installed
+    out = tmp_path / "onnx-out"
+    assert main(["export", "--format", "onnx", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "onnxscript" in err and "pip install 'oscar-compile[onnx]'" in err
+    assert not out.exists()

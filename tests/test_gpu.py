@@ -94,7 +94,7 @@ def test_fused_elementwise_ops_on_gpu_follow_the_unfused_model():
     model = tiny_model("qwen3", num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16).cuda()
     rot = calibrate(model, SPEC, [_ids((2, 64), 3).cuda()])
     fused, plain = copy.deepcopy(model), copy.deepcopy(model)
-    assert apply(fused, SPEC, rot).fused["rope"] == 2
+    assert apply(fused, SPEC, rot).report.fused["rope"] == 2
     apply(plain, SPEC, rot, fuse=False)
     tokens = _ids((2, 80), 4).cuda()
     with torch.no_grad():

@@ -13,7 +13,10 @@
 - ``formats`` (the cache format and the ops' named arguments) imports nothing of the package but
   ``formats``: ``quant``, the kernels and ``cache`` all stand on it;
 - no ``args[...]`` / ``node.args[...]`` read of an ``oscar::`` op's arguments, by index or by
-  slice, outside ``formats/op_args.py``, which names them (and no kernel wrapper handed ``*args``).
+  slice, outside ``formats/op_args.py``, which names them (and no kernel wrapper handed ``*args``);
+- no ``_oscar_*`` or ``oscar_graph`` attribute set or read outside ``passes/``, by name or by
+  string (``getattr`` / ``hasattr`` / ``setattr`` / ``__dict__``): what ``apply`` made travels in
+  the handle it returns (passes/compressed_model.py), not on the model.
 
 A package's ``__init__`` counts as importing nothing but what it names itself; ``import a.b.c``
 depends on ``a.b.c`` only, not on every package above it.
@@ -269,3 +272,41 @@ def test_allow_listed_args_reads_still_exist():
         sources[path.name] = sources.get(path.name, "") + path.read_text()
     stale = [key for key in UNRELATED_ARGS_READS if key[1] not in sources.get(key[0], "")]
     assert stale == []
+
+
+PASSES = ROOT / PACKAGE / "passes"
+
+
+def _model_attribute_uses(source: str, label: str) -> list[str]:
+    """Attribute accesses and string literals naming ``oscar_graph`` or an ``_oscar_*`` attribute,
+    as ``label:line: name``, in line order."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            name = node.attr
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            name = node.value
+        else:
+            continue
+        if name == "oscar_graph" or name.startswith("_oscar_"):
+            found.append((node.lineno, node.col_offset, f"{label}:{node.lineno}: {name}"))
+    return [use for *_, use in sorted(found)]
+
+
+def test_only_the_passes_touch_oscar_attributes_of_a_model():
+    """The model is not a notice board: the runner, the checkpoint, the tensor-parallel split and
+    the benches are handed apply()'s handle, and no one else finds state on the model."""
+    uses = [u for path in _package_sources() if PASSES not in path.parents
+            for u in _model_attribute_uses(path.read_text(), str(path.relative_to(ROOT)))]
+    assert uses == []
+
+
+def test_the_attribute_rule_sees_each_way_of_reaching_an_attribute():
+    """The scan above can fail: a plain read, a hasattr by string, a __dict__ lookup and a write."""
+    source = ("r = model._oscar_compile_report\n"
+              "hasattr(model, '_oscar_x')\n"
+              "attn.__dict__.get('oscar_graph')\n"
+              "model._oscar_tensor_parallel = report\n"
+              "name = '_oscar'  # not an attribute name\n")
+    assert [u.rsplit(": ", 1)[1] for u in _model_attribute_uses(source, "probe")] == [
+        "_oscar_compile_report", "_oscar_x", "oscar_graph", "_oscar_tensor_parallel"]

@@ -80,15 +80,33 @@ class Target:
     api_key: str | None = None
 
 
+def progress_line(concurrency: int, records: list[RequestRecord], elapsed_s: float, duration_s: float | None,
+                  num_requests: int | None) -> str:
+    """One line on a level under way: a level runs for minutes, and silence reads as a hang."""
+    done = [r for r in records if r.end]
+    bound = " / ".join(b for b in (f"{duration_s:.0f} s" if duration_s is not None else "",
+                                    f"{num_requests} requests" if num_requests is not None else "") if b)
+    return (f"  concurrency {concurrency}: {elapsed_s:.0f} s, {len(records)} requests sent, {len(done)} done "
+            f"({sum(r.outcome == 'error' for r in done)} errors), "
+            f"{sum(r.num_output_tokens for r in done)} output tokens (level ends at {bound})")
+
+
 async def run_level(target: Target, model: str, workload: Workload, concurrency: int,
                     num_requests: int | None, duration_s: float | None, rng: random.Random,
-                    request_timeout_s: float = 600.0) -> tuple[list[RequestRecord], float]:
-    """Closed-loop load: (records, wall seconds)."""
+                    request_timeout_s: float = 600.0, progress=None,
+                    progress_every_s: float = 10.0) -> tuple[list[RequestRecord], float]:
+    """Closed-loop load: (records, wall seconds). ``progress(line)`` gets a progress line every
+    ``progress_every_s`` seconds while the level runs."""
     if num_requests is None and duration_s is None:
         raise ValueError("bound the level: give num_requests or duration_s")
     records: list[RequestRecord] = []
     start = time.perf_counter()
     stop_at = start + duration_s if duration_s is not None else None
+
+    async def report() -> None:
+        while True:
+            await asyncio.sleep(progress_every_s)
+            progress(progress_line(concurrency, records, time.perf_counter() - start, duration_s, num_requests))
 
     async def client() -> None:
         while (num_requests is None or len(records) < num_requests) and (
@@ -97,7 +115,12 @@ async def run_level(target: Target, model: str, workload: Workload, concurrency:
             records.append(record)
             await complete(target.host, target.port, body, record, target.api_key, hang_up, request_timeout_s)
 
-    await asyncio.gather(*(client() for _ in range(concurrency)))
+    reporter = asyncio.create_task(report()) if progress is not None else None
+    try:
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    finally:
+        if reporter is not None:
+            reporter.cancel()
     return records, time.perf_counter() - start
 
 
@@ -133,9 +156,10 @@ async def served_model(target: Target) -> str:
 
 
 async def run(target: Target, workload: Workload, levels: list[int], num_requests: int | None,
-              duration_s: float | None, seed: int = 0, warmup: bool = True, on_level=None) -> list[dict]:
+              duration_s: float | None, seed: int = 0, warmup: bool = True, on_level=None,
+              progress=None) -> list[dict]:
     """Every level in turn; one result dict per level (also handed to ``on_level`` as it ends).
-    Without either bound, a level sends 4 requests per client."""
+    Without either bound, a level sends 4 requests per client. ``progress``: see ``run_level``."""
     rng = random.Random(seed)
     model = await served_model(target)
     if warmup:  # compile kernels / capture graphs on the largest batch, outside the figures
@@ -145,7 +169,8 @@ async def run(target: Target, workload: Workload, levels: list[int], num_request
     for concurrency in levels:
         n = num_requests if num_requests is not None or duration_s is not None else 4 * concurrency
         before = await idle_metrics(target)
-        records, wall_s = await run_level(target, model, workload, concurrency, n, duration_s, rng)
+        records, wall_s = await run_level(target, model, workload, concurrency, n, duration_s, rng,
+                                          progress=progress)
         after = await idle_metrics(target)
         results.append({
             "concurrency": concurrency,
@@ -217,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run(target, workload, args.concurrency, args.num_requests, args.duration, args.seed,
                         warmup=not args.no_warmup,
                         on_level=lambda level: (result["levels"].append(level),
-                                                print(table([level]), flush=True))))
+                                                print(table([level]), flush=True)),
+                        progress=lambda line: print(line, flush=True)))
     finally:
         if server is not None:
             result["server_exit"] = server.stop()

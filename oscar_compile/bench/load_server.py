@@ -17,8 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-_FINAL = re.compile(r"stopped: (\d+) requests admitted, (\d+) refused, (\d+) finished \((\d+) aborted\); "
-                    r"KV pages in use: (\d+) window, (\d+) quant")
+# the server's last log line (server/app.py): HTTP requests admitted and refused, then requests
+# (one per prompt) finished and aborted
+FINAL_LINE = re.compile(r"stopped: (\d+) HTTP requests admitted, (\d+) refused; (\d+) requests \(one per prompt\) "
+                        r"finished \((\d+) aborted\); KV pages in use: (\d+) window, (\d+) quant")
 
 
 def server_command(launch: str, port: int, extra_args: list[str]) -> list[str]:
@@ -35,7 +37,7 @@ def server_command(launch: str, port: int, extra_args: list[str]) -> list[str]:
 
 
 def final_stats(log: str) -> dict | None:
-    found = _FINAL.findall(log)
+    found = FINAL_LINE.findall(log)
     if not found:
         return None
     admitted, refused, finished, aborted, window, quant = (int(x) for x in found[-1])

@@ -28,7 +28,7 @@ from oscar_compile.spec import specs_dir
 def _run(llm: LLM, prompt: list[int], params: list[SamplingParams]) -> dict:
     engine = llm.engine
     llm.generate(prompt[:16], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
-    before = engine.stats()["batched_tokens_total"]
+    before = engine.stats().batched_tokens_total
     peak = {"window": 0, "quant": 0}
     firsts: set = set()
     tokens: dict = {}
@@ -44,12 +44,12 @@ def _run(llm: LLM, prompt: list[int], params: list[SamplingParams]) -> dict:
             first_token_s = time.perf_counter() - start
         stats = engine.stats()
         for kind in peak:
-            peak[kind] = max(peak[kind], stats[f"{kind}_pages_used"])
+            peak[kind] = max(peak[kind], stats.pools[kind].pages_used)
     seconds = time.perf_counter() - start
     return dict(
         seconds=round(seconds, 3),
         all_first_tokens_s=round(first_token_s, 3),
-        batched_tokens=engine.stats()["batched_tokens_total"] - before,
+        batched_tokens=engine.stats().batched_tokens_total - before,
         peak_window_pages=peak["window"],
         peak_quant_pages=peak["quant"],
         tokens=sorted(tokens.values()),

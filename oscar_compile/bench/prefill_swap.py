@@ -56,7 +56,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def make_engine(model, layout, max_len: int, budget: int, staging: bool, swap_bytes: int = 0,
+def make_engine(compressed, layout, max_len: int, budget: int, staging: bool, swap_bytes: int = 0,
                 prefill_semantics: str = PROMPT_EXACT, prefix_caching: bool = False):
     """An engine whose pools hold one sequence of ``max_len`` tokens (and staging for it). With
     ``prefix_caching`` (decode-consistent: snapshot hits) they hold two, the cached prefix of one
@@ -69,8 +69,9 @@ def make_engine(model, layout, max_len: int, budget: int, staging: bool, swap_by
                           max_num_batched_tokens=budget, max_model_len=max_len, cuda_graphs=False,
                           enable_prefix_caching=prefix_caching, prefill_staging_memory_gb=None if staging else 0,
                           swap_space_gb=swap_bytes / 1024**3, layout=layout, prefill_semantics=prefill_semantics)
-    vocab = model.config.get_text_config().vocab_size
-    return build_engine(model, SpelledIdTokenizer(vocab), config, make_runner=runner_factory(model, layout, config))
+    vocab = compressed.model.config.get_text_config().vocab_size
+    return build_engine(compressed.model, SpelledIdTokenizer(vocab), config,
+                        make_runner=runner_factory(compressed, layout, config))
 
 
 def random_prompt(num_tokens: int, vocab: int, seed: int = 0) -> list[int]:
@@ -97,13 +98,13 @@ def time_to_first_token_s(engine, num_tokens: int, vocab: int, seed: int = 0) ->
     return first_token(engine, random_prompt(num_tokens, vocab, seed))[0]
 
 
-def ttft_rows(model, layout, shape: str, contexts: list[int], budget: int, vocab: int,
+def ttft_rows(compressed, layout, shape: str, contexts: list[int], budget: int, vocab: int,
               num_new_tokens: int = 512) -> list[dict]:
     """The rows of every engine of ``ENGINES`` at every context (module docstring)."""
     rows = []
     max_len = max(contexts) + 1
     for name, (semantics, staging, prefix_caching) in ENGINES.items():
-        engine = make_engine(model, layout, max_len, budget, staging, prefill_semantics=semantics,
+        engine = make_engine(compressed, layout, max_len, budget, staging, prefill_semantics=semantics,
                              prefix_caching=prefix_caching)
         warm_up = random_prompt(min(2 * budget + 1, max_len - 1), vocab, seed=99)
         for _ in range(2 if prefix_caching else 1):  # the second: a hit, which restores a snapshot
@@ -146,10 +147,10 @@ def _prefix_hit_rows(engine, context: int, vocab: int, num_new_tokens: int) -> l
         rows.append(dict(rows[0], request=request, num_cached_prompt_tokens=cached, ttft_s=ttft,
                          miss_over_hit=rows[0]["ttft_s"] / ttft))
     after = engine.stats()
-    taken = after["window_snapshots_taken"] - before["window_snapshots_taken"]
+    taken = after.window_snapshots_taken - before.window_snapshots_taken
     for row in rows:  # the context's three requests together (none evicted: the pools hold them all)
         row.update(window_snapshots_taken=taken,
-                   window_snapshot_hits=after["window_snapshot_hits"] - before["window_snapshot_hits"],
+                   window_snapshot_hits=after.window_snapshot_hits - before.window_snapshot_hits,
                    snapshot_bytes=taken * bm.snapshots.snapshot_bytes)
     return rows
 
@@ -165,10 +166,10 @@ def _compare(rows: list[dict]) -> None:
             row["staging_saved_bytes"] = staged["staging_peak_bytes"] - row["staging_peak_bytes"]
 
 
-def swap_rows(model, layout, shape: str, context: int, budget: int, vocab: int, reps: int) -> list[dict]:
+def swap_rows(compressed, layout, shape: str, context: int, budget: int, vocab: int, reps: int) -> list[dict]:
     num_window, num_quant = layout.num_pages_for_seq(context)
     num_bytes = num_window * layout.window_page_bytes + num_quant * layout.quant_page_bytes
-    engine = make_engine(model, layout, context + 1, budget, staging=True, swap_bytes=num_bytes + 2**20)
+    engine = make_engine(compressed, layout, context + 1, budget, staging=True, swap_bytes=num_bytes + 2**20)
     time_to_first_token_s(engine, min(2 * budget + 1, context), vocab, seed=99)  # warm-up
     recompute = time_to_first_token_s(engine, context, vocab)
     runner = engine.runner

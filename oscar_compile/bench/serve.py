@@ -96,7 +96,8 @@ def mode_spec(shape: str, mode: str):
 
 
 def build_model(shape: str, mode: str, max_len: int, device: torch.device, fuse: bool = True, prepare=None):
-    """A random-weight Qwen3 of ``shape``, rewritten for ``mode``; returns (model, layout).
+    """A random-weight Qwen3 of ``shape``, rewritten for ``mode``; returns (the handle ``apply``
+    returned, layout).
     ``prepare(model)`` runs before the rewrite (serve_tp.py keeps a rank's slice there)."""
     from oscar_compile.calibration import calibrate
     from oscar_compile.spec_fit import fit_spec_to_model
@@ -105,8 +106,8 @@ def build_model(shape: str, mode: str, max_len: int, device: torch.device, fuse:
     if prepare is not None:
         prepare(model)
     spec = fit_spec_to_model(mode_spec(shape, mode), model)  # once: calibrate, apply and the layout take it
-    apply(model, spec, calibrate(model, spec), fuse=fuse)
-    return model, compressed_layout(model, spec)
+    compressed = apply(model, spec, calibrate(model, spec), fuse=fuse)
+    return compressed, compressed_layout(model, spec)
 
 
 def decode_batch(layout, batch_size: int, context: int) -> tuple[Batch, int, int]:
@@ -209,8 +210,8 @@ def step_breakdown(runner: CompressedRunner, batch: Batch, reps: int = 3) -> dic
     return shares
 
 
-def _runner(model, layout, batch: Batch, num_window: int, num_quant: int, context: int, graphs: bool):
-    return CompressedRunner(model, layout, num_window, num_quant, max_seq_len=context + 1,
+def _runner(compressed, layout, batch: Batch, num_window: int, num_quant: int, context: int, graphs: bool):
+    return CompressedRunner(compressed, layout, num_window, num_quant, max_seq_len=context + 1,
                             max_num_seqs=batch.num_seqs, max_num_batched_tokens=batch.num_tokens, cuda_graphs=graphs,
                             max_graph_batch=batch.num_seqs)
 
@@ -242,13 +243,13 @@ def plan_ab_ms(runner: CompressedRunner, batch: Batch, reps: int) -> dict:
     return dict(eager_planned_ms=planned, eager_unplanned_ms=unplanned, plan_saved_ms=unplanned - planned)
 
 
-def decode_rows(model, layout, shape: str, mode: str, contexts: list[int], reps: int,
+def decode_rows(compressed, layout, shape: str, mode: str, contexts: list[int], reps: int,
                 plan_ab: bool = False, batch_sizes: tuple[int, ...] = (1,)) -> list[dict]:
     rows = []
-    fused = bool(model._oscar_compile_report.fused)
+    fused = bool(compressed.report.fused)
     for context, batch_size in itertools.product(contexts, batch_sizes):
         batch, num_window, num_quant = decode_batch(layout, batch_size, context)
-        runner = _runner(model, layout, batch, num_window, num_quant, context, graphs=True)
+        runner = _runner(compressed, layout, batch, num_window, num_quant, context, graphs=True)
         t = step_time_s(runner, batch, reps)
         row = dict(shape=shape, mode=mode, fused=fused, context=context, batch=batch_size, step_ms=t * 1e3,
                    tokens_per_s=batch_size / t, cuda_graphs=_graph_covers(runner, batch))
@@ -275,7 +276,7 @@ def _eager(runner: CompressedRunner) -> CompressedRunner:
     return runner
 
 
-def capacity_rows(model, layout, shape: str, mode: str, contexts: list[int], budget: int, reps: int) -> list[dict]:
+def capacity_rows(compressed, layout, shape: str, mode: str, contexts: list[int], budget: int, reps: int) -> list[dict]:
     rows = []
     for context in contexts:
         per_seq = _bytes_per_seq(layout, context)
@@ -284,7 +285,7 @@ def capacity_rows(model, layout, shape: str, mode: str, contexts: list[int], bud
                    max_seqs=int(max_seqs))
         if max_seqs:
             batch, num_window, num_quant = decode_batch(layout, int(max_seqs), context)
-            runner = _runner(model, layout, batch, num_window, num_quant, context, graphs=True)
+            runner = _runner(compressed, layout, batch, num_window, num_quant, context, graphs=True)
             t = step_time_s(runner, batch, reps)
             row.update(step_ms=t * 1e3, tokens_per_s=max_seqs / t, cuda_graphs=_graph_covers(runner, batch))
             _release(runner)
@@ -311,24 +312,24 @@ def run(args) -> dict:
         _save(result, args.out)
     for shape in (args.shapes if 1 in args.tensor_parallel_size and set(args.parts) & {"decode", "capacity"} else []):
         for mode in MODES:
-            model, layout = build_model(shape, mode, max_len, device)
+            compressed, layout = build_model(shape, mode, max_len, device)
             if "decode" in args.parts:
-                result["decode"] += decode_rows(model, layout, shape, mode, args.contexts, args.reps, args.plan_ab,
+                result["decode"] += decode_rows(compressed, layout, shape, mode, args.contexts, args.reps, args.plan_ab,
                                                 tuple(args.decode_batches))
                 _save(result, args.out)
             if args.capacity_contexts and "capacity" in args.parts:
                 budget = int(args.kv_memory * GIB) if args.kv_memory else _free_memory_bytes(device)
-                result["capacity"] += capacity_rows(model, layout, shape, mode, args.capacity_contexts, budget,
+                result["capacity"] += capacity_rows(compressed, layout, shape, mode, args.capacity_contexts, budget,
                                                     args.reps)
                 _save(result, args.out)
-            del model
+            del compressed
             gc.collect()
             _empty_cache(device)
             if args.compare_unfused and "decode" in args.parts:
-                model, layout = build_model(shape, mode, max_len, device, fuse=False)
-                result["decode"] += decode_rows(model, layout, shape, mode, args.contexts, args.reps)
+                compressed, layout = build_model(shape, mode, max_len, device, fuse=False)
+                result["decode"] += decode_rows(compressed, layout, shape, mode, args.contexts, args.reps)
                 _save(result, args.out)
-                del model
+                del compressed
                 gc.collect()
                 _empty_cache(device)
     if "structured" in args.parts:
@@ -357,15 +358,15 @@ def split_model_rows(rank: int, world_size: int, group, device: torch.device, ar
     rows: dict[str, list[dict]] = {"decode": [], "capacity": []}
     for shape in args.shapes:
         for mode in MODES:
-            model, layout = build_model(shape, mode, max_len, device,
-                                        prepare=lambda m: shard_model(m, rank, world_size, group))
+            compressed, layout = build_model(shape, mode, max_len, device,
+                                             prepare=lambda m: shard_model(m, rank, world_size, group))
             if "decode" in args.parts:
-                rows["decode"] += decode_rows(model, layout, shape, mode, args.contexts, args.reps)
+                rows["decode"] += decode_rows(compressed, layout, shape, mode, args.contexts, args.reps)
             if args.capacity_contexts and "capacity" in args.parts:
                 budget = int(args.kv_memory * GIB) if args.kv_memory else _free_memory_bytes(device)
-                rows["capacity"] += capacity_rows(model, layout, shape, mode, args.capacity_contexts,
+                rows["capacity"] += capacity_rows(compressed, layout, shape, mode, args.capacity_contexts,
                                                   smallest(budget, device, group), args.reps)
-            del model
+            del compressed
             gc.collect()
             _empty_cache(device)
             if rank == 0:  # what was measured so far survives a time limit
@@ -380,17 +381,17 @@ def _prefill_swap_parts(args, device: torch.device, result: dict) -> None:
     parts = [p for p in ("ttft", "swap") if p in args.parts]
     max_len = max(([max(args.ttft_contexts)] if "ttft" in parts else [])
                   + ([args.swap_context] if "swap" in parts else [])) + 1
-    model, layout = build_model(shape, "int2", max_len, device)
-    vocab = model.config.vocab_size
+    compressed, layout = build_model(shape, "int2", max_len, device)
+    vocab = compressed.model.config.vocab_size
     if "ttft" in parts:
-        result["ttft"] += prefill_swap.ttft_rows(model, layout, shape, args.ttft_contexts,
+        result["ttft"] += prefill_swap.ttft_rows(compressed, layout, shape, args.ttft_contexts,
                                                  args.max_num_batched_tokens, vocab, args.ttft_new_tokens)
         _save(result, args.out)
     if "swap" in parts:
-        result["swap"] += prefill_swap.swap_rows(model, layout, shape, args.swap_context,
+        result["swap"] += prefill_swap.swap_rows(compressed, layout, shape, args.swap_context,
                                                  args.max_num_batched_tokens, vocab, args.reps)
         _save(result, args.out)
-    del model
+    del compressed
     gc.collect()
     _empty_cache(device)
 

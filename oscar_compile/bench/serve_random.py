@@ -35,35 +35,34 @@ def parse_args(argv: list[str] | None = None):
     return args
 
 
-def build_app(args):
-    """(app, served model name) for a random model of ``args.shape`` in ``args.mode``."""
+def assemble_random(args):
+    """The assembly of a random model of ``args.shape`` in ``args.mode`` (served by ``assembly.build_app``)."""
+    from oscar_compile.assembly import Assembly
     from oscar_compile.bench.e2e import SpelledIdTokenizer
     from oscar_compile.bench.serve import mode_spec, random_model
     from oscar_compile.cli import serve
     from oscar_compile.compress import compress
-    from oscar_compile.runtime.async_engine import AsyncEngine
     from oscar_compile.runtime.engine_config import build_engine, resolve_device
-    from oscar_compile.runtime.server.app import create_app
 
-    server = serve.server_config(args)
     max_len = args.max_model_len or _DEFAULT_MAX_MODEL_LEN
     model = random_model(args.shape, max_len, resolve_device(args.device))
     spec = mode_spec(args.shape, args.mode)
-    config, make_runner = compress(model, spec, None, serve.engine_config(args))  # neither needs data
-    vocab = model.config.get_text_config().vocab_size
-    engine = build_engine(model, SpelledIdTokenizer(vocab), config, make_runner=make_runner)
-    names = args.served_model_name or [f"random-{args.shape}-{args.mode}"]
-    logger.info("serving %s (random weights, %s) on %s", names[0], spec, next(model.parameters()).device)
-    return create_app(AsyncEngine(engine), names, server), names[0]
+    _, config, make_runner = compress(model, spec, None, serve.engine_config(args))  # neither needs data
+    tokenizer = SpelledIdTokenizer(model.config.get_text_config().vocab_size)
+    logger.info("random weights, %s", spec)
+    return Assembly(model, tokenizer, build_engine(model, tokenizer, config, make_runner=make_runner),
+                    name=f"random-{args.shape}-{args.mode}")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from oscar_compile.assembly import build_app
     from oscar_compile.cli import serve
 
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        app, _ = build_app(args)
+        server = serve.server_config(args)  # refuse bad flags before building the model
+        app, _ = build_app(assemble_random(args), args.served_model_name, server)
     except (FileNotFoundError, ValueError, NotImplementedError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

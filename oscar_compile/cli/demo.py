@@ -95,7 +95,7 @@ def run_demo(args) -> int:
     print(f"calibrated on {rot.num_tokens} tokens in {time.perf_counter() - start:.1f}s "
           f"(`oscar-compile calibrate` writes such rotations to a file; the bundled model ships its own)")
     baseline = copy.deepcopy(model)
-    report = apply(model, spec, rot)
+    report = apply(model, spec, rot).report
     print(report)
     ctx = prompt_ids.shape[1] + args.max_new_tokens
     print(f"bits per K/V element: {report.bits_per_element(ctx):.2f} at {ctx} tokens, "

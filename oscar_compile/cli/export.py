@@ -44,7 +44,8 @@ def cmd_export(args) -> int:
     from ..spec_fit import fit_spec_to_model_dir
 
     if args.format == "onnx" and (missing := missing_onnx_modules()):
-        raise ValueError(f"--format onnx needs {', '.join(missing)}: pip install 'oscar-compile[onnx]' (nothing written)")
+        raise ValueError(f"--format onnx needs {', '.join(missing)}: "
+                         "pip install 'oscar-compile[onnx]' (nothing written)")
     model_dir = resolve_model_dir(args.model)
     spec_path, rotations = _spec_and_rotations(args, model_dir)
     spec = fit_spec_to_model_dir(CompressionSpec.from_yaml(spec_path), model_dir)  # the one fit, before loading

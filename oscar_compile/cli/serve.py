@@ -7,7 +7,8 @@ the default spec is ``specs/bf16.yaml`` (the same paged runtime, no compression)
 when that file exists.
 
 This module parses the flags; ``oscar_compile.assembly`` assembles the model, its compression
-and the runtime (``build_app``), as it does for ``LLM``.
+and the runtime (``assemble_for_serving``), as it does for ``LLM``, and builds the app over it
+(``build_app``, the one app factory).
 
 The server binds 127.0.0.1 unless told otherwise; binding another address without an API key
 (``--api-key`` or ``OSCAR_API_KEY``) logs a warning. SIGTERM / SIGINT drain it (runtime/server/shutdown.py).
@@ -22,6 +23,12 @@ import os
 import sys
 
 from oscar_compile.formats.prefill import DEFAULT_PREFILL_SEMANTICS, PREFILL_SEMANTICS
+from oscar_compile.runtime.core.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_SWAP_SPACE_GB,
+    PREFIX_HITS,
+)
 
 logger = logging.getLogger("oscar_compile.runtime.serve")  # the name users' log filters were given
 
@@ -47,17 +54,20 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
     parser.add_argument("--kv-memory", type=float, metavar="GIB",
                         help="KV cache budget in GiB (default: half the free GPU memory, 1 GiB on CPU)")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="token budget of one step (prefill chunks + decodes)")
+    parser.add_argument("--max-num-seqs", type=int,
+                        help=f"sequences running at once (default: {DEFAULT_MAX_NUM_SEQS})")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help=f"token budget of one step (prefill chunks + decodes) (default: "
+                             f"{DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     parser.add_argument("--prefill-staging-memory", type=float, metavar="GIB",
                         help="with --prefill-semantics prompt-exact: full-precision staging of prompts prefilled "
                              "in chunks, on top of --kv-memory (default: the history of one prompt of the context "
                              "length; 0: off, later chunks read earlier ones quantized)")
-    parser.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
-                        help="host memory preempted sequences swap to (default 4; 0: recompute them)")
+    parser.add_argument("--swap-space", type=float, metavar="GIB",
+                        help=f"host memory preempted sequences swap to (default {DEFAULT_SWAP_SPACE_GB:g}; 0: "
+                             "recompute them)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix reuse")
-    parser.add_argument("--prefix-hits", choices=("history", "sink", "snapshot"), default=None,
+    parser.add_argument("--prefix-hits", choices=PREFIX_HITS, default=None,
                         help="what a prefix-cache hit reuses: under decode-consistent prefill (the default), sink "
                              "and history up to a BF16 window snapshot (exact); the sink only (a hit computes what a "
                              "miss does); or, under prompt-exact prefill, sink and INT-b history pages (the "
@@ -88,7 +98,20 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
     _add_server_args(parser)
+    _add_replica_args(parser)
     return parser
+
+
+def _add_replica_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("replicas on a Ray cluster (the [ray] extra; cli/serve_replicas.py)")
+    group.add_argument("--replicas", type=int, default=None, metavar="N",
+                       help="serve N engine replicas behind one endpoint on Ray Serve, routed by shared prompt "
+                            "prefix (default: one engine in this process)")
+    group.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="with --replicas: the Ray cluster to join ('auto', or host:port of 'ray start --head'; "
+                            "default: start a local one)")
+    group.add_argument("--replica-cpus", type=float, default=1.0, metavar="N",
+                       help="with --replicas: CPUs each replica reserves (fractions allowed; default: %(default)s)")
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -170,26 +193,29 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
             f"server; pass --api-key or set OSCAR_API_KEY")
 
 
-def build_app(args: argparse.Namespace):
-    """Load the model and return (FastAPI app, served model name): ``oscar_compile.assembly.build_app``."""
+def app_from_args(args: argparse.Namespace):
+    """Load the model the flags name and return (FastAPI app, served model name)."""
     server = server_config(args)  # refuse bad flags before loading anything
-    from oscar_compile.assembly import build_app as assemble_app
+    from oscar_compile.assembly import assemble_for_serving, build_app
 
-    return assemble_app(args.model, args.spec, args.rotations, server=server, config=engine_config(args),
-                        device=args.device, served_model_name=args.served_model_name,
-                        tensor_parallel_size=args.tensor_parallel_size)
+    built = assemble_for_serving(args.model, args.spec, args.rotations, config=engine_config(args),
+                                 device=args.device, tensor_parallel_size=args.tensor_parallel_size)
+    return build_app(built, args.served_model_name, server)
 
 
 def engine_config(args: argparse.Namespace):
+    """The EngineConfig the flags describe: a flag left out takes the config's own default
+    (core/config.py), the one place each default is written."""
     from oscar_compile.runtime.engine_config import EngineConfig
 
-    return EngineConfig(kv_memory_gb=args.kv_memory, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        enable_prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
-                        overlap_steps=not args.no_overlap, prefill_staging_memory_gb=args.prefill_staging_memory,
-                        swap_space_gb=args.swap_space, prefix_hits=args.prefix_hits,
-                        snapshot_interval=args.snapshot_interval,
-                        prefill_semantics=args.prefill_semantics, deterministic=args.deterministic)
+    given = dict(kv_memory_gb=args.kv_memory, max_num_seqs=args.max_num_seqs,
+                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                 prefill_staging_memory_gb=args.prefill_staging_memory, swap_space_gb=args.swap_space,
+                 prefix_hits=args.prefix_hits, snapshot_interval=args.snapshot_interval,
+                 prefill_semantics=args.prefill_semantics)
+    return EngineConfig(enable_prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
+                        overlap_steps=not args.no_overlap, deterministic=args.deterministic,
+                        **{name: value for name, value in given.items() if value is not None})
 
 
 def compression_for(args: argparse.Namespace, model_dir):
@@ -213,8 +239,26 @@ def add_parser(sub) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Build the app the flags describe and serve it (``main`` and ``oscar-compile serve``)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.replicas is not None:
+        if args.replicas < 1:
+            print(f"error: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
+            return 2
+        from oscar_compile.cli.serve_replicas import serve as serve_replicas
+
+        try:  # refuse bad flags before starting anything
+            server = server_config(args)
+        except (FileNotFoundError, ValueError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        warning = exposure_warning(args.host, args.api_key)
+        if warning:
+            logger.warning(warning)
+        return serve_replicas(args, engine_config(args), server)
+    if args.ray_address is not None:
+        print("error: --ray-address needs --replicas", file=sys.stderr)
+        return 2
     try:
-        app, _ = build_app(args)
+        app, _ = app_from_args(args)
     except (FileNotFoundError, ValueError, NotImplementedError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

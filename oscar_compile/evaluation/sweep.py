@@ -4,7 +4,7 @@
    calibration split.
 2. On held-out windows (the *end* of the held-out file, sensitivity.tail_windows; the file must
    differ from the calibration one), measure the continuation's KL to BF16 with the base spec,
-   then with each layer alone stored in each other affordable format (formats.py: INT4, 16-bit,
+   then with each layer alone stored in each other affordable format (mixed_precision.py: INT4, 16-bit,
    optionally smaller groups): a layer's gain for a format is the drop of that KL.
    Keys and values are measured together: the spec, the cache and the kernels store both at one
    precision per layer, so a split they cannot serve is not offered.
@@ -34,9 +34,9 @@ from ..architectures import ModelFingerprint
 from ..loading import load_model, resolve_device
 from ..spec_fit import fit_spec
 from .allocation import BudgetError, Choice, allocate, budget_units
-from .formats import UPGRADE_BITS, Format, layer_formats, resolved_layers, with_format, with_formats
 from .heldout import bos_id, read_tokens, resolve_paths
 from .methods import Method, resolve_method
+from .mixed_precision import UPGRADE_BITS, Format, layer_formats, resolved_layers, with_format, with_formats
 from .prepare import method_rotations
 from .quantizers import spec_quantizers
 from .sensitivity import continuation_divergence, reference_logprobs, reference_nll, tail_windows

@@ -8,7 +8,7 @@ import logging
 import math
 from pathlib import Path
 
-from .formats import spec_yaml
+from .mixed_precision import spec_yaml
 from .plots import MISSING, _pyplot
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import oscar_compile.kernels.ops  # noqa: F401  registers the oscar:: ops the passes insert
 
-from .apply import ApplyReport, LayerReport, apply
+from .apply import apply, set_prefill_semantics
 from .backend import backend
+from .compressed_model import CompressedModel
+from .report import ApplyReport, LayerReport
 
-__all__ = ["apply", "backend", "ApplyReport", "LayerReport"]
+__all__ = ["apply", "backend", "set_prefill_semantics", "CompressedModel", "ApplyReport", "LayerReport"]

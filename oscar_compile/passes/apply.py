@@ -8,13 +8,20 @@ q/k/v and gate/up one GEMM each (merge_projections.py). The rewritten graph beco
 forward; it stays inspectable as ``module.oscar_graph`` (a GraphModule: print its ``.graph`` or
 ``.code``). A forward pre-hook on the model hands the rewritten layers an
 :class:`~oscar_compile.cache.hf_cache.OscarCache` whenever the model is asked to cache.
+
+``apply`` returns a :class:`~oscar_compile.passes.compressed_model.CompressedModel`: the report,
+the layers' cache formats and op constants, and the prefill semantics, which the hook reads. No
+attribute is left on the model itself: :func:`set_prefill_semantics`, which takes the model, finds
+its handle in ``_HANDLES``, and a rewritten model is told by its attention modules' ``oscar_graph``.
+Nothing outside ``passes/`` reads or writes an ``_oscar_*`` or ``oscar_graph`` attribute
+(tests/test_import_rules.py).
 """
 from __future__ import annotations
 
 import inspect
 import logging
 import types
-from dataclasses import dataclass, field
+import weakref
 
 import torch
 from torch import nn
@@ -22,65 +29,25 @@ from torch import nn
 from ..architectures import ModelFingerprint, attention_modules
 from ..artifact import COMPRESSED_CONFIG_KEY, ArtifactError, Rotations
 from ..cache.hf_cache import OscarCache
-from ..cache.op_constants import layer_op_constants
+from ..cache.op_constants import OpConstants, graph_op_constants
 from ..formats.cache import LayerFormat, has_windows
-from ..formats.prefill import DEFAULT_PREFILL_SEMANTICS, PROMPT_EXACT, check_prefill_semantics
-from ..quant import bits_per_element
 from ..spec import CompressionSpec, LayerSpec
 from ..spec_fit import fit_spec
+from .compressed_model import CompressedModel
 from .fold_values import fold_value_rotation
 from .fuse_elementwise import fuse_gated_mlps, fuse_rms_norms, fuse_rope
 from .merge_projections import merge_qkv
+from .report import ApplyReport, LayerReport
 from .rotate_keys import insert_key_rotation
 from .sites import find_attention_site
 from .swap_attention import swap_in_oscar_attention
 from .trace import trace_attention
 
 logger = logging.getLogger(__name__)
-_APPLIED = "_oscar_compile_report"
-_DECODE_CONSISTENT = "_oscar_decode_consistent"  # set_prefill_semantics: the op constants, or None
-
-
-@dataclass
-class LayerReport:
-    index: int
-    bits: int
-    key_rotation: str
-    value_rotation: str
-    centered: bool
-    value_folded: bool
-    attention: str  # the paged op: "oscar::attention" or "oscar::attention_bf16"
-    notes: list[str] = field(default_factory=list)
-    rope_fused: bool = False  # RoPE (and the key / query rotation) is one oscar::rope node
-    qkv_merged: bool = False  # q, k, v projections are one GEMM (merge_projections)
-
-
-@dataclass
-class ApplyReport:
-    fingerprint: ModelFingerprint
-    layers: list[LayerReport]
-    spec: CompressionSpec
-    fused: dict[str, int] = field(default_factory=dict)  # modules / layers per fused op (apply's fuse)
-
-    def bits_per_element(self, context: int | None = None) -> float:
-        """Average stored bits per K/V element over all layers at ``context`` tokens (None: asymptotic)."""
-        per_layer = []
-        for i in range(len(self.layers)):
-            kv = self.spec.for_layer(i, len(self.layers)).kv_cache
-            per_layer.append(bits_per_element(self.fingerprint.head_dim, kv.bits, kv.group_size, kv.scale_dtype,
-                                              context, kv.sink_tokens, kv.recent_tokens))
-        return sum(per_layer) / len(per_layer)
-
-    def __str__(self) -> str:
-        head = f"{'layer':>5} {'bits':>4} {'key':>9} {'value':>9} {'centre':>6} {'fold':>5}  attention"
-        rows = [
-            f"{r.index:>5} {r.bits:>4} {r.key_rotation:>9} {r.value_rotation:>9} "
-            f"{'yes' if r.centered else 'no':>6} {'yes' if r.value_folded else 'no':>5}  {r.attention}"
-            + (f"  ({'; '.join(r.notes)})" if r.notes else "")
-            for r in self.layers
-        ]
-        fused = ", ".join(f"{op} x{n}" for op, n in self.fused.items())
-        return "\n".join([head, *rows] + ([f"fused ops: {fused}"] if fused else []))
+_GRAPH = "oscar_graph"  # the rewritten GraphModule, on each attention module (inspection: its .code)
+# model -> a weak reference to the handle apply returned for it: weak both ways, so this keeps
+# neither alive (the model's forward pre-hook holds the handle, and the handle holds the model)
+_HANDLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _oscar_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
@@ -97,7 +64,9 @@ def _set_buffer(modules: list[nn.Module], name: str, value: torch.Tensor) -> Non
 
 
 def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelFingerprint, fuse: bool,
-                   values_folded: bool) -> LayerReport:
+                   values_folded: bool) -> tuple[LayerReport, tuple[int, OpConstants] | None]:
+    """Rewrite one attention module: its report, and (layer index, the constants of its INT-b op
+    calls) as its graph passes them (None on a layer of full-precision pages)."""
     i = layer.index
     gm = trace_attention(attn)
     graph = gm.graph
@@ -129,12 +98,13 @@ def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelF
         notes.append(f"sliding window {window} not applied: attends to the whole context")
     graph.lint()
     gm.recompile()
-    attn.__dict__["oscar_graph"] = gm  # not a submodule: its parameters are the module's own
+    attn.__dict__[_GRAPH] = gm  # not a submodule: its parameters are the module's own
     attn.forward = types.MethodType(_oscar_forward, attn)
     if layer.overridden_to_16_bits:
         notes.append("overridden to 16 bits: not rotated, keys and values stored as they are")
-    return LayerReport(i, layer.kv_cache.bits, layer.key.rotation, layer.value.rotation,
-                       mean is not None, folded, attention, notes, rope_fused, qkv_merged)
+    return (LayerReport(i, layer.kv_cache.bits, layer.key.rotation, layer.value.rotation,
+                        mean is not None, folded, attention, notes, rope_fused, qkv_merged),
+            graph_op_constants(graph))
 
 
 def _sliding_window(attn: nn.Module) -> int | None:
@@ -167,9 +137,10 @@ def resolve_layers(spec: CompressionSpec, num_layers: int) -> list[LayerSpec]:
     return out
 
 
-def _install_cache_hook(model: nn.Module, layers: list[LayerSpec]) -> None:
-    """Give the model an OscarCache whenever it is asked to cache and was given none (or an empty HF one)."""
-    caches = [LayerFormat.of(layer) for layer in layers]
+def _install_cache_hook(handle: CompressedModel) -> None:
+    """Give the model an OscarCache whenever it is asked to cache and was given none (or an empty
+    HF one): its layers' formats, and the handle's prefill semantics as they stand at that forward."""
+    model = handle.model
     # transformers renamed past_key_values to cache (5.2x); use whichever this version's forward takes
     default_key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -181,7 +152,7 @@ def _install_cache_hook(model: nn.Module, layers: list[LayerSpec]) -> None:
         if not isinstance(cache, OscarCache):
             if cache is not None and cache.get_seq_length() > 0:
                 raise ValueError("this model was rewritten by oscar_compile: continue with the OscarCache it returned")
-            cache = OscarCache(caches, getattr(model, _DECODE_CONSISTENT, None))
+            cache = OscarCache(list(handle.formats), handle.decode_consistent)
             kwargs[key] = cache
         ids = kwargs.get("input_ids", args[0] if args else None)
         num_new = (ids if ids is not None else kwargs["inputs_embeds"]).shape[1]
@@ -192,22 +163,29 @@ def _install_cache_hook(model: nn.Module, layers: list[LayerSpec]) -> None:
     model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def is_rewritten(model: nn.Module) -> bool:
+    """Whether :func:`apply` rewrote ``model`` (which then refuses what needs the model as loaded:
+    a second ``apply``, ``save_compressed``, a tensor-parallel split)."""
+    return any(_GRAPH in module.__dict__ for module in model.modules())
+
+
 def set_prefill_semantics(model: nn.Module, semantics: str) -> None:
     """What prompt tokens of ``model`` (rewritten by :func:`apply`) read from the caches its forward
     creates (``generate()``, ``model(..., use_cache=True)``): ``decode-consistent`` (the default,
     which :func:`apply` sets) or ``prompt-exact`` (formats/prefill.py), as the engine's
-    ``prefill_semantics``."""
-    if not hasattr(model, _APPLIED):
+    ``prefill_semantics``. The same as ``apply(...).set_prefill_semantics(semantics)``."""
+    ref = _HANDLES.get(model)
+    handle = None if ref is None else ref()
+    if handle is None:
         raise ValueError("set_prefill_semantics needs a model rewritten by oscar_compile.apply")
-    if check_prefill_semantics(semantics) == PROMPT_EXACT:
-        setattr(model, _DECODE_CONSISTENT, None)
-        return
-    setattr(model, _DECODE_CONSISTENT, layer_op_constants(model))
+    handle.set_prefill_semantics(semantics)
 
 
 def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: bool = True,
-          values_folded: bool = False) -> ApplyReport:
-    """Rewrite ``model`` (a supported HF causal LM) in place; returns what was done per layer.
+          values_folded: bool = False) -> CompressedModel:
+    """Rewrite ``model`` (a supported HF causal LM) in place; returns the handle on the result: what
+    was done per layer (``.report``), the layers' cache formats and op constants, and the prefill
+    semantics of its ``generate()`` (decode-consistent, the engine's default).
 
     ``fuse``: also swap RMSNorm, RoPE (with the key rotation) and the MLP's SiLU-product for the
     fused ``oscar::`` ops (fuse_elementwise.py), and run q/k/v and gate/up as one GEMM each
@@ -219,7 +197,7 @@ def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: b
     ``save_compressed``; ``load_compressed`` passes it), so it is not folded a second time. A model
     whose config carries the compressed-checkpoint block is refused without it.
     """
-    if hasattr(model, _APPLIED):
+    if is_rewritten(model):
         raise RuntimeError("oscar_compile.apply was already applied to this model; load a fresh copy to apply again")
     if getattr(getattr(model, "config", None), COMPRESSED_CONFIG_KEY, None) and not values_folded:
         raise ArtifactError("this model was loaded from a compressed checkpoint (R_V is already folded into its "
@@ -229,16 +207,18 @@ def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: b
     fp = ModelFingerprint.of(model)
     spec = fit_spec(spec, fp.head_dim, fp.num_layers, fp.architecture)  # before any rewrite
     layers = resolve_layers(spec, fp.num_layers)
-    reports = [_rewrite_layer(attn, layer, rotations, fp, fuse, values_folded)
-               for layer, attn in zip(layers, modules, strict=True)]
-    _install_cache_hook(model, layers)
+    rewritten = [_rewrite_layer(attn, layer, rotations, fp, fuse, values_folded)
+                 for layer, attn in zip(layers, modules, strict=True)]
+    reports = [report for report, _ in rewritten]
     fused = {}
     if fuse:
         silu_mul, gate_up = fuse_gated_mlps(model)
         fused = {"rms_norm": fuse_rms_norms(model), "silu_mul": silu_mul, "rope": sum(r.rope_fused for r in reports),
                  "qkv_gemm": sum(r.qkv_merged for r in reports), "gate_up_gemm": gate_up}
-    report = ApplyReport(fp, reports, spec, fused)
-    setattr(model, _APPLIED, report)
-    set_prefill_semantics(model, DEFAULT_PREFILL_SEMANTICS)  # generate() reads as the engine does by default
+    handle = CompressedModel(model, ApplyReport(fp, reports, spec, fused),
+                             formats=tuple(LayerFormat.of(layer) for layer in layers),
+                             constants=dict(found for _, found in rewritten if found is not None))
+    _install_cache_hook(handle)
+    _HANDLES[model] = weakref.ref(handle)
     logger.info("oscar_compile rewrote %d layers, %d quantized", len(reports), sum(layer.quantized for layer in layers))
-    return report
+    return handle

@@ -22,17 +22,48 @@ import asyncio
 import logging
 import queue
 import threading
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from oscar_compile.runtime.core.errors import EngineDeadError
-from oscar_compile.runtime.core.sampling_params import SamplingParams
 from oscar_compile.runtime.engine import LLMEngine, RequestOutput
+from oscar_compile.runtime.input_processor import EngineRequest
 from oscar_compile.runtime.latency import StepLatencies
+from oscar_compile.runtime.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.5
+
+
+@dataclass(frozen=True)
+class Sink:
+    """Where a request's outputs go: ``queue`` on ``loop``, each as ``(tag, item)``."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    tag: Any = None
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request: EngineRequest
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class FailAll:
+    """Abort every request and hand each handler ``error`` (a drain out of time)."""
+
+    error: BaseException
+
+
+Command = AddRequest | AbortRequest | FailAll  # what handlers post to the engine thread
 
 
 class AsyncEngine:
@@ -41,9 +72,9 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
-        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Any]] = {}
+        self._sinks: dict[str, Sink] = {}
         self._thread: threading.Thread | None = None
-        self.stats: dict[str, float] = engine.stats()  # snapshot, refreshed by the engine thread
+        self.stats: EngineStats = engine.stats()  # snapshot, refreshed by the engine thread
         self._lock = threading.Lock()  # guards stats together with _num_unseen_adds, and _closed
         self._closed = False  # the engine thread has stopped taking requests
         self._num_unseen_adds = 0  # adds posted that no snapshot counts yet
@@ -71,45 +102,41 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # ---- called from handlers (any thread) -----------------------------------------------------
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-               sink: asyncio.Queue, tag: Any = None, arrival_time: float | None = None) -> None:
-        """Queue a request; its outputs (of every choice, when ``params.n`` > 1) arrive on ``sink``
-        as ``(tag, RequestOutput)`` until one has ``request_finished``, or ``(tag, exception)`` if
-        it fails. Raises RequestError at once for a bad request.
-        ``arrival_time``: when it came in, by ``time.monotonic()`` (default: now)."""
+    def submit(self, request: EngineRequest, sink: asyncio.Queue, tag: Any = None) -> None:
+        """Queue a validated request (``engine.input_processor``; nothing is checked again); its
+        outputs (of every choice, when ``params.n`` > 1) arrive on ``sink`` as ``(tag,
+        RequestOutput)`` until one has ``request_finished``, or ``(tag, exception)`` if it fails."""
         if not self.is_alive:
             raise EngineDeadError("the engine thread is not running")
-        self.engine.validate_request(prompt_token_ids, params)
         loop = asyncio.get_running_loop()
         with self._lock:  # (the thread's last drain takes this lock: no add can slip in after it)
             if self._closed:
                 raise EngineDeadError("the engine thread is not running")
             self._num_unseen_adds += 1
-            arrival = time.monotonic() if arrival_time is None else arrival_time
-            self._inbox.put(("add", prompt_token_ids, params, request_id, (loop, sink, tag), arrival))
+            self._inbox.put(AddRequest(request, Sink(loop, sink, tag)))
         self._wakeup.set()
 
     @property
     def num_waiting(self) -> int:
         """Requests queued for admission: posted adds plus the scheduler's waiting queue."""
         with self._lock:
-            return self._num_unseen_adds + int(self.stats["num_waiting"])
+            return self._num_unseen_adds + self.stats.num_waiting
 
     def fail_all(self, err: BaseException) -> None:
         """Abort every request (pages freed) and hand each handler ``err``; used when a
         graceful shutdown runs out of time."""
-        self._inbox.put(("fail_all", err))
+        self._inbox.put(FailAll(err))
         self._wakeup.set()
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(AbortRequest(request_id))
         self._wakeup.set()
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request; leaving the loop early (client gone) aborts it."""
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Outputs of one validated request (it needs a ``request_id``); leaving the loop early
+        (client gone) aborts it."""
         sink: asyncio.Queue = asyncio.Queue()
-        self.submit(prompt_token_ids, params, request_id, sink)
+        self.submit(request, sink)
         finished = False
         try:
             while not finished:
@@ -120,7 +147,7 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:
-                self.abort(request_id)
+                self.abort(request.request_id)
 
     # ---- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -156,11 +183,10 @@ class AsyncEngine:
 
     def _fail_posted_adds(self, err: BaseException) -> None:
         for command in self._posted():
-            if command[0] == "add":
-                request_id, sink = command[3], command[4]
+            if isinstance(command, AddRequest):
                 self._num_drained_adds += 1
-                self._sinks[request_id] = sink
-                self._deliver(request_id, err, True)
+                self._sinks[command.request.request_id] = command.sink
+                self._deliver(command.request.request_id, err, True)
 
     def _observe(self, latencies: StepLatencies) -> None:
         if not latencies:
@@ -178,7 +204,7 @@ class AsyncEngine:
             self._num_unseen_adds -= self._num_drained_adds
             self._num_drained_adds = 0
 
-    def _posted(self):
+    def _posted(self) -> Iterator[Command]:
         """The inbox's commands, until it is empty."""
         while True:
             try:
@@ -188,28 +214,26 @@ class AsyncEngine:
 
     def _drain_inbox(self) -> None:
         for command in self._posted():
-            if command[0] == "abort":
-                for out in self.engine.abort_request(command[1]):
+            if isinstance(command, AbortRequest):
+                for out in self.engine.abort_request(command.request_id):
                     self._deliver(out.request_id, out, out.request_finished)
-                continue
-            if command[0] == "fail_all":
-                self._fail_all(command[1])
-                continue
-            _, prompt_token_ids, params, request_id, sink, arrival_time = command
-            self._num_drained_adds += 1
-            self._sinks[request_id] = sink
-            try:
-                self.engine.add_request(prompt_token_ids, params, request_id, arrival_time)
-            except Exception as err:
-                self._deliver(request_id, err, True)
+            elif isinstance(command, FailAll):
+                self._fail_all(command.error)
+            else:
+                request_id = command.request.request_id
+                self._num_drained_adds += 1
+                self._sinks[request_id] = command.sink
+                try:
+                    self.engine.add(command.request)
+                except Exception as err:
+                    self._deliver(request_id, err, True)
 
     def _deliver(self, request_id: str, item, finished: bool) -> None:
         sink = self._sinks.pop(request_id, None) if finished else self._sinks.get(request_id)
         if sink is None:
             return
-        loop, sink_queue, tag = sink
         try:
-            loop.call_soon_threadsafe(sink_queue.put_nowait, (tag, item))
+            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, (sink.tag, item))
         except RuntimeError:  # the handler's loop is closed: nobody is listening
             logger.debug("dropped output for %s", request_id)
 

@@ -9,9 +9,10 @@ Plain Python: the engine does not depend on a metrics library.
 
 - queue time: arrival -> first scheduled (once per request; a preempted request's later waits
   are not counted again);
-- time to first token: arrival -> the host reads its first output token (a request that
-  generates nothing, ``max_tokens`` 0, has none);
-- inter-token latency: between two consecutive output tokens of a request, as the host reads
+- time to first token: arrival -> the host reads its first output token, once per request (a
+  request is one prompt: its ``n`` choices fork from the first, whose first token is the
+  request's; a request that generates nothing, ``max_tokens`` 0, has none);
+- inter-token latency: between two consecutive output tokens of one choice, as the host reads
   them (one step apart, plus any preemption in between);
 - end-to-end: arrival -> finish, for requests that stop or reach their length; aborted requests
   (the client gone, a timeout) are not counted, as vLLM counts only finished ones.
@@ -43,7 +44,8 @@ class StepLatencies:
 
     def token(self, seq: Sequence, now: float) -> None:
         if seq.last_token_time is None:
-            self.time_to_first_token.append(now - seq.arrival_time)
+            if seq.choice_index == 0:  # one per request, as requests_finished_total counts them
+                self.time_to_first_token.append(now - seq.arrival_time)
         else:
             self.inter_token.append(now - seq.last_token_time)
         seq.last_token_time = now

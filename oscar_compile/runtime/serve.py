@@ -6,9 +6,9 @@ runtime), re-exported here.
 """
 import sys
 
-from oscar_compile.assembly import assemble, default_compression  # noqa: F401
+from oscar_compile.assembly import assemble, build_app, default_compression  # noqa: F401
 from oscar_compile.cli.serve import (  # noqa: F401
-    build_app,
+    app_from_args,
     build_parser,
     compression_for,
     engine_config,

@@ -34,6 +34,7 @@ from oscar_compile.compress import compress
 from oscar_compile.runtime.core.page_plan import GIB
 from oscar_compile.runtime.engine_config import EngineConfig, build_engine, default_kv_memory_bytes
 from oscar_compile.runtime.worker.compressed_runner import CompressedRunner, runner_kwargs
+from oscar_compile.runtime.worker.runner import RunnerFactory
 from oscar_compile.runtime.worker.tp_runner import RankGroup, TensorParallelError, TensorParallelRunner, follow_steps
 from oscar_compile.spec import CompressionSpec
 from oscar_compile.tensor_parallel.shard import (
@@ -83,15 +84,16 @@ def check_launch(model_config, world_size: int, device: torch.device) -> None:
 
 
 def prepare_rank(setup: RankSetup, ranks: RankGroup) -> tuple:
-    """(model, tokenizer, engine config, shard report) of this rank: loaded, split, moved, compressed."""
+    """(the handle ``apply`` returned, tokenizer, engine config, shard report) of this rank: loaded,
+    split, moved, compressed."""
     model, tokenizer = setup.load()
     report = shard_model(model, ranks.rank, ranks.world_size, ranks.data_group)
     device = torch.device("cuda", ranks.rank) if setup.device_type == "cuda" else torch.device("cpu")
     model.to(device)
-    config, _ = compress(model, setup.spec, _rank_rotations(setup.rotations, report), setup.config)
-    if config.kv_memory_gb is None and device.type == "cuda":
+    compressed, config, _ = compress(model, setup.spec, _rank_rotations(setup.rotations, report), setup.config)
+    if config.cache.kv_memory_gb is None and device.type == "cuda":
         config = replace(config, kv_memory_gb=_smallest_kv_budget(device, ranks) / GIB)
-    return model, tokenizer, config, report
+    return compressed, tokenizer, config, report
 
 
 def _smallest_kv_budget(device: torch.device, ranks: RankGroup) -> int:
@@ -168,10 +170,10 @@ def _worker_main(rank: int, world_size: int, port: int, setup: RankSetup) -> Non
         torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
     try:
         ranks = join_group(rank, world_size, port, setup.device_type, setup.timeout_s)
-        model, _, config, report = prepare_rank(setup, ranks)
+        compressed, _, config, report = prepare_rank(setup, ranks)
         message = ranks.receive()
         if message[0] == "runner":
-            runner = CompressedRunner(model, config.layout, **message[1])
+            runner = CompressedRunner(compressed, config.layout, **message[1])
             _log_rank(report, runner, message[1])
             follow_steps(runner, ranks)
     except BaseException:
@@ -226,20 +228,22 @@ class TensorParallelGroup:
 
     def prepare(self) -> tuple:
         """Rank 0's (model, tokenizer, engine config, make_runner for ``build_engine``)."""
-        model, tokenizer, config, report = prepare_rank(self.setup, self.ranks)
+        compressed, tokenizer, config, report = prepare_rank(self.setup, self.ranks)
 
-        def make_runner(page_manager) -> TensorParallelRunner:
-            kwargs = runner_kwargs(model, page_manager, config)
+        def build(page_manager) -> TensorParallelRunner:
+            kwargs = runner_kwargs(compressed.model, page_manager, config)
             try:
                 self.ranks.send(("runner", kwargs))
             except RuntimeError as err:  # a rank died while it loaded or compressed its slice
                 raise self.ranks.fail(err) from err
-            local = CompressedRunner(model, config.layout, **kwargs)
+            local = CompressedRunner(compressed, config.layout, **kwargs)
             _log_rank(report, local, kwargs)
             self.runner = TensorParallelRunner(local, self.ranks)
             return self.runner
 
-        return model, tokenizer, config, make_runner
+        capabilities = replace(CompressedRunner.capabilities_for(config.cache.prefill_semantics),
+                               prompt_logits=False, tensor_parallel_size=self.ranks.world_size)
+        return compressed.model, tokenizer, config, RunnerFactory(capabilities, build)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the other ranks and leave the process groups (idempotent)."""

@@ -161,7 +161,9 @@ def shard_model(model: nn.Module, rank: int, world_size: int, group=None) -> Sha
     model of ``H_kv / N`` KV heads. With ``world_size > 1``, ``group`` is the process group the
     row-wise projections all-reduce over. Call before ``apply`` (which refuses a rewritten model
     anyway: the passes must see the narrow projections)."""
-    if hasattr(model, "_oscar_compile_report"):
+    from oscar_compile.passes.apply import is_rewritten
+
+    if is_rewritten(model):
         raise RuntimeError("shard the model before oscar_compile.apply rewrites it")
     config = model.config.get_text_config()
     check_divisible(config, world_size)
@@ -188,9 +190,7 @@ def shard_model(model: nn.Module, rank: int, world_size: int, group=None) -> Sha
         config.num_key_value_heads = full.num_kv_heads // world_size
         if getattr(config, "intermediate_size", None) is not None:
             config.intermediate_size //= world_size
-    report = ShardReport(rank, world_size, full, counts["colwise"], counts["rowwise"])
-    model._oscar_tensor_parallel = report
-    return report
+    return ShardReport(rank, world_size, full, counts["colwise"], counts["rowwise"])
 
 
 def shard_rotations(rotations: Rotations, rank: int, world_size: int) -> Rotations:

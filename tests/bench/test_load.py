@@ -82,8 +82,26 @@ def test_summary_figures():
 
 
 def test_final_log_line_is_parsed():
-    line = ("x INFO oscar_compile.runtime.server.app: stopped: 9 requests admitted, 2 refused, 9 finished (3 aborted); "
-            "KV pages in use: 0 window, 1 quant")
+    line = ("x INFO oscar_compile.runtime.server.app: stopped: 9 HTTP requests admitted, 2 refused; "
+            "9 requests (one per prompt) finished (3 aborted); KV pages in use: 0 window, 1 quant")
     assert final_stats(line) == {"admitted": 9, "refused": 2, "finished": 9, "aborted": 3,
                                  "pages_in_use_at_exit": {"window": 0, "quant": 1}}
     assert final_stats("nothing") is None
+
+
+def test_a_level_prints_progress_while_it_runs(monkeypatch):
+    """A level of minutes is not silent: ``progress`` gets a line every ``progress_every_s``."""
+    import asyncio
+
+    async def slow_complete(host, port, body, record, api_key, hang_up, timeout):
+        await asyncio.sleep(0.05)
+        record.outcome, record.end, record.num_output_tokens = "completed", 1.0, 3
+
+    monkeypatch.setattr(load, "complete", slow_complete)
+    workload = load.Workload((4, 8), (2, 4), 0.0, 0.0, 100)
+    lines: list[str] = []
+    records, _ = asyncio.run(load.run_level(load.Target("127.0.0.1", 1), "m", workload, 2, 8, None,
+                                            random.Random(0), progress=lines.append, progress_every_s=0.04))
+    assert len(records) == 8 and len(lines) >= 2
+    assert lines[0].startswith("  concurrency 2: 0 s, ") and "level ends at 8 requests" in lines[-1]
+    assert "8 requests sent, 8 done (0 errors), 24 output tokens" in load.progress_line(2, records, 1.0, 120.0, None)

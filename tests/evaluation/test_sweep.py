@@ -13,8 +13,8 @@ import yaml
 from oscar_compile.cli import main as cli_main
 from oscar_compile.evaluation.allocation import BudgetError, Choice, allocate, budget_units
 from oscar_compile.evaluation.fixtures import write_tiny_model_dir
-from oscar_compile.evaluation.formats import layer_formats, spec_yaml, with_formats
 from oscar_compile.evaluation.methods import resolve_method
+from oscar_compile.evaluation.mixed_precision import layer_formats, spec_yaml, with_formats
 from oscar_compile.evaluation.sweep import SweepConfig, plan, sweep
 from oscar_compile.spec import CompressionSpec, shipped_spec
 
@@ -86,7 +86,7 @@ def test_format_costs_are_the_eval_reports_asymptotic_bits():
 def test_formats_of_one_name_reached_by_different_overrides_stay_apart():
     """Layer 0 (INT4 in the base) offered groups of 64 and layer 1 (INT2, groups of 64) raised to
     INT4 both become "int4-g64", through different overrides: each layer keeps its own."""
-    from oscar_compile.evaluation.formats import Format
+    from oscar_compile.evaluation.mixed_precision import Format
 
     spec = shipped_spec("oscar-int2")
     regroup = Format("int4-g64", 4, 64, 576, {"kv_cache": {"group_size": 64}})
@@ -174,7 +174,7 @@ def test_the_mixed_spec_is_served_by_apply_and_the_runtime(swept):
     llm = LLM(str(model_dir), spec=str(out / "mixed-3.0.yaml"), rotations=rot, device="cpu")
     ids = load_tokens(model_dir / "heldout.bin")[:100].tolist()
     assert len(llm.generate([ids], SamplingParams(max_tokens=4, temperature=0.0))[0].outputs[0].token_ids) == 4
-    report = apply(model, spec, rot)
+    report = apply(model, spec, rot).report
     assert report is not None
 
 

@@ -48,7 +48,7 @@ def test_rotations_without_quantization_reproduce_the_logits(arch, heads, kv_hea
     reference = model(ids).logits
     spec = _spec(16, rotation, granularity, center, head_dim)
     rot = calibrate(model, spec, _calibration_batches())
-    report = apply(model, spec, rot)
+    report = apply(model, spec, rot).report
     assert all(r.centered == center for r in report.layers)
     assert all(r.attention == "oscar::attention_bf16" for r in report.layers)  # paged full-precision ops
     assert (model(ids).logits - reference).abs().max() <= 1e-4
@@ -81,7 +81,7 @@ def test_folding_identity(granularity):
 def test_graph_is_inspectable_and_report_lists_layers(fuse):
     model = tiny_model("qwen3")
     spec = _spec(2)
-    report = apply(model, spec, calibrate(model, spec, _calibration_batches()), fuse=fuse)
+    report = apply(model, spec, calibrate(model, spec, _calibration_batches()), fuse=fuse).report
     code = model.model.layers[0].self_attn.oscar_graph.code
     rope_ops = ("torch.ops.oscar.rope",) if fuse else ("apply_rotary_pos_emb", "torch.ops.oscar.rotate")
     for op in (*rope_ops, "torch.ops.oscar.attention", "torch.ops.oscar.cache_write"):
@@ -103,7 +103,7 @@ def test_layers_overridden_to_16_bits_keep_their_weights_and_full_precision():
     model = tiny_model("llama", num_layers=3)
     before = copy.deepcopy(model)
     spec = _spec(2, layers=[{"match": [0, -1], "kv_cache": {"bits": 16}}])
-    report = apply(model, spec, calibrate(model, spec, _calibration_batches()))
+    report = apply(model, spec, calibrate(model, spec, _calibration_batches())).report
     assert [r.bits for r in report.layers] == [16, 2, 16]
     assert [r.key_rotation for r in report.layers] == ["none", "oscar", "none"]
     assert all(r.attention == "oscar::attention" for r in report.layers)

@@ -41,7 +41,7 @@ def test_fused_model_gives_the_unfused_logits_bitwise(arch, bits, dtype):
     spec = _spec(bits)
     rot = calibrate(model, spec, [_ids((2, 32), 0)])
     fused, plain = copy.deepcopy(model), copy.deepcopy(model)
-    report = apply(fused, spec, rot)
+    report = apply(fused, spec, rot).report
     apply(plain, spec, rot, fuse=False)
     norms_per_layer = 4 if arch == "qwen3" else 2  # + q_norm, k_norm
     assert report.fused == {"rms_norm": 2 * norms_per_layer + 1, "silu_mul": 2, "rope": 2, "qkv_gemm": 2,
@@ -119,7 +119,7 @@ def test_a_rope_of_another_formula_keeps_its_own_code(monkeypatch):
     spec = _spec(16)
     rot = calibrate(model, spec, [_ids((2, 32), 0)])
     fused, plain = copy.deepcopy(model), copy.deepcopy(model)
-    report = apply(fused, spec, rot)
+    report = apply(fused, spec, rot).report
     apply(plain, spec, rot, fuse=False)
     assert report.fused["rope"] == 0 and all("RoPE not fused" in " ".join(r.notes) for r in report.layers)
     code = fused.model.layers[0].self_attn.oscar_graph.code

@@ -41,7 +41,7 @@ for fuse in (False, True):
     spec = CompressionSpec.from_dict({
         "kv_cache": {"bits": 16, "group_size": 32, "sink_tokens": 16, "recent_tokens": 16},
         "key": {"rotation": "oscar", "center": True}, "value": {"rotation": "oscar"}})
-    report = apply(model, spec, calibrate(model, spec, batches), fuse=fuse)
+    report = apply(model, spec, calibrate(model, spec, batches), fuse=fuse).report
     out[f"max_logit_error_fuse_{fuse}"] = float((model(ids).logits - reference).abs().max())
     out[f"fused_fuse_{fuse}"] = dict(report.fused)
 model, tokenizer = load_model(BUNDLED_MODEL_DIR, device="cpu", dtype="float32")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import pytest
 
 from oscar_compile.runtime.async_engine import AsyncEngine
 from oscar_compile.runtime.core.errors import EngineDeadError
+from oscar_compile.runtime.input_processor import EngineRequest
 
 
 class FatalEngine:
@@ -21,13 +23,10 @@ class FatalEngine:
         self.release = threading.Event()
 
     def stats(self):
-        return {"num_waiting": 0}
+        return SimpleNamespace(num_waiting=0)
 
-    def validate_request(self, prompt_token_ids, params):
-        pass
-
-    def add_request(self, prompt_token_ids, params, request_id=None, arrival_time=None):
-        self.running.append(request_id)
+    def add(self, request):
+        self.running.append(request.request_id)
 
     def abort_request(self, request_id):
         return []
@@ -49,14 +48,14 @@ def test_requests_posted_during_a_fatal_step_get_the_error():
         ae = AsyncEngine(engine)
         ae.start()
         first, second = asyncio.Queue(), asyncio.Queue()
-        ae.submit([1, 2], None, "a", first)
+        ae.submit(EngineRequest("a", [1, 2], None, 0.0), first)
         await asyncio.get_running_loop().run_in_executor(None, engine.in_step.wait, 10)
-        ae.submit([3], None, "b", second)  # posted while the failing step runs
+        ae.submit(EngineRequest("b", [3], None, 0.0), second)  # posted while the failing step runs
         engine.release.set()
         got = [await asyncio.wait_for(q.get(), 10) for q in (first, second)]
         assert all(isinstance(item, RuntimeError) and "rank 1" in str(item) for _, item in got)
         await asyncio.get_running_loop().run_in_executor(None, ae._thread.join, 10)
         with pytest.raises(EngineDeadError):
-            ae.submit([4], None, "c", asyncio.Queue())
+            ae.submit(EngineRequest("c", [4], None, 0.0), asyncio.Queue())
 
     asyncio.run(main())

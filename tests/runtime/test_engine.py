@@ -177,20 +177,28 @@ def test_llm_loads_a_model_directory(model_dir):
 
 
 def test_a_runner_factory_sizes_its_pools_from_the_page_manager(tiny_model, tokenizer):
-    from oscar_compile.runtime.worker.runner import RecomputeRunner
+    from oscar_compile.runtime.core.config import RunnerCapabilities
+    from oscar_compile.runtime.worker.runner import RecomputeRunner, RunnerFactory
 
     seen = {}
+    # e.g. a runner whose cache_write ignores history_lens: no history hits
+    capabilities = RunnerCapabilities(prompt_logits=True, page_copies=True)
 
-    def make_runner(page_manager):
+    def build(page_manager):
         seen["pages"] = (page_manager.window_pool.num_pages, page_manager.quant_pool.num_pages)
         runner = RecomputeRunner(tiny_model)
-        runner.supports_history_hits = False  # e.g. a runner whose cache_write ignores history_lens
+        runner.capabilities = capabilities
         return runner
 
     config = windowed_config(tiny_model, num_window_pages=6, num_quant_pages=9)
-    engine = build_engine(tiny_model, tokenizer, config, make_runner=make_runner)
+    engine = build_engine(tiny_model, tokenizer, config, make_runner=RunnerFactory(capabilities, build))
     assert seen["pages"] == (6, 9) and engine.page_manager.history_hits is False
     assert build_engine(tiny_model, tokenizer, config).page_manager.history_hits is True
+    with pytest.raises(TypeError, match="RunnerFactory"):  # a runner's capabilities are declared, not probed
+        build_engine(tiny_model, tokenizer, config, make_runner=build)
+    lying = RunnerFactory(RunnerCapabilities(), build)
+    with pytest.raises(ValueError, match="factory declared"):
+        build_engine(tiny_model, tokenizer, config, make_runner=lying)
 
 
 @pytest.mark.gpu
@@ -282,14 +290,14 @@ def test_sampling_controls_on_cuda_with_overlapped_steps_and_cuda_graphs():
 def test_a_batch_without_controls_builds_none_and_finished_requests_leave_no_copies(tiny_model, tokenizer):
     engine = build_engine(tiny_model, tokenizer)
     seen = []
-    sample = engine.sampler.sample
+    sample = engine.worker.sampler.sample
 
     def spy(logits, params, seeds, positions, controls=None, bitmask=None):
         seen.append(controls)
         assert bitmask is None  # no grammar either
         return sample(logits, params, seeds, positions, controls, bitmask)
 
-    engine.sampler.sample = spy
+    engine.worker.sampler.sample = spy
     prompts = random_prompts(tokenizer, 3, seed=5)
     run_all(engine, [(p, SamplingParams(max_tokens=5, top_k=5, min_p=0.1, seed=1)) for p in prompts])
     assert seen and all(c is None for c in seen)  # no control used: the sampler runs what it ran before
@@ -297,4 +305,4 @@ def test_a_batch_without_controls_builds_none_and_finished_requests_leave_no_cop
     run_all(engine, [(prompts[0], SamplingParams(max_tokens=5, **GREEDY)),
                      (prompts[1], SamplingParams(max_tokens=5, repetition_penalty=1.2, **GREEDY))])
     assert any(c is not None for c in seen)
-    assert not engine.sampler.token_cache._prompt and not engine.sampler.token_cache._output
+    assert not engine.worker.sampler.token_cache._prompt and not engine.worker.sampler.token_cache._output

@@ -1,6 +1,6 @@
 """The engine's latency observations (runtime/latency.py): one queue time, one time to first token
-and one end-to-end latency per request, one inter-token latency per later token, on the same
-monotonic clock as the arrival the caller stamps."""
+and one end-to-end latency per request (one prompt, whatever its n), one inter-token latency per
+later token of each choice, on the same monotonic clock as the arrival the caller stamps."""
 
 from __future__ import annotations
 
@@ -13,25 +13,29 @@ from oscar_compile.runtime.engine_config import EngineConfig, build_engine
 from oscar_compile.runtime.latency import StepLatencies
 
 
+@pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_each_request_is_observed_once_per_event(tiny_model, tokenizer, overlap):
+def test_each_request_is_observed_once_per_event(tiny_model, tokenizer, overlap, n):
     engine = build_engine(tiny_model, tokenizer, EngineConfig(num_window_pages=0, num_quant_pages=64,
                                                               max_num_batched_tokens=16, overlap_steps=overlap))
     lengths = [1, 3, 6]
     arrival = time.monotonic() - 10.0  # came in 10 s ago: every latency but the inter-token ones is >= 10 s
-    for i, n in enumerate(lengths):
-        engine.add_request([5 + i] * (7 + 5 * i), SamplingParams(max_tokens=n, ignore_eos=True), arrival_time=arrival)
+    for i, length in enumerate(lengths):
+        engine.add_request([5 + i] * (7 + 5 * i), SamplingParams(max_tokens=length, ignore_eos=True, n=n,
+                                                                 temperature=1.0), arrival_time=arrival)
     seen = StepLatencies()
     while engine.has_unfinished():
         engine.step()
         for name in ("queue", "time_to_first_token", "inter_token", "e2e"):
             getattr(seen, name).extend(getattr(engine.latencies, name))
+    # the units of requests_finished_total: one per prompt
     assert len(seen.queue) == len(seen.time_to_first_token) == len(seen.e2e) == len(lengths)
-    assert len(seen.inter_token) == sum(lengths) - len(lengths)
+    assert engine.stats()["num_requests_finished"] == len(lengths)
+    assert len(seen.inter_token) == n * (sum(lengths) - len(lengths))
     assert min(seen.queue) >= 10.0 and min(seen.time_to_first_token) >= 10.0
     assert sum(seen.e2e) >= sum(seen.time_to_first_token) >= sum(seen.queue)
-    # a request's inter-token latencies add up to its first token -> finish span
-    assert sum(seen.inter_token) <= sum(seen.e2e) - sum(seen.time_to_first_token) + 1e-6
+    # each choice's inter-token latencies add up to at most its request's first token -> finish span
+    assert sum(seen.inter_token) <= n * (sum(seen.e2e) - sum(seen.time_to_first_token)) + 1e-6
     assert all(x >= 0 for x in seen.inter_token)
 
 

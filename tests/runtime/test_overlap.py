@@ -34,16 +34,16 @@ def compressed(tiny_model):
     models = {}
     for name, spec in (("int2", INT2), ("bf16", BF16)):
         model = copy.deepcopy(tiny_model)
-        apply(model, spec, calibrate(model, spec))  # Hadamard / no rotations need no data
-        models[name] = (model, spec)
+        models[name] = (apply(model, spec, calibrate(model, spec)), spec)  # Hadamard / none: no data needed
     return models
 
 
 def _engine(compressed, tokenizer, overlap: bool, **config):
-    model, spec = compressed
+    handle, spec = compressed
+    model = handle.model
     layout = compressed_layout(model, spec)
     cfg = EngineConfig(layout=layout, overlap_steps=overlap, **config)
-    engine = build_engine(model, tokenizer, cfg, make_runner=runner_factory(model, layout, cfg))
+    engine = build_engine(model, tokenizer, cfg, make_runner=runner_factory(handle, layout, cfg))
     assert engine.overlap is overlap
     engine.pending_steps = 0
     run = engine.runner.run

@@ -46,8 +46,7 @@ def compressed(tiny_model):
     models = {}
     for name, spec in (("int2", INT2), ("bf16", BF16)):
         model = copy.deepcopy(tiny_model)
-        apply(model, spec, calibrate(model, spec))  # Hadamard / no rotations need no data
-        models[name] = (model, spec)
+        models[name] = (apply(model, spec, calibrate(model, spec)), spec)  # Hadamard / none: no data needed
     return models
 
 
@@ -58,10 +57,11 @@ def prompt(tokenizer):
 
 
 def _engine(compressed, tokenizer, kind="int2", **config):
-    model, spec = compressed[kind]
+    handle, spec = compressed[kind]
+    model = handle.model
     layout = compressed_layout(model, spec)
     cfg = EngineConfig(layout=layout, **{**ROOMY, **config})
-    return build_engine(model, tokenizer, cfg, make_runner=runner_factory(model, layout, cfg))
+    return build_engine(model, tokenizer, cfg, make_runner=runner_factory(handle, layout, cfg))
 
 
 def _run(engine, requests):
@@ -208,13 +208,13 @@ def test_preempted_choices_keep_their_outputs(compressed, tokenizer, swap_space_
 def test_admission_counts_the_pages_of_every_choice(compressed, tokenizer, prompt):
     engine = _engine(compressed, tokenizer, num_window_pages=64, num_quant_pages=12, max_num_seqs=4)
     # 23 + 24 tokens: 9 history pages a choice, 2 of them shared
-    engine.validate_request(prompt, _sampled(1, n=1, max_tokens=24))
+    engine.input_processor.process(prompt, _sampled(1, n=1, max_tokens=24))
     with pytest.raises(RequestError) as err:
-        engine.validate_request(prompt, _sampled(1, n=2, max_tokens=24))
+        engine.input_processor.process(prompt, _sampled(1, n=2, max_tokens=24))
     assert err.value.param == "max_tokens"
-    assert engine.max_new_tokens(len(prompt), 2) < engine.max_new_tokens(len(prompt), 1)
+    assert engine.input_processor.max_new_tokens(len(prompt), 2) < engine.input_processor.max_new_tokens(len(prompt), 1)
     with pytest.raises(RequestError) as err:
-        engine.validate_request(prompt, _sampled(1, n=5))
+        engine.input_processor.process(prompt, _sampled(1, n=5))
     assert err.value.param == "n"  # more choices than sequences at once
 
 
@@ -290,16 +290,16 @@ def test_a_step_that_fails_after_drawing_the_choices_leaves_no_fork_behind(compr
     it had drawn are dropped, and the next requests run."""
     engine = _engine(compressed, tokenizer)
     seq = engine.add_request(prompt, _sampled(1, n=2))
-    sample = engine.sampler.sample
+    sample = engine.worker.sampler.sample
 
     def failing(*args, **kwargs):
         raise RuntimeError("a model error")
 
-    engine.sampler.sample = failing
+    engine.worker.sampler.sample = failing
     with pytest.raises(RuntimeError, match="a model error"):
         for _ in range(2):  # the prompt's last chunk samples: under decode-consistent prefill its second step
             engine.step()
-    engine.sampler.sample = sample
+    engine.worker.sampler.sample = sample
     assert [o.index for o in engine.abort_request(seq.request_id)] == [0]
     [choices] = _run(engine, [(prompt, _sampled(1, n=2))])
     assert sorted(choices) == [0, 1]

@@ -26,16 +26,15 @@ TIGHT = dict(num_window_pages=1, num_quant_pages=16, max_num_batched_tokens=16) 
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model):
+def compressed(tiny_model):
     model = copy.deepcopy(tiny_model)
-    apply(model, BF16, calibrate(model, BF16))  # no rotation: no data needed
-    return model
+    return apply(model, BF16, calibrate(model, BF16))  # no rotation: no data needed
 
 
-def _engine(model, tokenizer, **config):
-    layout = compressed_layout(model, BF16)
+def _engine(compressed, tokenizer, **config):
+    layout = compressed_layout(compressed.model, BF16)
     cfg = EngineConfig(layout=layout, **{**ROOMY, **config})
-    return build_engine(model, tokenizer, cfg, make_runner=runner_factory(model, layout, cfg))
+    return build_engine(compressed.model, tokenizer, cfg, make_runner=runner_factory(compressed, layout, cfg))
 
 
 def _run(engine, requests, request_ids=None):
@@ -55,48 +54,48 @@ def _sampled(seed: int | None, max_tokens: int = 20, **kwargs) -> SamplingParams
     return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True, **kwargs)
 
 
-def test_a_seeded_request_gives_its_tokens_alone_and_in_any_row(model, tokenizer):
+def test_a_seeded_request_gives_its_tokens_alone_and_in_any_row(compressed, tokenizer):
     prompts = _prompts(tokenizer, 5)
     target = (prompts[0], _sampled(42, top_p=0.95))
-    alone = _run(_engine(model, tokenizer), [target])[0][0]
+    alone = _run(_engine(compressed, tokenizer), [target])[0][0]
     others = [(prompts[1], _sampled(None)), (prompts[2], SamplingParams(max_tokens=7, temperature=0.0)),
               (prompts[3], _sampled(7, max_tokens=12)), (prompts[4], _sampled(None, top_k=5))]
     for order in ([target, *others], [*others[:2], target, *others[2:]], [*others, target]):
-        got, _ = _run(_engine(model, tokenizer, overlap_steps=False), order)
+        got, _ = _run(_engine(compressed, tokenizer, overlap_steps=False), order)
         assert got[order.index(target)] == alone
     assert len(set(alone)) > 5  # really sampled, not a greedy-like flat run
-    assert _run(_engine(model, tokenizer), [(prompts[0], _sampled(43, top_p=0.95))])[0][0] != alone
+    assert _run(_engine(compressed, tokenizer), [(prompts[0], _sampled(43, top_p=0.95))])[0][0] != alone
 
 
 @pytest.mark.parametrize("swap_space_gb, kind", [(4.0, "swap"), (0.0, "recompute")])
-def test_preempted_requests_resume_with_the_same_draws(model, tokenizer, swap_space_gb, kind):
+def test_preempted_requests_resume_with_the_same_draws(compressed, tokenizer, swap_space_gb, kind):
     """Six sampled requests (four seeded, two not) on a pool too small for them: preempted by
     swapping out or by dropping their pages, they end with the tokens of a pool that never
     preempts, and the seeded ones with their tokens alone."""
     prompts = _prompts(tokenizer, 6, seed=1)
     requests = [(p, _sampled(seed=[11, None, 12, 13, None, 14][i], max_tokens=18)) for i, p in enumerate(prompts)]
     request_ids = [f"r{i}" for i in range(6)]  # the unseeded ones get the same default seed in both
-    roomy = _engine(model, tokenizer)
+    roomy = _engine(compressed, tokenizer)
     want, _ = _run(roomy, requests, request_ids)
-    tight = _engine(model, tokenizer, swap_space_gb=swap_space_gb, **TIGHT)
+    tight = _engine(compressed, tokenizer, swap_space_gb=swap_space_gb, **TIGHT)
     got, seqs = _run(tight, requests, request_ids)
     stats = tight.stats()
     assert stats[f"num_{kind}_preemptions"] > 0 and roomy.scheduler.num_preemptions == 0
     assert sum(s.num_preemptions > 0 for s in seqs) >= 2
     assert got == want
     for i in (0, 2):
-        assert _run(_engine(model, tokenizer), [requests[i]])[0][0] == want[i]
+        assert _run(_engine(compressed, tokenizer), [requests[i]])[0][0] == want[i]
 
 
-def test_an_unseeded_request_is_reproduced_by_its_assigned_seed(model, tokenizer):
+def test_an_unseeded_request_is_reproduced_by_its_assigned_seed(compressed, tokenizer):
     prompt = _prompts(tokenizer, 1, seed=2)[0]
-    engine = _engine(model, tokenizer, seed=5)
+    engine = _engine(compressed, tokenizer, seed=5)
     (first, second), seqs = _run(engine, [(prompt, _sampled(None)), (prompt, _sampled(None))], ["a", "b"])
     assert first != second  # two requests without a seed draw differently
     assert [s.seed for s in seqs] == [default_seed(5, "a"), default_seed(5, "b")]
-    assert _run(_engine(model, tokenizer), [(prompt, _sampled(seqs[0].seed))])[0][0] == first
-    assert _run(_engine(model, tokenizer, seed=5), [(prompt, _sampled(None))], ["a"])[0][0] == first
-    assert _run(_engine(model, tokenizer, seed=6), [(prompt, _sampled(None))], ["a"])[0][0] != first
+    assert _run(_engine(compressed, tokenizer), [(prompt, _sampled(seqs[0].seed))])[0][0] == first
+    assert _run(_engine(compressed, tokenizer, seed=5), [(prompt, _sampled(None))], ["a"])[0][0] == first
+    assert _run(_engine(compressed, tokenizer, seed=6), [(prompt, _sampled(None))], ["a"])[0][0] != first
 
 
 def test_generate_reports_the_seed_that_reproduces_its_output(tiny_model, tokenizer):

@@ -254,8 +254,8 @@ class _FailOnToken:
 def test_a_model_error_fails_the_request_not_the_server(server, client):
     port, async_engine = server
     engine = async_engine.engine
-    original = engine.runner
-    engine.runner = _FailOnToken(original, token=7)
+    original = engine.worker.runner
+    engine.worker.runner = _FailOnToken(original, token=7)
     try:
         status, payload = post(port, "/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3})
         assert status == 500 and payload["error"]["type"] == "internal_error"
@@ -266,7 +266,7 @@ def test_a_model_error_fails_the_request_not_the_server(server, client):
         assert '"error"' in events[0] and events[-2] == "data: [DONE]"
         wait_idle(async_engine)
     finally:
-        engine.runner = original
+        engine.worker.runner = original
     assert client.completions.create(model=MODEL, prompt="fine", max_tokens=2).choices[0].text is not None
 
 
@@ -285,7 +285,7 @@ def test_batched_prompts_come_back_as_indexed_choices(client):
 def test_serve_cli_builds_the_app_and_refuses_what_it_cannot_serve(model_dir, capsys):
     from oscar_compile.runtime import serve
 
-    app, name = serve.build_app(serve.parse_args(["--model", str(model_dir), "--device", "cpu",
+    app, name = serve.app_from_args(serve.parse_args(["--model", str(model_dir), "--device", "cpu",
                                                   "--kv-memory", "0.01"]))
     assert name == model_dir.name and app.title == "oscar_compile"
     assert serve.main(["--model", str(model_dir / "missing")]) == 2
@@ -301,7 +301,7 @@ def test_default_serve_answers_with_the_bundled_model_in_int2():
     from oscar_compile.spec import CompressionSpec
 
     args = serve.parse_args(["--device", "cpu", "--kv-memory", "0.05"])
-    app, name = serve.build_app(args)
+    app, name = serve.app_from_args(args)
     prompt = "def fibonacci(n):"
     with running(app) as port:
         status, body = post(port, "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 12,

@@ -165,7 +165,7 @@ def _paged_bf16(tokenizer, **engine_kwargs):
     from oscar_compile.spec import shipped_spec
 
     model = build_model(len(tokenizer))  # the same seed: the same weights as tiny_model
-    config, make_runner = compress(model, shipped_spec("bf16"), None,
+    _, config, make_runner = compress(model, shipped_spec("bf16"), None,
                                    EngineConfig(num_window_pages=0, max_num_batched_tokens=64, **engine_kwargs))
     return build_engine(model, tokenizer, config, make_runner=make_runner)
 

@@ -40,12 +40,12 @@ PROMPT = list(range(40, 63))  # 23 tokens: history 11 (2 full pages + a partial 
 @pytest.fixture(scope="module")
 def served(tiny_model, tokenizer):
     model = copy.deepcopy(tiny_model)
-    apply(model, INT2, calibrate(model, INT2))
+    compressed = apply(model, INT2, calibrate(model, INT2))
     layout = compressed_layout(model, INT2)
     # prefix hits stop at the sink: a resent prompt is computed as the first time (a hit past the
     # sink would read its history back quantized: README, "Prefix-cache hits")
     config = EngineConfig(layout=layout, num_window_pages=48, num_quant_pages=120, max_num_seqs=16, prefix_hits="sink")
-    engine = build_engine(model, tokenizer, config, make_runner=runner_factory(model, layout, config))
+    engine = build_engine(model, tokenizer, config, make_runner=runner_factory(compressed, layout, config))
     async_engine = AsyncEngine(engine)
     with running(create_app(async_engine, MODEL)) as port:
         yield port, async_engine

@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -21,12 +20,12 @@ import time
 
 import pytest
 
+from oscar_compile.bench.load_server import FINAL_LINE
+
 pytest.importorskip("uvicorn")
 
 LONG = {"prompt": "hello", "max_tokens": 480, "ignore_eos": True, "stream": True,
         "stream_options": {"include_usage": True}}
-_FINAL = re.compile(r"stopped: (\d+) requests admitted, (\d+) refused, (\d+) finished \((\d+) aborted\); "
-                    r"KV pages in use: (\d+) window, (\d+) quant")
 
 
 class ServeProcess:
@@ -96,7 +95,7 @@ def outcome(events: list[str]) -> tuple[str, int]:
 
 
 def final_stats(log: str) -> tuple[int, ...]:
-    match = _FINAL.findall(log)
+    match = FINAL_LINE.findall(log)
     assert match, log[-2000:]
     return tuple(int(x) for x in match[-1])
 

@@ -53,9 +53,9 @@ class ScriptedEngine(AsyncEngine):
         self.script: list[str] = ["hello"]
         self.requests: list[tuple[list[int], object]] = []
 
-    def submit(self, prompt_token_ids, params, request_id, sink, tag=None, arrival_time=None):
-        self.engine.validate_request(prompt_token_ids, params)
-        self.requests.append((prompt_token_ids, params))
+    def submit(self, request, sink, tag=None):
+        prompt_token_ids, request_id = request.prompt_token_ids, request.request_id
+        self.requests.append((prompt_token_ids, request.params))
         for i, piece in enumerate(self.script):
             last = i == len(self.script) - 1
             sink.put_nowait(

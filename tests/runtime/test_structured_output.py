@@ -273,7 +273,7 @@ def test_overlapped_steps_give_the_constrained_outputs_of_plain_steps(tiny_model
     previous sample is read, the grammars advanced, then the masked sampling): same outputs as
     one step at a time, for a batch mixing constrained and plain rows."""
     model = copy.deepcopy(tiny_model)
-    apply(model, BF16, calibrate(model, BF16))
+    compressed = apply(model, BF16, calibrate(model, BF16))
     layout = compressed_layout(model, BF16)
     choices = ["alpha", "beta gamma"]
     requests = [
@@ -292,7 +292,7 @@ def test_overlapped_steps_give_the_constrained_outputs_of_plain_steps(tiny_model
     results = {}
     for overlap in (True, False):
         cfg = EngineConfig(layout=layout, overlap_steps=overlap)
-        engine = build_engine(model, tokenizer, cfg, make_runner=runner_factory(model, layout, cfg))
+        engine = build_engine(model, tokenizer, cfg, make_runner=runner_factory(compressed, layout, cfg))
         assert engine.overlap is overlap
         seqs = [engine.add_request(list(ids), params) for ids, params in requests]
         while engine.has_unfinished():

@@ -159,7 +159,7 @@ def test_the_server_reports_each_rank_and_fails_loudly_in_bounded_time_when_a_ra
 
     args = serve.parse_args(["--device", "cpu", "--spec", str(specs_dir() / "bf16.yaml"), "--kv-memory", "0.01",
                              "--tensor-parallel-size", "2", "--no-prefix-caching"])
-    app, name = serve.build_app(args)
+    app, name = serve.app_from_args(args)
     try:
         with running(app) as port:
             status, text = get(port, "/metrics")

@@ -29,7 +29,7 @@ The ``oscar::`` ops take that ``h`` as their ``history_lens`` argument (docs/cac
 rows ``[0, h)`` and only the ring slots that hold a token. Called without it, they derive the
 standard state from ``cache_lens`` - after such a hit they would demote stale ring slots into
 the shared history pages. So history hits with W > 0 are opt-in (``history_hits``, off by
-default; ``build_engine`` sets it from the runner's ``supports_history_hits``: the compressed
+default; ``build_engine`` sets it from the runner's ``capabilities.history_hits``: the compressed
 runner passes ``history_lens``); without them a hit also stops at the sink (R <= S0), which is
 always a standard state.
 
@@ -105,11 +105,15 @@ def hash_block(prev_hash: bytes, token_ids) -> bytes:
 class PageManager:
     def __init__(self, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
                  enable_prefix_caching: bool = True, history_hits: bool = False,
-                 num_staging_pages: int = 0, swap_space: SwapSpace | None = None):
+                 num_staging_pages: int = 0, swap_space: SwapSpace | None = None,
+                 snapshot_interval: int | None = None, deterministic: bool = False):
+        """``snapshot_interval``: take window snapshots that many tokens apart (module docstring;
+        None: none); ``deterministic``: ``make_deterministic`` at once."""
         self.layout = layout
         self.history_hits = history_hits
-        self.snapshots: WindowSnapshots | None = None  # window snapshots (module docstring)
         self.window_pool = PagePool("window", num_window_pages)
+        self.snapshots: WindowSnapshots | None = (  # window snapshots (module docstring)
+            None if snapshot_interval is None else WindowSnapshots(layout, self.window_pool, snapshot_interval))
         self.quant_pool = PagePool("quant", num_quant_pages)
         # no staging in the BF16 mode: nothing is ever quantized
         self.staging_pool = PagePool("staging", 0 if layout.is_full_precision else num_staging_pages)
@@ -123,6 +127,8 @@ class PageManager:
         self.num_fork_pages_shared = {"window": 0, "quant": 0}
         self.num_fork_pages_copied = {"window": 0, "quant": 0}
         self.deterministic = False  # one-token calls only where every run makes them (make_deterministic)
+        if deterministic:
+            self.make_deterministic()
 
     # ---- sizes -------------------------------------------------------------------------------
     def history_len(self, seq: Sequence, num_cached_tokens: int | None = None) -> int:
@@ -290,7 +296,7 @@ class PageManager:
         return 0 if n == 1 < whole else n
 
     def make_deterministic(self) -> None:
-        """Deterministic mode (``EngineConfig(deterministic=True)``). The prefill kernels'
+        """Deterministic mode (``RunnerConfig.deterministic``). The prefill kernels'
         rows do not depend on their chunk, but a one-token call runs the decode kernels (the
         CUDA-graph path), whose rounding differs. So a position is computed by a one-token call in
         every run or in none: a prompt of n >= 2 tokens is cut into chunks of at least 2 tokens,

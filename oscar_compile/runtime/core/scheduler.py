@@ -42,6 +42,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from oscar_compile.runtime.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from oscar_compile.runtime.core.page_manager import PageCopy, PageManager, SwapCopy
 from oscar_compile.runtime.core.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -73,8 +74,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, page_manager: PageManager, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None):
+    def __init__(self, page_manager: PageManager, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len: int | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -236,7 +237,7 @@ class Scheduler:
         num_staging = page_manager.staging_need(seq, match, num_new)
         if num_staging > page_manager.staging_pool.num_pages:
             if seq.num_output_tokens == 0:
-                return 0  # a prompt too long to stage: only in one chunk (engine.validate_request)
+                return 0  # a prompt too long to stage: only in one chunk (engine.input_processor)
             num_staging = 0  # recomputing a sequence that has outputs: inexact anyway
         if not page_manager.can_allocate(seq, match, num_new, num_staging):
             return 0

@@ -35,16 +35,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from oscar_compile.kernels import jit_watch
 from oscar_compile.runtime.async_engine import AsyncEngine
 from oscar_compile.runtime.core.errors import EngineDeadError
-from oscar_compile.runtime.core.sampling_params import RequestError, SamplingParams
+from oscar_compile.runtime.core.sampling_params import RequestError
+from oscar_compile.runtime.input_processor import EngineRequest
 from oscar_compile.runtime.server.admission import Admission, Refused
 from oscar_compile.runtime.server.gate import ApiKeyGate, BodyLimit
 from oscar_compile.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from oscar_compile.runtime.server.parsing import IgnoredFields, parse_body
-from oscar_compile.runtime.server.protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS,
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from oscar_compile.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from oscar_compile.runtime.server.requests import chat_requests, completion_requests
 from oscar_compile.runtime.server.responses import Choice, Formatter, error_body, sse
 from oscar_compile.runtime.server.server_config import ServerConfig
 from oscar_compile.runtime.server.tokenization import (
@@ -55,7 +53,7 @@ from oscar_compile.runtime.server.tokenization import (
     tokenize,
     tokenizer_info,
 )
-from oscar_compile.runtime.server.tool_calls import plan_tool_calls, with_tool_constraint
+from oscar_compile.runtime.server.tool_calls import plan_tool_calls
 from oscar_compile.runtime.server.tool_parsers import get_tool_parser
 from oscar_compile.runtime.structured_output import GrammarEngineUnavailable, grammar_engine_installed
 
@@ -126,8 +124,8 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], confi
 
 
 def _log_final_stats(stats: dict[str, float], admission: Admission) -> None:
-    logger.info("stopped: %d requests admitted, %d refused, %d finished (%d aborted); "
-                "KV pages in use: %d window, %d quant", admission.num_admitted, admission.num_refused,
+    logger.info("stopped: %d HTTP requests admitted, %d refused; %d requests (one per prompt) finished "
+                "(%d aborted); KV pages in use: %d window, %d quant", admission.num_admitted, admission.num_refused,
                 stats["num_requests_finished"], stats["num_requests_aborted"],
                 stats["window_pages_used"], stats["quant_pages_used"])
 
@@ -294,14 +292,12 @@ class _Server:
         texts = req.prompts()
         prompts = await self._in_tokenizer_thread(
             lambda: [self.tokenizer.encode(p) if isinstance(p, str) else p for p in texts])
-        self._check_prompts(prompts, "prompt")
-        max_tokens = self._max_tokens("max_tokens", req.max_tokens, prompts, DEFAULT_COMPLETION_MAX_TOKENS,
-                                      scoring=req.num_prompt_logprobs() is not None, n=req.n)
-        params = self._sampling_params(req.sampling_params, max_tokens, req.logprobs)
-        fmt = Formatter("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        requests = completion_requests(self.engine.input_processor, req, prompts, request_id, arrival)
+        fmt = Formatter("completion", request_id, int(time.time()), self.model_name,
                         self.tokenizer, req.logprobs is not None, echo=req.echo, prompt_logprobs=req.prompt_logprobs,
                         n=req.n)
-        return await self._respond(request, fmt, prompts, params, req.stream, req.stream_options, arrival)
+        return await self._respond(request, fmt, requests, req.stream, req.stream_options)
 
     async def chat_completions(self, request: Request):
         req, arrival = await self._accept(request, ChatCompletionRequest)
@@ -309,67 +305,23 @@ class _Server:
         ids = await self._in_tokenizer_thread(lambda: render_chat(
             self.tokenizer, req.messages, self.config.chat_template, req.chat_template_kwargs,
             tools=req.template_tools()))
-        self._check_prompts([ids], "messages")
-        field, requested = req.requested_max_tokens()
-        max_tokens = self._max_tokens(field, requested, [ids], self.config.default_chat_max_tokens,
-                                      scoring=req.prompt_logprobs is not None, n=req.n)
-        params = with_tool_constraint(self._sampling_params(req.sampling_params, max_tokens, req.num_logprobs()),
-                                      constraint)
-        fmt = Formatter("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        requests = chat_requests(self.engine.input_processor, req, ids, constraint,
+                                 self.config.default_chat_max_tokens, request_id, arrival)
+        fmt = Formatter("chat", request_id, int(time.time()), self.model_name,
                         self.tokenizer, req.logprobs, prompt_logprobs=req.prompt_logprobs, tool_calls=tool_plan,
                         n=req.n)
-        return await self._respond(request, fmt, [ids], params, req.stream, req.stream_options, arrival)
+        return await self._respond(request, fmt, requests, req.stream, req.stream_options)
 
-    def _check_prompts(self, prompts: list[list[int]], param: str) -> None:
-        """Token ids in the vocabulary, and room for at least one token after each prompt."""
-        for ids in prompts:
-            try:
-                self.engine.validate_request(ids, SamplingParams(max_tokens=1))
-            except RequestError as err:
-                raise RequestError(param, str(err), err.code) from None
-
-    def _max_tokens(self, field: str, requested: int | None, prompts: list[list[int]], default: int,
-                    scoring: bool = False, n: int = 1) -> int:
-        """``requested`` if every prompt leaves room for it in each of its ``n`` choices (the
-        pages of all of them counted), else a 400 naming ``field`` (as OpenAI and vLLM refuse it,
-        rather than cutting the output short); without one, ``default`` capped by that room. 0
-        only when ``scoring`` the prompt."""
-        room, longest = min((self.engine.max_new_tokens(len(ids), n), len(ids)) for ids in prompts)
-        if requested is None:
-            return max(min(default, room), 1)
-        if requested < (0 if scoring else 1):
-            why = " (0 only with echo or prompt_logprobs: scoring the prompt)" if requested == 0 else ""
-            raise RequestError(field, f"{field} must be >= {0 if scoring else 1}, got {requested}{why}")
-        if requested > room:
-            context = self.engine.max_model_len
-            if longest + room >= context:
-                what = f"This model's maximum context length is {context} tokens"
-            else:
-                each = f" in each of {n} choices" if n > 1 else ""
-                what = f"The KV cache holds at most {longest + room} tokens{each} for one request"
-            raise RequestError(field, f"{what}. However, you requested {longest + requested} tokens "
-                               f"({longest} in the prompt, {requested} in the completion). "
-                               f"Please reduce the prompt or {field}.", code="context_length_exceeded")
-        return requested
-
-    def _sampling_params(self, make: Callable[[int, Any], SamplingParams], max_tokens: int,
-                         logprobs) -> SamplingParams:
-        params = make(max_tokens, logprobs)
-        vocab = self.engine.runner.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise RequestError("stop_token_ids", f"stop_token_ids must be token ids in [0, {vocab})")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise RequestError("logit_bias", f"logit_bias keys must be token ids in [0, {vocab})")
-        return params
-
-    async def _respond(self, request: Request, fmt: Formatter, prompts: list[list[int]],
-                       params: SamplingParams, stream: bool, stream_options, arrival: float):
-        for ids in prompts:  # refuse before queueing anything
-            self.engine.validate_request(ids, params)
+    async def _respond(self, request: Request, fmt: Formatter, requests: list[EngineRequest], stream: bool,
+                       stream_options):
+        """Serve validated requests (``server/requests.py``), one per prompt, all with the same params."""
+        params = requests[0].params
         if params.structured_output is not None:  # a bad schema or regex is a 400 now (compiled once, cached)
             await asyncio.wrap_future(self.engine.structured_output.compile(params.structured_output))
         release = self.admission.enter()
-        outputs = self._generate(prompts, params, fmt.request_id, arrival)
+        prompts = [r.prompt_token_ids for r in requests]
+        outputs = self._generate(requests)
         if stream:
             include_usage = bool(stream_options and stream_options.include_usage)
             return _ReleasingStream(self._stream(fmt, outputs, prompts, include_usage), release,
@@ -387,19 +339,18 @@ class _Server:
         finally:
             release()
 
-    async def _generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                        arrival: float) -> AsyncIterator[tuple[int, Any]]:
+    async def _generate(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, Any]]:
         """(choice index, RequestOutput) for every prompt and choice (prompt ``i``'s choice ``j``
         is choice ``i * n + j``, as OpenAI numbers them); leaving early (the client gone, the
         deadline passed) aborts the unfinished requests, every choice of them, which frees their
         pages."""
-        deadline = self._deadline(arrival)
+        deadline = self._deadline(requests[0].arrival_time)
+        n = requests[0].params.n
         sink: asyncio.Queue = asyncio.Queue()
-        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         pending: set[int] = set()
         try:
-            for i, prompt in enumerate(prompts):
-                self.async_engine.submit(prompt, params, ids[i], sink, tag=i, arrival_time=arrival)
+            for i, engine_request in enumerate(requests):
+                self.async_engine.submit(engine_request, sink, tag=i)
                 pending.add(i)
             while pending:
                 index, item = await self._next(sink, deadline)
@@ -407,10 +358,10 @@ class _Server:
                     raise item
                 if item.request_finished:
                     pending.discard(index)
-                yield index * params.n + item.index, item
+                yield index * n + item.index, item
         finally:
             for index in pending:
-                self.async_engine.abort(ids[index])
+                self.async_engine.abort(requests[index].request_id)
 
     async def _next(self, sink: asyncio.Queue, deadline: float | None):
         if deadline is None:

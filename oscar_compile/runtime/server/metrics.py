@@ -29,13 +29,15 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # (name, type, help, stats key)
 _SCALARS = (
-    ("oscar_requests_waiting", "gauge", "Requests waiting for admission.", "num_waiting"),
-    ("oscar_requests_running", "gauge", "Requests holding KV pages.", "num_running"),
-    ("oscar_requests_finished_total", "counter", "Requests that ended (any reason).",
-     "num_requests_finished"),
-    ("oscar_requests_aborted_total", "counter", "Requests aborted (client gone or cancelled).",
-     "num_requests_aborted"),
-    ("oscar_preemptions_total", "counter", "Sequences preempted for lack of pages.", "num_preemptions"),
+    ("oscar_requests_waiting", "gauge", "Sequences (one per choice) waiting for admission.", "num_waiting"),
+    ("oscar_requests_running", "gauge", "Sequences (one per choice) holding KV pages.", "num_running"),
+    ("oscar_requests_finished_total", "counter",
+     "Requests that ended, any reason (a request is one prompt with its n choices; an HTTP request "
+     "with several prompts counts once per prompt).", "num_requests_finished"),
+    ("oscar_requests_aborted_total", "counter",
+     "Requests (one per prompt) aborted: client gone, cancelled or timed out.", "num_requests_aborted"),
+    ("oscar_preemptions_total", "counter", "Sequences (one per choice) preempted for lack of pages.",
+     "num_preemptions"),
     ("oscar_prompt_tokens_total", "counter", "Prompt tokens received.", "prompt_tokens_total"),
     ("oscar_batched_tokens_total", "counter",
      "Tokens run through the model (prefill, recomputation and decode).", "batched_tokens_total"),
@@ -98,16 +100,20 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 # (name, help, buckets, StepLatencies field)
 _HISTOGRAMS = (
     ("oscar_time_to_first_token_seconds",
-     "Histogram of time to first token in seconds (arrival to the first output token).",
+     "Histogram of time to first token in seconds, one per request (one prompt; arrival to its first "
+     "output token).",
      TTFT_BUCKETS, "time_to_first_token"),
     ("oscar_inter_token_latency_seconds",
-     "Histogram of inter-token latency in seconds (between consecutive output tokens of a request).",
+     "Histogram of inter-token latency in seconds, one per output token after a choice's first (between "
+     "consecutive output tokens of one choice).",
      ITL_BUCKETS, "inter_token"),
     ("oscar_e2e_request_latency_seconds",
-     "Histogram of e2e request latency in seconds (arrival to finish; aborted requests not counted).",
+     "Histogram of e2e request latency in seconds, one per request (one prompt; arrival to its last "
+     "choice's finish; aborted requests not counted).",
      REQUEST_LATENCY_BUCKETS, "e2e"),
     ("oscar_request_queue_time_seconds",
-     "Histogram of time spent waiting in seconds (arrival to first scheduled).",
+     "Histogram of time spent waiting in seconds, one per request (one prompt; arrival to first "
+     "scheduled).",
      REQUEST_LATENCY_BUCKETS, "queue"),
 )
 

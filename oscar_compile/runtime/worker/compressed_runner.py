@@ -21,17 +21,20 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 
 from oscar_compile.cache.decode_consistent import run_decode_consistent
 from oscar_compile.cache.hf_cache import OscarCache
-from oscar_compile.cache.op_constants import layer_op_constants
+from oscar_compile.cache.op_constants import OpConstants
 from oscar_compile.formats.cache import CacheLayout, LayerFormat
 from oscar_compile.formats.prefill import DECODE_CONSISTENT, DEFAULT_PREFILL_SEMANTICS, check_prefill_semantics
 from oscar_compile.kernels.determinism import deterministic as deterministic_mode
 from oscar_compile.kernels.pools import allocate_layer_pools
-from oscar_compile.runtime.worker.runner import Batch
+from oscar_compile.runtime.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, RunnerCapabilities
+from oscar_compile.runtime.worker.runner import Batch, RunnerFactory
 from oscar_compile.runtime.worker.staging import StagedStep, allocate_staging_pools
 from oscar_compile.runtime.worker.step_inputs import StepInputs
 from oscar_compile.runtime.worker.swapper import HostSwap
@@ -84,8 +87,18 @@ class StepCache(OscarCache):
         return out.unsqueeze(0)  # [N, H, D] -> [1, N, H, D]
 
 
+class Rewritten(Protocol):
+    """What the runner takes of the handle ``apply`` returns (``passes.CompressedModel``; the runtime
+    does not import the passes): the rewritten model, and the constants its graphs pass the INT-b
+    ops, which staged rows and decode-consistent prefill pass alike."""
+
+    model: torch.nn.Module
+    constants: Mapping[int, OpConstants]
+
+
 class CompressedRunner:
-    """Runs ``model`` (already rewritten by ``apply``) over the engine's page tables.
+    """Runs ``compressed.model`` (rewritten by ``apply``, which returned ``compressed``) over the
+    engine's page tables.
 
     ``max_seq_len`` bounds one sequence (it sizes the page-table mirrors); ``max_num_seqs`` and
     ``max_num_batched_tokens`` size the step buffers (they grow if a step needs more).
@@ -94,28 +107,30 @@ class CompressedRunner:
     the graphs' captures included, runs under ``kernels.determinism.deterministic()``.
     """
 
-    supports_history_hits = True  # the INT-b ops get Batch.history_lens (see page_manager)
-    supports_pending_tokens = True  # run(batch, pending_tokens): overlapped engine steps
-    supports_staging = True  # staged rows: deferred demotion (staging.py)
-    supports_swapping = True  # swap(swap_out, swap_in) to host swap space (swapper.py)
-    supports_prompt_logits = True  # Batch.logit_rows: every new token's logits for those rows
+    @staticmethod
+    def capabilities_for(prefill_semantics: str) -> RunnerCapabilities:
+        """Everything: history hits (the INT-b ops get ``Batch.history_lens``), pending tokens
+        (overlapped steps), staged rows (staging.py), swapping (swapper.py), prompt logits and
+        page copies, in the prefill semantics it is built for."""
+        return RunnerCapabilities(history_hits=True, pending_tokens=True, staging=True, swapping=True,
+                                  prompt_logits=True, page_copies=True,
+                                  prefill_semantics=check_prefill_semantics(prefill_semantics))
 
-    def __init__(self, model: torch.nn.Module, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
-                 max_seq_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 cuda_graphs: bool = True, max_graph_batch: int = 64, num_staging_pages: int = 0,
+    def __init__(self, compressed: Rewritten, layout: CacheLayout, num_window_pages: int, num_quant_pages: int,
+                 max_seq_len: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, cuda_graphs: bool = True,
+                 max_graph_batch: int = DEFAULT_MAX_NUM_SEQS, num_staging_pages: int = 0,
                  swap_bytes: int = 0, deterministic: bool = False,
                  prefill_semantics: str = DEFAULT_PREFILL_SEMANTICS):
-        report = getattr(model, "_oscar_compile_report", None)
-        if report is None:
-            raise ValueError("CompressedRunner needs a model rewritten by oscar_compile.apply")
-        self.model = model
+        model = self.model = compressed.model
+        self.constants = compressed.constants
         self.layout = layout
         self.deterministic = deterministic
         # transformers renamed the forward's past_key_values to cache (5.2x): look it up once, not per step
         parameters = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
         self.keeps_logit_rows = "logits_to_keep" in parameters  # a 1-D index tensor selects positions
-        self.num_layers = len(report.layers)
+        self.num_layers = layout.num_layers
         self.vocab_size = model.config.get_text_config().vocab_size
         param = next(model.parameters())
         self.device, dtype = param.device, param.dtype
@@ -125,12 +140,13 @@ class CompressedRunner:
                       for i in range(self.num_layers)]
         self._init_staging(layout, num_staging_pages, dtype)
         self.prefill_semantics = check_prefill_semantics(prefill_semantics)
+        self.capabilities = self.capabilities_for(prefill_semantics)
         # layer -> OpConstants under decode-consistent prefill (cache/decode_consistent.py), else None
         self.decode_consistent = None
         if prefill_semantics == DECODE_CONSISTENT and not layout.is_full_precision:
             if num_staging_pages:
                 raise ValueError("decode-consistent prefill stages nothing: build the runner without staging pages")
-            self.decode_consistent = layer_op_constants(model)
+            self.decode_consistent = self.constants
         self.swapper = self._host_swap(layout, swap_bytes) if swap_bytes else None
         longest = max_seq_len if max_seq_len is not None else num_quant_pages * layout.page_size
         self.quant_width = min(num_quant_pages, math.ceil(longest / layout.page_size))
@@ -162,7 +178,7 @@ class CompressedRunner:
         self.op_constants = {}
         if not num_pages or layout.is_full_precision:
             return
-        self.op_constants = layer_op_constants(self.model)
+        self.op_constants = self.constants
         for i in range(self.num_layers):
             if not layout.format_of(i).full_precision_pages:
                 if i not in self.op_constants:
@@ -338,32 +354,36 @@ def _history_pages(layout: CacheLayout, num_tokens: int) -> int:
 
 
 def runner_kwargs(model: torch.nn.Module, page_manager, config=None) -> dict:
-    """The ``CompressedRunner`` arguments (besides model and layout) for a block manager's pools:
-    pools sized from its page counts, step buffers and CUDA graphs from the engine config
-    (``EngineConfig``) when given. Plain values: tensor-parallel ranks receive them from rank 0."""
+    """The ``CompressedRunner`` arguments (besides model and layout) for a page manager's pools:
+    pools sized from its page counts, step buffers, CUDA graphs and prefill semantics from the
+    engine config (``EngineConfig``) when given. Plain values: tensor-parallel ranks receive them
+    from rank 0."""
     # the engine's context limit (as build_engine sets it), within what the pools can hold:
     # it sizes the page-table mirrors, and the graphs plan their kernel splits for it
-    max_model_len = getattr(config, "max_model_len", None) or model.config.get_text_config().max_position_embeddings
+    max_model_len = ((config.scheduler.max_model_len if config is not None else None)
+                     or model.config.get_text_config().max_position_embeddings)
     kwargs = dict(num_window_pages=page_manager.window_pool.num_pages,
                   num_quant_pages=page_manager.quant_pool.num_pages,
                   max_seq_len=min(max_model_len, page_manager.max_seq_len()))
     if config is not None:
-        kwargs.update(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                      cuda_graphs=config.cuda_graphs, deterministic=config.deterministic)
+        kwargs.update(max_num_seqs=config.scheduler.max_num_seqs,
+                      max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                      cuda_graphs=config.runner.cuda_graphs, deterministic=config.runner.deterministic,
+                      prefill_semantics=config.cache.prefill_semantics)
     swap = page_manager.swap_space
     kwargs.update(num_staging_pages=page_manager.staging_pool.num_pages,
-                  swap_bytes=swap.num_bytes if swap is not None else 0,
-                  prefill_semantics=getattr(config, "prefill_semantics", DEFAULT_PREFILL_SEMANTICS))
+                  swap_bytes=swap.num_bytes if swap is not None else 0)
     return kwargs
 
 
-def runner_factory(model: torch.nn.Module, layout: CacheLayout, config=None):
-    """``make_runner`` for ``build_engine``: a CompressedRunner with :func:`runner_kwargs`."""
-
-    def make(page_manager) -> CompressedRunner:
-        return CompressedRunner(model, layout, **runner_kwargs(model, page_manager, config))
-
-    return make
+def runner_factory(compressed: Rewritten, layout: CacheLayout, config=None) -> RunnerFactory:
+    """``make_runner`` for ``build_engine``: a CompressedRunner of ``compressed`` (what ``apply``
+    returned) with :func:`runner_kwargs`."""
+    semantics = config.cache.prefill_semantics if config is not None else DEFAULT_PREFILL_SEMANTICS
+    return RunnerFactory(CompressedRunner.capabilities_for(semantics),
+                         lambda page_manager: CompressedRunner(compressed, layout,
+                                                               **runner_kwargs(compressed.model, page_manager,
+                                                                               config)))
 
 
 def compressed_layout(model: torch.nn.Module, spec) -> CacheLayout:

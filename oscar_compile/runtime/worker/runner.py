@@ -13,6 +13,7 @@ as the fallback when no compressed runner is available.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -21,6 +22,8 @@ import torch
 
 from oscar_compile.formats.cache import CacheLayout
 from oscar_compile.kernels.determinism import deterministic as deterministic_mode
+from oscar_compile.runtime.core.config import RunnerCapabilities
+from oscar_compile.runtime.core.page_manager import PageManager
 
 
 @dataclass(frozen=True)
@@ -43,16 +46,16 @@ class Batch:
     - ``pending_rows`` / ``pending_src``: sequences ``pending_rows[j]`` run one token that the
       previous step sampled and the host has not read yet: ``token_ids`` holds a placeholder and
       the runner takes the token from row ``pending_src[j]`` of that step's sampled ids (its
-      ``run(batch, pending_tokens)``). Only runners with ``supports_pending_tokens`` get them.
+      ``run(batch, pending_tokens)``). Only runners with ``capabilities.pending_tokens`` get them.
     - ``staging_tables[i]``: staging page ids of a staged sequence (page_manager, "Deferred
       demotion"), ``[]`` for the others; the whole field is ``()`` when no row is staged. A staged
       row keeps its history rows in full precision in those pages (its quant table is allocated
       alongside); ``staging_ends`` lists the rows whose chunk caches their last known token: after
       writing it the runner quantizes the staged history into the quant pages. A runner without
-      ``supports_staging`` never gets staged rows (it need not look at these fields).
+      ``capabilities.staging`` never gets staged rows (it need not look at these fields).
     - ``logit_rows``: rows whose every new token's logits the runner returns too, after the
       ``num_seqs`` last-token rows, row by row in this order (``logit_row_offsets``). Only runners
-      with ``supports_prompt_logits`` get them.
+      with ``capabilities.prompt_logits`` get them.
     """
 
     seq_ids: list[int]
@@ -95,24 +98,33 @@ class Batch:
 class ModelRunner(Protocol):
     """Runs one step. ``run`` must cache the batch's new tokens (K/V written into the pages)
     and return float logits ``[num_seqs, vocab]`` for each sequence's last new token (followed by
-    every new token of ``Batch.logit_rows`` for a runner with ``supports_prompt_logits``).
+    every new token of ``Batch.logit_rows`` when ``capabilities.prompt_logits``).
 
-    ``supports_history_hits``: True if the runner honours ``Batch.history_lens`` when it is larger
-    than ``max(0, L - W - S0)`` (ring starting empty after a prefix hit); if False or absent,
-    prefix hits stop at the sink (see page_manager).
-
-    ``swap(swap_out, swap_in)`` (lists of ``page_manager.SwapCopy``) copies page contents to host
-    swap space and back, queued before the next ``run``; the engine calls it only when the block
-    manager has swap space (runners with ``supports_swapping``).
-
-    ``copy_pages(copy)`` (a ``page_manager.PageCopy``) copies page contents into fresh pages for
-    the choices of a forked request, queued before the next ``run``; a runner without it cannot
-    serve ``n`` > 1.
+    ``capabilities`` (core/config.py) says what else it does, and so which of these it has:
+    ``run(batch, pending_tokens)`` (``pending_tokens``); ``swap(swap_out, swap_in)`` (lists of
+    ``page_manager.SwapCopy``: page contents to host swap space and back, queued before the next
+    ``run``; ``swapping``); ``copy_pages(copy)`` (a ``page_manager.PageCopy``: page contents into
+    fresh pages for forked choices and window snapshots, queued before the next ``run``;
+    ``page_copies``).
     """
 
     vocab_size: int
+    capabilities: RunnerCapabilities
 
     def run(self, batch: Batch) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class RunnerFactory:
+    """A runner that is built after the page manager, from its page counts (the compressed
+    runner allocates its pools from them), with the ``capabilities`` the page manager is built
+    for. ``build_engine`` checks that the runner built has them."""
+
+    capabilities: RunnerCapabilities
+    build: Callable[[PageManager], ModelRunner]
+
+    def __call__(self, page_manager: PageManager) -> ModelRunner:
+        return self.build(page_manager)
 
 
 class RecomputeRunner:
@@ -122,8 +134,8 @@ class RecomputeRunner:
     pages in the batch are ignored: the scheduler's bookkeeping still runs (and is exercised).
     """
 
-    supports_history_hits = True  # no cache, so any hit state is fine
-    supports_prompt_logits = True
+    # no cache: any hit state is fine, and a page copy has nothing to copy
+    capabilities = RunnerCapabilities(history_hits=True, prompt_logits=True, page_copies=True)
 
     def __init__(self, model: torch.nn.Module, device: torch.device | str | None = None, deterministic: bool = False):
         self.model = model.eval()

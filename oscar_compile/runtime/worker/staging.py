@@ -19,7 +19,8 @@ full-precision page ops (the BF16 mode's, or 16-bit layers without windows) stor
 it is already: they run the whole batch as usual.
 
 The op constants of each layer (attention scale, clip ratios) are read from the rewritten graph's
-own op calls (``cache.op_constants.layer_op_constants``), so the staged calls cannot drift from the graph's.
+own op calls (``cache.op_constants.graph_op_constants``, which ``apply`` runs on each graph it rewrites;
+the runner gets them from the handle ``apply`` returned), so the staged calls cannot drift from the graph's.
 """
 from __future__ import annotations
 

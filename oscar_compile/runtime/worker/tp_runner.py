@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -173,9 +173,8 @@ class TensorParallelRunner:
         self.local = local
         self.ranks = ranks
         self.vocab_size = local.vocab_size
-        for flag in ("supports_history_hits", "supports_pending_tokens", "supports_staging", "supports_swapping"):
-            setattr(self, flag, getattr(local, flag, False))
-        self.prefill_semantics = local.prefill_semantics  # every rank's runner was built from the same kwargs
+        # every rank's runner was built from the same kwargs; no prompt logits across ranks yet
+        self.capabilities = replace(local.capabilities, prompt_logits=False, tensor_parallel_size=ranks.world_size)
         self._encoder = StepEncoder()
         self._closed = False
         # one message at a time on the control group: a step or swap (engine thread) and the stop
