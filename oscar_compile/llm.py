@@ -1,4 +1,5 @@
-"""Offline batch generation: ``LLM(model_dir).generate(prompts, params)``.
+"""Offline batch generation: ``LLM(model_dir).generate(prompts, params)``, one ``RequestOutput`` per
+prompt with its choices in ``.outputs``, the shapes of vLLM's ``LLM.generate``.
 
 Runs the same engine as the server, synchronously, so offline results and served results agree.
 It sits at the top of the package beside :func:`~oscar_compile.compress.compress` (as nano-vllm
@@ -17,26 +18,48 @@ import torch
 
 from oscar_compile.assembly import assemble
 from oscar_compile.runtime.core.sampling_params import SamplingParams
-from oscar_compile.runtime.engine import LLMEngine, TokenLogprob
+from oscar_compile.runtime.core.token_logprob import TokenLogprob
+from oscar_compile.runtime.engine import LLMEngine
 from oscar_compile.runtime.engine_config import EngineConfig
+from oscar_compile.runtime.output_processor import RequestOutput as StepOutput
 
 
 @dataclass
 class CompletionOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
+    """One choice of a request: vLLM's fields, in vLLM's order, then ours.
+
+    ``logprobs`` (one per token, the chosen token's logprob plus the k best) and
+    ``cumulative_logprob`` (their sum) are None unless the request asked for ``logprobs``, as in
+    vLLM: the engine computes a token's logprob only when asked."""
+
+    index: int  # the choice, 0 to SamplingParams.n - 1
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    num_cached_prompt_tokens: int = 0
-    # SamplingParams(prompt_logprobs=k): one per prompt token, the first None (vLLM's field)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
     # the seed the tokens were drawn with: the request's, else its default (sampling_params.default_seed),
     # plus the choice's index
     seed: int | None = None
-    index: int = 0  # the choice, with SamplingParams.n > 1
     # why this request failed alone (finish_reason "abort"): its structured-output constraint did not compile
     error: Exception | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's request: its ``n`` choices in ``outputs`` (vLLM's ``RequestOutput``).
+
+    Not the engine's ``oscar_compile.runtime.output_processor.RequestOutput``, which is one step's
+    delta of one choice; this one gathers those deltas into the finished request."""
+
+    request_id: str
+    prompt: str | None  # the prompt string; None when token ids were given (vLLM's)
+    prompt_token_ids: list[int]
+    # SamplingParams(prompt_logprobs=k): one per prompt token, the first None
+    prompt_logprobs: list[TokenLogprob | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool = False  # every choice has ended
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache gave (choice 0's, as the server's usage)
 
 
 class LLM:
@@ -84,10 +107,10 @@ class LLM:
         self.close()
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[CompletionOutput]:
-        """Prompts: a string, a list of token ids, or a list of either. One output per prompt, or
-        with ``n`` > 1 its ``n`` choices in a row (``index`` 0 to n - 1; the prompt is prefilled
-        once and choice ``i`` draws with seed + i, as vLLM's ``n``)."""
+                 ) -> list[RequestOutput]:
+        """Prompts: a string, a list of token ids, or a list of either. One ``RequestOutput`` per
+        prompt, in order, its ``n`` choices in ``outputs`` (``index`` 0 to n - 1; the prompt is
+        prefilled once and choice ``i`` draws with seed + i, as vLLM's ``n``)."""
         prompts = _as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
@@ -95,25 +118,39 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         all_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         # the one validation (the engine's input processor): the batch is refused before any of it is queued
-        requests = [self.engine.input_processor.process(ids, p) for ids, p in zip(all_ids, params, strict=True)]
-        outputs: dict[tuple[str, int], CompletionOutput] = {}
-        for ids, p, request in zip(all_ids, params, requests, strict=True):
-            seq = self.engine.add(request)
-            for i in range(p.n):
-                outputs[seq.request_id, i] = CompletionOutput(prompt_token_ids=ids, seed=seq.seed + i, index=i)
+        accepted = [self.engine.input_processor.process(ids, p) for ids, p in zip(all_ids, params, strict=True)]
+        requests: dict[str, RequestOutput] = {}
+        for prompt, ids, p, accepted_request in zip(prompts, all_ids, params, accepted, strict=True):
+            seq = self.engine.add(accepted_request)
+            wants_logprobs = p.logprobs is not None
+            choices = [CompletionOutput(index=i, seed=seq.seed + i, logprobs=[] if wants_logprobs else None,
+                                        cumulative_logprob=0.0 if wants_logprobs else None) for i in range(p.n)]
+            requests[seq.request_id] = RequestOutput(
+                request_id=seq.request_id, prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=ids, prompt_logprobs=None, outputs=choices)
         while self.engine.has_unfinished():
             for delta in self.engine.step():
-                out = outputs[delta.request_id, delta.index]
-                out.token_ids += delta.new_token_ids
-                out.text += delta.new_text
-                out.logprobs += delta.new_logprobs
-                out.num_cached_prompt_tokens = delta.num_cached_prompt_tokens
-                if delta.prompt_logprobs is not None:
-                    out.prompt_logprobs = delta.prompt_logprobs
-                if delta.finished:
-                    out.finish_reason = delta.finish_reason
-                    out.error = delta.error
-        return list(outputs.values())  # in insertion order: prompt by prompt, choice by choice
+                _add_delta(requests[delta.request_id], delta)
+        return list(requests.values())  # in the order of the prompts
+
+
+def _add_delta(request: RequestOutput, delta: StepOutput) -> None:
+    """Fold one step's output of one choice into its request."""
+    out = request.outputs[delta.index]
+    out.token_ids += delta.new_token_ids
+    out.text += delta.new_text
+    if out.logprobs is not None:
+        for lp in delta.new_logprobs:
+            out.logprobs.append(lp)
+            out.cumulative_logprob += lp.logprob
+    if delta.index == 0:
+        request.num_cached_tokens = delta.num_cached_prompt_tokens
+    if delta.prompt_logprobs is not None:
+        request.prompt_logprobs = delta.prompt_logprobs
+    if delta.finished:
+        out.finish_reason = delta.finish_reason
+        out.error = delta.error
+    request.finished = request.finished or delta.request_finished
 
 
 def _as_prompt_list(prompts) -> list:

@@ -180,9 +180,9 @@ def test_llm_and_serve_pick_up_spec_and_rotations(plain_dir, rotations, compress
 
     prompt = np.random.default_rng(0).integers(3, 300, PROMPT_LEN).tolist()
     params = SamplingParams(max_tokens=4, temperature=0)
-    from_dir = LLM(str(compressed_dir), device="cpu").generate([prompt], params)[0].token_ids
+    from_dir = LLM(str(compressed_dir), device="cpu").generate([prompt], params)[0].outputs[0].token_ids
     model, tokenizer = load_model(plain_dir, "cpu")
-    expected = LLM(model, SPEC, rotations, tokenizer=tokenizer).generate([prompt], params)[0].token_ids
+    expected = LLM(model, SPEC, rotations, tokenizer=tokenizer).generate([prompt], params)[0].outputs[0].token_ids
     assert from_dir == expected and len(from_dir) == 4
     with pytest.raises(ValueError, match="brings its own spec"):
         LLM(str(compressed_dir), spec=SPEC, rotations=rotations)

@@ -152,7 +152,7 @@ def run_runtime(model, spec, prompts, output_len: int, kv_memory_gb: float, max_
     outs = llm.generate(prompts, params)
     _sync()
     wall = time.perf_counter() - start
-    generated = sum(len(o.token_ids) for o in outs)
+    generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
     row = dict(batch=batch, wall_s=wall, generated_tokens=generated, tokens_per_s=generated / wall)
     row.update(clock.summary())
     del llm

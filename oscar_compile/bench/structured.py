@@ -51,13 +51,14 @@ def _run(llm, prompts, params, sync) -> dict:
     sync()
     wall = time.perf_counter() - start
     del llm.engine.runner.run, llm.engine.step  # the clock's wrappers: the next run gets its own
+    choices = [c for o in outs for c in o.outputs]
     full = [
         s
         for (decode, s, _), (seqs, _) in zip(clock.steps, clock.shapes, strict=True)
         if decode and seqs == len(prompts)
     ]
     firsts = [t[0] - start for t in clock.arrivals.values() if t]
-    generated = sum(len(o.token_ids) for o in outs)
+    generated = sum(len(c.token_ids) for c in choices)
     return dict(
         wall_s=wall,
         generated_tokens=generated,
@@ -65,7 +66,7 @@ def _run(llm, prompts, params, sync) -> dict:
         full_batch_decode_step_ms=statistics.median(full) * 1e3 if full else None,
         num_full_batch_steps=len(full),
         ttft_ms=statistics.mean(firsts) * 1e3 if firsts else None,
-        finish_reasons=sorted({o.finish_reason for o in outs}),
+        finish_reasons=sorted({c.finish_reason for c in choices}),
     )
 
 

@@ -27,8 +27,8 @@ import importlib
 _EXPORTS = {
     "LLM": "llm",
     "CompletionOutput": "llm",
+    "RequestOutput": "llm",  # LLM.generate's, one per prompt (the engine's per-step one: output_processor)
     "LLMEngine": "engine",
-    "RequestOutput": "engine",
     "SamplingParams": "core.sampling_params",
     "StructuredOutputParams": "core.sampling_params",
     "RequestError": "core.sampling_params",

@@ -4,4 +4,4 @@ Kept so ``from oscar_compile.runtime.llm import LLM`` keeps working; the runtime
 neither (both assemble the runtime with the passes, a layer above it).
 """
 from oscar_compile.compress import compress  # noqa: F401
-from oscar_compile.llm import LLM, CompletionOutput  # noqa: F401
+from oscar_compile.llm import LLM, CompletionOutput, RequestOutput  # noqa: F401

@@ -173,7 +173,7 @@ def test_the_mixed_spec_is_served_by_apply_and_the_runtime(swept):
     rot = calibrate(model, spec, batches)
     llm = LLM(str(model_dir), spec=str(out / "mixed-3.0.yaml"), rotations=rot, device="cpu")
     ids = load_tokens(model_dir / "heldout.bin")[:100].tolist()
-    assert len(llm.generate([ids], SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids) == 4
+    assert len(llm.generate([ids], SamplingParams(max_tokens=4, temperature=0.0))[0].outputs[0].token_ids) == 4
     report = apply(model, spec, rot).report
     assert report is not None
 

@@ -49,8 +49,9 @@ def _llm(spec: str, device: str = "cpu", **config) -> LLM:
     )
 
 
-def _results(outputs) -> list[tuple[list[int], list[float]]]:
-    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outputs]
+def _results(requests) -> list[tuple[list[int], list[float]]]:
+    """Per request (``LLM.generate``'s ``RequestOutput``, one choice): its tokens and logprobs."""
+    return [(r.outputs[0].token_ids, [lp.logprob for lp in r.outputs[0].logprobs]) for r in requests]
 
 
 def _joined(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
@@ -137,7 +138,7 @@ def test_resent_and_after_a_preemption_bitwise(semantics):
     resent = llm.generate(prompts, params)  # every prompt hits its own pages
     assert _results(resent) == alone
     if not exact:
-        assert max(o.num_cached_prompt_tokens for o in resent) > 64 + 256
+        assert max(o.num_cached_tokens for o in resent) > 64 + 256
     preempting = dict(num_window_pages=60, num_quant_pages=16, max_num_batched_tokens=128)
     tight = _llm("oscar-int2", prefill_semantics=semantics, **preempting, **({} if exact else {"swap_space_gb": 0}))
     assert _results(tight.generate(prompts, params)) == alone
@@ -170,12 +171,12 @@ def test_decode_consistent_hits_at_window_snapshots_bitwise():
     first, second = stem + ids[600:650], stem + ids[900:960]
     fresh = _llm("oscar-int2", **config)  # the two share no prefix: each runs as on a fresh engine
     alone = fresh.generate([resent], PARAMS) + fresh.generate([second], PARAMS)
-    assert [o.num_cached_prompt_tokens for o in alone] == [0, 0]
+    assert [o.num_cached_tokens for o in alone] == [0, 0]
     alone = _results(alone)
     llm = _llm("oscar-int2", **config)
     for prompt in (resent, first):
         llm.generate([prompt], PARAMS)
     outputs = [llm.generate([prompt], PARAMS)[0] for prompt in (resent, second)]
-    assert [o.num_cached_prompt_tokens for o in outputs] == [448, 384]
+    assert [o.num_cached_tokens for o in outputs] == [448, 384]
     assert _results(outputs) == alone
     assert llm.engine.stats()["window_snapshot_hits"] == 2

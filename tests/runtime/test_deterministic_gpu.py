@@ -46,7 +46,7 @@ def test_resent_and_recomputed_on_the_gpu():
     alone = [_results(llm.generate([p], params))[0] for p in prompts]
     resent = llm.generate(prompts, params)  # every prompt hits its own window snapshots
     assert _results(resent) == alone
-    assert max(o.num_cached_prompt_tokens for o in resent) > 64 + 256
+    assert max(o.num_cached_tokens for o in resent) > 64 + 256
     tight = _llm("oscar-int2", "cuda", num_window_pages=60, num_quant_pages=16, max_num_batched_tokens=128,
                  swap_space_gb=0, **DC)  # fmt: skip
     assert _results(tight.generate(prompts, params)) == alone

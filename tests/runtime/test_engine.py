@@ -59,7 +59,8 @@ def test_greedy_output_equals_hf_generate(tiny_model, tokenizer):
     llm = LLM(tiny_model, tokenizer=tokenizer, config=EngineConfig(max_num_batched_tokens=32))
     prompts = ["hello world", "The quick brown fox", "A paged KV cache stores keys", "x"]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
-    for prompt, out in zip(prompts, outputs, strict=True):
+    for prompt, request in zip(prompts, outputs, strict=True):
+        (out,) = request.outputs
         ids = torch.tensor([tokenizer.encode(prompt)])
         reference = tiny_model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
         assert out.token_ids == reference.tolist()
@@ -120,19 +121,20 @@ def test_a_seed_gives_the_same_tokens_alone_batched_and_preempted(tiny_model, to
 def test_finish_reasons_and_stop_handling(tiny_model, tokenizer):
     llm = LLM(tiny_model, tokenizer=tokenizer, config=EngineConfig(max_model_len=40))
     prompt = tokenizer.encode("hello world")
-    free = llm.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY))[0]
+    free = llm.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY))[0].outputs[0]
     assert free.finish_reason == "length" and len(free.token_ids) == 12
     stop_token = free.token_ids[5]
     by_token = llm.generate(prompt, SamplingParams(max_tokens=12, stop_token_ids=[stop_token],
-                                                   ignore_eos=True, **GREEDY))[0]
+                                                   ignore_eos=True, **GREEDY))[0].outputs[0]
     first = free.token_ids.index(stop_token)
     assert by_token.finish_reason == "stop" and by_token.token_ids == free.token_ids[:first + 1]
     stop_text = free.text[4:7]
-    by_text = llm.generate(prompt, SamplingParams(max_tokens=12, stop=[stop_text], ignore_eos=True, **GREEDY))[0]
+    by_text = llm.generate(prompt, SamplingParams(max_tokens=12, stop=[stop_text], ignore_eos=True,
+                                                  **GREEDY))[0].outputs[0]
     assert by_text.finish_reason == "stop" and by_text.text == free.text[:free.text.index(stop_text)]
-    by_context = llm.generate(prompt, SamplingParams(max_tokens=100, ignore_eos=True, **GREEDY))[0]
+    by_context = llm.generate(prompt, SamplingParams(max_tokens=100, ignore_eos=True, **GREEDY))[0].outputs[0]
     assert by_context.finish_reason == "length" and len(prompt) + len(by_context.token_ids) == 40
-    logprobs = llm.generate(prompt, SamplingParams(max_tokens=3, logprobs=2, **GREEDY))[0].logprobs
+    logprobs = llm.generate(prompt, SamplingParams(max_tokens=3, logprobs=2, **GREEDY))[0].outputs[0].logprobs
     assert len(logprobs) == 3 and all(len(lp.top) == 2 and lp.top[0][0] == lp.token_id for lp in logprobs)
 
 
@@ -163,8 +165,8 @@ def test_abort_frees_the_pages_at_once(tiny_model, tokenizer):
 
 def test_llm_loads_a_model_directory(model_dir):
     llm = LLM(str(model_dir), device="cpu")
-    out = llm.generate("hello", SamplingParams(max_tokens=5, **GREEDY))[0]
-    assert len(out.token_ids) >= 1 and out.prompt_token_ids == llm.tokenizer.encode("hello")
+    (request,) = llm.generate("hello", SamplingParams(max_tokens=5, **GREEDY))
+    assert len(request.outputs[0].token_ids) >= 1 and request.prompt_token_ids == llm.tokenizer.encode("hello")
     with pytest.raises(ValueError, match="pass rotations="):
         LLM(str(model_dir), spec="specs/oscar-int2.yaml")
     with pytest.raises(FileNotFoundError, match="config.json"):
@@ -209,11 +211,11 @@ def test_the_engine_runs_on_cuda(tiny_model, tokenizer):
     prompt = tokenizer.encode("The quick brown fox")
     greedy = llm.generate([prompt] * 3, SamplingParams(max_tokens=16, logprobs=1, **GREEDY))
     reference = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, do_sample=False)
-    assert greedy[0].token_ids == reference[0, len(prompt):].tolist()
+    assert greedy[0].outputs[0].token_ids == reference[0, len(prompt):].tolist()
     seeded = SamplingParams(max_tokens=16, temperature=0.9, top_k=20, seed=7, ignore_eos=True)
-    alone = llm.generate(prompt, seeded)[0].token_ids
+    alone = llm.generate(prompt, seeded)[0].outputs[0].token_ids
     batched = llm.generate([tokenizer.encode("hello")] * 4 + [prompt], [SamplingParams(max_tokens=9)] * 4 + [seeded])
-    assert batched[-1].token_ids == alone
+    assert batched[-1].outputs[0].token_ids == alone
     assert_all_pages_free(llm.engine)
 
 
@@ -240,7 +242,7 @@ def test_sampling_controls_on_the_bundled_model_equal_transformers_generate():
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(BUNDLED_MODEL_DIR), use_kernels=False).float().eval()
     ids = llm.tokenizer.encode("def fibonacci(n):")
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
-    plain = llm.generate([ids], greedy)[0].token_ids
+    plain = llm.generate([ids], greedy)[0].outputs[0].token_ids
     bias_token = plain[3]
     cases = [
         (dict(repetition_penalty=1.5), dict(repetition_penalty=1.5)),
@@ -249,7 +251,7 @@ def test_sampling_controls_on_the_bundled_model_equal_transformers_generate():
          dict(logits_processor=transformers.LogitsProcessorList([_OutputPenalties(len(ids), 1.2, 0.6)]))),
     ]
     for controls, hf_kwargs in cases:
-        out = llm.generate([ids], SamplingParams(max_tokens=24, temperature=0.0, logprobs=0, **controls))[0]
+        out = llm.generate([ids], SamplingParams(max_tokens=24, temperature=0.0, logprobs=0, **controls))[0].outputs[0]
         with torch.no_grad():
             reference = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, **hf_kwargs)
         assert out.token_ids == reference[0, len(ids):].tolist(), controls
@@ -277,8 +279,8 @@ def test_sampling_controls_on_cuda_with_overlapped_steps_and_cuda_graphs():
                   str(BUNDLED_MODEL_DIR / "rotations" / "oscar-int2.safetensors"), device="cuda",
                   config=EngineConfig(overlap_steps=overlap))
         assert llm.engine.overlap is overlap
-        outputs[overlap] = [o.token_ids for o in llm.generate(prompts, params)]
-        plain = llm.generate(prompts[:1], SamplingParams(max_tokens=30, temperature=0.0))[0].token_ids
+        outputs[overlap] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        plain = llm.generate(prompts[:1], SamplingParams(max_tokens=30, temperature=0.0))[0].outputs[0].token_ids
         assert_all_pages_free(llm.engine)
         llm.close()
     assert outputs[True] == outputs[False]

@@ -229,15 +229,18 @@ def test_the_choices_pages_are_reserved_at_admission(compressed, tokenizer, prom
     assert stats["num_running"] == 1
 
 
-def test_generate_returns_the_choices_of_each_prompt_in_a_row(tiny_model, tokenizer, prompt):
-    """``LLM.generate`` (the exact runner, which keeps no pages: its forks copy nothing)."""
+def test_generate_returns_each_prompt_with_its_choices(tiny_model, tokenizer, prompt):
+    """``LLM.generate``: one RequestOutput per prompt, its ``n`` choices in ``outputs``, each what
+    a request of one seeded ``seed + index`` gives (the exact runner, which keeps no pages: its
+    forks copy nothing)."""
     llm = LLM(tiny_model, tokenizer=tokenizer)
     params = _sampled(9, n=3, max_tokens=6)
     outs = llm.generate([prompt, prompt[:5]], params)
-    assert [(o.index, o.seed) for o in outs] == [(0, 9), (1, 10), (2, 11)] * 2
+    assert [[(c.index, c.seed) for c in o.outputs] for o in outs] == [[(0, 9), (1, 10), (2, 11)]] * 2
+    assert [o.prompt_token_ids for o in outs] == [prompt, prompt[:5]]
     alone = llm.generate([prompt] * 3 + [prompt[:5]] * 3, [_sampled(9 + i, max_tokens=6) for i in range(3)] * 2)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
-    assert len({tuple(o.token_ids) for o in outs[:3]}) == 3
+    assert [c.token_ids for o in outs for c in o.outputs] == [o.outputs[0].token_ids for o in alone]
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) == 3
 
 
 @pytest.mark.gpu
@@ -259,7 +262,7 @@ def test_forked_choices_on_cuda_with_overlapped_steps_and_cuda_graphs():
             device="cuda",
             config=EngineConfig(overlap_steps=overlap),
         )
-        outputs[overlap] = [o.token_ids for o in llm.generate(prompts, params)]
+        outputs[overlap] = [c.token_ids for o in llm.generate(prompts, params) for c in o.outputs]
         stats = llm.engine.stats()
         assert stats["window_pages_used"] == stats["quant_pages_used"] == 0
         assert stats["fork_window_pages_copied"] > 0 and stats["fork_quant_pages_shared"] > 0

@@ -91,7 +91,8 @@ def _per_rank(config: EngineConfig, world_size: int) -> EngineConfig:
 
 
 def _run(llm: LLM) -> tuple[list[list[int]], list[list[float]], dict]:
-    outs = llm.generate(_prompts(), SamplingParams(max_tokens=_MAX_TOKENS, temperature=0, logprobs=0, ignore_eos=True))
+    params = SamplingParams(max_tokens=_MAX_TOKENS, temperature=0, logprobs=0, ignore_eos=True)
+    outs = [o.outputs[0] for o in llm.generate(_prompts(), params)]
     return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs], llm.engine.stats()
 
 
@@ -140,10 +141,11 @@ def test_forked_choices_split_over_two_ranks_equal_one():
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=3, ignore_eos=True)
     prompt = _prompts()[0][:70]  # history 22 tokens: a full page shared, a partial one copied
     with LLM(None, spec, None, device="cpu", config=config) as one:
-        single = [o.token_ids for o in one.generate(prompt, params)]
+        (request,) = one.generate(prompt, params)
+        single = [c.token_ids for c in request.outputs]
         assert one.engine.stats()["fork_quant_pages_copied"] == 2
     with LLM(None, spec, None, device="cpu", config=config, tensor_parallel_size=2) as two:
-        assert [o.token_ids for o in two.generate(prompt, params)] == single
+        assert [c.token_ids for c in two.generate(prompt, params)[0].outputs] == single
     assert len({tuple(t) for t in single}) == 3
 
 

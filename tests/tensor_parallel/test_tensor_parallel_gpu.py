@@ -38,13 +38,13 @@ def test_two_gpus_generate_what_one_generates(model_dir, mode):
     config = EngineConfig(kv_memory_gb=4, max_num_seqs=4, max_num_batched_tokens=1024)
     spec = shipped_spec(mode)
     one = LLM(model_dir, spec, device="cuda", config=config, tokenizer=SpelledIdTokenizer(151936))
-    expected = [o.token_ids for o in one.generate(prompts, params)]
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
     del one
     torch.cuda.empty_cache()
     with LLM(model_dir, spec, device="cuda", config=config, tokenizer=SpelledIdTokenizer(151936),
              tensor_parallel_size=2) as two:
         assert two.engine.runner.local.graphs is not None  # decode steps replayed CUDA graphs, all-reduce inside
-        got = [o.token_ids for o in two.generate(prompts, params)]
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, params)]
     for i, (a, b) in enumerate(zip(expected, got, strict=True)):
         first = next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
         assert first is None, f"prompt {i}: the split model diverges at token {first}"

@@ -40,7 +40,7 @@ def test_completion_matches_offline_generation(client, tiny_model, tokenizer):
     response = client.completions.create(model=MODEL, prompt="hello world", max_tokens=10,
                                          temperature=0, logprobs=2)
     offline = LLM(tiny_model, tokenizer=tokenizer).generate(
-        "hello world", SamplingParams(max_tokens=10, temperature=0))[0]
+        "hello world", SamplingParams(max_tokens=10, temperature=0))[0].outputs[0]
     choice = response.choices[0]
     assert choice.text == offline.text and choice.finish_reason == offline.finish_reason
     assert response.usage.completion_tokens == len(offline.token_ids)
@@ -177,7 +177,8 @@ def test_sampling_controls_over_http_equal_transformers_generate(server, client,
         reference = tiny_model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
                                         repetition_penalty=1.8)[0, len(ids):].tolist()
     assert body["choices"][0]["text"] == tokenizer.decode(reference, skip_special_tokens=True)
-    plain = LLM(tiny_model, tokenizer=tokenizer).generate([ids], SamplingParams(max_tokens=12, temperature=0))[0]
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    plain = LLM(tiny_model, tokenizer=tokenizer).generate([ids], greedy)[0].outputs[0]
     assert plain.text != body["choices"][0]["text"]  # the penalty changed the greedy output
 
     forced = tokenizer.encode(" fox")[0]
@@ -310,5 +311,5 @@ def test_default_serve_answers_with_the_bundled_model_in_int2():
     assert CompressionSpec.from_yaml(spec).kv_cache.bits == 2 and rotations is not None
     llm = LLM(None, spec, rotations, device="cpu", config=EngineConfig(kv_memory_gb=0.05))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    assert body["choices"][0]["text"] == llm.generate([prompt], params)[0].text
+    assert body["choices"][0]["text"] == llm.generate([prompt], params)[0].outputs[0].text
 

@@ -42,7 +42,7 @@ def _prompt(i: int) -> str:
 
 def _offline(tiny_model, tokenizer, prompts, max_tokens) -> list[str]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return [out.text for out in LLM(tiny_model, tokenizer=tokenizer).generate(prompts, params)]
+    return [out.outputs[0].text for out in LLM(tiny_model, tokenizer=tokenizer).generate(prompts, params)]
 
 
 def _run_in_threads(fns) -> list:

@@ -239,14 +239,14 @@ def test_llm_outputs_match_their_constraints_and_a_bad_one_fails_alone(bundled_l
         SamplingParams(max_tokens=6, temperature=0.0),
     ]
     prompts = ["A user as JSON:", "Answer:", "Code:", "x", "def f():"]
-    out = bundled_llm.generate(prompts, params)
+    out = [o.outputs[0] for o in bundled_llm.generate(prompts, params)]
     jsonschema.validate(json.loads(out[0].text), SCHEMA)
     assert out[0].finish_reason == "stop"
     assert out[0].text == json.dumps(json.loads(out[0].text), separators=(",", ":"), ensure_ascii=False)  # compact
     assert out[1].text in choices and out[1].finish_reason == "stop"
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", out[2].text) and out[2].finish_reason == "stop"
     assert out[3].finish_reason == "abort" and out[3].error.param == "structured_outputs.regex"
-    plain = bundled_llm.generate(prompts[4:], params[4:])[0]
+    plain = bundled_llm.generate(prompts[4:], params[4:])[0].outputs[0]
     assert out[4].token_ids == plain.token_ids and out[4].error is None  # a neighbour's grammar changes nothing
     # logprobs stay the model's own, before the mask: the same as an unconstrained run's on those tokens
     constrained = bundled_llm.generate(
@@ -254,7 +254,7 @@ def test_llm_outputs_match_their_constraints_and_a_bad_one_fails_alone(bundled_l
         SamplingParams(
             max_tokens=5, temperature=0.0, logprobs=0, structured_output=StructuredOutputParams(json=SCHEMA)
         ),
-    )[0]
+    )[0].outputs[0]
     forced = bundled_llm.engine.tokenizer.encode("A user as JSON:") + constrained.token_ids[:-1]
     with torch.no_grad():
         logits = bundled_llm.model(torch.tensor([forced])).logits[0].float().log_softmax(-1)
@@ -349,9 +349,10 @@ def test_structured_output_on_cuda_with_overlapped_steps_and_cuda_graphs():
         replays = []
         run = llm.engine.runner.graphs.run
         llm.engine.runner.graphs.run = _counting(run, replays)
-        outputs[overlap] = [(o.token_ids, o.finish_reason, o.text) for o in llm.generate(prompts, params)]
+        choices = [o.outputs[0] for o in llm.generate(prompts, params)]
+        outputs[overlap] = [(c.token_ids, c.finish_reason, c.text) for c in choices]
         assert replays  # the decode steps ran from CUDA graphs
-        plain = llm.generate(prompts[1:2], params[1])[0].token_ids
+        plain = llm.generate(prompts[1:2], params[1])[0].outputs[0].token_ids
         llm.close()
     assert outputs[True] == outputs[False]
     (_, r0, t0), (ids1, _, _), (_, r2, t2), (_, r3, t3), (_, r4, t4) = outputs[True]

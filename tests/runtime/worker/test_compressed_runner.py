@@ -50,7 +50,7 @@ def test_runtime_greedy_equals_generate_on_the_compressed_model(setup):
     params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0)
     outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.token_ids == _reference(model, rot, prompt, 24)
+        assert out.outputs[0].token_ids == _reference(model, rot, prompt, 24)
     for pool in (llm.engine.page_manager.window_pool, llm.engine.page_manager.quant_pool):
         assert pool.num_used == 0 and pool.num_free + pool.num_cached == pool.num_pages
 
@@ -62,7 +62,7 @@ def test_bf16_mode_serves_the_plain_model(setup):
     config = EngineConfig(num_window_pages=4, num_quant_pages=64, max_num_batched_tokens=256)
     llm = LLM(copy.deepcopy(model), spec=bf16, tokenizer=tokenizer, config=config)
     prompt = _prompts(len(tokenizer), [12], seed=3)[0]
-    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].outputs[0]
     expected = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert out.token_ids == expected[0, len(prompt):].tolist()
 
@@ -100,7 +100,7 @@ def test_mixed_16_bit_and_int2_layers_equal_generate(setup, name):
     apply(ref, spec, rot)
     for prompt, out in zip(prompts, outputs, strict=True):
         expected = ref.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-        assert out.token_ids == expected[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist()
     for pool in (llm.engine.page_manager.window_pool, llm.engine.page_manager.quant_pool):
         assert pool.num_used == 0
     # layer 0 keeps 16 bits and sees no quantized layer before it: its outputs, history read back
@@ -108,7 +108,7 @@ def test_mixed_16_bit_and_int2_layers_equal_generate(setup, name):
     # agree on a wrong history read)
     prompt = _prompts(len(tokenizer), [33], seed=5)[0]  # a new prompt: no prefix-cache hit
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    served = _layer_outputs(llm.model, 0, lambda: outputs.append(llm.generate([prompt], params)[0]))
+    served = _layer_outputs(llm.model, 0, lambda: outputs.append(llm.generate([prompt], params)[0].outputs[0]))
     full = prompt + outputs[-1].token_ids[:-1]
     original = _layer_outputs(model, 0, lambda: model(torch.tensor([full])))
     assert torch.allclose(torch.cat(served)[:len(full)], original[0], atol=1e-4)
@@ -131,7 +131,7 @@ def test_prefix_hits_past_the_sink_keep_a_16_bit_layer_exact(setup):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm.generate([first], params)
     outputs = []
-    served = _layer_outputs(llm.model, 0, lambda: outputs.append(llm.generate([second], params)[0]))
+    served = _layer_outputs(llm.model, 0, lambda: outputs.append(llm.generate([second], params)[0].outputs[0]))
     assert llm.engine.page_manager.num_prefix_hit_tokens == len(shared)
     full = second + outputs[0].token_ids[:-1]
     original = _layer_outputs(model, 0, lambda: model(torch.tensor([full])))[0]
@@ -168,9 +168,9 @@ def test_prefix_cache_hits_on_the_sink_equal_misses_with_the_int2_runner(setup):
                               enable_prefix_caching=caching, prefill_semantics=PROMPT_EXACT)
         llm = LLM(copy.deepcopy(model), spec=SPEC, rotations=rot, tokenizer=tokenizer, config=config)
         llm.engine.page_manager.history_hits = False  # hits stop at the sink: exact (history hits below)
-        outputs[caching] = [o.token_ids for o in llm.generate(prompts, params)]
+        outputs[caching] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         # run the prompts again: now every one finds its prefix cached (when caching is on)
-        assert [o.token_ids for o in llm.generate(prompts, params)] == outputs[caching]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == outputs[caching]
         if caching:
             assert llm.engine.page_manager.num_prefix_hit_tokens >= SPEC.kv_cache.sink_tokens
     assert outputs[True] == outputs[False]
@@ -207,10 +207,11 @@ def test_prefix_cache_hits_past_the_sink_with_the_int2_runner(setup):
         llm.generate([first], params)
         hit_pages = list(bm.match_prefix(Sequence(second)).quant_pages)  # cached after the first
         before = [[pool[hit_pages].clone() for pool in pools[2:]] for pools in runner.pools]
-        outputs[caching] = llm.generate([second], params)[0]
+        request = llm.generate([second], params)[0]
+        outputs[caching] = request.outputs[0]
         if caching:
             assert bm.num_prefix_hit_tokens == len(shared) and len(hit_pages) == 9
-            assert outputs[caching].num_cached_prompt_tokens == len(shared)  # reported after the finish
+            assert request.num_cached_tokens == len(shared)  # reported after the finish
             for pools, saved in zip(runner.pools, before, strict=True):  # codes, scales, zeros of every layer
                 for pool, old in zip(pools[2:], saved, strict=True):
                     assert torch.equal(pool[hit_pages], old)
@@ -235,7 +236,7 @@ def test_bf16_mode_prefix_cache_hits_equal_misses(setup):
         config = EngineConfig(num_window_pages=4, num_quant_pages=64, max_num_batched_tokens=16,
                               enable_prefix_caching=caching)
         llm = LLM(copy.deepcopy(model), spec=bf16, tokenizer=tokenizer, config=config)
-        outputs[caching] = [llm.generate([p], params)[0].token_ids for p in prompts]
+        outputs[caching] = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
         assert llm.engine.page_manager.num_prefix_hit_tokens == (3 * P if caching else 0)
     assert outputs[True] == outputs[False]
 
@@ -283,7 +284,7 @@ def test_kernel_warm_up_steps_touch_only_the_scratch_pages(setup, bf16, max_mode
     runner = llm.engine.runner
     prompts = _prompts(len(tokenizer), [2, 3] if bf16 else [5, 30])
     params = SamplingParams(max_tokens=1 if bf16 else 12, temperature=0.0, ignore_eos=True)
-    first = [o.token_ids for o in llm.generate(prompts, params)]
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     before = [[t.clone() for t in pools] for pools in runner.pools]
     runner._compile_prefill_kernels(runner.layout)
     scratch_written = False
@@ -292,4 +293,4 @@ def test_kernel_warm_up_steps_touch_only_the_scratch_pages(setup, bf16, max_mode
             assert torch.equal(now[:-1], then[:-1])  # every page but the last (scratch) one
             scratch_written |= not torch.equal(now[-1], then[-1])
     assert scratch_written
-    assert [o.token_ids for o in llm.generate(prompts, params)] == first
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == first

@@ -37,7 +37,7 @@ def _generate(tokenizer, spec, prompts, cuda_graphs: bool, max_tokens=40, overla
     assert llm.engine.overlap is overlap
     params = params or SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params)
-    return llm, [o.token_ids for o in outs]
+    return llm, [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.parametrize("spec", [SPEC, BF16], ids=["int2", "bf16"])
@@ -114,7 +114,7 @@ def test_decode_consistent_prefill_runs_on_the_gpu(tokenizer):
         config = EngineConfig(max_num_batched_tokens=budget, max_model_len=256, prefill_semantics="decode-consistent")
         llm = LLM(_model(len(tokenizer)), spec=SPEC, tokenizer=tokenizer, config=config)
         assert llm.engine.runner.graphs.graphs  # captured: not fallen back to eager decoding
-        (out,) = llm.generate([prompt], params)
-        assert len(out.token_ids) == 4
-        rows.append(torch.tensor([e.logprob for e in out.prompt_logprobs[1:]]))
+        (request,) = llm.generate([prompt], params)
+        assert len(request.outputs[0].token_ids) == 4
+        rows.append(torch.tensor([e.logprob for e in request.prompt_logprobs[1:]]))
     assert rows[0].isfinite().all() and (rows[1] - rows[0]).abs().mean() < 0.1

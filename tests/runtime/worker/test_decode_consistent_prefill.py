@@ -173,14 +173,14 @@ def test_prompt_logprobs_equal_teacher_forced_decode_steps(setup):
     (generate()'s model fed one token per forward)."""
     ref = setup[4]
     prompt = _prompts(400, [45], seed=5)[0]
-    (out,) = _llm(setup).generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
+    (request,) = _llm(setup).generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
     cache, rows = None, []
     for token in prompt[:-1]:
         res = ref(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
         cache = getattr(res, "cache", None) or res.past_key_values
         rows.append(res.logits[0, -1].float().log_softmax(-1))
     want = [rows[p][prompt[p + 1]].item() for p in range(len(prompt) - 1)]
-    assert [e.logprob for e in out.prompt_logprobs[1:]] == pytest.approx(want, abs=1e-4)
+    assert [e.logprob for e in request.prompt_logprobs[1:]] == pytest.approx(want, abs=1e-4)
 
 
 def test_a_runner_without_it_is_refused(setup):

@@ -88,7 +88,7 @@ def test_chunked_prefill_without_staging_differs(setup):
     *_, expected = setup
     prompt = _prompts(400, [155])[0]
     llm = _llm(setup, num_staging_pages=0)
-    assert llm.generate([prompt], PARAMS)[0].token_ids != expected(prompt)
+    assert llm.generate([prompt], PARAMS)[0].outputs[0].token_ids != expected(prompt)
 
 
 @pytest.mark.parametrize("length, chunks", [(15, 1), (45, 3), (155, 10)])
@@ -169,7 +169,7 @@ def test_a_prompt_too_long_to_stage_is_refused(setup):
     prompt = _prompts(400, [45])[0]
     with pytest.raises(RequestError, match="prefill staging memory"):
         llm.generate([prompt], PARAMS)
-    assert llm.generate([prompt[:32]], PARAMS)[0].token_ids == setup[3](prompt[:32])
+    assert llm.generate([prompt[:32]], PARAMS)[0].outputs[0].token_ids == setup[3](prompt[:32])
     _assert_all_free(llm)
 
 
@@ -180,8 +180,8 @@ def test_prefix_hits_at_the_sink_only_equal_generate(setup):
     shared = _prompts(400, [40], seed=7)[0]
     first, second = [shared + tail for tail in _prompts(400, [6, 21], seed=8)]
     llm = _llm(setup, prefix_hits="sink")
-    assert llm.generate([first], PARAMS)[0].token_ids == expected(first)
-    assert llm.generate([second], PARAMS)[0].token_ids == expected(second)
+    assert llm.generate([first], PARAMS)[0].outputs[0].token_ids == expected(first)
+    assert llm.generate([second], PARAMS)[0].outputs[0].token_ids == expected(second)
     bm = llm.engine.page_manager
     assert bm.num_prefix_hit_tokens == SPEC.kv_cache.sink_tokens and bm.num_staged_prefills == 2
     _assert_all_free(llm)

@@ -61,7 +61,7 @@ def test_graph_path_equals_eager_decoding(tokenizer, tiny_model):
             graphs.capture_all(runner.layout)
             assert sorted(graphs.graphs) == [1, 2, 4, 8]
             runner.graphs = graphs
-        outputs.append([o.token_ids for o in llm.generate(prompts, params)])
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         pools = (llm.engine.page_manager.window_pool, llm.engine.page_manager.quant_pool)
         assert all(pool.num_used == 0 for pool in pools)
     assert outputs[0] == outputs[1]

@@ -125,10 +125,11 @@ def test_max_tokens_0_scores_the_prompt_only(tiny_model, tokenizer, rotations):
 
 def test_offline_generate_returns_prompt_logprobs(tiny_model, tokenizer):
     prompt = _prompt(len(tokenizer), 12, seed=5)
-    (out,) = LLM(tiny_model, tokenizer=tokenizer).generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=1))
+    scoring = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    (request,) = LLM(tiny_model, tokenizer=tokenizer).generate([prompt], scoring)
     expected = _teacher_forced(tiny_model, prompt)
-    assert out.token_ids == [] and out.prompt_logprobs[0] is None
-    assert [e.logprob for e in out.prompt_logprobs[1:]] == pytest.approx(
+    assert request.outputs[0].token_ids == [] and request.prompt_logprobs[0] is None
+    assert [e.logprob for e in request.prompt_logprobs[1:]] == pytest.approx(
         [expected[p, prompt[p + 1]].item() for p in range(len(prompt) - 1)], abs=1e-5)
 
 

@@ -100,10 +100,10 @@ def test_an_unseeded_request_is_reproduced_by_its_assigned_seed(compressed, toke
 
 def test_generate_reports_the_seed_that_reproduces_its_output(tiny_model, tokenizer):
     llm = LLM(tiny_model, tokenizer=tokenizer)
-    first = llm.generate("The quick brown fox", _sampled(None, max_tokens=12))[0]
-    again = llm.generate("The quick brown fox", _sampled(first.seed, max_tokens=12))[0]
+    first = llm.generate("The quick brown fox", _sampled(None, max_tokens=12))[0].outputs[0]
+    again = llm.generate("The quick brown fox", _sampled(first.seed, max_tokens=12))[0].outputs[0]
     assert again.seed == first.seed and again.token_ids == first.token_ids
-    greedy = llm.generate("The quick brown fox", SamplingParams(max_tokens=12, temperature=0.0))[0]
+    greedy = llm.generate("The quick brown fox", SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0]
     assert greedy.token_ids != first.token_ids  # really sampled
 
 
