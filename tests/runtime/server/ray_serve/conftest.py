@@ -2,11 +2,15 @@
 
 The tests that need the cluster skip without Ray (the ``[ray]`` extra); the others run anyway.
 Bounded: a watchdog ends the session with every thread's traceback if these tests run past
-``_WATCHDOG_S`` (a hung replica must fail CI, not hold it).
+``_WATCHDOG_S`` (a hung replica must fail CI, not hold it). The cluster, its applications and the
+watchdog end with this folder's last test (``pytest_runtest_teardown``), never at the session's
+end: left running, the watchdog killed the whole suite 420 s after the first Ray test. pytest's
+``package`` scope would not do it, as this folder is not a package.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import socket
@@ -31,23 +35,30 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# What this folder started, closed when the run leaves the folder.
+_OPEN = contextlib.ExitStack()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if nextitem is None or HERE not in nextitem.path.parents:
+        _OPEN.close()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """(Ray Serve's HTTP port) of a local cluster of 2 CPUs."""
     ray = pytest.importorskip("ray")
     serve = pytest.importorskip("ray.serve")
     faulthandler.dump_traceback_later(_WATCHDOG_S, exit=True)
+    _OPEN.callback(faulthandler.cancel_dump_traceback_later)
     path = os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}})
+    _OPEN.callback(ray.shutdown)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        yield port
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        faulthandler.cancel_dump_traceback_later()
+    _OPEN.callback(serve.shutdown)
+    return port
 
 
 def deploy(name: str, route_prefix: str, extra_flags: list[str] = (), router: str = "prefix"):
@@ -72,5 +83,5 @@ def affinity_app(ray_cluster):
     from ray import serve
 
     deploy(AFFINITY_APP, "/affinity")
-    yield ray_cluster, "/affinity"
-    serve.delete(AFFINITY_APP)
+    _OPEN.callback(serve.delete, AFFINITY_APP)
+    return ray_cluster, "/affinity"
