@@ -2,7 +2,7 @@
 
     python -m oscar_compile.bench.serve [--shapes 8b 4b] [--contexts 8192 32768 131072]
         [--capacity-contexts 32768 100000] [--kv-memory GiB]
-        [--e2e-batches 1 16 64] [--e2e-prompt 8192] [--e2e-output 1024] [--compare-unfused] [--out bench.json]
+        [--e2e-batches 1 16 64] [--e2e-prompt 8192] [--e2e-output 256] [--compare-unfused] [--out bench.json]
 
 A Qwen3-8B- (and 4B-) shaped model with random weights, rewritten by ``apply`` with an INT2 spec
 (``hadamard-int2``: the same ops and cost as OSCAR, no calibration data needed) or with

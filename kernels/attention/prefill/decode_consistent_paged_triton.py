@@ -2,7 +2,7 @@
 
 Semantics: attention_decode_consistent_ref (each new token at position p reads the sink and its
 recent window at window precision, everything older quantized, its own key and value as passed).
-The path before (attention_decode_consistent_triton) built 16-bit copies of every sequence's
+The path before (a kernel over packed views, deleted) built 16-bit copies of every sequence's
 whole history per call and layer; here the history stays in its INT-b pages:
 
     [0, min(S0, L))              sink, cached: window pages, exact, every row
@@ -27,7 +27,7 @@ Deterministic mode (``ALIGNED``): one loop over key blocks at absolute positions
 through both versions, each row choosing key by key. A position reads the same operand from a
 page or from the band (band_triton's docstring), so a row's bits do not depend on the chunking.
 
-Numerics as attention_decode_consistent_triton's: dots in the window / q dtype with float32
+Numerics: dots in the window / q dtype with float32
 accumulation on the GPU (float32 and IEEE in the interpreter), dequantized history rounded once
 to the operand dtype, softmax in float32 base 2, the output rounded once to q.dtype. With one
 group per row (group_size = head_dim, Qwen3-8B's layers) the stored-history loop folds scale and
@@ -35,7 +35,8 @@ zero out of the tiles (``_attend_folded``): the dots take the codes themselves (
 which cut the 32k row from 54.6 to 31.9 ms on an H100 (bench/results/2026-12-05-h100-...). Not in
 deterministic mode, whose tiles must equal the band's dequantized operands.
 
-Status (prototype beside the runtime, issue 39): 2.0x cuDNN / 2.4x flash at 128k on an H100,
+Status: the runtime's chunk path (cache/decode_consistent.py). 0.6x cuDNN at 8k, but 2.3x cuDNN
+and 3.0x flash at 128k on an H100 (bench/results/2026-12-05-gpu-architecture-decode-host-time),
 bounded by the per-element byte gather and decode of the history tiles on the CUDA cores (and
 register spills), not by the tensor cores; the Hopper path (wgmma fed from registers, issue 32's
 probes) is not written yet.
@@ -259,14 +260,16 @@ def _torch_dtype(dt) -> torch.dtype:
 def attention_decode_consistent_paged_triton(
     q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win, k_codes, k_scale, k_zero,
     v_codes, v_scale, v_zero, scale, sink, recent, bits, group_size, clip_k, clip_v, history_lens=None,
-    block_rows: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2, fold: bool = True,
+    block_rows: int = 128, block_n: int = 32, num_warps: int = 4, num_stages: int = 2, fold: bool = True,
 ):  # fmt: skip
     """The reference's call (same arguments): the band pre-pass, then the kernel; two launches,
     no host sync (``history_lens`` None: the standard h, computed on the device). q: [N, H_q, D],
     k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype (rows past cu_seqlens[B]: zero). A head_dim the
     tiles cannot take (not a power of two >= 16) runs the reference. ``fold``: with one group
     per row (group_size = head_dim), fold scale and zero out of the stored-history tiles (never in
-    deterministic mode, whose tiles must equal the band's dequantized operands)."""
+    deterministic mode, whose tiles must equal the band's dequantized operands). The default tiles
+    are the fastest of bench.prefill_paged's sweep at 32k on an H100 (128 rows, 32 keys, 4 warps:
+    27.3 ms against 59.0 at 64 / 64, bench/results/2026-12-05-h100-decode-consistent-prefill-kernel)."""
     N, H_q, D = q.shape
     H_kv = k.shape[1]
     if H_q % H_kv:
@@ -311,7 +314,7 @@ def attention_decode_consistent_paged_triton(
     return out
 
 
-def compile_offline(block_rows: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+def compile_offline(block_rows: int = 128, block_n: int = 32, num_warps: int = 4, num_stages: int = 2,
                     aligned: bool = False, fold: bool = True, bits: int = 2):  # fmt: skip
     """Compile the kernel for sm_90 without a GPU (Qwen3-8B's layer: bf16, 32 / 8 heads, head_dim
     128, group 128, S0 64, W 256, pages of 16; INT2 masked). Returns Triton's compiled kernel."""

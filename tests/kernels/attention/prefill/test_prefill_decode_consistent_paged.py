@@ -1,9 +1,10 @@
 """The paged decode-consistent prefill (kernels/attention/prefill) against attention_decode_consistent_ref.
 
-Cases as test_attention_decode_consistent_triton's: ragged batches over stored caches (an empty
+Cases: ragged batches over stored caches (an empty
 cache whose chunk crosses the sink and the window, short caches, caches with INT-b history, an
 empty sequence; with ``hits`` the states after prefix-cache hits), planar and masked INT2, INT4,
-a 16-bit layer, GQA 1 to 4, chunks in several calls, each written (cache_write_ref) before the
+a 16-bit layer, GQA 1 to 4 (3 included: a block of tokens times 3 heads pads its rows), bf16 and
+float32 windows, chunks in several calls, each written (cache_write_ref) before the
 next: chunk boundaries inside pages and at page boundaries (pages of 16 tokens), and chunks that
 start inside the recent window.
 
@@ -38,6 +39,8 @@ CASES = [  # H_q, H_kv, D, bits, G, window dtype, scale dtype, S0, W
     (4, 2, 64, 2, 64, torch.float32, torch.float32, 0, 16),  # no sink
     (4, 2, 64, 2, 64, torch.float32, torch.float16, 16, 0),  # no recent window
     (4, 1, 128, 2, 128, torch.bfloat16, torch.float16, 32, 16),  # bf16 windows, masked INT2
+    (6, 2, 64, 2, 64, torch.float32, torch.float16, 16, 32),  # GQA 3
+    (2, 2, 64, 4, 64, torch.bfloat16, torch.float16, 16, 32),  # bf16 windows, INT4
 ]
 
 
