@@ -5,8 +5,8 @@ prints one JSON row per ``cached:chunk`` shape (a chunk of ``chunk`` new tokens 
 ones; 0:32768 is a whole 32k prompt): ms per layer of
 
 - ``decode_consistent_ms``: the Triton path as the caches run it
-  (``cache.decode_consistent.triton_decode_consistent_attention``: the band pre-pass, then the
-  paged kernel over the INT-b pages as stored);
+  (``cache.decode_consistent.triton_decode_consistent_attention``: the views, then the kernel);
+- ``views_ms``: building the views alone (``packed_views``, as the Triton path builds them);
 - ``prompt_exact_ms``: ``oscar::attention`` on the same call (the prompt-exact semantics);
 
 and ``peak_mib``, the memory the decode-consistent call allocates beyond what was held before
@@ -23,7 +23,7 @@ import statistics
 
 import torch
 
-from oscar_compile.bench.kernel_setup import H_KV, H_Q, RECENT, SINK, D, attention_args, quantized_layer
+from oscar_compile.bench.kernel_setup import BITS, GROUP, H_KV, H_Q, RECENT, SINK, D, attention_args, quantized_layer
 from oscar_compile.kernels import ops
 
 CLIP_K, CLIP_V = 0.96, 0.92
@@ -48,6 +48,7 @@ def bench_shape(cached: int, chunk: int, reps: int = 5, device: str = "cuda") ->
     """One row (``device`` other than CUDA: a smoke test of this code under the interpreter)."""
     from oscar_compile.cache.decode_consistent import triton_decode_consistent_attention
     from oscar_compile.kernels.attention.prefill.attention_decode_consistent_ref import attention_decode_consistent_ref
+    from oscar_compile.kernels.attention.prefill.attention_decode_consistent_triton import packed_views
 
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -58,9 +59,15 @@ def bench_shape(cached: int, chunk: int, reps: int = 5, device: str = "cuda") ->
     pools, tables = quantized_layer(1, max(cached, SINK + RECENT + 16), torch.float16, dev)
     args = attention_args(q, k, v, cu, lens, tables, pools, D**-0.5)
     dc_args = {**args, "clip_k": CLIP_K, "clip_v": CLIP_V}
+    hists = [max(0, cached - SINK - RECENT)]
+
+    def views():
+        packed_views(k, v, [0, chunk], [cached], hists, tables, tuple(pools), SINK, RECENT, BITS, GROUP, CLIP_K,
+                     CLIP_V, q.dtype)  # fmt: skip
 
     row = {"cached": cached, "chunk": chunk, "H_q": H_Q, "H_kv": H_KV, "D": D, "sink": SINK, "recent": RECENT}
     row["prompt_exact_ms"] = time_ms(lambda: ops.attention(**args), reps)
+    row["views_ms"] = time_ms(views, reps)
     row["decode_consistent_ms"] = time_ms(lambda: triton_decode_consistent_attention(**dc_args), reps)
     if dev.type == "cuda":
         torch.cuda.synchronize()
