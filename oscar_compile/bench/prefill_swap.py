@@ -19,6 +19,10 @@
     the context and their bytes (none are evicted: the pools hold them all).
 
   ``ttft_vs_old``: a row's TTFT over the old chunked prefill's (``exact``) at the same context.
+  Then the runtime's BF16 mode (``bf16.yaml``: paged full-precision attention, no quantization)
+  on its own random model of the same shape (``bf16_rows``, engine ``bf16-mode``, a
+  miss), and ``ttft_vs_bf16``: each INT2 row's TTFT over the BF16 mode's at the same context
+  (the prefill issue's goal: at most 1.15 for the default, ``consistent+cache``).
 - ``swap``: the time to swap one ``--swap-context``-token sequence out to pinned host memory and
   back in (its window and history pages, every layer), against the time to recompute it (its
   TTFT with staging, what a recomputing preemption costs).
@@ -123,6 +127,28 @@ def ttft_rows(compressed, layout, shape: str, contexts: list[int], budget: int, 
     return rows
 
 
+def bf16_rows(compressed, layout, shape: str, contexts: list[int], budget: int, vocab: int) -> list[dict]:
+    """The BF16 mode's miss at every context (``compressed``: a model rewritten with bf16.yaml)."""
+    engine = make_engine(compressed, layout, max(contexts) + 1, budget, staging=False)
+    first_token(engine, random_prompt(min(2 * budget + 1, max(contexts)), vocab, seed=99))  # warm-up
+    rows = []
+    for context in contexts:
+        row = dict(shape=shape, context=context, chunk=budget, engine="bf16-mode", prefill_semantics=None,
+                   deferred_demotion=False, prefix_caching=False, **_miss_row(engine, context, vocab))
+        print(row, flush=True)
+        rows.append(row)
+    _release(engine)
+    return rows
+
+
+def compare_with_bf16(rows: list[dict]) -> None:
+    """``ttft_vs_bf16`` on every row, where the BF16 mode's miss at the same context exists."""
+    bf16 = {r["context"]: r["ttft_s"] for r in rows if r["engine"] == "bf16-mode"}
+    for row in rows:
+        if row["context"] in bf16:
+            row["ttft_vs_bf16"] = row["ttft_s"] / bf16[row["context"]]
+
+
 def _miss_row(engine, context: int, vocab: int) -> dict:
     bm, layout = engine.page_manager, engine.page_manager.layout
     bm.peak_staging_pages = 0
@@ -206,13 +232,15 @@ def _release(engine) -> None:
 def print_tables(result: dict) -> None:
     if result.get("ttft"):
         print(f"\n{'shape':>5} {'context':>8} {'engine':>16} {'request':>9} {'cached':>8} {'TTFT s':>8} "
-              f"{'vs old':>6} {'miss/hit':>8} {'staging GiB':>11} {'saved GiB':>9}")
+              f"{'vs old':>6} {'vs bf16':>7} {'miss/hit':>8} {'staging GiB':>11} {'saved GiB':>9}")
     ttft = sorted(result.get("ttft", []), key=lambda r: r["context"])  # the engines side by side
     for r in ttft:
         hit = f"{r['miss_over_hit']:>8.2f}" if "miss_over_hit" in r else f"{'-':>8}"
         saved = f"{r['staging_saved_bytes'] / 1024**3:>9.3f}" if "staging_saved_bytes" in r else f"{'-':>9}"
+        old = f"{r['ttft_vs_old']:>6.3f}" if "ttft_vs_old" in r else f"{'-':>6}"
+        vs_bf16 = f"{r['ttft_vs_bf16']:>7.3f}" if "ttft_vs_bf16" in r else f"{'-':>7}"
         print(f"{r['shape']:>5} {r['context']:>8} {r.get('engine', ''):>16} {r.get('request', 'miss'):>9} "
-              f"{r.get('num_cached_prompt_tokens', 0):>8} {r['ttft_s']:>8.3f} {r['ttft_vs_old']:>6.3f} {hit} "
+              f"{r.get('num_cached_prompt_tokens', 0):>8} {r['ttft_s']:>8.3f} {old} {vs_bf16} {hit} "
               f"{r['staging_peak_bytes'] / 1024**3:>11.3f} {saved}")
     for r in ttft:
         if r.get("request") == "miss" and "window_snapshots_taken" in r:

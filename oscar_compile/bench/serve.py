@@ -19,8 +19,8 @@ real ``CompressedRunner`` on a synthetic batch whose caches are pre-filled to th
 3. (``--e2e-batches``, first shape only) prompts of ``--e2e-prompt`` random tokens generating
    ``--e2e-output`` tokens through the whole runtime, INT2 and BF16 mode, against transformers'
    continuous batching (``generate_batch``) on the same model (see ``oscar_compile.bench.e2e``).
-4. (``--parts ttft swap``, first shape only, INT2) time to first token of ``--ttft-contexts``
-   prompts: prompt-exact prefill with deferred demotion (and its peak staging memory) and without
+4. (``--parts ttft swap``, first shape only, INT2; ttft also the BF16 mode) time to first token
+   of ``--ttft-contexts`` prompts: prompt-exact prefill with deferred demotion (and its peak staging memory) and without
    (the old chunked prefill), decode-consistent prefill (no staging: the memory it saves), and
    decode-consistent prefix hits at window snapshots (the same prompt again, and one whose last
    ``--ttft-new-tokens`` differ) against the miss; the time to swap a ``--swap-context``-token
@@ -392,6 +392,15 @@ def _prefill_swap_parts(args, device: torch.device, result: dict) -> None:
     del compressed
     gc.collect()
     _empty_cache(device)
+    if "ttft" in parts:  # the BF16 mode's rows, on its own model (the INT2 one released first)
+        compressed, layout = build_model(shape, "bf16", max_len, device)
+        result["ttft"] += prefill_swap.bf16_rows(compressed, layout, shape, args.ttft_contexts,
+                                                 args.max_num_batched_tokens, vocab)
+        prefill_swap.compare_with_bf16(result["ttft"])
+        _save(result, args.out)
+        del compressed
+        gc.collect()
+        _empty_cache(device)
 
 
 def _structured_part(args, device: torch.device, result: dict) -> None:

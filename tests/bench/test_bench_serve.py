@@ -54,7 +54,8 @@ def test_host_share_is_the_idle_part_of_the_decode_phase_on_the_device_clock():
 
 def test_prefill_and_swap_parts_smoke(tmp_path, capsys):
     """``--parts ttft swap`` alone on the CPU: both prompt-exact prefill paths, decode-consistent
-    prefill with no staging, its prefix hits at window snapshots, one swap round trip."""
+    prefill with no staging, its prefix hits at window snapshots, the BF16 mode's miss, one swap
+    round trip."""
     out = tmp_path / "parts.json"
     assert main(["--shapes", "tiny", "--device", "cpu", "--parts", "ttft", "swap", "--ttft-contexts", "200",
                  "--ttft-new-tokens", "64", "--swap-context", "150", "--max-num-batched-tokens", "64", "--reps", "1",
@@ -62,9 +63,13 @@ def test_prefill_and_swap_parts_smoke(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert not result["decode"] and not result["capacity"]
     rows = {(r["engine"], r["request"]): r for r in result["ttft"]}
-    assert sorted(rows) == [("consistent", "miss"), ("consistent+cache", "follow-up"), ("consistent+cache", "miss"),
-                            ("consistent+cache", "resend"), ("exact", "miss"), ("exact+staging", "miss")]
+    assert sorted(rows) == [("bf16-mode", "miss"), ("consistent", "miss"), ("consistent+cache", "follow-up"),
+                            ("consistent+cache", "miss"), ("consistent+cache", "resend"), ("exact", "miss"),
+                            ("exact+staging", "miss")]
     assert all(r["ttft_s"] > 0 and r["context"] == 200 for r in rows.values())
+    bf16 = rows["bf16-mode", "miss"]  # the BF16 mode's miss, and every row against it
+    assert bf16["ttft_vs_bf16"] == 1.0 and bf16["staging_peak_bytes"] == 0
+    assert all(r["ttft_vs_bf16"] == r["ttft_s"] / bf16["ttft_s"] for r in rows.values())
     staged = rows["exact+staging", "miss"]
     assert staged["staging_peak_bytes"] > 0 == rows["exact", "miss"]["staging_peak_bytes"]
     for r in rows.values():
