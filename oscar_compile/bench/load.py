@@ -120,7 +120,7 @@ def levels_of(args: argparse.Namespace) -> list[Level]:
 
 def run_one(args, workload: Workload, levels: list[Level], mode: str | None, out: Path) -> dict:
     """All levels against one server (launched for ``mode`` if ``--launch``)."""
-    server, run_ = None, {"mode": mode, "levels": []}
+    server, run_ = None, {"mode": mode, "served": {}, "levels": []}
     if args.launch:
         log = out.with_suffix(f".{mode}.server.log" if mode else ".server.log")
         extra = launch_args(args.launch, mode, shlex.split(args.server_args), server_max_model_len(workload))
@@ -132,13 +132,15 @@ def run_one(args, workload: Workload, levels: list[Level], mode: str | None, out
     def on_level(level: dict) -> None:
         run_["levels"].append({"mode": mode, **level})
         print(table(run_["levels"][-1:]), flush=True)
+        for kind, detail in level["summary"]["error_examples"].items():
+            print(f"  {kind}: {detail}", flush=True)
 
     try:
         if mode:
             print(f"mode {mode}", flush=True)
         asyncio.run(run(target, workload, levels, args.num_requests, args.duration, args.seed,
                         warmup=not args.no_warmup, on_level=on_level, progress=lambda line: print(line, flush=True),
-                        skip_s=args.steady_skip))
+                        skip_s=args.steady_skip, served=run_["served"]))
     finally:
         if server is not None:
             run_["server_exit"] = server.stop()

@@ -109,6 +109,7 @@ def summarize(records: list[RequestRecord], wall_s: float, skip_s: float | None 
         "disconnected": sum(r.outcome == "disconnected" for r in records),
         "errors": sum(r.outcome == "error" for r in records),
         "errors_by_kind": dict(Counter(r.error for r in records if r.outcome == "error")),
+        "error_examples": {r.error: r.detail for r in reversed(records) if r.outcome == "error" and r.detail},
         "streamed": sum(r.stream for r in records),
         "wall_s": wall_s,
         "prompt_tokens": sum(r.num_prompt_tokens for r in completed),

@@ -163,19 +163,26 @@ async def served_model(target: Target) -> tuple[str, int | None]:
 
 async def run(target: Target, workload: Workload, levels: list[Level], num_requests: int | None,
               duration_s: float | None, seed: int = 0, warmup: bool = True, on_level=None,
-              progress=None, skip_s: float | None = None) -> list[dict]:
+              progress=None, skip_s: float | None = None, served: dict | None = None) -> list[dict]:
     """Every level in turn; one result dict per level (also handed to ``on_level`` as it ends).
     Without either bound, a closed level sends 4 requests per client, an open one
-    ``OPEN_DEFAULT_REQUESTS``. ``progress``: see ``run_level``; ``skip_s``: ``load_metrics``."""
+    ``OPEN_DEFAULT_REQUESTS``. ``progress``: see ``run_level``; ``skip_s``: ``load_metrics``;
+    ``served`` gets the model id and the max_model_len the server reports."""
     rng = random.Random(seed)
     model, max_model_len = await served_model(target)
+    if served is not None:
+        served.update(model=model, max_model_len=max_model_len)
     if max_model_len is not None and workload.longest_request() > max_model_len:
         print(f"warning: the server's max_model_len is {max_model_len}, the workload's longest request "
               f"{workload.longest_request()} tokens: longer prompts draw a 400, longer outputs are cut",
               file=sys.stderr)
     if warmup:  # compile kernels / capture graphs on the largest batch, outside the figures
         clients = max((lv.concurrency for lv in levels if lv.concurrency is not None), default=8)
-        await run_level(target, model, workload.warmup(), clients, clients, None, random.Random(seed + 1))
+        records, _ = await run_level(target, model, workload.warmup(), clients, clients, None, random.Random(seed + 1))
+        failed = [r for r in records if r.outcome == "error"]
+        if failed:
+            print(f"warning: {len(failed)} of {len(records)} warm-up requests failed, e.g. {failed[0].error}: "
+                  f"{failed[0].detail}", file=sys.stderr)
     results = []
     for index, level in enumerate(levels):
         before = await idle_metrics(target)
