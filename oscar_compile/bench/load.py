@@ -68,7 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m oscar_compile.bench.load", description=__doc__.split("\n\n")[0])
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--url", default="http://127.0.0.1:8000", help="a running server (loopback only)")
-    where.add_argument("--launch", help="start the server: bundled, a model directory, or random:8b|4b|tiny")
+    where.add_argument("--launch", help="start the server: bundled, a model directory, or random:8b|4b|tiny; it "
+                       "is told --max-model-len = the workload's longest prompt + longest output, rounded up to "
+                       "whole KV pages (unless --server-args sets it)")
     parser.add_argument("--modes", nargs="+", choices=MODES,
                         help="with --launch: one server per mode, one after the other, side by side in the table")
     parser.add_argument("--server-args", default="", help="more flags for the launched server, one string")
@@ -93,8 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="prompt (rag: question) tokens, fixed or uniform (default 64:512)")
     parser.add_argument("--output-len", type=parse_length, default=(32, 256), metavar="N|MIN:MAX",
                         help="output tokens, fixed or uniform (default 32:256)")
-    parser.add_argument("--rag-documents", type=int, default=4)
-    parser.add_argument("--rag-document-len", type=int, default=8192)
+    parser.add_argument("--rag-documents", type=int, default=4, help="rag: shared documents (default 4)")
+    parser.add_argument("--rag-document-len", type=int, default=8192, help="rag: tokens of each (default 8192)")
     parser.add_argument("--stream-share", type=float, default=0.5)
     parser.add_argument("--disconnect-share", type=float, default=0.1, help="share of streams that hang up")
     parser.add_argument("--max-token-id", type=int, default=1000, help="prompt token ids are drawn below this")
@@ -179,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             result["runs"].append(run_one(args, workload, levels, mode, out))
     finally:
         if any(level.request_rate is not None for level in levels):
-            result["plot"] = plot(result["runs"], out.with_suffix(".png"), f"{args.launch or args.url}, "
-                                  f"{args.dataset} prompts {args.prompt_len}, outputs {args.output_len}")
+            result["plot"] = plot(result["runs"], out.with_suffix(".png"),
+                                  f"{args.launch or args.url}: {workload.describe()}")
         out.write_text(json.dumps(result, indent=2))
     print()
     print(table(side_by_side(result["runs"])))

@@ -70,6 +70,13 @@ class Workload:
             return self.documents[rng.randrange(self.rag_documents)] + question
         return question
 
+    def describe(self) -> str:
+        def span(lo_hi: tuple[int, int]) -> str:
+            return f"{lo_hi[0]}" if lo_hi[0] == lo_hi[1] else f"{lo_hi[0]}:{lo_hi[1]}"
+        prompts = (f"rag: {self.rag_documents} documents of {self.rag_document_len} + questions of "
+                   f"{span(self.prompt_len)}" if self.dataset == "rag" else f"prompts {span(self.prompt_len)}")
+        return f"{prompts} tokens, outputs {span(self.output_len)}"
+
     def longest_prompt(self) -> int:
         return self.prompt_len[1] + (self.rag_document_len if self.dataset == "rag" else 0)
 

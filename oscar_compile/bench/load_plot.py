@@ -44,7 +44,7 @@ def plot(runs: list[dict], path: Path, title: str = "") -> str:
         ax.plot(xs, ys, marker="o", label=mode)
         for x, y, label in points:
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.set_xlabel("output tokens/s (steady state)")
+    ax.set_xlabel("output tokens/s (steady state where the level has one)")
     ax.set_ylabel("TTFT p99 (ms)")
     ax.set_yscale("log")
     ax.grid(True, alpha=0.3)

@@ -108,13 +108,13 @@ async def run_open_level(target: Target, model: str, workload: Workload, level: 
     """Open-loop load: requests sent at the schedule's offsets, each on its own; the level ends
     when the last one does."""
     offsets = arrival_schedule(level.request_rate, level.burstiness, arrival_seed, num_requests, duration_s)
-    bodies = [workload.draw(rng, model) for _ in offsets]  # drawn first: drawing must not delay a send
     records: list[RequestRecord] = []
     start = time.perf_counter()
 
     async def send() -> None:
         pending = []
-        for offset, (body, record, hang_up) in zip(offsets, bodies, strict=True):
+        for offset in offsets:
+            body, record, hang_up = workload.draw(rng, model)  # before the wait, so that it does not delay the send
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)

@@ -73,3 +73,9 @@ def test_modes_of_every_launch_kind(tmp_path):
                    for p in (spec, mode_args(launch, "int2")[1]))
     with pytest.raises(ValueError, match="--modes takes"):
         mode_args("bundled", "int4")
+
+
+def test_workload_description():
+    assert Workload((64, 512), (32, 32)).describe() == "prompts 64:512 tokens, outputs 32"
+    assert Workload((32, 128), (64, 512), dataset="rag", rag_documents=4, rag_document_len=8192).describe() == \
+        "rag: 4 documents of 8192 + questions of 32:128 tokens, outputs 64:512"
