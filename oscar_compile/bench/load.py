@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     where.add_argument("--url", default="http://127.0.0.1:8000", help="a running server (loopback only)")
     where.add_argument("--launch", help="start the server: bundled, a model directory, or random:8b|4b|tiny; it "
                        "is told --max-model-len = the workload's longest prompt + longest output, rounded up to "
-                       "whole KV pages (unless --server-args sets it)")
+                       "a multiple of 16 (unless --server-args sets it)")
     parser.add_argument("--modes", nargs="+", choices=MODES,
                         help="with --launch: one server per mode, one after the other, side by side in the table")
     parser.add_argument("--server-args", default="", help="more flags for the launched server, one string")

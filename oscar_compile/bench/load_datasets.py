@@ -21,7 +21,7 @@ from functools import cached_property
 from oscar_compile.bench.load_client import RequestRecord
 
 DATASETS = ("random", "rag")
-PAGE_SIZE = 16  # the server's KV page: max_model_len is rounded up to whole pages
+PAGE_SIZE = 16  # the shipped specs' KV page: max_model_len is rounded up to a multiple of it
 
 
 @dataclass(frozen=True)
@@ -103,10 +103,11 @@ class Workload:
 
 
 def server_max_model_len(workload: Workload, page_size: int = PAGE_SIZE) -> int:
-    """The context a launched server needs: the longest prompt plus the longest output, rounded
-    up to whole KV pages. The server refuses (400) a prompt that leaves no room for one token and
-    cuts a request's output at ``max_model_len``; a random-weight model's default (4096) refused
-    every 8k prompt of issue 39's run."""
+    """The context a launched server needs: the longest prompt plus the longest output, rounded up
+    to a multiple of ``page_size`` (the server needs no more; whole pages keep the figure round).
+    The server refuses (400) a prompt that leaves no room for one token and cuts a request's output
+    at ``max_model_len``; a random-weight model's default (4096) refused every 8k prompt of issue
+    39's run."""
     return -(-workload.longest_request() // page_size) * page_size
 
 

@@ -18,7 +18,9 @@ the level's first request to its last request (the last arrival: after it the of
 falls). Throughput in it counts the requests that completed inside the window, over the
 window's length; latencies count the requests that were sent inside the window and ended
 inside it. ``skip_s`` defaults to 10 % of the level's sending span. A level whose requests
-are all sent at once (rate inf) has no steady state.
+are all sent at once (rate inf) has no steady state. A level over the server's capacity leaves
+many of the requests sent in the window out (they end in the drain): ``sent_in_window`` beside
+``counted`` shows how many.
 """
 
 from __future__ import annotations
@@ -90,13 +92,17 @@ def steady_figures(records: list[RequestRecord], skip_s: float | None = None) ->
     starts = [r.start for r in records]
     window = steady_window(starts, skip_s)
     if window is None:
-        return {"window_s": None, "counted": 0,
+        return {"window_s": None, "sent_in_window": 0, "counted": 0,
                 "reason": "no steady state: the level's requests were all sent within skip_s of the first"}
     lo, hi = window
     first = min(starts)
     finished = [r for r in records if r.outcome == "completed" and lo <= r.end <= hi]
-    counted = [r for r in records if lo <= r.start and r.end <= hi]
-    return {"window_s": [lo - first, hi - first], "counted": len(counted), "completed_in_window": len(finished),
+    sent = [r for r in records if lo <= r.start]
+    counted = [r for r in sent if r.end <= hi]
+    # sent_in_window - counted: requests left out because they ended in the drain (many: the level was
+    # over capacity, and the latencies counted are the early, fast ones)
+    return {"window_s": [lo - first, hi - first], "sent_in_window": len(sent), "counted": len(counted),
+            "completed_in_window": len(finished),
             **throughput(finished, hi - lo), **latency_figures(counted)}
 
 

@@ -1,7 +1,8 @@
 """The printed table of load levels, one row per level and mode (modes side by side under each level).
 
-Figures are the steady state's (``load_metrics``) where the level has one ("over": steady), else
-the whole level's ("over": all: e.g. rate inf, where every request is sent at once).
+Figures are the steady state's (``load_metrics``) where the level has one ("over": steady, with
+the requests counted of those sent in its window), else the whole level's ("over": all: e.g. rate
+inf, where every request is sent at once).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def row(level: dict) -> tuple[str, ...]:
     return (
         level.get("mode") or "-", level_label(level), str(s["requests"]), str(s["completed"]), str(s["disconnected"]),
         str(s["errors"]) + (f" {s['errors_by_kind']}" if s["errors"] else ""),
-        f"{over} ({f['counted']})" if over == "steady" else over,
+        f"{over} ({f['counted']}/{f['sent_in_window']})" if over == "steady" else over,
         _cell(f["requests_per_s"], "{:.2f}"), _cell(f["output_tokens_per_s"]), _cell(f["total_tokens_per_s"]),
         _cells(f["ttft_ms"], ("p50", "p90", "p99"), "{:.1f}"), _cells(f["tpot_ms"], ("p50", "p99"), "{:.2f}"),
         _cells(f["itl_ms"], ("p50", "p99"), "{:.2f}"), _cells(f["latency_s"], ("p50", "p99"), "{:.2f}"),
@@ -44,7 +45,7 @@ def row(level: dict) -> tuple[str, ...]:
     )
 
 
-HEADER = ("mode", "level", "reqs", "done", "hung up", "errors", "over (n)", "req/s", "out tok/s", "total tok/s",
+HEADER = ("mode", "level", "reqs", "done", "hung up", "errors", "over (n/sent)", "req/s", "out tok/s", "total tok/s",
           "TTFT p50/p90/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms", "lat p50/p99 s", "preempt", "pages used")
 
 

@@ -53,6 +53,7 @@ def test_the_steady_window_leaves_out_warm_up_and_drain():
     ]
     f = steady_figures(records)
     assert f["window_s"] == [1.0, 10.0] and f["counted"] == 2 and f["completed_in_window"] == 3
+    assert f["sent_in_window"] == 4  # the two that end in the drain are left out
     assert f["ttft_ms"]["p50"] == pytest.approx(300.0) and f["ttft_ms"]["p99"] == pytest.approx(398.0)
     assert f["requests_per_s"] == pytest.approx(3 / 9) and f["output_tokens_per_s"] == pytest.approx(9 / 9)
     assert f["total_tokens_per_s"] == pytest.approx(21 / 9)
