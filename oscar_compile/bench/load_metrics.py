@@ -101,8 +101,10 @@ def steady_figures(records: list[RequestRecord], skip_s: float | None = None) ->
     counted = [r for r in sent if r.end <= hi]
     # sent_in_window - counted: requests left out because they ended in the drain (many: the level was
     # over capacity, and the latencies counted are the early, fast ones)
+    none = {} if counted else {"reason": "no request was both sent and ended inside the window (a level too "
+                                         "short for its latencies, or over capacity)"}
     return {"window_s": [lo - first, hi - first], "sent_in_window": len(sent), "counted": len(counted),
-            "completed_in_window": len(finished),
+            "completed_in_window": len(finished), **none,
             **throughput(finished, hi - lo), **latency_figures(counted)}
 
 

@@ -37,7 +37,7 @@ def row(level: dict) -> tuple[str, ...]:
     return (
         level.get("mode") or "-", level_label(level), str(s["requests"]), str(s["completed"]), str(s["disconnected"]),
         str(s["errors"]) + (f" {s['errors_by_kind']}" if s["errors"] else ""),
-        f"{over} ({f['counted']}/{f['sent_in_window']})" if over == "steady" else over,
+        over + (f" ({s['steady']['counted']}/{s['steady']['sent_in_window']})" if s["steady"]["window_s"] else ""),
         _cell(f["requests_per_s"], "{:.2f}"), _cell(f["output_tokens_per_s"]), _cell(f["total_tokens_per_s"]),
         _cells(f["ttft_ms"], ("p50", "p90", "p99"), "{:.1f}"), _cells(f["tpot_ms"], ("p50", "p99"), "{:.2f}"),
         _cells(f["itl_ms"], ("p50", "p99"), "{:.2f}"), _cells(f["latency_s"], ("p50", "p99"), "{:.2f}"),

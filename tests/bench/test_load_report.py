@@ -30,7 +30,8 @@ def test_modes_side_by_side_in_one_table():
     lines = table(levels).splitlines()
     assert "TTFT p50/p90/p99 ms" in lines[0] and len(lines) == 2 + 6
     assert lines[2].split()[:3] == ["int2", "1", "req/s"] and "conc 4" in lines[-1]
-    assert "steady (" in lines[2]  # ten sends over 9 s: the steady state counts some of them
+    # sends at 0..9 s of 1 s each: window [0.9, 9]; sent in it: 1..9 s; ended in it too: 1..8 s
+    assert "steady (8/9)" in lines[2]
 
 
 def test_the_plot_is_throughput_against_ttft_p99_over_rates(tmp_path, monkeypatch):
