@@ -24,6 +24,7 @@ class RequestRecord:
     max_tokens: int
     outcome: str = "error"
     error: str | None = None
+    detail: str | None = None  # the server's error message, cut short
     start: float = 0.0
     end: float = 0.0
     event_times: list[float] = field(default_factory=list)  # arrival of each event with new text
@@ -117,6 +118,8 @@ async def _complete(host, port, body, record, api_key, hang_up_after) -> None:
         await reply.read_head()
         if reply.status != 200:
             record.outcome, record.error = "error", f"http_{reply.status}"
+            text = b"".join([chunk async for chunk in reply.chunks()]).decode(errors="replace")
+            record.detail = _error_message(text)[:300]
             return
         if not record.stream:
             payload = json.loads(b"".join([chunk async for chunk in reply.chunks()]))
@@ -129,6 +132,13 @@ async def _complete(host, port, body, record, api_key, hang_up_after) -> None:
             writer.transport.abort()  # a reset, as a client that vanishes
         else:
             writer.close()
+
+
+def _error_message(text: str) -> str:
+    try:
+        return str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return text
 
 
 async def _read_events(reply: _Reply, record: RequestRecord, hang_up_after: int | None) -> None:
@@ -147,6 +157,7 @@ async def _read_events(reply: _Reply, record: RequestRecord, hang_up_after: int 
             payload = json.loads(data)
             if "error" in payload:  # the server failed the request after the headers went out
                 record.error = f"stream_{payload['error'].get('type')}"
+                record.detail = str(payload["error"].get("message"))[:300]
                 continue
             if payload.get("usage"):
                 record.num_output_tokens = payload["usage"]["completion_tokens"]

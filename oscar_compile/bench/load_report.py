@@ -1,77 +1,68 @@
-"""Figures of one load level from its request records, and the printed table.
+"""The printed table of load levels, one row per level and mode (modes side by side under each level).
 
-Definitions (the same for every level): throughput counts the output tokens of completed
-requests (from the server's ``usage``) over the level's wall time; TTFT is the time from sending
-a streamed request to its first event with text; inter-token latency is the gap between
-successive events with text of one stream (one token each, except where the detokenizer held
-text back, e.g. an incomplete UTF-8 character). Percentiles interpolate linearly.
+Figures are the steady state's (``load_metrics``) where the level has one ("over": steady, with
+the requests counted of those sent in its window), else the whole level's ("over": all: e.g. rate
+inf, where every request is sent at once).
 """
 
 from __future__ import annotations
 
-import math
-from collections import Counter
-
-from oscar_compile.bench.load_client import RequestRecord
+from oscar_compile.bench.load_metrics import STEADY_RULE
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+def level_label(level: dict) -> str:
+    if level.get("request_rate") is not None:
+        rate = level["request_rate"]
+        burst = "" if level.get("burstiness", 1.0) == 1.0 else f" b{level['burstiness']:g}"
+        return f"{rate:g} req/s{burst}"
+    return f"conc {level['concurrency']}"
 
 
-def _ms(value: float | None) -> float | None:
-    return None if value is None else value * 1e3
-
-
-def summarize(records: list[RequestRecord], wall_s: float) -> dict:
-    completed = [r for r in records if r.outcome == "completed"]
-    ttfts = [r.ttft_s for r in records if r.stream and r.ttft_s is not None]
-    gaps = [g for r in records if r.stream for g in r.inter_token_s()]
-    latencies = [r.latency_s for r in completed]
-    output_tokens = sum(r.num_output_tokens for r in completed)
-    return {
-        "requests": len(records),
-        "completed": len(completed),
-        "disconnected": sum(r.outcome == "disconnected" for r in records),
-        "errors": sum(r.outcome == "error" for r in records),
-        "errors_by_kind": dict(Counter(r.error for r in records if r.outcome == "error")),
-        "streamed": sum(r.stream for r in records),
-        "wall_s": wall_s,
-        "output_tokens": output_tokens,
-        "requested_output_tokens": sum(r.max_tokens for r in completed),  # equal: ignore_eos runs to max_tokens
-        "output_tokens_per_s": output_tokens / wall_s if wall_s > 0 else None,
-        "requests_per_s": len(completed) / wall_s if wall_s > 0 else None,
-        "ttft_ms": {"p50": _ms(percentile(ttfts, 50)), "p99": _ms(percentile(ttfts, 99))},
-        "itl_ms": {"p50": _ms(percentile(gaps, 50)), "p99": _ms(percentile(gaps, 99))},
-        "latency_s": {"p50": percentile(latencies, 50), "p99": percentile(latencies, 99)},
-    }
+def shown_figures(summary: dict) -> tuple[str, dict]:
+    steady = summary["steady"]
+    return ("steady", steady) if steady["counted"] else ("all", summary)
 
 
 def _cell(value, fmt: str = "{:.1f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _cells(dist: dict, keys: tuple[str, ...], fmt: str) -> str:
+    return " / ".join(_cell(dist[k], fmt) for k in keys)
+
+
+def row(level: dict) -> tuple[str, ...]:
+    s = level["summary"]
+    over, f = shown_figures(s)
+    return (
+        level.get("mode") or "-", level_label(level), str(s["requests"]), str(s["completed"]), str(s["disconnected"]),
+        str(s["errors"]) + (f" {s['errors_by_kind']}" if s["errors"] else ""),
+        over + (f" ({s['steady']['counted']}/{s['steady']['sent_in_window']})" if s["steady"]["window_s"] else ""),
+        _cell(f["requests_per_s"], "{:.2f}"), _cell(f["output_tokens_per_s"]), _cell(f["total_tokens_per_s"]),
+        _cells(f["ttft_ms"], ("p50", "p90", "p99"), "{:.1f}"), _cells(f["tpot_ms"], ("p50", "p99"), "{:.2f}"),
+        _cells(f["itl_ms"], ("p50", "p99"), "{:.2f}"), _cells(f["latency_s"], ("p50", "p99"), "{:.2f}"),
+        str(level["preemptions"]), f"{level['pages_in_use']['window']} / {level['pages_in_use']['quant']}",
+    )
+
+
+HEADER = ("mode", "level", "reqs", "done", "hung up", "errors", "over (n/sent)", "req/s", "out tok/s", "total tok/s",
+          "TTFT p50/p90/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms", "lat p50/p99 s", "preempt", "pages used")
+
+
 def table(levels: list[dict]) -> str:
-    header = ("conc", "reqs", "done", "hung up", "errors", "out tok/s", "req/s", "TTFT p50/p99 ms",
-              "ITL p50/p99 ms", "lat p50/p99 s", "preempt", "pages used")
-    rows = [header]
-    for level in levels:
-        s = level["summary"]
-        rows.append((
-            str(level["concurrency"]), str(s["requests"]), str(s["completed"]), str(s["disconnected"]),
-            str(s["errors"]) + (f" {s['errors_by_kind']}" if s["errors"] else ""),
-            _cell(s["output_tokens_per_s"]), _cell(s["requests_per_s"], "{:.2f}"),
-            f"{_cell(s['ttft_ms']['p50'])} / {_cell(s['ttft_ms']['p99'])}",
-            f"{_cell(s['itl_ms']['p50'], '{:.2f}')} / {_cell(s['itl_ms']['p99'], '{:.2f}')}",
-            f"{_cell(s['latency_s']['p50'], '{:.2f}')} / {_cell(s['latency_s']['p99'], '{:.2f}')}",
-            str(level["preemptions"]), f"{level['pages_in_use']['window']} / {level['pages_in_use']['quant']}",
-        ))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    """Rows in the order given; ``side_by_side`` orders several modes' levels for it."""
+    rows = [HEADER, *(row(level) for level in levels)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def side_by_side(runs: list[dict]) -> list[dict]:
+    """Every run's levels, each level's modes next to each other (runs share their level list)."""
+    return [run["levels"][i] for i in range(max((len(run["levels"]) for run in runs), default=0))
+            for run in runs if i < len(run["levels"])]
+
+
+def footer() -> str:
+    return f"({STEADY_RULE}; over: all = the whole level, where it has no steady state)"

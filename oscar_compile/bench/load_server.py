@@ -17,6 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+from oscar_compile.spec import specs_dir
+
+MODES = ("int2", "bf16")
 # the server's last log line (server/app.py): HTTP requests admitted and refused, then requests
 # (one per prompt) finished and aborted
 FINAL_LINE = re.compile(r"stopped: (\d+) HTTP requests admitted, (\d+) refused; (\d+) requests \(one per prompt\) "
@@ -36,6 +39,29 @@ def server_command(launch: str, port: int, extra_args: list[str]) -> list[str]:
     return cmd + ["--host", "127.0.0.1", "--port", str(port), *extra_args]
 
 
+def mode_args(launch: str, mode: str | None) -> list[str]:
+    """The flags that serve ``launch`` in ``mode`` (int2 or bf16; None: the server's default).
+
+    ``random:<shape>``: its ``--mode``. The bundled model: the shipped OSCAR INT2 spec and
+    rotations, or the BF16 spec. A model directory: Hadamard INT2 (needs no calibration), or BF16."""
+    if mode is None:
+        return []
+    if mode not in MODES:
+        raise ValueError(f"--modes takes {' and '.join(MODES)}, got {mode!r}")
+    if launch.startswith("random:"):
+        return ["--mode", mode]
+    name = "bf16" if mode == "bf16" else "oscar-int2" if launch == "bundled" else "hadamard-int2"
+    return ["--spec", str(specs_dir() / f"{name}.yaml")]
+
+
+def launch_args(launch: str, mode: str | None, server_args: list[str], max_model_len: int) -> list[str]:
+    """The flags after the port: the mode's, ``--max-model-len`` (the workload's longest request,
+    unless ``server_args`` sets it), then ``server_args``."""
+    given = any(a == "--max-model-len" or a.startswith("--max-model-len=") for a in server_args)
+    context = [] if given else ["--max-model-len", str(max_model_len)]
+    return [*mode_args(launch, mode), *context, *server_args]
+
+
 def final_stats(log: str) -> dict | None:
     found = FINAL_LINE.findall(log)
     if not found:
@@ -46,13 +72,13 @@ def final_stats(log: str) -> dict | None:
 
 
 class LaunchedServer:
-    def __init__(self, launch: str, extra_args: list[str], api_key: str | None, out: Path,
+    def __init__(self, launch: str, extra_args: list[str], api_key: str | None, log_path: Path,
                  startup_timeout_s: float = 1200.0):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self.command = server_command(launch, self.port, extra_args)
-        self.log_path = out.with_suffix(".server.log")
+        self.log_path = log_path
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if api_key:

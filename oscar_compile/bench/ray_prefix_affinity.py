@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from oscar_compile.bench.load_report import percentile
+from oscar_compile.bench.load_metrics import percentile
 
 
 def build_parser():
