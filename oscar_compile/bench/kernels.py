@@ -36,6 +36,7 @@ import torch
 from oscar_compile.bench.extend import EXTEND_SHAPES, bench_extend
 from oscar_compile.bench.kernel_setup import (
     BITS,
+    CLIPS,
     GROUP,
     H_KV,
     H_Q,
@@ -53,6 +54,7 @@ from oscar_compile.bench.kernel_setup import (
     quantized_layer,
     rel_err,
 )
+from oscar_compile.evaluation.result_file import save_json
 from oscar_compile.formats.op_args import POOLS, CacheWriteArgs
 from oscar_compile.kernels import ops
 from oscar_compile.kernels.cache_write.cache_write_triton import cache_write_triton
@@ -254,7 +256,7 @@ def write_args(k, v, cu, lens, tables, pools) -> CacheWriteArgs:
     wt, qt = tables
     return CacheWriteArgs(k=k, v=v, cu_seqlens=cu, cache_lens=lens, window_table=wt, quant_table=qt,
                           **dict(zip(POOLS, pools, strict=True)), sink=SINK, recent=RECENT, bits=BITS, group_size=GROUP,
-                          clip_k=0.96, clip_v=0.92)
+                          **CLIPS)
 
 
 def pools_of(a: CacheWriteArgs) -> tuple:
@@ -459,16 +461,14 @@ def main(argv=None) -> None:
     if "write-variants" in args.parts:
         result["write_variants"] = bench_write_variants()
         print(json.dumps(result["write_variants"]), flush=True)
-    with open(args.out, "w") as f:  # keep the attention numbers even if the write part fails
-        json.dump(result, f, indent=1)
+    save_json(result, args.out)  # keep the attention numbers even if the write part fails
     result["write"] = {"decode": [], "prefill": []}
     try:
         if "write" in args.parts:
             result["write"] = bench_write(not args.no_check)
     except Exception as e:
         result["write"] = {"error": repr(e)[:1000], "decode": [], "prefill": []}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    save_json(result, args.out)
     print_table(result["attention"], result["write"])
 
 
