@@ -104,6 +104,40 @@ def chunk_args(cached: int, chunk: int, device) -> dict:
     return attention_args(q, k, v, cu, lens, tables, pools, D**-0.5)
 
 
+def quantized_layers(B: int, ctx: int, sdt: torch.dtype, device, bits: int = BITS) -> list[tuple]:
+    """Enough ``quantized_layer``s (pools, tables) to rotate through that L2 holds none of them."""
+    return [quantized_layer(B, ctx, sdt, device, bits) for _ in range(num_buffers(quantized_bytes(B, ctx, sdt, bits)))]
+
+
+def bf16_paged_layers(B: int, ctx: int, device) -> list[tuple]:
+    """Enough full-precision paged layers for B sequences of ``ctx`` cached tokens that L2 holds
+    none of them: (k pages, v pages [B * ceil(ctx / P), H_kv, P, D] random bf16, tables
+    [B, ceil(ctx / P)]), for the paged BF16 kernel."""
+    npages = -(-ctx // P)
+    return [(torch.randn(B * npages, H_KV, P, D, device=device, dtype=torch.bfloat16),
+             torch.randn(B * npages, H_KV, P, D, device=device, dtype=torch.bfloat16),
+             make_tables(B, npages, device)) for _ in range(num_buffers(B * H_KV * ctx * 2 * D * 2))]
+
+
+def reference_errors(outputs: dict, q, k, v, cu, lens, layer, scale: float, bits: int = BITS) -> dict[str, float]:
+    """The relative error of each output ([N, H_q, D], one per path, all on the same inputs and
+    ``layer`` = (pools, tables)) against attention_ref, the largest over the first and the last
+    sequence (the reference, one sequence at a time, is too slow for every one of them)."""
+    from oscar_compile.kernels.attention.decode.attention_ref import attention_ref
+
+    pools, (wt, qt) = layer
+    errs: dict[str, list[float]] = {name: [] for name in outputs}
+    for i in sorted({0, len(lens) - 1}):
+        a, b = int(cu[i]), int(cu[i + 1])
+        one = torch.tensor([0, b - a], dtype=torch.int32, device=cu.device)
+        want = attention_ref(**attention_args(q[a:b], k[a:b], v[a:b], one, lens[i:i + 1], (wt[i:i + 1], qt[i:i + 1]),
+                                              pools, scale, bits))
+        for name, got in outputs.items():
+            errs[name].append(rel_err(got[a:b], want))
+        del want
+    return {name: max(e) for name, e in errs.items()}
+
+
 def quantized_bytes(B: int, ctx: int, sdt: torch.dtype, bits: int = BITS) -> float:
     hist = max(0, ctx - SINK - RECENT)
     per_tok = 2 * (D * bits // 8 + 2 * (D // GROUP) * torch.finfo(sdt).bits // 8)
