@@ -24,7 +24,7 @@ import torch
 
 from oscar_compile.bench.kernel_setup import BITS, CLIPS, GROUP, H_KV, H_Q, RECENT, SINK, D, chunk_args, time_ms
 from oscar_compile.evaluation.result_file import save_json
-from oscar_compile.formats.op_args import POOLS
+from oscar_compile.formats.op_args import POOLS, AttentionArgs
 from oscar_compile.kernels import ops
 
 DEFAULT_SHAPES = ("0:4096", "0:16384", "0:32768", "30720:2048")
@@ -40,11 +40,12 @@ def bench_shape(cached: int, chunk: int, reps: int = 5, device: str = "cuda") ->
     args = chunk_args(cached, chunk, dev)
     dc_args = {**args, **CLIPS}
     hists = [max(0, cached - SINK - RECENT)]
-    tables, pools = (args["window_table"], args["quant_table"]), tuple(args[name] for name in POOLS)
+    op = AttentionArgs(**args)
+    tables, pools = (op.window_table, op.quant_table), tuple(getattr(op, name) for name in POOLS)
 
     def views():
-        packed_views(args["k"], args["v"], [0, chunk], [cached], hists, tables, pools, SINK, RECENT, BITS, GROUP,
-                     CLIPS["clip_k"], CLIPS["clip_v"], args["q"].dtype)  # fmt: skip
+        packed_views(op.k, op.v, [0, chunk], [cached], hists, tables, pools, SINK, RECENT, BITS, GROUP, CLIPS["clip_k"],
+                     CLIPS["clip_v"], op.q.dtype)  # fmt: skip
 
     row = {"cached": cached, "chunk": chunk, "H_q": H_Q, "H_kv": H_KV, "D": D, "sink": SINK, "recent": RECENT}
     row["prompt_exact_ms"] = time_ms(lambda: ops.attention(**args), reps)
