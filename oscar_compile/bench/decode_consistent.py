@@ -19,29 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
-from oscar_compile.bench.kernel_setup import BITS, GROUP, H_KV, H_Q, RECENT, SINK, D, attention_args, quantized_layer
+from oscar_compile.bench.kernel_setup import BITS, CLIPS, GROUP, H_KV, H_Q, RECENT, SINK, D, chunk_args, time_ms
+from oscar_compile.evaluation.result_file import save_json
+from oscar_compile.formats.op_args import POOLS, AttentionArgs
 from oscar_compile.kernels import ops
 
-CLIP_K, CLIP_V = 0.96, 0.92
 DEFAULT_SHAPES = ("0:4096", "0:16384", "0:32768", "30720:2048")
-
-
-def time_ms(fn, reps: int) -> float:
-    """Median wall time of ``fn()`` on the current CUDA stream, in ms."""
-    fn()  # compile
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def bench_shape(cached: int, chunk: int, reps: int = 5, device: str = "cuda") -> dict:
@@ -51,19 +37,15 @@ def bench_shape(cached: int, chunk: int, reps: int = 5, device: str = "cuda") ->
     from oscar_compile.kernels.attention.prefill.attention_decode_consistent_triton import packed_views
 
     dev = torch.device(device)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    q, k, v = (torch.randn(chunk, h, D, device=dev, generator=gen, dtype=torch.bfloat16) for h in (H_Q, H_KV, H_KV))
-    cu = torch.tensor([0, chunk], dtype=torch.int32, device=dev)
-    lens = torch.tensor([cached], dtype=torch.int32, device=dev)
-    # pools for at least one history page (random contents; only the first ``cached`` positions are read)
-    pools, tables = quantized_layer(1, max(cached, SINK + RECENT + 16), torch.float16, dev)
-    args = attention_args(q, k, v, cu, lens, tables, pools, D**-0.5)
-    dc_args = {**args, "clip_k": CLIP_K, "clip_v": CLIP_V}
+    args = chunk_args(cached, chunk, dev)
+    dc_args = {**args, **CLIPS}
     hists = [max(0, cached - SINK - RECENT)]
+    op = AttentionArgs(**args)
+    tables, pools = (op.window_table, op.quant_table), tuple(getattr(op, name) for name in POOLS)
 
     def views():
-        packed_views(k, v, [0, chunk], [cached], hists, tables, tuple(pools), SINK, RECENT, BITS, GROUP, CLIP_K,
-                     CLIP_V, q.dtype)  # fmt: skip
+        packed_views(op.k, op.v, [0, chunk], [cached], hists, tables, pools, SINK, RECENT, BITS, GROUP, CLIPS["clip_k"],
+                     CLIPS["clip_v"], op.q.dtype)  # fmt: skip
 
     row = {"cached": cached, "chunk": chunk, "H_q": H_Q, "H_kv": H_KV, "D": D, "sink": SINK, "recent": RECENT}
     row["prompt_exact_ms"] = time_ms(lambda: ops.attention(**args), reps)
@@ -93,9 +75,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         cached, chunk = (int(x) for x in shape.split(":"))
         rows.append(bench_shape(cached, chunk, args.reps))
         print(json.dumps(rows[-1]), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_json(rows, args.out)
     return rows
 
 

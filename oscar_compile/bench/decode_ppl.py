@@ -17,12 +17,12 @@ so the difference is paired: per window ``nll_b - nll_a``, its mean and standard
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 
 import torch
 
+from oscar_compile.evaluation.result_file import save_json
 from oscar_compile.kernels.attention.attention_dispatch import ENV, AttentionDispatch, KernelUsage
 
 
@@ -89,9 +89,7 @@ def main(argv=None) -> int:
         )
         print(f"{kernel:>8}  ppl {result['kernels'][kernel]['ppl']:.5f}  vs {base}: "
               f"{100 * result['kernels'][kernel]['cost_vs_first']:+.4f} % (SE {100 * se:.4f} %)  {used[kernel]}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    save_json(result, args.out)
     return 0
 
 

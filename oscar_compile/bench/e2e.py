@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -123,6 +124,34 @@ class _StepClock:
                                    for i in slowest])
 
 
+@dataclass
+class TimedRun:
+    """One ``llm.generate`` call under its own ``_StepClock``: the outputs, the clock, the host time
+    it started at (``time.perf_counter``) and its wall time, the device synced at both ends."""
+
+    outputs: list
+    clock: _StepClock
+    start: float
+    wall_s: float
+
+    def throughput(self) -> dict:
+        """Wall time, tokens generated over every choice, and tokens/s over the whole run."""
+        generated = sum(len(c.token_ids) for o in self.outputs for c in o.outputs)
+        return dict(wall_s=self.wall_s, generated_tokens=generated, tokens_per_s=generated / self.wall_s)
+
+
+def timed_generate(llm, prompts, params, sync=None) -> TimedRun:
+    """``llm.generate(prompts, params)`` timed (``sync``: how to wait for the device; by default
+    CUDA's, when there is one)."""
+    sync = sync or _sync
+    clock = _StepClock(llm.engine)
+    sync()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    sync()
+    return TimedRun(outputs, clock, start, time.perf_counter() - start)
+
+
 def per_user_rate(arrivals: list[list[float]]) -> float | None:
     """Mean over requests of (tokens - 1) / (last token time - first token time)."""
     rates = [(len(t) - 1) / (t[-1] - t[0]) for t in arrivals if len(t) > 1 and t[-1] > t[0]]
@@ -146,15 +175,9 @@ def run_runtime(model, spec, prompts, output_len: int, kv_memory_gb: float, max_
     # compile the kernels and capture the decode graph of this batch size, on other tokens (no prefix hits)
     llm.generate(_warmup_prompts(batch, prompt_len, vocab),
                  SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    clock = _StepClock(llm.engine)
-    _sync()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    _sync()
-    wall = time.perf_counter() - start
-    generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    row = dict(batch=batch, wall_s=wall, generated_tokens=generated, tokens_per_s=generated / wall)
-    row.update(clock.summary())
+    run = timed_generate(llm, prompts, params)
+    row = dict(batch=batch, **run.throughput())
+    row.update(run.clock.summary())
     del llm
     return row
 

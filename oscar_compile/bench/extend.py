@@ -25,37 +25,16 @@ from oscar_compile.bench.kernel_setup import (
     RECENT,
     SINK,
     D,
-    P,
     attention_args,
+    bf16_paged_layers,
     graph_time_us,
-    make_tables,
-    num_buffers,
-    quantized_bytes,
-    quantized_layer,
-    rel_err,
+    quantized_layers,
+    reference_errors,
 )
 from oscar_compile.kernels import ops
 
 # (cached, batch): chunks 2 and 4 of an 8k prompt at batch 8, one deep into a 32k prompt
 EXTEND_SHAPES = ((2048, 8), (6144, 8), (30720, 1))
-
-
-def _errors(fns: dict, q, k, v, cu, lens, layer, scale, B: int) -> dict:
-    """Relative error of each INT2 path against attention_ref, over the first and last sequence."""
-    from oscar_compile.kernels.attention.decode.attention_ref import attention_ref
-
-    pools, (wt, qt) = layer
-    got = {name: fn(pools, (wt, qt)) for name, fn in fns.items()}
-    errs = {name: [] for name in fns}
-    for i in sorted({0, B - 1}):
-        a, b = int(cu[i]), int(cu[i + 1])
-        one = torch.tensor([0, b - a], dtype=torch.int32, device=cu.device)
-        want = attention_ref(**attention_args(q[a:b], k[a:b], v[a:b], one, lens[i:i + 1], (wt[i:i + 1], qt[i:i + 1]),
-                                              pools, scale))
-        for name in fns:
-            errs[name].append(rel_err(got[name][a:b], want))
-        del want
-    return {f"{name}_rel_err": max(e) for name, e in errs.items()}
 
 
 def bench_extend(cached: int, B: int, chunk: int = 2048, check: bool = True, device: str = "cuda") -> dict:
@@ -78,16 +57,12 @@ def bench_extend(cached: int, B: int, chunk: int = 2048, check: bool = True, dev
     cu = torch.arange(B + 1, device=dev, dtype=torch.int32) * chunk
     lens = torch.full((B,), cached, device=dev, dtype=torch.int32)
     row = {"cached": cached, "batch": B, "chunk": chunk}
-    npages = -(-cached // P)
-    pages = [(torch.randn(B * npages, H_KV, P, D, device=dev, dtype=torch.bfloat16),
-              torch.randn(B * npages, H_KV, P, D, device=dev, dtype=torch.bfloat16),
-              make_tables(B, npages, dev)) for _ in range(num_buffers(B * H_KV * cached * 2 * D * 2))]
+    pages = bf16_paged_layers(B, cached, dev)
     row["paged_bf16_us"] = graph_time_us(
         [lambda kp=kp, vp=vp, pt=pt: ops.attention_bf16(q, k, v, cu, lens, pt, kp, vp, scale)
          for kp, vp, pt in pages], reps=10)
     del pages
-    layers = [quantized_layer(B, cached, torch.float16, dev)
-              for _ in range(num_buffers(quantized_bytes(B, cached, torch.float16)))]
+    layers = quantized_layers(B, cached, torch.float16, dev)
     fns = {
         "int2": lambda p, tb: attention_triton(**attention_args(q, k, v, cu, lens, tb, p, scale)),
         "extend": lambda p, tb: attention_extend_triton(**attention_args(q, k, v, cu, lens, tb, p, scale)),
@@ -107,7 +82,9 @@ def bench_extend(cached: int, B: int, chunk: int = 2048, check: bool = True, dev
             row[f"{name}_tokens_per_s"] = N / (row[f"{name}_us"] * 1e-6)
             row[f"{name}_vs_paged_bf16"] = row[f"{name}_us"] / row["paged_bf16_us"]
     if check:
-        row.update(_errors({n: fns[n] for n in ("int2", "extend")}, q, k, v, cu, lens, layers[0], scale, B))
+        got = {name: fns[name](*layers[0]) for name in ("int2", "extend")}
+        errs = reference_errors(got, q, k, v, cu, lens, layers[0], scale)
+        row.update({f"{name}_rel_err": e for name, e in errs.items()})
     del layers
     torch.cuda.empty_cache()
     return row

@@ -21,6 +21,8 @@ import json
 import statistics
 import time
 
+from oscar_compile.evaluation.result_file import save_json
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -255,8 +257,7 @@ def main() -> None:
         f"xgrammar, one step of a batch of {BATCH} rows: {xg[f'batch{BATCH}_fill_ms_loop']:.2f} ms one by one, "
         f"{xg[f'batch{BATCH}_fill_ms_threaded']:.2f} ms on its thread pool"
     )
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    save_json(results, args.out)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import torch
 from oscar_compile.bench.extend import EXTEND_SHAPES, bench_extend
 from oscar_compile.bench.kernel_setup import (
     BITS,
+    CLIPS,
     GROUP,
     H_KV,
     H_Q,
@@ -46,13 +47,16 @@ from oscar_compile.bench.kernel_setup import (
     D,
     P,
     attention_args,
+    bf16_paged_layers,
     graph_time_us,
-    make_tables,
     num_buffers,
     quantized_bytes,
     quantized_layer,
+    quantized_layers,
+    reference_errors,
     rel_err,
 )
+from oscar_compile.evaluation.result_file import save_json
 from oscar_compile.formats.op_args import POOLS, CacheWriteArgs
 from oscar_compile.kernels import ops
 from oscar_compile.kernels.cache_write.cache_write_triton import cache_write_triton
@@ -90,9 +94,7 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
     row["sdpa_us"] = min(times)
     row["sdpa_backends"] = sdpa
     # paged BF16 (Triton)
-    pages = [(torch.randn(B * ctx // P, H_KV, P, D, device=dev, dtype=torch.bfloat16),
-              torch.randn(B * ctx // P, H_KV, P, D, device=dev, dtype=torch.bfloat16),
-              make_tables(B, ctx // P, dev)) for _ in range(nb)]
+    pages = bf16_paged_layers(B, ctx, dev)
     row["paged_bf16_us"] = graph_time_us(
         [lambda kp=kp, vp=vp, pt=pt: ops.attention_bf16(q, kn, vn, cu, lens, pt, kp, vp, scale)
          for kp, vp, pt in pages])
@@ -117,7 +119,7 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
                     (attention_gluon_int8, torch.float16, "gluon_int8_fp16", 2)]
     for kernel, sdt, tag, bits in kernels:
         nbytes = quantized_bytes(B, ctx, sdt, bits)
-        layers = [quantized_layer(B, ctx, sdt, dev, bits) for _ in range(num_buffers(nbytes))]
+        layers = quantized_layers(B, ctx, sdt, dev, bits)
 
         def call(pools, tables, kernel=kernel, bits=bits):
             return kernel(**attention_args(q, kn, vn, cu, lens, tables, pools, scale, bits))
@@ -131,16 +133,8 @@ def bench_attention(ctx: int, B: int, check: bool) -> dict:
         row[f"{tag}_speedup_vs_sdpa"] = row["sdpa_us"] / t
         row[f"{tag}_speedup_vs_paged_bf16"] = row["paged_bf16_us"] / t
         if check:
-            from oscar_compile.kernels.attention.decode.attention_ref import attention_ref
-
-            pools, (wt, qt) = layers[0]
-            got = call(pools, (wt, qt))
-            errs = []
-            for i in sorted({0, B - 1}):
-                want = attention_ref(**attention_args(q[i:i + 1], kn[i:i + 1], vn[i:i + 1], cu[:2], lens[i:i + 1],
-                                                      (wt[i:i + 1], qt[i:i + 1]), pools, scale, bits))
-                errs.append(rel_err(got[i:i + 1], want))
-            row[f"{tag}_rel_err"] = max(errs)
+            got = {tag: call(*layers[0])}
+            row[f"{tag}_rel_err"] = reference_errors(got, q, kn, vn, cu, lens, layers[0], scale, bits)[tag]
         del layers
     row["paged_bf16_gbps"] = bf16_bytes / row["paged_bf16_us"] * 1e-3
     row["sdpa_gbps"] = bf16_bytes / row["sdpa_us"] * 1e-3
@@ -166,7 +160,7 @@ def _decode_case(ctx: int, B: int):
     cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
     lens = torch.full((B,), ctx, device=dev, dtype=torch.int32)
     nbytes = quantized_bytes(B, ctx, torch.float16)
-    layers = [quantized_layer(B, ctx, torch.float16, dev) for _ in range(num_buffers(nbytes))]
+    layers = quantized_layers(B, ctx, torch.float16, dev)
     max_hist = layers[0][1][1].shape[1] * P
     return dev, q, kn, cu, lens, nbytes, layers, max_hist
 
@@ -254,7 +248,7 @@ def write_args(k, v, cu, lens, tables, pools) -> CacheWriteArgs:
     wt, qt = tables
     return CacheWriteArgs(k=k, v=v, cu_seqlens=cu, cache_lens=lens, window_table=wt, quant_table=qt,
                           **dict(zip(POOLS, pools, strict=True)), sink=SINK, recent=RECENT, bits=BITS, group_size=GROUP,
-                          clip_k=0.96, clip_v=0.92)
+                          **CLIPS)
 
 
 def pools_of(a: CacheWriteArgs) -> tuple:
@@ -459,16 +453,14 @@ def main(argv=None) -> None:
     if "write-variants" in args.parts:
         result["write_variants"] = bench_write_variants()
         print(json.dumps(result["write_variants"]), flush=True)
-    with open(args.out, "w") as f:  # keep the attention numbers even if the write part fails
-        json.dump(result, f, indent=1)
+    save_json(result, args.out)  # keep the attention numbers even if the write part fails
     result["write"] = {"decode": [], "prefill": []}
     try:
         if "write" in args.parts:
             result["write"] = bench_write(not args.no_check)
     except Exception as e:
         result["write"] = {"error": repr(e)[:1000], "decode": [], "prefill": []}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    save_json(result, args.out)
     print_table(result["attention"], result["write"])
 
 

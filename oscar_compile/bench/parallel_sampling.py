@@ -14,12 +14,12 @@ timed. Prints a table and writes the rows as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
 import torch
 
+from oscar_compile.evaluation.result_file import save_json
 from oscar_compile.loading import BUNDLED_MODEL_DIR
 from oscar_compile.runtime import LLM, EngineConfig, SamplingParams
 from oscar_compile.spec import specs_dir
@@ -98,9 +98,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(" | ".join(keys))
     for row in rows:
         print(" | ".join(str(row[k]) for k in keys))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_json(rows, args.out)
     return rows
 
 

@@ -24,31 +24,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
-from oscar_compile.bench.kernel_setup import H_KV, H_Q, D, attention_args, quantized_layer, rel_err
+from oscar_compile.bench.kernel_setup import CLIPS, H_KV, H_Q, D, chunk_args, rel_err, time_ms
+from oscar_compile.evaluation.result_file import save_json
 
-CLIP_K, CLIP_V = 0.96, 0.92
 SWEEP = [dict(block_rows=64, block_n=64, num_warps=4, num_stages=2), dict(block_rows=128, block_n=64, num_warps=8,
          num_stages=2), dict(block_rows=128, block_n=64, num_warps=8, num_stages=1),
          dict(block_rows=128, block_n=32, num_warps=4, num_stages=2), dict(block_rows=64, block_n=32, num_warps=4,
          num_stages=2), dict(block_rows=128, block_n=64, num_warps=8, num_stages=2, fold=False)]  # fmt: skip
-
-
-def time_ms(fn, reps: int) -> float:
-    """Median of ``reps`` eager calls, CUDA events, in ms (after one warm-up call)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def graph_ms(fn, reps: int) -> float:
@@ -65,12 +50,7 @@ def graph_ms(fn, reps: int) -> float:
 
 
 def _inputs(cached: int, chunk: int, dev):
-    gen = torch.Generator(device=dev).manual_seed(0)
-    q, k, v = (torch.randn(chunk, h, D, device=dev, generator=gen, dtype=torch.bfloat16) for h in (H_Q, H_KV, H_KV))
-    cu = torch.tensor([0, chunk], dtype=torch.int32, device=dev)
-    lens = torch.tensor([cached], dtype=torch.int32, device=dev)
-    pools, tables = quantized_layer(1, max(cached, 64 + 256 + 16), torch.float16, dev)
-    return {**attention_args(q, k, v, cu, lens, tables, pools, D**-0.5), "clip_k": CLIP_K, "clip_v": CLIP_V}
+    return {**chunk_args(cached, chunk, dev), **CLIPS}
 
 
 def sdpa_rows(chunk: int, context: int, reps: int, dev) -> dict:
@@ -174,9 +154,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append({"context": context, "error": f"{type(e).__name__}: {str(e)[:500]}"})
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_json(rows, args.out)
     return rows
 
 

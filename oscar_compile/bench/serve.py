@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import gc
 import itertools
-import json
 import statistics
 import time
 
 import torch
 
 from oscar_compile.bench.serve_args import build_parser
+from oscar_compile.evaluation.result_file import save_json
 from oscar_compile.kernels.determinism import LINEAR_RANGE, deterministic
 from oscar_compile.passes import apply
 from oscar_compile.runtime.worker.compressed_runner import CompressedRunner, compressed_layout
@@ -307,26 +307,26 @@ def run(args) -> dict:
 
         for part, rows in run_on_ranks(split_model_rows, args, size, max_len).items():
             result[part] += rows
-        _save(result, args.out)
+        save_json(result, args.out)
     for shape in (args.shapes if 1 in args.tensor_parallel_size and set(args.parts) & {"decode", "capacity"} else []):
         for mode in MODES:
             compressed, layout = build_model(shape, mode, max_len, device)
             if "decode" in args.parts:
                 result["decode"] += decode_rows(compressed, layout, shape, mode, args.contexts, args.reps, args.plan_ab,
                                                 tuple(args.decode_batches))
-                _save(result, args.out)
+                save_json(result, args.out)
             if args.capacity_contexts and "capacity" in args.parts:
                 budget = int(args.kv_memory * GIB) if args.kv_memory else _free_memory_bytes(device)
                 result["capacity"] += capacity_rows(compressed, layout, shape, mode, args.capacity_contexts, budget,
                                                     args.reps)
-                _save(result, args.out)
+                save_json(result, args.out)
             del compressed
             gc.collect()
             _empty_cache(device)
             if args.compare_unfused and "decode" in args.parts:
                 compressed, layout = build_model(shape, mode, max_len, device, fuse=False)
                 result["decode"] += decode_rows(compressed, layout, shape, mode, args.contexts, args.reps)
-                _save(result, args.out)
+                save_json(result, args.out)
                 del compressed
                 gc.collect()
                 _empty_cache(device)
@@ -338,7 +338,7 @@ def run(args) -> dict:
         def keep(row: dict) -> None:
             print(row, flush=True)
             result["e2e"].append(row)
-            _save(result, args.out)
+            save_json(result, args.out)
 
         shape = args.shapes[0]
         e2e_rows(lambda: random_model(shape, max_len, device), {m: mode_spec(shape, m) for m in MODES},
@@ -368,7 +368,7 @@ def split_model_rows(rank: int, world_size: int, group, device: torch.device, ar
             gc.collect()
             _empty_cache(device)
             if rank == 0:  # what was measured so far survives a time limit
-                _save(dict(rows, partial=True, tensor_parallel_size=world_size), args.out)
+                save_json(dict(rows, partial=True, tensor_parallel_size=world_size), args.out)
     return rows
 
 
@@ -384,11 +384,11 @@ def _prefill_swap_parts(args, device: torch.device, result: dict) -> None:
     if "ttft" in parts:
         result["ttft"] += prefill_swap.ttft_rows(compressed, layout, shape, args.ttft_contexts,
                                                  args.max_num_batched_tokens, vocab, args.ttft_new_tokens)
-        _save(result, args.out)
+        save_json(result, args.out)
     if "swap" in parts:
         result["swap"] += prefill_swap.swap_rows(compressed, layout, shape, args.swap_context,
                                                  args.max_num_batched_tokens, vocab, args.reps)
-        _save(result, args.out)
+        save_json(result, args.out)
     del compressed
     gc.collect()
     _empty_cache(device)
@@ -413,16 +413,10 @@ def _structured_part(args, device: torch.device, result: dict) -> None:
     result["structured"] = structured.structured_rows(
         model, mode_spec(shape, "int2"), bpe_tokenizer.load(), shape, args.structured_batch, args.structured_prompt,
         args.structured_output, kv_memory, lambda: _sync(device))
-    _save(result, args.out)
+    save_json(result, args.out)
     del model
     gc.collect()
     _empty_cache(device)
-
-
-def _save(result: dict, path: str | None) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
 
 
 def _empty_cache(device: torch.device) -> None:

@@ -42,27 +42,19 @@ def _timed(obj, name: str, sink: list[float]) -> None:
 
 
 def _run(llm, prompts, params, sync) -> dict:
-    from oscar_compile.bench.e2e import _StepClock
+    from oscar_compile.bench.e2e import timed_generate
 
-    clock = _StepClock(llm.engine)
-    sync()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    sync()
-    wall = time.perf_counter() - start
+    run = timed_generate(llm, prompts, params, sync)
     del llm.engine.runner.run, llm.engine.step  # the clock's wrappers: the next run gets its own
-    choices = [c for o in outs for c in o.outputs]
+    choices = [c for o in run.outputs for c in o.outputs]
     full = [
         s
-        for (decode, s, _), (seqs, _) in zip(clock.steps, clock.shapes, strict=True)
+        for (decode, s, _), (seqs, _) in zip(run.clock.steps, run.clock.shapes, strict=True)
         if decode and seqs == len(prompts)
     ]
-    firsts = [t[0] - start for t in clock.arrivals.values() if t]
-    generated = sum(len(c.token_ids) for c in choices)
+    firsts = [t[0] - run.start for t in run.clock.arrivals.values() if t]
     return dict(
-        wall_s=wall,
-        generated_tokens=generated,
-        tokens_per_s=generated / wall,
+        **run.throughput(),
         full_batch_decode_step_ms=statistics.median(full) * 1e3 if full else None,
         num_full_batch_steps=len(full),
         ttft_ms=statistics.mean(firsts) * 1e3 if firsts else None,

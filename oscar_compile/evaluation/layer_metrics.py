@@ -18,7 +18,7 @@ longest. Two kinds of numbers:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,10 @@ from ..architectures import attention_modules
 from .quantizers import LayerQuantizer, cache_starts
 from .simulate import _repeat_kv, attention_override, capture_hidden, simulated_layer
 
-METRICS = ("k_rel_mse", "v_rel_mse", "qk_mse", "attn_kl", "attn_out_rel_err", "hidden_rel_err")
+# each metric as a ratio of two running sums, by the names ``LayerSums.add`` takes
+RATIOS = {"k_rel_mse": ("k_err", "k_ref"), "v_rel_mse": ("v_err", "v_ref"), "qk_mse": ("qk_sq", "qk_n"),
+          "attn_kl": ("kl", "kl_n"), "attn_out_rel_err": ("o_err", "o_ref"), "hidden_rel_err": ("h_err", "h_ref")}
+METRICS = tuple(RATIOS)
 METRIC_TITLES = {  # how the report and the plots title each metric
     "k_rel_mse": "K relative MSE", "v_rel_mse": "V relative MSE", "qk_mse": "QK^T (logit) MSE",
     "attn_kl": "attention KL(p_bf16 || p_q), nats", "attn_out_rel_err": "attention output after W_O, relative error",
@@ -38,32 +41,19 @@ METRIC_TITLES = {  # how the report and the plots title each metric
 
 @dataclass
 class LayerSums:
-    """Running numerators and denominators of one (method, layer); float64 on the host."""
+    """Running numerators and denominators of one (method, layer), by their names in ``RATIOS``;
+    float64 on the host."""
 
-    k_err: float = 0.0
-    k_ref: float = 0.0
-    v_err: float = 0.0
-    v_ref: float = 0.0
-    qk_sq: float = 0.0
-    qk_n: float = 0.0
-    kl: float = 0.0
-    kl_n: float = 0.0
-    o_err: float = 0.0
-    o_ref: float = 0.0
-    h_err: float = 0.0
-    h_ref: float = 0.0
+    sums: dict[str, float] = field(default_factory=lambda: {name: 0.0 for pair in RATIOS.values() for name in pair})
 
     def add(self, **values: torch.Tensor) -> None:
         for name, value in values.items():
-            setattr(self, name, getattr(self, name) + float(value))
+            self.sums[name] += float(value)  # a name outside RATIOS: KeyError
 
     def result(self) -> dict[str, float]:
-        def ratio(a: float, b: float) -> float:
-            return a / b if b else 0.0
-
-        return {"k_rel_mse": ratio(self.k_err, self.k_ref), "v_rel_mse": ratio(self.v_err, self.v_ref),
-                "qk_mse": ratio(self.qk_sq, self.qk_n), "attn_kl": ratio(self.kl, self.kl_n),
-                "attn_out_rel_err": ratio(self.o_err, self.o_ref), "hidden_rel_err": ratio(self.h_err, self.h_ref)}
+        """Each metric's ratio; 0 where nothing was read quantized (a zero denominator)."""
+        return {metric: self.sums[num] / self.sums[den] if self.sums[den] else 0.0
+                for metric, (num, den) in RATIOS.items()}
 
 
 def _isolated(sums: LayerSums, quantizer: LayerQuantizer, o_proj: nn.Linear, q, k, v, scaling: float,

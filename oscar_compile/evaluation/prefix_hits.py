@@ -22,11 +22,12 @@ from __future__ import annotations
 import argparse
 import copy
 import inspect
-import json
 import math
 
 import torch
 import torch.nn.functional as F
+
+from oscar_compile.evaluation.result_file import save_json
 
 
 def continuation_nll(model, windows: torch.Tensor, prefix: int, split: bool) -> float:
@@ -90,9 +91,7 @@ def main(argv=None) -> int:
     print(f"continuation perplexity ({result['windows']} windows, {args.prefix} + {args.continuation} tokens): "
           f"bf16 {ppl['bf16']:.3f}, miss {ppl['miss']:.3f}, hit {ppl['hit']:.3f}; "
           f"hit vs miss {100 * result['hit_vs_miss']:+.2f} %")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    save_json(result, args.out)
     return 0
 
 

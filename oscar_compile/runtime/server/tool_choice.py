@@ -22,7 +22,7 @@ from typing import Any
 
 from oscar_compile.runtime.core.sampling_params import RequestError, StructuredOutputParams
 from oscar_compile.runtime.server.tool_parsers.base import DeltaBuilder, ExtractedToolCalls, ToolCall, ToolCallStream
-from oscar_compile.runtime.server.tool_parsers.json_calls import StreamedCall, parse_call
+from oscar_compile.runtime.server.tool_parsers.json_calls import JsonCallsStream, StreamedCall, parse_call
 from oscar_compile.runtime.server.tool_protocol import Tool
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -128,20 +128,15 @@ def _item_texts(text: str) -> list[str]:
         pos = end
 
 
-class _RequiredStream(ToolCallStream):
+class _RequiredStream(JsonCallsStream):
     """Reads the array one object at a time: an object is whole once ``raw_decode`` takes it."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.text = ""  # the whole output, sent as content if no call comes of it
         self.pending = ""  # what follows the last whole object (or the opening bracket)
         self.opened = False
-        self.call: StreamedCall | None = None
-        self.started = 0
         self._decoder = json.JSONDecoder()
-
-    @property
-    def num_calls(self) -> int:
-        return self.started + (self.call is not None and self.call.call is not None)
 
     def feed(self, text: str, final: bool = False) -> dict[str, Any]:
         out = DeltaBuilder()

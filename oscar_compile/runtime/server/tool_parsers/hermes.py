@@ -29,7 +29,7 @@ from oscar_compile.runtime.server.tool_parsers.base import (
     ToolCallStream,
     ToolParser,
 )
-from oscar_compile.runtime.server.tool_parsers.json_calls import StreamedCall, parse_call
+from oscar_compile.runtime.server.tool_parsers.json_calls import JsonCallsStream, StreamedCall, parse_call
 
 START, END = "<tool_call>", "</tool_call>"
 _BLOCKS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
@@ -59,16 +59,13 @@ class HermesToolParser(ToolParser):
         return _HermesStream()
 
 
-class _HermesStream(ToolCallStream):
-    def __init__(self) -> None:
-        self.pending = ""  # text not yet sent or given to a call
-        self.call: StreamedCall | None = None  # the open <tool_call> block
-        self.started = 0  # calls started (or parsed)
-        self.seen_call = False  # text after the first <tool_call> is dropped
+class _HermesStream(JsonCallsStream):
+    """``call`` is the open ``<tool_call>`` block."""
 
-    @property
-    def num_calls(self) -> int:
-        return self.started + (self.call is not None and self.call.call is not None)
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending = ""  # text not yet sent or given to a call
+        self.seen_call = False  # text after the first <tool_call> is dropped
 
     def feed(self, text: str, final: bool = False) -> dict[str, Any]:
         out = DeltaBuilder()

@@ -15,7 +15,7 @@ import json
 import logging
 import re
 
-from oscar_compile.runtime.server.tool_parsers.base import DeltaBuilder, ToolCall
+from oscar_compile.runtime.server.tool_parsers.base import DeltaBuilder, ToolCall, ToolCallStream
 
 logger = logging.getLogger(__name__)
 
@@ -118,3 +118,17 @@ class StreamedCall:
         self._send(parsed.arguments[len(self.sent) :], out)
         self.call.arguments = parsed.arguments
         return True
+
+
+class JsonCallsStream(ToolCallStream):
+    """A stream whose calls are JSON objects written one after another (Hermes blocks, a
+    ``required`` array), read by one ``StreamedCall`` at a time: a call counts as started once its
+    name has gone out, so a half-written one that never names itself is no call."""
+
+    def __init__(self) -> None:
+        self.call: StreamedCall | None = None  # the open call
+        self.started = 0  # calls closed with their name sent (or parsed)
+
+    @property
+    def num_calls(self) -> int:
+        return self.started + (self.call is not None and self.call.call is not None)
