@@ -397,7 +397,7 @@ def _prefill_swap_parts(args, device: torch.device, result: dict) -> None:
         result["ttft"] += prefill_swap.bf16_rows(compressed, layout, shape, args.ttft_contexts,
                                                  args.max_num_batched_tokens, vocab)
         prefill_swap.compare_with_bf16(result["ttft"])
-        _save(result, args.out)
+        save_json(result, args.out)
         del compressed
         gc.collect()
         _empty_cache(device)
