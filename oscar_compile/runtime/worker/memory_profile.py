@@ -45,7 +45,7 @@ def profile_batch(runner, rows: Sequence[StepRow]) -> Batch:
                  positions=[list(range(r.cache_len, end)) for r, end in zip(rows, ends, strict=True)],
                  cache_lens=[r.cache_len for r in rows],
                  history_lens=[layout.num_history_tokens(r.cache_len) for r in rows],
-                 window_tables=[window] * len(rows), quant_tables=[quant] * len(rows),
+                 window_tables=[list(window) for _ in rows], quant_tables=[list(quant) for _ in rows],
                  context_token_ids=[[0] * end for end in ends], layout=layout,
                  logit_rows=tuple(range(len(rows))))
 
@@ -56,21 +56,25 @@ def pool_bytes(runner) -> int:
     return sum(t.numel() * t.element_size() for layer in pools for t in layer)
 
 
-def run_largest_step(runner, rows: Sequence[StepRow], score_prompts: bool, sample: bool) -> None:
+def run_largest_step(runner, rows: Sequence[StepRow], score_prompts: bool, sample: bool) -> tuple[int, int]:
     """The step the profile measures: the forward with every row's logits, then (rank 0 of a
-    serving engine) the prompt scoring and the sampler's pass, a grammar bitmask applied."""
+    serving engine) the prompt scoring and the sampler's pass, a grammar bitmask applied.
+    Returns the logits' shape ``(B + N, V)`` (the rows' last tokens, then every token)."""
     batch = profile_batch(runner, rows)
-    logits = runner.run(batch)  # [B + N, V] float32: the rows' last tokens, then every token
+    logits = runner.run(batch)  # [B + N, V] float32
     B = batch.num_seqs
+    on_cuda = runner.device.type == "cuda"
     if score_prompts:
         score_tokens(logits[B:], [0] * (logits.shape[0] - B), MAX_LOGPROBS)
     if sample:
         words = -(-logits.shape[1] // 32)
-        bitmask = torch.full((B, words), -1, dtype=torch.int32, pin_memory=True)  # every token allowed
+        bitmask = torch.full((B, words), -1, dtype=torch.int32, pin_memory=on_cuda)  # every token allowed
         params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=MAX_LOGPROBS)] * B
         Sampler().sample(logits[:B], params, [0] * B, [r.cache_len + r.num_new for r in rows],
                          None, bitmask).result()
-    torch.cuda.synchronize(runner.device)
+    if on_cuda:
+        torch.cuda.synchronize(runner.device)
+    return tuple(logits.shape)
 
 
 def measure_step_memory(build: Callable[[], object], rows: Sequence[StepRow], device: torch.device,
