@@ -53,11 +53,11 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, metavar="SHARE",
-                        help="share of the GPU's memory the server may fill (weights, the largest step, its "
+                        help="share of the GPU's memory this server may fill (weights, the largest step, its "
                              "buffers and the KV cache, which gets what a profile run of the largest step leaves; "
-                             "memory other processes hold counts against it); the start stops with an error when "
-                             "too little is left (default: "
-                             f"{DEFAULT_GPU_MEMORY_UTILIZATION}, as vLLM; ignored on the CPU and with --kv-memory)")
+                             "the share must be free at start); the start stops with an error when too little is "
+                             f"left (default: {DEFAULT_GPU_MEMORY_UTILIZATION}, as vLLM; not used on the CPU, which "
+                             "keeps --kv-memory or 1 GiB, nor with --kv-memory)")
     parser.add_argument("--kv-memory", type=float, metavar="GIB",
                         help="KV cache budget in GiB, overriding --gpu-memory-utilization's plan (default: the "
                              "plan on a GPU, 1 GiB on the CPU)")

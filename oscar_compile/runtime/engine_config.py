@@ -126,7 +126,7 @@ def _layout(model, cache: CacheConfig) -> CacheLayout:
 
 
 def _page_counts(config: EngineConfig, layout: CacheLayout, max_model_len: int, device: torch.device,
-                 capabilities: RunnerCapabilities, make_runner: RunnerFactory | None) -> tuple[int, int]:
+                 capabilities: RunnerCapabilities, make_runner: RunnerFactory | None, model=None) -> tuple[int, int]:
     """(window, quant) pages: the config's counts, else the plan of a budget: ``kv_memory_gb``
     (an absolute override), else on CUDA what ``gpu_memory_utilization`` leaves after a profile
     run of the runner ``make_runner`` builds (:func:`planned_kv_bytes`), else today's default."""
@@ -136,7 +136,7 @@ def _page_counts(config: EngineConfig, layout: CacheLayout, max_model_len: int, 
     if cache.kv_memory_gb is not None:
         kv_bytes = int(cache.kv_memory_gb * GIB)
     elif device.type == "cuda" and make_runner is not None:
-        kv_bytes = planned_kv_bytes(config, layout, max_model_len, device, capabilities, make_runner)
+        kv_bytes = planned_kv_bytes(config, layout, max_model_len, device, capabilities, make_runner, model)
     else:
         kv_bytes = default_kv_memory_bytes(device)
     plan = plan_pages(layout, kv_bytes, config.scheduler.max_num_seqs,
@@ -158,11 +158,12 @@ def later_pool_bytes(cache: CacheConfig, layout: CacheLayout, capabilities: Runn
 
 
 def planned_kv_bytes(config: EngineConfig, layout: CacheLayout, max_model_len: int, device: torch.device,
-                     capabilities: RunnerCapabilities, make_runner: RunnerFactory) -> int:
+                     capabilities: RunnerCapabilities, make_runner: RunnerFactory, model=None) -> int:
     """The KV budget a profile run leaves (core/memory_plan.py): a runner over one sequence of
     ``max_model_len`` tokens runs the largest step on every device; the smallest remainder
-    wins; InsufficientMemoryError when it cannot hold one such sequence."""
-    from oscar_compile.runtime.worker.memory_profile import measure_step_memory
+    wins; InsufficientMemoryError when it cannot hold one such sequence. ``model``: the loaded
+    model (its weights count as the engine's own; a factory that profiles itself measures them)."""
+    from oscar_compile.runtime.worker.memory_profile import measure_step_memory, weight_bytes
 
     cache = config.cache
     num_window, num_quant = layout.num_pages_for_seq(max_model_len)
@@ -173,15 +174,16 @@ def planned_kv_bytes(config: EngineConfig, layout: CacheLayout, max_model_len: i
     if make_runner.profile is not None:
         profiles = make_runner.profile(probe, rows)
     else:
-        profiles = [measure_step_memory(lambda: make_runner(probe), rows, device,
+        profiles = [measure_step_memory(lambda: make_runner(probe), rows, device, weight_bytes(model, device),
                                         score_prompts=capabilities.prompt_logits)]
     later = later_pool_bytes(cache, layout, capabilities, max_model_len)
-    plan = smallest([plan_memory(p, cache.gpu_memory_utilization, later, rank=i) for i, p in enumerate(profiles)])
+    plans = [plan_memory(p, cache.gpu_memory_utilization, later, rank=i) for i, p in enumerate(profiles)]
     one_seq = num_window * layout.window_page_bytes + num_quant * layout.quant_page_bytes
-    kv_bytes = checked_kv_bytes(plan, one_seq, f"one sequence of max_model_len {max_model_len}", len(profiles))
+    kv_bytes = checked_kv_bytes(plans, one_seq, f"one sequence of max_model_len {max_model_len}")
+    plan = smallest(plans)
     logger.info("GPU memory plan: %.2f GiB of %.2f GiB (gpu_memory_utilization %g); weights and the largest step "
                 "%.2f GiB, pools beside the pages %.2f GiB: %.2f GiB for the KV pages", plan.requested / GIB,
-                plan.total / GIB, plan.utilization, plan.in_use / GIB, sum(later.values()) / GIB, kv_bytes / GIB)
+                plan.total / GIB, plan.utilization, plan.own / GIB, sum(later.values()) / GIB, kv_bytes / GIB)
     return kv_bytes
 
 
@@ -239,7 +241,7 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
     layout = _layout(model, config.cache)
     max_model_len = config.scheduler.max_model_len or model.config.get_text_config().max_position_embeddings
     num_window, num_quant = _page_counts(config, layout, max_model_len, next(model.parameters()).device,
-                                         capabilities, None if runner is not None else make_runner)
+                                         capabilities, None if runner is not None else make_runner, model)
     page_manager = build_page_manager(config.cache, layout, capabilities, num_window, num_quant, max_model_len,
                                       config.runner.deterministic)
     if runner is None:

@@ -36,7 +36,7 @@ from oscar_compile.compress import compress
 from oscar_compile.runtime.core.memory_plan import MemoryProfile, StepRow
 from oscar_compile.runtime.engine_config import EngineConfig, build_engine
 from oscar_compile.runtime.worker.compressed_runner import CompressedRunner, runner_kwargs
-from oscar_compile.runtime.worker.memory_profile import measure_step_memory
+from oscar_compile.runtime.worker.memory_profile import measure_step_memory, weight_bytes
 from oscar_compile.runtime.worker.runner import RunnerFactory
 from oscar_compile.runtime.worker.tp_runner import RankGroup, TensorParallelError, TensorParallelRunner, follow_steps
 from oscar_compile.spec import CompressionSpec
@@ -105,8 +105,9 @@ def profile_ranks(compressed, layout, kwargs: dict, rows: list[StepRow], ranks: 
     ``("profile", kwargs, rows)``); the engine plans from the tightest."""
     device = torch.device("cuda", ranks.rank)
     mine = measure_step_memory(lambda: CompressedRunner(compressed, layout, **kwargs), rows, device,
-                               score_prompts=False, sample=ranks.rank == 0)
-    numbers = torch.tensor([mine.total, mine.peak_in_use, mine.profile_pools], dtype=torch.int64, device=device)
+                               weight_bytes(compressed.model, device), score_prompts=False, sample=ranks.rank == 0)
+    numbers = torch.tensor([mine.total, mine.before, mine.peak_in_use, mine.profile_pools, mine.weights],
+                           dtype=torch.int64, device=device)
     gathered = [torch.empty_like(numbers) for _ in range(ranks.world_size)]
     dist.all_gather(gathered, numbers, group=ranks.data_group)
     return [MemoryProfile(*(int(x) for x in t.tolist())) for t in gathered]

@@ -36,6 +36,16 @@ class FakeProfile:
         return RunnerFactory(capabilities, build, self)
 
 
+def _own_bytes(num_bytes: int) -> MemoryProfile:
+    """A 16 GiB device whose every byte in use is the engine's weights (nothing held elsewhere,
+    the profile run adds nothing)."""
+    return MemoryProfile(total=16 * GIB, before=num_bytes, peak_in_use=num_bytes, weights=num_bytes)
+
+
+def _own(gib: int) -> MemoryProfile:
+    return _own_bytes(gib * GIB)
+
+
 def _counts(config, device=CUDA, profile: FakeProfile | None = None, capabilities=CAPS):
     factory = profile.factory(capabilities) if profile is not None else None
     return _page_counts(config, LAYOUT, MAX_MODEL_LEN, device, capabilities, factory)
@@ -48,10 +58,12 @@ def _planned(kv_bytes: int, config: EngineConfig) -> tuple[int, int]:
 
 def test_the_profile_plan_sizes_the_pages_on_cuda():
     config = EngineConfig(max_num_seqs=32, max_num_batched_tokens=4096, gpu_memory_utilization=0.8)
-    fake = FakeProfile(MemoryProfile(total=16 * GIB, peak_in_use=6 * GIB, profile_pools=GIB // 2))
+    # 3 GiB of weights beside 1 GiB held elsewhere; the profile run adds 2 GiB, half a GiB its pages
+    fake = FakeProfile(MemoryProfile(total=16 * GIB, before=4 * GIB, peak_in_use=6 * GIB, profile_pools=GIB // 2,
+                                     weights=3 * GIB))
     later = later_pool_bytes(config.cache, LAYOUT, CAPS, MAX_MODEL_LEN)
     assert later["staging pages"] == 0  # decode-consistent prefill stages nothing
-    expected = int(0.8 * 16 * GIB) - (6 * GIB - GIB // 2) - sum(later.values())
+    expected = int(0.8 * 16 * GIB) - (3 * GIB + 2 * GIB - GIB // 2) - sum(later.values())
     assert _counts(config, profile=fake) == _planned(expected, config)
     (probe, rows), = fake.calls
     # the profile runner holds one sequence of max_model_len; the step is the largest the config allows
@@ -62,14 +74,14 @@ def test_the_profile_plan_sizes_the_pages_on_cuda():
 
 
 def test_more_utilization_gives_more_pages():
-    fake = FakeProfile(MemoryProfile(total=16 * GIB, peak_in_use=6 * GIB))
+    fake = FakeProfile(_own(6))
     low = _counts(EngineConfig(gpu_memory_utilization=0.6), profile=fake)
     high = _counts(EngineConfig(gpu_memory_utilization=0.9), profile=fake)
     assert high[1] > low[1]
 
 
 def test_kv_memory_overrides_the_plan():
-    fake = FakeProfile(MemoryProfile(total=16 * GIB, peak_in_use=6 * GIB))
+    fake = FakeProfile(_own(6))
     config = EngineConfig(kv_memory_gb=2.0, gpu_memory_utilization=0.5)
     assert _counts(config, profile=fake) == _planned(2 * GIB, config)
     assert fake.calls == []  # no profile run
@@ -78,7 +90,7 @@ def test_kv_memory_overrides_the_plan():
 
 
 def test_the_cpu_keeps_todays_default():
-    fake = FakeProfile(MemoryProfile(total=16 * GIB, peak_in_use=6 * GIB))
+    fake = FakeProfile(_own(6))
     config = EngineConfig(gpu_memory_utilization=0.5)
     assert _counts(config, device=torch.device("cpu"), profile=fake) == _planned(GIB, config)
     assert fake.calls == []
@@ -86,8 +98,7 @@ def test_the_cpu_keeps_todays_default():
 
 def test_tensor_parallel_plans_from_the_tightest_rank():
     config = EngineConfig(gpu_memory_utilization=0.9)
-    ranks = FakeProfile(MemoryProfile(16 * GIB, 5 * GIB), MemoryProfile(16 * GIB, 7 * GIB),
-                        MemoryProfile(16 * GIB, 6 * GIB))
+    ranks = FakeProfile(_own(5), _own(7), _own(6))
     later = sum(later_pool_bytes(config.cache, LAYOUT, CAPS, MAX_MODEL_LEN).values())
     assert _counts(config, profile=ranks) == _planned(int(0.9 * 16 * GIB) - 7 * GIB - later, config)
 
@@ -101,7 +112,7 @@ def test_prompt_exact_staging_comes_out_of_the_share():
     fixed = later_pool_bytes(EngineConfig(prefill_semantics="prompt-exact", prefill_staging_memory_gb=0.25).cache,
                              LAYOUT, caps, MAX_MODEL_LEN)
     assert fixed["staging pages"] == int(0.25 * GIB) // LAYOUT.window_page_bytes * LAYOUT.window_page_bytes
-    fake = FakeProfile(MemoryProfile(16 * GIB, 6 * GIB))
+    fake = FakeProfile(_own(6))
     expected = int(0.9 * 16 * GIB) - 6 * GIB - sum(later.values())
     assert _counts(exact, profile=fake, capabilities=caps) == _planned(expected, exact)
 
@@ -112,8 +123,16 @@ def test_too_little_left_stops_the_start_with_the_numbers():
     config = EngineConfig()
     later = sum(later_pool_bytes(config.cache, LAYOUT, CAPS, MAX_MODEL_LEN).values())
     in_use = int(0.9 * 16 * GIB) - later - one_seq  # leaves exactly one sequence
-    assert _counts(config, profile=FakeProfile(MemoryProfile(16 * GIB, in_use)))[0] == LAYOUT.num_window_pages_per_seq
-    fake = FakeProfile(MemoryProfile(total=16 * GIB, peak_in_use=in_use + 1))  # one byte short
+    assert _counts(config, profile=FakeProfile(_own_bytes(in_use)))[0] == LAYOUT.num_window_pages_per_seq
+    fake = FakeProfile(_own_bytes(in_use + 1))  # one byte short
     with pytest.raises(InsufficientMemoryError, match=r"asks for 14\.40 GiB of 16\.00 GiB.*one sequence of "
                                                       r"max_model_len 8192 needs .*--gpu-memory-utilization 0\.91"):
         _counts(config, profile=fake)
+
+
+def test_a_rank_whose_share_is_not_free_stops_the_start():
+    held = MemoryProfile(total=16 * GIB, before=9 * GIB, peak_in_use=10 * GIB, weights=2 * GIB)  # 7 GiB elsewhere
+    with pytest.raises(InsufficientMemoryError, match=r"on rank 1 of 2: .*asks for 14\.40 GiB of 16\.00 GiB, but "
+                                                      r"7\.00 GiB is held outside this engine.*utilization 0\.56"):
+        _counts(EngineConfig(), profile=FakeProfile(_own(6), held))
+    assert _counts(EngineConfig(gpu_memory_utilization=0.5), profile=FakeProfile(_own(6), held))[1] > 0

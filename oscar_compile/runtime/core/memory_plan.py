@@ -6,16 +6,18 @@ about 5 GB at Qwen3's vocabulary), the sampler's and the grammar mask's buffers,
 scratch, the CUDA-graph pools and the pools allocated beside the KV pages (staging, scratch
 pages). A budget that looked safe then ran out of memory at batch 32. As vLLM v1 does
 (``gpu_worker.determine_available_memory``), the worker runs the largest step the config
-allows on a runner with one sequence's pages, and the KV pages get what is left of the share
-of the GPU the engine may fill:
+allows on a runner with one sequence's pages, and the KV pages get what is left of the engine's
+share of the device:
 
-    kv = utilization x total - (peak in use - the profile runner's pages + pools allocated later)
+    own = weights + (peak in use - in use before the profile run) - the profile runner's pages
+    kv  = utilization x total - own - the pools allocated later beside the pages
 
-``peak in use`` is everything on the device at the step's peak: the weights, the CUDA context,
-the graph pools, the step's transient tensors, and what other processes hold (counted against
-the share: a conservative reading; vLLM counts only its own process). Under tensor parallelism
-every rank profiles and the smallest remainder wins (every rank allocates the page counts rank 0
-plans). Too small a remainder stops the start with the numbers (:class:`InsufficientMemoryError`).
+The share is this engine's, as in vLLM: memory held outside it (other processes, other engines
+of this process, the CUDA context: what was in use before the profile run less the weights) does
+not count against it, but must leave the share free, or the start stops (vLLM's check of the free
+memory at start). Under tensor parallelism every rank profiles and the smallest remainder wins
+(every rank allocates the page counts rank 0 plans). Too small a remainder stops the start with
+the numbers (:class:`InsufficientMemoryError`).
 
 Plain arithmetic over measured bytes (no torch): the measuring is
 ``runtime/worker/memory_profile.py``.
@@ -40,21 +42,32 @@ class MemoryProfile:
     """What one device's profile run measured, in bytes.
 
     - ``total``: the device's memory;
+    - ``before``: in use before the profile run (the weights loaded, nothing of the runner yet),
+      other processes' memory included;
     - ``peak_in_use``: in use at the largest step's peak, the profile runner alive (its pages,
-      graph pools and step buffers included), other processes' memory included;
+      graph pools and step buffers included);
     - ``profile_pools``: the profile runner's own page pools, inside ``peak_in_use``: the real
-      pools (the budget and the ``later_pools``) take their place.
+      pools (the budget and the later pools) take their place;
+    - ``weights``: the model's parameters and buffers on the device, inside ``before``.
     """
 
     total: int
+    before: int
     peak_in_use: int
     profile_pools: int = 0
+    weights: int = 0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.profile_pools <= self.peak_in_use:
-            raise ValueError(f"profile pools of {self.profile_pools} B outside the {self.peak_in_use} B in use")
         if self.total <= 0:
             raise ValueError(f"device memory must be > 0 bytes, got {self.total}")
+        if not 0 <= self.before <= self.peak_in_use:
+            raise ValueError(f"in use before the profile run ({self.before} B) must be in [0, the peak "
+                             f"{self.peak_in_use} B]")
+        if not 0 <= self.profile_pools <= self.peak_in_use - self.before:
+            raise ValueError(f"profile pools of {self.profile_pools} B outside the profile run's "
+                             f"{self.peak_in_use - self.before} B")
+        if not 0 <= self.weights <= self.before:
+            raise ValueError(f"weights of {self.weights} B outside the {self.before} B in use before the profile run")
 
 
 @dataclass(frozen=True)
@@ -64,17 +77,22 @@ class MemoryPlan:
     total: int
     utilization: float
     requested: int  # utilization x total
-    in_use: int  # peak in use without the profile runner's pages
+    others: int  # held outside the engine: other processes and engines, the CUDA context
+    own: int  # the engine's but the pages': weights, the largest step's peak, graph pools, buffers
     later_pools: Mapping[str, int] = field(default_factory=dict)  # allocated beside the KV pages
     rank: int = 0
 
     @property
     def non_kv(self) -> int:
-        return self.in_use + sum(self.later_pools.values())
+        return self.own + sum(self.later_pools.values())
 
     @property
     def kv_bytes(self) -> int:
         return self.requested - self.non_kv
+
+    @property
+    def free_for_engine(self) -> int:
+        return self.total - self.others
 
     def utilization_for(self, kv_bytes: int) -> float:
         """The share of the device that would leave ``kv_bytes`` for the pages."""
@@ -83,15 +101,16 @@ class MemoryPlan:
 
 def plan_memory(profile: MemoryProfile, utilization: float, later_pools: Mapping[str, int] | None = None,
                 rank: int = 0) -> MemoryPlan:
-    """The plan of one device: its share (``utilization`` of its memory), less what the profile
-    run measured in use and the pools sized from the plan but allocated after it."""
+    """The plan of one device: the engine's share (``utilization`` of the device), less what the
+    profile run measured of its own and the pools sized from the plan but allocated after it."""
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
     later = dict(later_pools or {})
     if any(v < 0 for v in later.values()):
         raise ValueError(f"pool sizes must be >= 0 bytes, got {later}")
+    own = profile.weights + profile.peak_in_use - profile.before - profile.profile_pools
     return MemoryPlan(total=profile.total, utilization=utilization, requested=int(utilization * profile.total),
-                      in_use=profile.peak_in_use - profile.profile_pools, later_pools=later, rank=rank)
+                      others=profile.before - profile.weights, own=own, later_pools=later, rank=rank)
 
 
 def smallest(plans: Sequence[MemoryPlan]) -> MemoryPlan:
@@ -102,27 +121,40 @@ def smallest(plans: Sequence[MemoryPlan]) -> MemoryPlan:
     return min(plans, key=lambda p: (p.kv_bytes, p.rank))
 
 
-def checked_kv_bytes(plan: MemoryPlan, min_kv_bytes: int, needs: str, num_ranks: int = 1) -> int:
-    """``plan.kv_bytes``, or :class:`InsufficientMemoryError` when it is under ``min_kv_bytes``
-    (``needs`` says what that minimum holds, e.g. "one sequence of max_model_len 40960").
-    The message names what was asked for, what the rest takes, what is left, and what fits."""
+def checked_kv_bytes(plans: Sequence[MemoryPlan], min_kv_bytes: int, needs: str) -> int:
+    """The smallest ``kv_bytes`` of ``plans`` (one per device), or :class:`InsufficientMemoryError`
+    when a device's share is not free or the smallest is under ``min_kv_bytes`` (``needs`` says
+    what that minimum holds, e.g. "one sequence of max_model_len 40960"). The message names what
+    was asked for, what the rest takes, what is left, and what fits."""
+    for plan in plans:
+        if plan.requested > plan.free_for_engine:
+            fits = math.floor(plan.free_for_engine / plan.total * 100) / 100
+            raise InsufficientMemoryError(
+                f"GPU memory{_where(plan, len(plans))}: --gpu-memory-utilization {plan.utilization:g} asks for "
+                f"{_size(plan.requested)} of {_size(plan.total)}, but {_size(plan.others)} is held outside this "
+                f"engine (other processes or engines, the CUDA context), which leaves {_size(plan.free_for_engine)}: "
+                f"--gpu-memory-utilization {fits:.2f} would fit (or free the device)")
+    plan = smallest(plans)
     kv = plan.kv_bytes
     if kv >= min_kv_bytes:
         return kv
-    where = f" on rank {plan.rank} of {num_ranks}" if num_ranks > 1 else ""
     pools = "".join(f", {name} {_size(b)}" for name, b in plan.later_pools.items() if b)
     left = _size(kv) if kv > 0 else "nothing"
     need_share = plan.utilization_for(min_kv_bytes)
-    if need_share <= 1:
+    if need_share * plan.total <= plan.free_for_engine:
         fits = f"--gpu-memory-utilization {math.ceil(need_share * 100 - 1e-9) / 100:.2f} would fit it"
     else:
-        fits = (f"even the whole device ({_size(plan.total)}) would not fit it: lower --max-num-batched-tokens, "
-                "--max-num-seqs or --max-model-len")
+        fits = (f"even all of the {_size(plan.free_for_engine)} free for it would not fit it: lower "
+                "--max-num-batched-tokens, --max-num-seqs or --max-model-len")
     raise InsufficientMemoryError(
-        f"GPU memory{where}: --gpu-memory-utilization {plan.utilization:g} asks for {_size(plan.requested)} of "
-        f"{_size(plan.total)}; the weights and the largest step take {_size(plan.in_use)} (in use at the profile "
-        f"run's peak{pools}), which leaves {left} for the KV cache, and {needs} needs {_size(min_kv_bytes)}: "
-        f"{fits} (or give --kv-memory GiB to size the cache yourself)")
+        f"GPU memory{_where(plan, len(plans))}: --gpu-memory-utilization {plan.utilization:g} asks for "
+        f"{_size(plan.requested)} of {_size(plan.total)}; the weights and the largest step take {_size(plan.own)} "
+        f"(at the profile run's peak{pools}), which leaves {left} for the KV cache, and {needs} needs "
+        f"{_size(min_kv_bytes)}: {fits} (or give --kv-memory GiB to size the cache yourself)")
+
+
+def _where(plan: MemoryPlan, num_ranks: int) -> str:
+    return f" on rank {plan.rank} of {num_ranks}" if num_ranks > 1 else ""
 
 
 def _size(num_bytes: int) -> str:

@@ -77,11 +77,24 @@ def run_largest_step(runner, rows: Sequence[StepRow], score_prompts: bool, sampl
     return tuple(logits.shape)
 
 
+def weight_bytes(model: torch.nn.Module, device: torch.device) -> int:
+    """Bytes of the model's parameters and buffers on ``device`` (shared storages counted once)."""
+    storages = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device == device:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def measure_step_memory(build: Callable[[], object], rows: Sequence[StepRow], device: torch.device,
-                        score_prompts: bool = True, sample: bool = True) -> MemoryProfile:
+                        weights: int, score_prompts: bool = True, sample: bool = True) -> MemoryProfile:
     """Build a profile runner (``build()``: one sequence's pages), run the largest step of
-    ``rows`` on it and measure; the runner is freed before this returns."""
+    ``rows`` on it and measure; the runner is freed before this returns. ``weights``: the bytes
+    of the model on ``device`` (:func:`weight_bytes`), already loaded."""
     _release(device)
+    free, total = torch.cuda.mem_get_info(device)
+    before = total - free
     torch.cuda.reset_peak_memory_stats(device)
     runner = None
     try:
@@ -91,7 +104,10 @@ def measure_step_memory(build: Callable[[], object], rows: Sequence[StepRow], de
         # the allocator's reserve at its peak, instead of what it holds now: the step's transient
         # tensors are freed but were there at once
         peak_in_use = total - free - torch.cuda.memory_reserved(device) + torch.cuda.max_memory_reserved(device)
-        profile = MemoryProfile(total=total, peak_in_use=peak_in_use, profile_pools=pool_bytes(runner))
+        pools = pool_bytes(runner)
+        # (another process that freed memory meanwhile must not make the run look smaller than its pages)
+        profile = MemoryProfile(total=total, before=before, peak_in_use=max(peak_in_use, before + pools),
+                                profile_pools=pools, weights=min(weights, before))
     except torch.cuda.OutOfMemoryError as err:
         num_tokens = sum(r.num_new for r in rows)
         raise InsufficientMemoryError(
@@ -102,8 +118,9 @@ def measure_step_memory(build: Callable[[], object], rows: Sequence[StepRow], de
     finally:
         del runner
         _release(device)
-    logger.info("profile run: %.2f GiB in use at the largest step's peak (%.2f GiB of it the profile runner's "
-                "pages) of %.2f GiB", profile.peak_in_use / GIB, profile.profile_pools / GIB, profile.total / GIB)
+    logger.info("profile run: %.2f GiB in use before, %.2f GiB at the largest step's peak (%.2f GiB of it the "
+                "profile runner's pages; weights %.2f GiB) of %.2f GiB", profile.before / GIB,
+                profile.peak_in_use / GIB, profile.profile_pools / GIB, profile.weights / GIB, profile.total / GIB)
     return profile
 
 
