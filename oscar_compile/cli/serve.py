@@ -24,6 +24,7 @@ import sys
 
 from oscar_compile.formats.prefill import DEFAULT_PREFILL_SEMANTICS, PREFILL_SEMANTICS
 from oscar_compile.runtime.core.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_SWAP_SPACE_GB,
@@ -51,8 +52,15 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--gpu-memory-utilization", type=float, metavar="SHARE",
+                        help="share of the GPU's memory this server may fill (weights, the largest step, its "
+                             "buffers and the KV cache, which gets what a profile run of the largest step leaves; "
+                             "the share must be free at start); the start stops with an error when too little is "
+                             f"left (default: {DEFAULT_GPU_MEMORY_UTILIZATION}, as vLLM; not used on the CPU, which "
+                             "keeps --kv-memory or 1 GiB, nor with --kv-memory)")
     parser.add_argument("--kv-memory", type=float, metavar="GIB",
-                        help="KV cache budget in GiB (default: half the free GPU memory, 1 GiB on CPU)")
+                        help="KV cache budget in GiB, overriding --gpu-memory-utilization's plan (default: the "
+                             "plan on a GPU, 1 GiB on the CPU)")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int,
                         help=f"sequences running at once (default: {DEFAULT_MAX_NUM_SEQS})")
@@ -208,7 +216,8 @@ def engine_config(args: argparse.Namespace):
     (core/config.py), the one place each default is written."""
     from oscar_compile.runtime.engine_config import EngineConfig
 
-    given = dict(kv_memory_gb=args.kv_memory, max_num_seqs=args.max_num_seqs,
+    given = dict(kv_memory_gb=args.kv_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                 max_num_seqs=args.max_num_seqs,
                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                  prefill_staging_memory_gb=args.prefill_staging_memory, swap_space_gb=args.swap_space,
                  prefix_hits=args.prefix_hits, snapshot_interval=args.snapshot_interval,

@@ -26,6 +26,7 @@ from oscar_compile.runtime.core.config import (  # noqa: F401  (PREFIX_HITS re-e
     RunnerConfig,
     SchedulerConfig,
 )
+from oscar_compile.runtime.core.memory_plan import checked_kv_bytes, largest_step, plan_memory, smallest
 from oscar_compile.runtime.core.page_manager import PageManager
 from oscar_compile.runtime.core.page_plan import GIB, plan_pages
 from oscar_compile.runtime.core.swap_space import SwapSpace
@@ -96,6 +97,9 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 
 def default_kv_memory_bytes(device: torch.device) -> int:
+    """The budget without a profile run: 1 GiB of bookkeeping on the CPU (the recompute runner
+    allocates no pages); on CUDA, for a runner given whole or one without pools (no factory to
+    profile), half the free memory."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * _GPU_KV_FRACTION)
@@ -121,15 +125,66 @@ def _layout(model, cache: CacheConfig) -> CacheLayout:
         dtype_bytes=_DTYPE_BYTES.get(model.dtype, 2))
 
 
-def _page_counts(cache: CacheConfig, layout: CacheLayout, max_num_seqs: int, max_model_len: int,
-                 device: torch.device) -> tuple[int, int]:
-    """(window, quant) pages: the config's counts, else the memory budget's plan. The memory
-    planner of the prefill issue (``CacheConfig.gpu_memory_utilization``) will take over here."""
+def _page_counts(config: EngineConfig, layout: CacheLayout, max_model_len: int, device: torch.device,
+                 capabilities: RunnerCapabilities, make_runner: RunnerFactory | None, model=None) -> tuple[int, int]:
+    """(window, quant) pages: the config's counts, else the plan of a budget: ``kv_memory_gb``
+    (an absolute override), else on CUDA what ``gpu_memory_utilization`` leaves after a profile
+    run of the runner ``make_runner`` builds (:func:`planned_kv_bytes`), else today's default."""
+    cache = config.cache
     if cache.num_window_pages is not None:
         return cache.num_window_pages, cache.num_quant_pages
-    kv_bytes = int(cache.kv_memory_gb * GIB) if cache.kv_memory_gb is not None else default_kv_memory_bytes(device)
-    plan = plan_pages(layout, kv_bytes, max_num_seqs, cache.expected_seq_len or min(max_model_len, 4096))
+    if cache.kv_memory_gb is not None:
+        kv_bytes = int(cache.kv_memory_gb * GIB)
+    elif device.type == "cuda" and make_runner is not None:
+        kv_bytes = planned_kv_bytes(config, layout, max_model_len, device, capabilities, make_runner, model)
+    else:
+        kv_bytes = default_kv_memory_bytes(device)
+    plan = plan_pages(layout, kv_bytes, config.scheduler.max_num_seqs,
+                      cache.expected_seq_len or min(max_model_len, 4096))
     return plan.num_window_pages, plan.num_quant_pages
+
+
+def later_pool_bytes(cache: CacheConfig, layout: CacheLayout, capabilities: RunnerCapabilities,
+                     max_model_len: int) -> dict[str, int]:
+    """Device bytes the runner allocates beside the KV budget's pages (the most, whatever the
+    budget): its staging pages (prompt-exact prefill: the history of one prompt of the context
+    length, or the config's size) and the scratch page of each pool (one window, one quant and
+    one staging page). Window snapshots live in window pages: nothing beside the budget."""
+    num_quant = layout.num_quant_pages_for(layout.num_history_tokens(max_model_len))
+    staging = (num_staging_pages(cache, layout, num_quant, max_model_len)
+               if capabilities.staging and not cache.decode_consistent else 0)
+    scratch = layout.window_page_bytes + layout.quant_page_bytes + (layout.window_page_bytes if staging else 0)
+    return {"staging pages": staging * layout.window_page_bytes, "scratch pages": scratch}
+
+
+def planned_kv_bytes(config: EngineConfig, layout: CacheLayout, max_model_len: int, device: torch.device,
+                     capabilities: RunnerCapabilities, make_runner: RunnerFactory, model=None) -> int:
+    """The KV budget a profile run leaves (core/memory_plan.py): a runner over one sequence of
+    ``max_model_len`` tokens runs the largest step on every device; the smallest remainder
+    wins; InsufficientMemoryError when it cannot hold one such sequence. ``model``: the loaded
+    model (its weights count as the engine's own; a factory that profiles itself measures them)."""
+    from oscar_compile.runtime.worker.memory_profile import measure_step_memory, weight_bytes
+
+    cache = config.cache
+    num_window, num_quant = layout.num_pages_for_seq(max_model_len)
+    probe = build_page_manager(replace(cache, swap_space_gb=0.0), layout, capabilities, num_window,
+                               max(1, num_quant), max_model_len, config.runner.deterministic)
+    rows = largest_step(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+                        min(max_model_len, probe.max_seq_len()))
+    if make_runner.profile is not None:
+        profiles = make_runner.profile(probe, rows)
+    else:
+        profiles = [measure_step_memory(lambda: make_runner(probe), rows, device, weight_bytes(model, device),
+                                        score_prompts=capabilities.prompt_logits)]
+    later = later_pool_bytes(cache, layout, capabilities, max_model_len)
+    plans = [plan_memory(p, cache.gpu_memory_utilization, later, rank=i) for i, p in enumerate(profiles)]
+    one_seq = num_window * layout.window_page_bytes + num_quant * layout.quant_page_bytes
+    kv_bytes = checked_kv_bytes(plans, one_seq, f"one sequence of max_model_len {max_model_len}")
+    plan = smallest(plans)
+    logger.info("GPU memory plan: %.2f GiB of %.2f GiB (gpu_memory_utilization %g); weights and the largest step "
+                "%.2f GiB, pools beside the pages %.2f GiB: %.2f GiB for the KV pages", plan.requested / GIB,
+                plan.total / GIB, plan.utilization, plan.own / GIB, sum(later.values()) / GIB, kv_bytes / GIB)
+    return kv_bytes
 
 
 def build_page_manager(cache: CacheConfig, layout: CacheLayout, capabilities: RunnerCapabilities,
@@ -185,8 +240,8 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None,
                                   "config)); or ask for EngineConfig(prefill_semantics='prompt-exact')")
     layout = _layout(model, config.cache)
     max_model_len = config.scheduler.max_model_len or model.config.get_text_config().max_position_embeddings
-    num_window, num_quant = _page_counts(config.cache, layout, config.scheduler.max_num_seqs, max_model_len,
-                                         next(model.parameters()).device)
+    num_window, num_quant = _page_counts(config, layout, max_model_len, next(model.parameters()).device,
+                                         capabilities, None if runner is not None else make_runner, model)
     page_manager = build_page_manager(config.cache, layout, capabilities, num_window, num_quant, max_model_len,
                                       config.runner.deterministic)
     if runner is None:

@@ -4,9 +4,11 @@ Every rank loads the whole model on the CPU (``RankSetup.load``, a picklable cal
 directory, or a seeded random-weight builder for benchmarks), keeps its slice
 (``shard.shard_model``), moves it to its device (``cuda:rank``, or the CPU) and compresses it with
 its slice of the rotations (``compress``: the same passes as one device, on a narrower model).
-Rank 0 then builds the engine; when the block manager has sized the pools it sends the runner's
-arguments to the other ranks, which build the same ``CompressedRunner`` (same page ids, their own
-KV heads) and follow rank 0's steps (``oscar_compile.runtime.worker.tp_runner``).
+Rank 0 then builds the engine. On CUDA without ``kv_memory_gb`` every rank first runs the memory
+plan's profile run in lockstep (``profile_ranks``): the smallest remainder sizes the pages. When
+the block manager has sized the pools rank 0 sends the runner's arguments to the other ranks,
+which build the same ``CompressedRunner`` (same page ids, their own KV heads) and follow rank 0's
+steps (``oscar_compile.runtime.worker.tp_runner``).
 
 Process groups go through ``torch.distributed``'s TCP rendezvous on a free loopback port:
 NCCL on CUDA (the all-reduces), gloo on CPU, and a gloo group for the step messages in both.
@@ -31,9 +33,10 @@ import torch.distributed as dist
 
 from oscar_compile.artifact import Rotations
 from oscar_compile.compress import compress
-from oscar_compile.runtime.core.page_plan import GIB
-from oscar_compile.runtime.engine_config import EngineConfig, build_engine, default_kv_memory_bytes
+from oscar_compile.runtime.core.memory_plan import MemoryProfile, StepRow
+from oscar_compile.runtime.engine_config import EngineConfig, build_engine
 from oscar_compile.runtime.worker.compressed_runner import CompressedRunner, runner_kwargs
+from oscar_compile.runtime.worker.memory_profile import measure_step_memory, weight_bytes
 from oscar_compile.runtime.worker.runner import RunnerFactory
 from oscar_compile.runtime.worker.tp_runner import RankGroup, TensorParallelError, TensorParallelRunner, follow_steps
 from oscar_compile.spec import CompressionSpec
@@ -91,17 +94,23 @@ def prepare_rank(setup: RankSetup, ranks: RankGroup) -> tuple:
     device = torch.device("cuda", ranks.rank) if setup.device_type == "cuda" else torch.device("cpu")
     model.to(device)
     compressed, config, _ = compress(model, setup.spec, _rank_rotations(setup.rotations, report), setup.config)
-    if config.cache.kv_memory_gb is None and device.type == "cuda":
-        config = replace(config, kv_memory_gb=_smallest_kv_budget(device, ranks) / GIB)
     return compressed, tokenizer, config, report
 
 
-def _smallest_kv_budget(device: torch.device, ranks: RankGroup) -> int:
-    """The default KV budget (a share of free memory) of the rank with the least: every rank
-    allocates the page counts rank 0 plans, so rank 0's own budget could overfill another GPU."""
-    free = torch.tensor([default_kv_memory_bytes(device)], dtype=torch.int64, device=device)
-    dist.all_reduce(free, op=dist.ReduceOp.MIN, group=ranks.data_group)
-    return int(free.item())
+def profile_ranks(compressed, layout, kwargs: dict, rows: list[StepRow], ranks: RankGroup) -> list[MemoryProfile]:
+    """Every rank's memory profile (runtime/worker/memory_profile.py), in rank order: each builds
+    the profile runner of ``kwargs`` (the steps of its construction and the largest step of
+    ``rows`` all-reduce in lockstep) and measures its own device; rank 0 samples, as it does when
+    serving (no prompt logits across ranks). Every rank calls this (rank 0 after sending
+    ``("profile", kwargs, rows)``); the engine plans from the tightest."""
+    device = torch.device("cuda", ranks.rank)
+    mine = measure_step_memory(lambda: CompressedRunner(compressed, layout, **kwargs), rows, device,
+                               weight_bytes(compressed.model, device), score_prompts=False, sample=ranks.rank == 0)
+    numbers = torch.tensor([mine.total, mine.before, mine.peak_in_use, mine.profile_pools, mine.weights],
+                           dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(numbers) for _ in range(ranks.world_size)]
+    dist.all_gather(gathered, numbers, group=ranks.data_group)
+    return [MemoryProfile(*(int(x) for x in t.tolist())) for t in gathered]
 
 
 def _rank_rotations(rotations, report: ShardReport) -> Rotations | None:
@@ -172,6 +181,9 @@ def _worker_main(rank: int, world_size: int, port: int, setup: RankSetup) -> Non
         ranks = join_group(rank, world_size, port, setup.device_type, setup.timeout_s)
         compressed, _, config, report = prepare_rank(setup, ranks)
         message = ranks.receive()
+        while message[0] == "profile":  # the memory plan's profile run (engine_config.planned_kv_bytes)
+            profile_ranks(compressed, config.layout, message[1], message[2], ranks)
+            message = ranks.receive()
         if message[0] == "runner":
             runner = CompressedRunner(compressed, config.layout, **message[1])
             _log_rank(report, runner, message[1])
@@ -241,9 +253,17 @@ class TensorParallelGroup:
             self.runner = TensorParallelRunner(local, self.ranks)
             return self.runner
 
+        def profile(page_manager, rows) -> list[MemoryProfile]:
+            kwargs = runner_kwargs(compressed.model, page_manager, config)
+            try:
+                self.ranks.send(("profile", kwargs, rows))
+            except RuntimeError as err:
+                raise self.ranks.fail(err) from err
+            return profile_ranks(compressed, config.layout, kwargs, rows, self.ranks)
+
         capabilities = replace(CompressedRunner.capabilities_for(config.cache.prefill_semantics),
                                prompt_logits=False, tensor_parallel_size=self.ranks.world_size)
-        return compressed.model, tokenizer, config, RunnerFactory(capabilities, build)
+        return compressed.model, tokenizer, config, RunnerFactory(capabilities, build, profile)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the other ranks and leave the process groups (idempotent)."""

@@ -48,3 +48,21 @@ def test_two_gpus_generate_what_one_generates(model_dir, mode):
     for i, (a, b) in enumerate(zip(expected, got, strict=True)):
         first = next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
         assert first is None, f"prompt {i}: the split model diverges at token {first}"
+
+
+def test_every_rank_profiles_and_the_plan_fits_each(model_dir):
+    """No kv_memory_gb: both ranks run the profile step in lockstep (runtime/core/memory_plan.py);
+    the pages planned from the tighter rank fit on each, and the largest step (every token's
+    logits: no prompt logprobs across ranks) runs without running out of memory."""
+    share = 0.5
+    config = EngineConfig(gpu_memory_utilization=share, max_num_seqs=8, max_num_batched_tokens=2048)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 151936, (n,), generator=gen).tolist() for n in (3000, 1500, 700, 40)]
+    with LLM(model_dir, shipped_spec("hadamard-int2"), device="cuda", config=config,
+             tokenizer=SpelledIdTokenizer(151936), tensor_parallel_size=2) as two:
+        pools = two.engine.page_manager
+        assert pools.max_seq_len() >= 4096  # one sequence of max_model_len fits, as the plan promised
+        outs = two.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+        assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+        free, total = torch.cuda.mem_get_info(0)  # rank 0's device: this process
+        assert total - free <= share * total + 2**30  # within the share (plus the CUDA context, outside it)

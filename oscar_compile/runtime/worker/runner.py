@@ -118,10 +118,17 @@ class ModelRunner(Protocol):
 class RunnerFactory:
     """A runner that is built after the page manager, from its page counts (the compressed
     runner allocates its pools from them), with the ``capabilities`` the page manager is built
-    for. ``build_engine`` checks that the runner built has them."""
+    for. ``build_engine`` checks that the runner built has them.
+
+    ``profile``: where one device's profile run is not enough, the memory profiles
+    (``core.memory_plan.MemoryProfile``) of every device of the runner, each measured by a
+    runner built over the page manager given (one sequence's pages) running the step of the
+    rows given (``core.memory_plan.largest_step``): the tensor-parallel ranks, in lockstep.
+    None: ``build_engine`` builds one and measures it (worker/memory_profile.py)."""
 
     capabilities: RunnerCapabilities
     build: Callable[[PageManager], ModelRunner]
+    profile: Callable[[PageManager, list], list] | None = None
 
     def __call__(self, page_manager: PageManager) -> ModelRunner:
         return self.build(page_manager)

@@ -6,6 +6,7 @@ import pytest
 
 from oscar_compile.cli.serve import engine_config, parse_args
 from oscar_compile.runtime.core.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     CacheConfig,
@@ -35,7 +36,7 @@ def test_the_facade_routes_each_keyword_to_its_frozen_config():
 def test_replace_keeps_the_other_settings():
     config = dataclasses.replace(EngineConfig(seed=3, max_num_batched_tokens=16), layout=None, cuda_graphs=False)
     assert (config.seed, config.max_num_batched_tokens, config.cuda_graphs) == (3, 16, False)
-    assert config.cache.gpu_memory_utilization is None  # reserved for the memory planner
+    assert config.cache.gpu_memory_utilization == DEFAULT_GPU_MEMORY_UTILIZATION == 0.9  # vLLM's default
 
 
 def test_checks_run_when_a_config_is_made():
@@ -55,6 +56,15 @@ def test_the_cli_leaves_defaults_to_the_configs():
     assert config.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
     flags = engine_config(parse_args(["--max-num-seqs", "5", "--no-overlap", "--prefix-hits", "sink"]))
     assert flags == EngineConfig(max_num_seqs=5, overlap_steps=False, prefix_hits="sink")
+
+
+def test_the_memory_flags_reach_the_cache_config():
+    config = engine_config(parse_args(["--gpu-memory-utilization", "0.75"]))
+    assert (config.cache.gpu_memory_utilization, config.cache.kv_memory_gb) == (0.75, None)
+    both = engine_config(parse_args(["--gpu-memory-utilization", "0.5", "--kv-memory", "3"]))
+    assert (both.gpu_memory_utilization, both.kv_memory_gb) == (0.5, 3.0)  # the override is kept beside it
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        engine_config(parse_args(["--gpu-memory-utilization", "0"]))
 
 
 def test_runners_declare_their_capabilities():
