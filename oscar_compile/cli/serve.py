@@ -24,7 +24,6 @@ import sys
 
 from oscar_compile.formats.prefill import DEFAULT_PREFILL_SEMANTICS, PREFILL_SEMANTICS
 from oscar_compile.runtime.core.config import (
-    DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_SWAP_SPACE_GB,
@@ -56,11 +55,13 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
                         help="share of the GPU's memory this server may fill (weights, the largest step, its "
                              "buffers and the KV cache, which gets what a profile run of the largest step leaves; "
                              "the share must be free at start); the start stops with an error when too little is "
-                             f"left (default: {DEFAULT_GPU_MEMORY_UTILIZATION}, as vLLM; not used on the CPU, which "
-                             "keeps --kv-memory or 1 GiB, nor with --kv-memory)")
+                             "left (default: off, half the free memory after the weights, until the profile run has "
+                             "run on a GPU; vLLM's default is 0.9; not used on the CPU, which keeps --kv-memory or "
+                             "1 GiB, nor with --kv-memory)")
     parser.add_argument("--kv-memory", type=float, metavar="GIB",
                         help="KV cache budget in GiB, overriding --gpu-memory-utilization's plan (default: the "
-                             "plan on a GPU, 1 GiB on the CPU)")
+                             "plan where --gpu-memory-utilization is given, else half the free GPU memory; 1 GiB "
+                             "on the CPU)")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int,
                         help=f"sequences running at once (default: {DEFAULT_MAX_NUM_SEQS})")

@@ -128,14 +128,15 @@ def _layout(model, cache: CacheConfig) -> CacheLayout:
 def _page_counts(config: EngineConfig, layout: CacheLayout, max_model_len: int, device: torch.device,
                  capabilities: RunnerCapabilities, make_runner: RunnerFactory | None, model=None) -> tuple[int, int]:
     """(window, quant) pages: the config's counts, else the plan of a budget: ``kv_memory_gb``
-    (an absolute override), else on CUDA what ``gpu_memory_utilization`` leaves after a profile
-    run of the runner ``make_runner`` builds (:func:`planned_kv_bytes`), else today's default."""
+    (an absolute override), else on CUDA what ``gpu_memory_utilization`` (when set) leaves after a
+    profile run of the runner ``make_runner`` builds (:func:`planned_kv_bytes`), else the default
+    (:func:`default_kv_memory_bytes`)."""
     cache = config.cache
     if cache.num_window_pages is not None:
         return cache.num_window_pages, cache.num_quant_pages
     if cache.kv_memory_gb is not None:
         kv_bytes = int(cache.kv_memory_gb * GIB)
-    elif device.type == "cuda" and make_runner is not None:
+    elif device.type == "cuda" and make_runner is not None and cache.gpu_memory_utilization is not None:
         kv_bytes = planned_kv_bytes(config, layout, max_model_len, device, capabilities, make_runner, model)
     else:
         kv_bytes = default_kv_memory_bytes(device)

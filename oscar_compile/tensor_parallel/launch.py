@@ -4,8 +4,10 @@ Every rank loads the whole model on the CPU (``RankSetup.load``, a picklable cal
 directory, or a seeded random-weight builder for benchmarks), keeps its slice
 (``shard.shard_model``), moves it to its device (``cuda:rank``, or the CPU) and compresses it with
 its slice of the rotations (``compress``: the same passes as one device, on a narrower model).
-Rank 0 then builds the engine. On CUDA without ``kv_memory_gb`` every rank first runs the memory
-plan's profile run in lockstep (``profile_ranks``): the smallest remainder sizes the pages. When
+Rank 0 then builds the engine. On CUDA with ``gpu_memory_utilization`` set (and no
+``kv_memory_gb``) every rank first runs the memory plan's profile run in lockstep
+(``profile_ranks``): the smallest remainder sizes the pages; with neither set, the smallest
+default budget of the ranks does (``_smallest_kv_budget``). When
 the block manager has sized the pools rank 0 sends the runner's arguments to the other ranks,
 which build the same ``CompressedRunner`` (same page ids, their own KV heads) and follow rank 0's
 steps (``oscar_compile.runtime.worker.tp_runner``).
@@ -34,7 +36,8 @@ import torch.distributed as dist
 from oscar_compile.artifact import Rotations
 from oscar_compile.compress import compress
 from oscar_compile.runtime.core.memory_plan import MemoryProfile, StepRow
-from oscar_compile.runtime.engine_config import EngineConfig, build_engine
+from oscar_compile.runtime.core.page_plan import GIB
+from oscar_compile.runtime.engine_config import EngineConfig, build_engine, default_kv_memory_bytes
 from oscar_compile.runtime.worker.compressed_runner import CompressedRunner, runner_kwargs
 from oscar_compile.runtime.worker.memory_profile import measure_step_memory, weight_bytes
 from oscar_compile.runtime.worker.runner import RunnerFactory
@@ -94,7 +97,18 @@ def prepare_rank(setup: RankSetup, ranks: RankGroup) -> tuple:
     device = torch.device("cuda", ranks.rank) if setup.device_type == "cuda" else torch.device("cpu")
     model.to(device)
     compressed, config, _ = compress(model, setup.spec, _rank_rotations(setup.rotations, report), setup.config)
+    cache = config.cache
+    if cache.kv_memory_gb is None and cache.gpu_memory_utilization is None and device.type == "cuda":
+        config = replace(config, kv_memory_gb=_smallest_kv_budget(device, ranks) / GIB)
     return compressed, tokenizer, config, report
+
+
+def _smallest_kv_budget(device: torch.device, ranks: RankGroup) -> int:
+    """The default KV budget (a share of free memory) of the rank with the least: every rank
+    allocates the page counts rank 0 plans, so rank 0's own budget could overfill another GPU."""
+    free = torch.tensor([default_kv_memory_bytes(device)], dtype=torch.int64, device=device)
+    dist.all_reduce(free, op=dist.ReduceOp.MIN, group=ranks.data_group)
+    return int(free.item())
 
 
 def profile_ranks(compressed, layout, kwargs: dict, rows: list[StepRow], ranks: RankGroup) -> list[MemoryProfile]:

@@ -277,7 +277,7 @@ def test_sampling_controls_on_cuda_with_overlapped_steps_and_cuda_graphs():
     for overlap in (True, False):
         llm = LLM(str(BUNDLED_MODEL_DIR), str(specs_dir() / "oscar-int2.yaml"),
                   str(BUNDLED_MODEL_DIR / "rotations" / "oscar-int2.safetensors"), device="cuda",
-                  config=EngineConfig(overlap_steps=overlap, gpu_memory_utilization=0.4))  # two alive at once
+                  config=EngineConfig(overlap_steps=overlap))
         assert llm.engine.overlap is overlap
         outputs[overlap] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         plain = llm.generate(prompts[:1], SamplingParams(max_tokens=30, temperature=0.0))[0].outputs[0].token_ids

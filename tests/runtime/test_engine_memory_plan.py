@@ -89,6 +89,17 @@ def test_kv_memory_overrides_the_plan():
     assert _counts(counts, profile=fake) == (7, 9) and fake.calls == []
 
 
+def test_without_a_share_cuda_keeps_todays_default(monkeypatch):
+    """The plan is opt-in until its profile run has run on a GPU: no share, no profile run."""
+    from oscar_compile.runtime import engine_config
+
+    monkeypatch.setattr(engine_config, "default_kv_memory_bytes", lambda device: 3 * GIB)
+    fake = FakeProfile(_own(6))
+    config = EngineConfig()
+    assert _counts(config, profile=fake) == _planned(3 * GIB, config)
+    assert fake.calls == []
+
+
 def test_the_cpu_keeps_todays_default():
     fake = FakeProfile(_own(6))
     config = EngineConfig(gpu_memory_utilization=0.5)
@@ -105,7 +116,7 @@ def test_tensor_parallel_plans_from_the_tightest_rank():
 
 def test_prompt_exact_staging_comes_out_of_the_share():
     caps = RunnerCapabilities(staging=True, prompt_logits=True, prefill_semantics="prompt-exact")
-    exact = EngineConfig(prefill_semantics="prompt-exact")
+    exact = EngineConfig(prefill_semantics="prompt-exact", gpu_memory_utilization=0.9)
     later = later_pool_bytes(exact.cache, LAYOUT, caps, MAX_MODEL_LEN)
     history_pages = LAYOUT.num_quant_pages_for(LAYOUT.num_history_tokens(MAX_MODEL_LEN))
     assert later["staging pages"] == history_pages * LAYOUT.window_page_bytes  # one prompt of the context length
@@ -120,7 +131,7 @@ def test_prompt_exact_staging_comes_out_of_the_share():
 def test_too_little_left_stops_the_start_with_the_numbers():
     one_seq = (LAYOUT.num_window_pages_per_seq * LAYOUT.window_page_bytes
                + LAYOUT.num_quant_pages_for(LAYOUT.num_history_tokens(MAX_MODEL_LEN)) * LAYOUT.quant_page_bytes)
-    config = EngineConfig()
+    config = EngineConfig(gpu_memory_utilization=0.9)
     later = sum(later_pool_bytes(config.cache, LAYOUT, CAPS, MAX_MODEL_LEN).values())
     in_use = int(0.9 * 16 * GIB) - later - one_seq  # leaves exactly one sequence
     assert _counts(config, profile=FakeProfile(_own_bytes(in_use)))[0] == LAYOUT.num_window_pages_per_seq
@@ -134,5 +145,5 @@ def test_a_rank_whose_share_is_not_free_stops_the_start():
     held = MemoryProfile(total=16 * GIB, before=9 * GIB, peak_in_use=10 * GIB, weights=2 * GIB)  # 7 GiB elsewhere
     with pytest.raises(InsufficientMemoryError, match=r"on rank 1 of 2: .*asks for 14\.40 GiB of 16\.00 GiB, but "
                                                       r"7\.00 GiB is held outside this engine.*utilization 0\.56"):
-        _counts(EngineConfig(), profile=FakeProfile(_own(6), held))
+        _counts(EngineConfig(gpu_memory_utilization=0.9), profile=FakeProfile(_own(6), held))
     assert _counts(EngineConfig(gpu_memory_utilization=0.5), profile=FakeProfile(_own(6), held))[1] > 0

@@ -260,7 +260,7 @@ def test_forked_choices_on_cuda_with_overlapped_steps_and_cuda_graphs():
             str(BUNDLED_MODEL_DIR),
             str(specs_dir() / "hadamard-int2.yaml"),
             device="cuda",
-            config=EngineConfig(overlap_steps=overlap, gpu_memory_utilization=0.4),  # two alive at once
+            config=EngineConfig(overlap_steps=overlap),
         )
         outputs[overlap] = [c.token_ids for o in llm.generate(prompts, params) for c in o.outputs]
         stats = llm.engine.stats()

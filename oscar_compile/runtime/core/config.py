@@ -26,7 +26,6 @@ from oscar_compile.formats.prefill import (
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_SWAP_SPACE_GB = 4.0
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # as vLLM's
 PREFIX_HITS = ("history", "sink", "snapshot")
 
 
@@ -40,11 +39,14 @@ class CacheConfig:
 
     layout: CacheLayout | None = None
     # the KV pages' budget, an absolute override; None: on CUDA what gpu_memory_utilization leaves
-    # after a profile run (core/memory_plan.py), on the CPU 1 GiB (bookkeeping: no pages there)
+    # after a profile run (core/memory_plan.py) when it is set, else half the free memory; on the
+    # CPU 1 GiB (bookkeeping: no pages there)
     kv_memory_gb: float | None = None
     # the share of the GPU's memory the engine may fill: weights, the largest step, the pools and
-    # the KV pages (vLLM's --gpu-memory-utilization); read on CUDA when kv_memory_gb is None
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    # the KV pages (vLLM's --gpu-memory-utilization, whose default is 0.9); read on CUDA when
+    # kv_memory_gb is None. None (the default) until the profile run has run on a GPU: the plan
+    # is written and tested on the CPU only (issue #39)
+    gpu_memory_utilization: float | None = None
     num_window_pages: int | None = None
     num_quant_pages: int | None = None
     expected_seq_len: int | None = None  # sizes the window / quant split of the budget (page_plan.py)
@@ -74,7 +76,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
             raise ValueError(f"kv_memory_gb must be > 0, got {self.kv_memory_gb}")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("prefill_staging_memory_gb", "num_staging_pages", "swap_space_gb"):
             value = getattr(self, name)

@@ -344,7 +344,7 @@ def test_structured_output_on_cuda_with_overlapped_steps_and_cuda_graphs():
     for overlap in (True, False):
         llm = LLM(str(BUNDLED_MODEL_DIR), str(specs_dir() / "oscar-int2.yaml"),
                   str(BUNDLED_MODEL_DIR / "rotations" / "oscar-int2.safetensors"), device="cuda",
-                  config=EngineConfig(overlap_steps=overlap, gpu_memory_utilization=0.4))  # two alive at once
+                  config=EngineConfig(overlap_steps=overlap))
         assert llm.engine.overlap is overlap and llm.engine.runner.graphs is not None
         replays = []
         run = llm.engine.runner.graphs.run

@@ -31,9 +31,8 @@ def _generate(tokenizer, spec, prompts, cuda_graphs: bool, max_tokens=40, overla
     # max_model_len 256: graphs plan the kernels for full-width page tables (256 tokens), eager
     # launches for the batch's longest; both stay below the first history split (4 blocks of 64
     # tokens), so they launch the same kernels, and float results can be compared bitwise
-    # a share of 0.3: the tests hold two engines at once (each plans its pages from its own share)
     config = EngineConfig(max_num_batched_tokens=1024, max_model_len=256, cuda_graphs=cuda_graphs,
-                          overlap_steps=overlap, gpu_memory_utilization=0.3)
+                          overlap_steps=overlap)
     llm = LLM(_model(len(tokenizer)), spec=spec, tokenizer=tokenizer, config=config)
     assert llm.engine.overlap is overlap
     params = params or SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -112,8 +111,7 @@ def test_decode_consistent_prefill_runs_on_the_gpu(tokenizer):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
     rows = []
     for budget in (1024, 16):
-        config = EngineConfig(max_num_batched_tokens=budget, max_model_len=256, prefill_semantics="decode-consistent",
-                              gpu_memory_utilization=0.3)  # the first engine is alive while the second starts
+        config = EngineConfig(max_num_batched_tokens=budget, max_model_len=256, prefill_semantics="decode-consistent")
         llm = LLM(_model(len(tokenizer)), spec=SPEC, tokenizer=tokenizer, config=config)
         assert llm.engine.runner.graphs.graphs  # captured: not fallen back to eager decoding
         (request,) = llm.generate([prompt], params)
