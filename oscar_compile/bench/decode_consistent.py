@@ -5,8 +5,8 @@ prints one JSON row per ``cached:chunk`` shape (a chunk of ``chunk`` new tokens 
 ones; 0:32768 is a whole 32k prompt): ms per layer of
 
 - ``decode_consistent_ms``: the Triton path as the caches run it
-  (``cache.decode_consistent.triton_decode_consistent_attention``: the views, then the kernel);
-- ``views_ms``: building the views alone (``packed_views``, as the Triton path builds them);
+  (``cache.decode_consistent.triton_decode_consistent_attention``: the band pre-pass, then the
+  paged kernel over the INT-b pages as stored);
 - ``prompt_exact_ms``: ``oscar::attention`` on the same call (the prompt-exact semantics);
 
 and ``peak_mib``, the memory the decode-consistent call allocates beyond what was held before
@@ -22,9 +22,8 @@ import json
 
 import torch
 
-from oscar_compile.bench.kernel_setup import BITS, CLIPS, GROUP, H_KV, H_Q, RECENT, SINK, D, chunk_args, time_ms
+from oscar_compile.bench.kernel_setup import CLIPS, H_KV, H_Q, RECENT, SINK, D, chunk_args, time_ms
 from oscar_compile.evaluation.result_file import save_json
-from oscar_compile.formats.op_args import POOLS, AttentionArgs
 from oscar_compile.kernels import ops
 
 DEFAULT_SHAPES = ("0:4096", "0:16384", "0:32768", "30720:2048")
@@ -34,22 +33,13 @@ def bench_shape(cached: int, chunk: int, reps: int = 5, device: str = "cuda") ->
     """One row (``device`` other than CUDA: a smoke test of this code under the interpreter)."""
     from oscar_compile.cache.decode_consistent import triton_decode_consistent_attention
     from oscar_compile.kernels.attention.prefill.attention_decode_consistent_ref import attention_decode_consistent_ref
-    from oscar_compile.kernels.attention.prefill.attention_decode_consistent_triton import packed_views
 
     dev = torch.device(device)
     args = chunk_args(cached, chunk, dev)
     dc_args = {**args, **CLIPS}
-    hists = [max(0, cached - SINK - RECENT)]
-    op = AttentionArgs(**args)
-    tables, pools = (op.window_table, op.quant_table), tuple(getattr(op, name) for name in POOLS)
-
-    def views():
-        packed_views(op.k, op.v, [0, chunk], [cached], hists, tables, pools, SINK, RECENT, BITS, GROUP, CLIPS["clip_k"],
-                     CLIPS["clip_v"], op.q.dtype)  # fmt: skip
 
     row = {"cached": cached, "chunk": chunk, "H_q": H_Q, "H_kv": H_KV, "D": D, "sink": SINK, "recent": RECENT}
     row["prompt_exact_ms"] = time_ms(lambda: ops.attention(**args), reps)
-    row["views_ms"] = time_ms(views, reps)
     row["decode_consistent_ms"] = time_ms(lambda: triton_decode_consistent_attention(**dc_args), reps)
     if dev.type == "cuda":
         torch.cuda.synchronize()

@@ -11,10 +11,11 @@ decode rows included: a decode row is the one-token case of the same rule (on th
 the same way; on CUDA by ``oscar::attention``, below), except in a captured CUDA graph of a decode
 step, which runs the graph's ops (``runtime/worker/compressed_runner.py``).
 
-The attention runs the Triton path on CUDA (:func:`triton_decode_consistent_attention`: the
-kernel of ``kernels/attention/prefill/attention_decode_consistent_triton.py``, flash-style over the reference's
-views, O(context) memory, for chunks; ``oscar::attention`` for decode rows) and the plain-torch
-reference elsewhere (:func:`decode_consistent_attention`).
+The attention runs the Triton path on CUDA (:func:`triton_decode_consistent_attention`: for chunks
+the kernel of ``kernels/attention/prefill/decode_consistent_paged_triton.py``, which reads the
+history from the INT-b pages as stored, with a pre-pass over the band of W + T positions, so no
+16-bit copy of a sequence's history is built; ``oscar::attention`` for decode rows) and the
+plain-torch reference elsewhere (:func:`decode_consistent_attention`).
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ def decode_consistent_attention(device: torch.device, use_triton: bool | None = 
 def triton_decode_consistent_attention(q, k, v, cu_seqlens, clip_k, clip_v, **rest) -> torch.Tensor:
     """The reference's call, one group of sequences at a time: those with one new token (decode
     rows) through ``oscar::attention``, whose one-token rows are the rule's (the decode step's own
-    kernels, without views of each sequence's whole context), longer chunks through the Triton
-    kernel. Triton is imported on first use (``import oscar_compile`` stays cheap)."""
-    from ..kernels.attention.prefill.attention_decode_consistent_triton import attention_decode_consistent_triton
+    kernels: a decode row's bits do not depend on whether a chunk shares its step), longer chunks
+    through the paged prefill kernel. Triton is imported on first use (``import oscar_compile``
+    stays cheap)."""
+    from ..kernels.attention.prefill.decode_consistent_paged_triton import attention_decode_consistent_paged_triton
 
     starts = cu_seqlens.tolist()
     counts = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
@@ -66,7 +68,7 @@ def triton_decode_consistent_attention(q, k, v, cu_seqlens, clip_k, clip_v, **re
         if decode:
             out[rows] = torch.ops.oscar.attention(*AttentionArgs(**args))
         else:
-            out[rows] = attention_decode_consistent_triton(**args, clip_k=clip_k, clip_v=clip_v)
+            out[rows] = attention_decode_consistent_paged_triton(**args, clip_k=clip_k, clip_v=clip_v)
     return out
 
 

@@ -46,8 +46,7 @@ def decode_consistent_views(
     """(window-precision view, history view) of positions 0..L+T-1, float32 [L + T, H_kv, D]; the
     history view is quantized from position S0 + h on (earlier history rows are stored already).
     ``kind``: "k" or "v", the byte order of the stored rows (code_layout_ref). Plain torch on the
-    tensors' device: the Triton path (attention_decode_consistent_triton) attends over the same
-    views."""
+    tensors' device."""
     sink, recent, bits, group_size, h = geometry
     cached = gather_cached(i, L, *tables, win, codes, scale, zero, sink, recent, bits, group_size, h, kind=kind)
     exact = torch.cat([cached, new.to(win.dtype).float()])

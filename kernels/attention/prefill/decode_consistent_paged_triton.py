@@ -2,8 +2,8 @@
 
 Semantics: attention_decode_consistent_ref (each new token at position p reads the sink and its
 recent window at window precision, everything older quantized, its own key and value as passed).
-The runtime's path today (attention_decode_consistent_triton) builds 16-bit copies of every
-sequence's whole history per call and layer; here the history stays in its INT-b pages:
+The path before (a kernel over packed views, deleted) built 16-bit copies of every sequence's
+whole history per call and layer; here the history stays in its INT-b pages:
 
     [0, min(S0, L))              sink, cached: window pages, exact, every row
     [S0, S0 + h)                 stored history: INT-b pages, quantized, every row
@@ -27,7 +27,7 @@ Deterministic mode (``ALIGNED``): one loop over key blocks at absolute positions
 through both versions, each row choosing key by key. A position reads the same operand from a
 page or from the band (band_triton's docstring), so a row's bits do not depend on the chunking.
 
-Numerics as attention_decode_consistent_triton's: dots in the window / q dtype with float32
+Numerics: dots in the window / q dtype with float32
 accumulation on the GPU (float32 and IEEE in the interpreter), dequantized history rounded once
 to the operand dtype, softmax in float32 base 2, the output rounded once to q.dtype. With one
 group per row (group_size = head_dim, Qwen3-8B's layers) the stored-history loop folds scale and
@@ -35,13 +35,11 @@ zero out of the tiles (``_attend_folded``): the dots take the codes themselves (
 which cut the 32k row from 54.6 to 31.9 ms on an H100 (bench/results/2026-12-05-h100-...). Not in
 deterministic mode, whose tiles must equal the band's dequantized operands.
 
-Status: a prototype beside the runtime (issue 39). On an H100 0.6x cuDNN at 8k (2.8x faster than
-the runtime's path), but 2.3x cuDNN and 3.0x flash at 128k, where the runtime's path is 1.4x
-faster (bench/results/2026-12-05-gpu-architecture-decode-host-time). Bounded by the per-element
-byte gather and decode of the history tiles on the CUDA cores (and register spills), not by the
-tensor cores; the Hopper path (wgmma fed from registers, issue 32's probes) is not written yet.
-The branch ``paged-prefill-runtime`` wires it into cache/decode_consistent.py; it waits for a GPU
-run of the runtime's tests and the end-to-end rows.
+Status: the runtime's chunk path (cache/decode_consistent.py). 0.6x cuDNN at 8k, but 2.3x cuDNN
+and 3.0x flash at 128k on an H100 (bench/results/2026-12-05-gpu-architecture-decode-host-time),
+bounded by the per-element byte gather and decode of the history tiles on the CUDA cores (and
+register spills), not by the tensor cores; the Hopper path (wgmma fed from registers, issue 32's
+probes) is not written yet.
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def test_decode_consistent_prefill_runs_on_the_gpu(tokenizer):
     graphs run the graph's own ops, the one-token case, with no host read in the capture): the
     graphs are captured, and a prompt's logprobs served in chunks of 16 tokens agree with the whole
     prompt's (mean difference 0.1: bf16 logits of a 0.3-initialised model, other GEMM shapes and
-    float orders; kernel exactness: tests/kernels/attention/prefill/test_attention_decode_consistent_triton.py)."""
+    float orders; kernel exactness: tests/kernels/attention/prefill/test_prefill_decode_consistent_paged.py)."""
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(1, len(tokenizer), (150,), generator=g).tolist()
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
