@@ -289,7 +289,8 @@ def test_snapshots_taken_inside_chunks_equal_those_at_cuts(setup):
 
         def recorded(schedule=schedule, chunks=chunks):
             out = schedule()
-            chunks += [n for s, n in zip(out.seqs, out.num_new_tokens, strict=True) if s.num_cached_tokens < len(prompt)]
+            rows = zip(out.seqs, out.num_new_tokens, strict=True)
+            chunks += [n for s, n in rows if s.num_cached_tokens < len(prompt)]
             return out
 
         scheduler.schedule = recorded
