@@ -87,6 +87,23 @@ class IdentityCache:
                 for r in range(self.layout.page_size):
                     store[(d, r)] = store.get((s, r), GARBAGE)
 
+    def take_snapshots(self, out) -> None:
+        """The window snapshots a step takes inside its chunks (``SchedulerOutput.snapshot_takes``),
+        as the runner does before the step's writes: the ring pages copied, then the chunk's
+        tokens of ``[max(L, S0, R - W), R)`` over their slots."""
+        S0, W, P = self.layout.sink, self.layout.recent, self.layout.page_size
+        for seq, take in out.snapshot_takes:
+            ring = seq.window_pages[self.layout.num_sink_pages:]
+            page_of = dict(zip(take.ring_pages, take.pages, strict=True))
+            for k, page in page_of.items():
+                for r in range(P):
+                    self.window[(page, r)] = self.window.get((ring[k], r), GARBAGE)
+            L, R = seq.num_cached_tokens, take.boundary
+            for pos in range(max(L, S0, R - W), R):
+                slot = (pos - S0) % W
+                if slot // P in page_of:
+                    self.window[(page_of[slot // P], slot % P)] = self.ident(seq, pos)
+
     def check(self, seq: Sequence) -> None:
         """Every cached position reads back its own identity."""
         h = self.bm.history_len(seq)
@@ -140,6 +157,7 @@ def run_scheduler(scheduler: Scheduler, cache: IdentityCache, vocab: int = 50,
         assert all(r < w.seq_id for r in arrivals for w in scheduler.waiting)
         stats["preempted"] += len(out.preempted)
         stats["max_batch_tokens"] = max(stats["max_batch_tokens"], out.num_batched_tokens)
+        cache.take_snapshots(out)  # before the writes, as the runner does in each layer
         for seq, num_new in zip(out.seqs, out.num_new_tokens, strict=True):
             assert num_new >= 1
             cache.write(seq, num_new)

@@ -123,9 +123,9 @@ def _gauge(text: str, name: str, **labels) -> float:
 
 
 def _prefill_and_fork(engine) -> None:
-    """Step until the prompt is in and its choices forked: one step, or two under decode-consistent
-    prefill, the default (a window snapshot's page boundary, 20 of 23 tokens, ends the first chunk)."""
-    for _ in range(2):
+    """Step until the prompt is in and its choices forked: one step (a window snapshot's boundary,
+    20 of 23 tokens under decode-consistent prefill, the default, cuts no chunk)."""
+    for _ in range(1):
         engine.step()
         if engine.stats()["fork_quant_pages_shared"]:
             return

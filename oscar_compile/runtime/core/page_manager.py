@@ -38,7 +38,8 @@ may also end at a page boundary R at which a sequence's ring pages were copied: 
 sink and the history ``[S0, R - W)``, and ``allocate`` returns the copy of the snapshot into its
 fresh ring pages. The state is then the standard one (``history_floor = 0``), so the hit is exact
 (R <= n - 1 only: the ring is restored, not recomputed). Without a snapshot such a hit stops at
-the sink.
+the sink. Snapshots are taken inside the step whose chunk passes their boundary
+(``plan_snapshots``) or after the one that ends there (``capture_snapshot``); they cut no chunk.
 
 Exactness: equal hashes mean equal tokens, hence equal K/V for an exact runner. With a quantized
 cache, a hit past the sink reads the shared history quantized where a miss would attend to those
@@ -87,7 +88,7 @@ from array import array
 
 from oscar_compile.formats.cache import CacheLayout
 from oscar_compile.runtime.core.page_pool import PagePool
-from oscar_compile.runtime.core.page_records import PageCopy, PrefixMatch, SwapCopy
+from oscar_compile.runtime.core.page_records import PageCopy, PrefixMatch, SnapshotTake, SwapCopy
 from oscar_compile.runtime.core.sequence import Sequence
 from oscar_compile.runtime.core.swap_space import SwapSpace
 from oscar_compile.runtime.core.window_snapshots import WindowSnapshots
@@ -280,16 +281,15 @@ class PageManager:
         seq.num_committed_blocks = max(seq.num_committed_blocks, num_final)
 
     def cut_chunk(self, seq: Sequence, num_cached: int, num_new: int) -> int:
-        """``num_new`` tokens after ``num_cached``, ended at the next window-snapshot boundary; in
-        deterministic mode, also by :meth:`make_deterministic`'s rules (0: none this step)."""
+        """``num_new`` tokens after ``num_cached``: the budget's cut, and in deterministic mode
+        :meth:`make_deterministic`'s rules (0: none this step). Window snapshots cut nothing (a
+        chunk that passes a boundary takes its snapshot inside its step: :meth:`plan_snapshots`)."""
         if not self.deterministic:
-            return num_new if self.snapshots is None else self.snapshots.cut(seq, num_cached, num_new)
+            return num_new
         prompt = seq.num_prompt_tokens
         if num_cached >= prompt:
             return min(num_new, 1)  # generated tokens, recomputed: one per step, as they were decoded
         whole = prompt - num_cached  # the chunk the budget does not cut
-        if self.snapshots is not None:
-            whole = self.snapshots.cut(seq, num_cached, whole)
         n = min(num_new, whole)
         if n < whole and whole - n == 1:
             n -= 1
@@ -300,12 +300,20 @@ class PageManager:
         rows do not depend on their chunk, but a one-token call runs the decode kernels (the
         CUDA-graph path), whose rounding differs. So a position is computed by a one-token call in
         every run or in none: a prompt of n >= 2 tokens is cut into chunks of at least 2 tokens,
-        whatever the budget, a hit and a snapshot boundary leave at least 2 of its tokens, and the
+        whatever the budget, a hit (and so a snapshot boundary) leaves at least 2 of its tokens, and the
         generated tokens of a recomputed sequence are fed one per step, as they were decoded. The
         budget (``max_num_batched_tokens``) must be at least 3."""
         self.deterministic = True
         if self.snapshots is not None:
             self.snapshots.min_tail = 2
+
+    def plan_snapshots(self, seq: Sequence, num_new_tokens: int) -> list[SnapshotTake]:
+        """The window snapshots ``seq``'s chunk of ``num_new_tokens`` takes inside its step, once
+        the step's admissions are done (window_snapshots.py, "Boundaries")."""
+        if self.snapshots is None or num_new_tokens < 2:
+            return []
+        self._update_hashes(seq)
+        return self.snapshots.plan(seq, num_new_tokens)
 
     def capture_snapshot(self, seq: Sequence) -> PageCopy | None:
         """After ``advance``: the copy of ``seq``'s ring into the snapshot at its cached length,

@@ -1,6 +1,7 @@
 """The plain records the page manager hands out: what an admission reuses (``PrefixMatch``) and
 the page copies the runner makes before the next forward (``PageCopy``: forked choices, window
-snapshots; ``SwapCopy``: host swap space). Their own module so that page_manager.py and
+snapshots; ``SwapCopy``: host swap space) and the window snapshots it takes inside a step
+(``SnapshotTake``). Their own module so that page_manager.py and
 window_snapshots.py, which both make them, need not import each other both ways."""
 
 from __future__ import annotations
@@ -39,3 +40,15 @@ class SwapCopy:
     offset: int
     window_pages: tuple[int, ...]
     quant_pages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SnapshotTake:
+    """A window snapshot taken inside a step (window_snapshots.py, "Boundaries"): the step's chunk
+    of a sequence passes ``boundary``, and the runner writes ring page ``ring_pages[j]`` (an index
+    into the ring) as it is when the cache holds ``boundary`` tokens into window page ``pages[j]``,
+    every layer, before the layer's cache write."""
+
+    boundary: int
+    ring_pages: tuple[int, ...]
+    pages: tuple[int, ...]

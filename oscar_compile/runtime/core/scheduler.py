@@ -23,10 +23,12 @@ choices will take reserved, and counts as n against ``max_num_seqs``; once its p
 ``fork`` puts the choices into ``running`` right after it (their seq_ids were reserved at its
 arrival, so the order below holds).
 
-Window snapshots (page_manager, "Window snapshots"; decode-consistent prefill only): chunks end
-at snapshot boundaries, ``advance`` returns the copies that take the snapshots and an admission
-at a snapshot leaves the copy that restores it in ``SchedulerOutput.page_copies``; the runner
-makes each before the next forward.
+Window snapshots (page_manager, "Window snapshots"; decode-consistent prefill only) cut no
+chunk: once the step's admissions are done, each chunk that passes a snapshot boundary gets the
+snapshots it takes inside the step (``SchedulerOutput.snapshot_takes``: its pages are the ones no
+admission wanted), ``advance`` returns the copies that take the snapshots where a chunk ends at a
+boundary, and an admission at a snapshot leaves the copy that restores it in
+``SchedulerOutput.page_copies``; the runner makes each before the next forward.
 
 Deterministic mode (``PageManager.make_deterministic``): ``cut_chunk`` may give a sequence 0
 tokens in a step (a chunk would hold or leave one prompt token); it then waits for the next step,
@@ -44,6 +46,7 @@ from dataclasses import dataclass, field
 
 from oscar_compile.runtime.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from oscar_compile.runtime.core.page_manager import PageCopy, PageManager, SwapCopy
+from oscar_compile.runtime.core.page_records import SnapshotTake
 from oscar_compile.runtime.core.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,8 @@ class SchedulerOutput:
     swap_out: list[SwapCopy] = field(default_factory=list)  # copy these out before the forward
     swap_in: list[SwapCopy] = field(default_factory=list)  # then these in
     page_copies: list[PageCopy] = field(default_factory=list)  # window snapshots into new rings: first of all
+    # window snapshots the forward takes inside chunks (window_snapshots.py, "Boundaries")
+    snapshot_takes: list[tuple[Sequence, SnapshotTake]] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)
@@ -125,6 +130,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:  # pages are short: let the preempted catch up before admitting
             self._schedule_waiting(out, budget)
+        for seq, num_new in zip(out.seqs, out.num_new_tokens, strict=True):  # after every admission
+            out.snapshot_takes += [(seq, take) for take in self.page_manager.plan_snapshots(seq, num_new)]
         return out
 
     def advance(self, out: SchedulerOutput) -> list[PageCopy]:

@@ -29,9 +29,17 @@ Boundaries. A sequence is snapshotted when its cache reaches a boundary R (a pag
 ``R > S0``): the last page boundary before its prompt's last token, ``(n - 1) // P * P`` (a resend
 recomputes at most one page), and every multiple of ``interval`` tokens (a longer shared prefix,
 a later turn or a recompute after preemption resumes within ``interval`` tokens of where its
-cached prefix ends). The scheduler ends chunks at boundaries (decode-consistent results do not
-depend on the chunking) and ``Scheduler.advance`` returns the capture copies, which the runner
-queues after the step that reached R and before the next forward writes the ring.
+cached prefix ends). Chunks follow the step's token budget alone: a boundary never cuts one.
+- A chunk ``[L, L + T)`` that passes R (``L < R < L + T``) takes the snapshot inside its step
+  (:meth:`WindowSnapshots.plan`, a ``SnapshotTake`` per boundary, planned once the step's
+  admissions are done): the state at R is the ring ``[R - W, R)``, whose positions below L are in
+  the ring before the step writes, and the others are the chunk's own keys and values. So the
+  runner, in every layer before its cache write, copies the ring pages into the snapshot's pages
+  and writes the chunk's tokens ``[max(L, S0, R - W), R)`` over their slots, rounded to the window
+  dtype as the write stores them: bitwise the snapshot a chunk ending at R would leave.
+- A chunk that ends at R leaves the state there: ``Scheduler.advance`` returns the copy of the
+  ring (:meth:`WindowSnapshots.capture`), which the runner queues after the step and before the
+  next forward writes the ring. (Decode rows reach their boundaries so.)
 
 Cost. A snapshot is W tokens at window precision: ``W / P`` window pages, as many bytes as the
 INT-b history of :func:`history_tokens_per_snapshot` tokens. At 8B (36 layers, 8 KV heads,
@@ -48,7 +56,7 @@ import math
 
 from oscar_compile.formats.cache import CacheLayout
 from oscar_compile.runtime.core.page_pool import PagePool
-from oscar_compile.runtime.core.page_records import PageCopy, PrefixMatch
+from oscar_compile.runtime.core.page_records import PageCopy, PrefixMatch, SnapshotTake
 from oscar_compile.runtime.core.sequence import Sequence
 
 
@@ -106,16 +114,9 @@ class WindowSnapshots:
         return (seq.num_prompt_tokens - self.min_tail) // P * P
 
     def leaves_tail(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether a chunk may end (or a hit resume) at ``num_tokens``: not within ``min_tail``
-        tokens before the prompt's end."""
+        """Whether a snapshot may be taken (and a hit resume) at ``num_tokens``: not within
+        ``min_tail`` tokens before the prompt's end."""
         return not 0 < seq.num_prompt_tokens - num_tokens < self.min_tail
-
-    def cut(self, seq: Sequence, num_cached: int, num_new: int) -> int:
-        """``num_new`` new tokens after ``num_cached``, ended at the first boundary inside the chunk."""
-        start = max(num_cached, self.layout.sink)
-        ends = ((start // self.interval + 1) * self.interval, self.prompt_end(seq))
-        inside = [end for end in ends if self.is_boundary(seq, end) and num_cached < end < num_cached + num_new]
-        return min(inside, default=num_cached + num_new) - num_cached
 
     def lookup(self, block_hash: bytes) -> tuple[int, ...] | None:
         """The pages of the snapshot at the end of block ``block_hash``, if every one is cached."""
@@ -152,11 +153,39 @@ class WindowSnapshots:
         """The copy of ``seq``'s ring into the snapshot at its cached length, if that is a boundary,
         the state there is standard (``num_history`` history tokens) and the snapshot is missing
         pages that the pool has room for (never waits: a snapshot is a cache)."""
-        layout, pool = self.layout, self.pool
         L = seq.num_cached_tokens
-        if not self.is_boundary(seq, L) or num_history != layout.num_history_tokens(L):
+        if not self.is_boundary(seq, L) or num_history != self.layout.num_history_tokens(L):
             return None
-        keys = [snapshot_hash(seq.block_hashes[L // layout.page_size - 1], k) for k in range(self.num_pages)]
+        taken = self._take(seq, L)
+        if taken is None:
+            return None
+        ring = seq.window_pages[self.layout.num_sink_pages :]
+        return PageCopy(tuple(ring[k] for k in taken.ring_pages), taken.pages, (), ())
+
+    def plan(self, seq: Sequence, num_new: int) -> list[SnapshotTake]:
+        """The snapshots ``seq``'s chunk of ``num_new`` tokens after its cached ones takes inside
+        its step: at the boundaries it passes before its end, where the state is standard
+        (module docstring, "Boundaries"). Call once the step's admissions are done: a snapshot
+        takes only pages that no admission wanted."""
+        layout, interval = self.layout, self.interval
+        L = seq.num_cached_tokens
+        ends = [*range((max(L, layout.sink) // interval + 1) * interval, L + num_new, interval), self.prompt_end(seq)]
+        takes = []
+        for end in sorted({end for end in ends if L < end < L + num_new}):
+            if self.is_boundary(seq, end) and (layout.num_history_tokens(end, seq.history_floor)
+                                               == layout.num_history_tokens(end)):
+                taken = self._take(seq, end)
+                if taken is not None:
+                    takes.append(taken)
+        return takes
+
+    def _take(self, seq: Sequence, boundary: int) -> SnapshotTake | None:
+        """Register fresh pages for the missing pages of the snapshot at ``boundary`` of ``seq``
+        (None: none missing, or no room). Their content is written before any later step's
+        forward or copy can read it: the capture's copy or the step's take is queued first."""
+        pool = self.pool
+        keys = [snapshot_hash(seq.block_hashes[boundary // self.layout.page_size - 1], k)
+                for k in range(self.num_pages)]
         present = [page for page in map(pool.lookup, keys) if page is not None]
         missing = [k for k, key in enumerate(keys) if pool.lookup(key) is None]
         num_evictable = sum(1 for page in present if pool.is_cached_unused(page))
@@ -164,11 +193,10 @@ class WindowSnapshots:
             return None
         for page in present:  # so that the fresh pages below do not evict them
             pool.acquire(page)
-        ring = seq.window_pages[layout.num_sink_pages :]
         dst = [pool.allocate() for _ in missing]
         for k, page in zip(missing, dst, strict=True):
             pool.register(page, keys[k])
         for page in present + dst:
             pool.release(page)
         self.num_captured += 1
-        return PageCopy(tuple(ring[k] for k in missing), tuple(dst), (), ())
+        return SnapshotTake(boundary, tuple(missing), tuple(dst))

@@ -36,6 +36,7 @@ from oscar_compile.kernels.determinism import deterministic as deterministic_mod
 from oscar_compile.kernels.pools import allocate_layer_pools
 from oscar_compile.runtime.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, RunnerCapabilities
 from oscar_compile.runtime.worker.runner import Batch, RunnerFactory
+from oscar_compile.runtime.worker.snapshot_takes import StepSnapshotTakes
 from oscar_compile.runtime.worker.staging import StagedStep, allocate_staging_pools
 from oscar_compile.runtime.worker.step_inputs import StepInputs
 from oscar_compile.runtime.worker.swapper import HostSwap
@@ -49,10 +50,11 @@ class StepCache(OscarCache):
     """One packed step of many sequences, seen through the cache protocol of the rewritten graphs."""
 
     def __init__(self, runner: CompressedRunner, inputs: dict[str, torch.Tensor], staged: StagedStep | None = None,
-                 graph_decode: bool = False):
+                 graph_decode: bool = False, takes: StepSnapshotTakes | None = None):
         super().__init__([None] * runner.num_layers)
         self.runner = runner
         self.staged = staged
+        self.takes = takes  # window snapshots taken inside the step's chunks, before each layer's write
         self.graph_decode = graph_decode  # the forward of a decode step's CUDA graph (warm-up or capture)
         self.cu = inputs["cu_seqlens"]
         self.cache_lens = inputs["cache_lens"]
@@ -69,6 +71,8 @@ class StepCache(OscarCache):
         pools = self.runner.pools[layer_idx]
         if layer.full_precision_pages:  # the quant table is a table of every token
             return (*flat, self.cu, self.cache_lens, self.quant_table, *pools, self.cu, None)
+        if self.takes is not None:  # before anything writes the ring
+            self.takes.take(flat[1], flat[2], *pools[:2])
         if self.staged is not None:  # staged rows run here, the graph's ops take the others
             return self.staged.layer_inputs(layer_idx, *flat, pools)
         inputs = (*flat, self.cu, self.cache_lens, self.window_table, self.quant_table, *pools, self.cu,
@@ -292,7 +296,7 @@ class CompressedRunner:
     def run(self, batch: Batch, pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[num_seqs, vocab]`` (then the ``Batch.logit_rows``' every token);
         ``pending_tokens``: see ``Batch.pending_rows``."""
-        if self.graphs is not None and not batch.logit_rows and self.graphs.can_run(batch):
+        if self.graphs is not None and not batch.logit_rows and not batch.snapshot_takes and self.graphs.can_run(batch):
             return self.graphs.run(batch, pending_tokens)
         if not self.inputs.fits(batch):
             self.inputs = self._step_inputs(max(batch.num_seqs, self.inputs.max_seqs),
@@ -304,23 +308,26 @@ class CompressedRunner:
                 raise RuntimeError("a staged batch reached a runner built without staging pages")
             staged = StagedStep(batch, inputs, self.layout, self.staging_pools, self.op_constants,
                                 self.scratch_window, self.scratch_quant, self.scratch_staging)
+        takes = StepSnapshotTakes(batch, self.device) if batch.snapshot_takes else None
         self.mark_forward()
         rows = inputs["cu_seqlens"][1:].long() - 1  # each sequence's last new token
         if batch.logit_rows:  # then every new token of the rows that score their prompt, and no other
             every = torch.tensor(batch.logit_row_positions(), dtype=torch.int64)
             rows = torch.cat([rows, every.to(self.device, non_blocking=True)])
-        return self.forward(inputs, rows, staged).float()
+        return self.forward(inputs, rows, staged, takes=takes).float()
 
     def mark_forward(self) -> None:
         if self.forward_started is not None:
             self.forward_started.record()
 
     def forward(self, inputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None,
-                staged: StagedStep | None = None, graph_decode: bool = False) -> torch.Tensor:
+                staged: StagedStep | None = None, graph_decode: bool = False,
+                takes: StepSnapshotTakes | None = None) -> torch.Tensor:
         """The model over one packed step: logits ``[N, vocab]`` of every new token, or of ``rows``
         only (the LM head of an 8k-token prefill chunk would otherwise make 8k x vocab logits).
-        ``graph_decode``: the forward a decode step's CUDA graph captures (cuda_graphs.py)."""
-        cache = StepCache(self, inputs, staged, graph_decode)
+        ``graph_decode``: the forward a decode step's CUDA graph captures (cuda_graphs.py);
+        ``takes``: the window snapshots the step takes inside its chunks (snapshot_takes.py)."""
+        cache = StepCache(self, inputs, staged, graph_decode, takes)
         kwargs = {self.cache_kwarg: cache}
         if rows is not None and self.keeps_logit_rows:
             kwargs["logits_to_keep"] = rows

@@ -138,6 +138,9 @@ def build_batch(out: SchedulerOutput, page_manager: PageManager, pending_src: di
         fields[name] = tuple(fields[name])
     if not any(fields["staging_tables"]):
         fields["staging_tables"] = ()
+    if out.snapshot_takes:
+        row_of = {id(seq): row for row, seq in enumerate(out.seqs)}
+        fields["snapshot_takes"] = tuple((row_of[id(seq)], take) for seq, take in out.snapshot_takes)
     return Batch(layout=page_manager.layout, **fields)
 
 

@@ -24,6 +24,7 @@ from oscar_compile.formats.cache import CacheLayout
 from oscar_compile.kernels.determinism import deterministic as deterministic_mode
 from oscar_compile.runtime.core.config import RunnerCapabilities
 from oscar_compile.runtime.core.page_manager import PageManager
+from oscar_compile.runtime.core.page_records import SnapshotTake
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,11 @@ class Batch:
     - ``logit_rows``: rows whose every new token's logits the runner returns too, after the
       ``num_seqs`` last-token rows, row by row in this order (``logit_row_offsets``). Only runners
       with ``capabilities.prompt_logits`` get them.
+    - ``snapshot_takes``: ``(row, SnapshotTake)`` pairs, the window snapshots row's chunk takes
+      inside the step (core/window_snapshots.py, "Boundaries"): in every layer, before its cache
+      write, the runner writes the ring pages as they are at the take's boundary into the take's
+      pages (``worker/snapshot_takes.py``). Only runners with ``capabilities.page_copies`` get
+      them (a runner that keeps no page content has nothing to take).
     """
 
     seq_ids: list[int]
@@ -72,6 +78,7 @@ class Batch:
     staging_tables: tuple[Seq[int], ...] = ()
     staging_ends: tuple[int, ...] = ()
     logit_rows: tuple[int, ...] = ()
+    snapshot_takes: tuple[tuple[int, SnapshotTake], ...] = ()
 
     @property
     def num_seqs(self) -> int:

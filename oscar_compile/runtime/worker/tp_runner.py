@@ -140,7 +140,7 @@ class StepEncoder:
         return dict(seq_ids=batch.seq_ids, token_ids=batch.token_ids, cache_lens=batch.cache_lens,
                     history_lens=batch.history_lens, pending_rows=batch.pending_rows,
                     pending_src=batch.pending_src, staging_ends=batch.staging_ends,
-                    num_pending_tokens=num_pending_tokens, **tables)
+                    snapshot_takes=batch.snapshot_takes, num_pending_tokens=num_pending_tokens, **tables)
 
 
 class StepDecoder:
@@ -159,7 +159,8 @@ class StepDecoder:
                      cache_lens=message["cache_lens"], history_lens=message["history_lens"],
                      context_token_ids=[()] * len(message["seq_ids"]), layout=self.layout,
                      pending_rows=message["pending_rows"], pending_src=message["pending_src"],
-                     staging_tables=staging, staging_ends=message["staging_ends"], **tables)
+                     staging_tables=staging, staging_ends=message["staging_ends"],
+                     snapshot_takes=message["snapshot_takes"], **tables)
 
 
 class TensorParallelRunner:

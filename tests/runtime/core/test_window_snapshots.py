@@ -44,6 +44,7 @@ def step(scheduler: Scheduler, cache: IdentityCache) -> list[int]:
     out = scheduler.schedule()
     for copy in out.page_copies:
         cache.copy_pages(copy)
+    cache.take_snapshots(out)
     for seq, num_new in zip(out.seqs, out.num_new_tokens, strict=True):
         cache.write(seq, num_new)
     for copy in scheduler.advance(out):
@@ -61,12 +62,51 @@ def prefill(scheduler: Scheduler, cache: IdentityCache, seq: Sequence) -> list[i
     return chunks
 
 
-def test_chunks_end_at_the_interval_and_at_the_prompts_last_page():
-    bm = make_bm()
-    scheduler = Scheduler(bm, max_num_batched_tokens=1000)
-    seq = Sequence(list(range(150)), SamplingParams(max_tokens=1))
-    assert prefill(scheduler, IdentityCache(bm), seq) == [64, 64, 16, 6]  # 64, 128, then 149 // 16 * 16
-    assert bm.snapshots.num_captured == 3
+def test_chunks_follow_the_budget_and_pass_boundaries_with_snapshots_inside():
+    """2000 tokens, a budget of 512, snapshots every 256: chunks of 512 (not cut at 256s); the
+    boundaries inside a chunk are taken in its step, those at a chunk's end after it."""
+    bm = make_bm(num_window=64, num_quant=200, interval=256)
+    scheduler = Scheduler(bm, max_num_batched_tokens=512)
+    cache = IdentityCache(bm, standard_only=True)
+    seq = Sequence(list(range(2000)), SamplingParams(max_tokens=1))
+    scheduler.add(seq)
+    chunks, inside = [], []
+    while seq.num_cached_tokens < seq.num_tokens:
+        out = scheduler.schedule()
+        inside += [take.boundary for _, take in out.snapshot_takes]
+        cache.take_snapshots(out)
+        for s, n in zip(out.seqs, out.num_new_tokens, strict=True):
+            cache.write(s, n)
+        for copy in scheduler.advance(out):
+            cache.copy_pages(copy)
+        chunks += out.num_new_tokens
+    assert chunks == [512, 512, 512, 464]
+    assert inside == [256, 768, 1280, 1792, 1984]  # 1984 = 1999 // 16 * 16, the prompt's last page
+    assert bm.snapshots.num_captured == 8  # and 512, 1024, 1536 after their steps
+    scheduler.finish(seq, FinishReason.LENGTH)
+    for R in (256, 512, 1792, 1984):  # a prompt sharing [0, R + 1) resumes at R, the ring restored
+        other = Sequence(list(range(R + 1)) + [7] * 5, SamplingParams(max_tokens=1))
+        assert prefill(scheduler, cache, other) == [6]  # cache.check: every position its own identity
+        assert other.num_prefix_cached_tokens == R
+        scheduler.finish(other, FinishReason.LENGTH)
+    check_page_invariants(bm, [])
+
+
+def test_a_snapshot_inside_a_chunk_holds_what_one_at_a_cut_holds():
+    """The identity of every slot of every snapshot page, taken inside chunks (budget 100) and at
+    cuts (budget 16: every boundary ends a chunk), stale slots of a ring not yet full included."""
+    contents = []
+    for budget in (100, 16):
+        bm = make_bm(interval=32)
+        scheduler = Scheduler(bm, max_num_batched_tokens=budget)
+        cache = IdentityCache(bm)
+        prefill(scheduler, cache, Sequence(list(range(150)), SamplingParams(max_tokens=1)))
+        hashes = Sequence(list(range(150)), SamplingParams(max_tokens=1))
+        bm._update_hashes(hashes)
+        pages = {R: bm.snapshots.lookup(hashes.block_hashes[R // P - 1]) for R in (32, 64, 96, 128, 144)}
+        assert all(p is not None for p in pages.values())
+        contents.append({R: [cache.window.get((p, r)) for p in ps for r in range(P)] for R, ps in pages.items()})
+    assert contents[0] == contents[1]
 
 
 @pytest.mark.parametrize("num_tokens", [150, 144, 145, 40, 33])  # 33: a ring not yet full
@@ -124,7 +164,7 @@ def test_snapshots_are_evicted_before_an_admission_waits():
     assert bm.window_pool.num_cached >= 2 * bm.snapshots.num_pages  # whole snapshots kept
     for seq in (Sequence([3] * 100, SamplingParams(max_tokens=1)), Sequence([4] * 100, SamplingParams(max_tokens=1))):
         scheduler.add(seq)
-    assert step(scheduler, cache) == [64, 64]  # both admitted (chunks end at the interval)
+    assert step(scheduler, cache) == [100, 100]  # both admitted (a snapshot cuts no chunk)
     assert bm.window_pool.num_used == 6 and bm.window_pool.num_evictions >= 4
     assert bm.snapshots.num_captured == 3  # the first's: no room left for theirs, and none waited
 

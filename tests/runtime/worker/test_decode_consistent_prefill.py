@@ -201,9 +201,12 @@ SINK_AND_WINDOW = 4 + 8  # S0 + W: a hit past this resumes with history pages an
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_a_resent_prompt_resumes_at_its_snapshot(setup, deterministic):
     """The resend resumes at the snapshot taken at its prompt's last page boundary (44 of 45
-    tokens) and computes one token: what the prompt gives alone on a fresh engine, bitwise. In
-    deterministic mode the boundary leaves 2 prompt tokens (PageManager.make_deterministic: a
-    one-token call runs the decode kernels), so it is 40."""
+    tokens; inside the last chunk, [32, 45)) and computes one token: what the prompt gives alone
+    on a fresh engine. In deterministic mode the boundary leaves 2 prompt tokens
+    (PageManager.make_deterministic: a one-token call runs the decode kernels), so it is 40, and
+    the resend equals the miss bitwise. In the default mode a row's rounding depends on its chunk
+    (the miss computes position 44 in a 13-token chunk, the resend alone): the same tokens, the
+    logprobs a float rounding apart."""
     expected = setup[3]
     prompt = _prompts(400, [45], seed=6)[0]
     (alone,), _ = _run(_llm(setup, deterministic=deterministic), [prompt])
@@ -212,7 +215,11 @@ def test_a_resent_prompt_resumes_at_its_snapshot(setup, deterministic):
     (again,), (seq,) = _run(llm, [prompt])
     assert seq.num_cached_prompt_tokens == (40 if deterministic else 44) > SINK_AND_WINDOW
     assert llm.engine.stats()["window_snapshot_hits"] == 1
-    assert again == first == alone
+    assert first == alone
+    if deterministic:
+        assert again == first
+    else:
+        assert again[0] == first[0] and again[1] == pytest.approx(first[1], abs=1e-5)
     _assert_equal(again, expected(prompt))
 
 
@@ -263,3 +270,37 @@ def test_snapshots_follow_the_config(setup):
         _llm(setup, snapshot_interval=6)
     with pytest.raises(ValueError, match="snapshot_interval"):
         EngineConfig(prefill_semantics=DECODE_CONSISTENT, snapshot_interval=0)
+
+
+def test_snapshots_taken_inside_chunks_equal_those_at_cuts(setup):
+    """Snapshots every 8 tokens of a 45-token prompt, in deterministic mode (batch-invariant
+    linears: a token's keys and values do not depend on its chunk, so the snapshots can be compared
+    bitwise across chunkings): with a budget of 16 the chunks follow the budget (16, 16, 13) and
+    the snapshots at 8, 24 and 40 (the prompt's last boundary that leaves 2 tokens) are taken inside
+    them; with a budget of 4 every boundary ends a chunk. Each snapshot's pages hold the same bits
+    in every layer, and both engines serve what generate() gives."""
+    expected = setup[3]
+    prompt = _prompts(400, [45], seed=9)[0]
+    contents = {}
+    for budget in (16, 4):
+        llm = _llm(setup, snapshot_interval=8, max_num_batched_tokens=budget, deterministic=True)
+        scheduler, chunks = llm.engine.scheduler, []
+        schedule = scheduler.schedule
+
+        def recorded(schedule=schedule, chunks=chunks):
+            out = schedule()
+            rows = zip(out.seqs, out.num_new_tokens, strict=True)
+            chunks += [n for s, n in rows if s.num_cached_tokens < len(prompt)]
+            return out
+
+        scheduler.schedule = recorded
+        (got,), (seq,) = _run(llm, [prompt])
+        _assert_equal(got, expected(prompt))
+        assert chunks == ([16, 16, 13] if budget == 16 else [4] * 10 + [3, 2])
+        snapshots, pools = llm.engine.page_manager.snapshots, llm.engine.runner.pools
+        pages = {R: snapshots.lookup(seq.block_hashes[R // 4 - 1]) for R in (8, 16, 24, 32, 40)}
+        assert all(p is not None for p in pages.values()), pages
+        contents[budget] = {R: [pool[list(p)].clone() for layer in pools for pool in layer[:2]]
+                            for R, p in pages.items()}
+    for R, want in contents[4].items():
+        assert all(torch.equal(a, b) for a, b in zip(contents[16][R], want, strict=True)), R
