@@ -4,6 +4,8 @@ B prompts of ``prompt_len`` random tokens each generate ``output_len`` tokens (g
 ignored) on the same random-weight model, through:
 - ``oscar-int2`` / ``oscar-bf16``: ``LLM(model, spec)`` - the whole runtime (scheduler, chunked
   prefill, compressed runner with CUDA graphs, sampler, detokenizer);
+- ``oscar-int2-prompt-exact`` / ``oscar-int2-no-prefix-caching``: the INT2 runtime with prompt-exact
+  prefill, or with prefix caching off (``INT2_VARIANTS``);
 - ``hf-cb``: ``model.generate_batch`` - transformers' own continuous batching (paged attention
   with its own CUDA graphs), on the plain model.
 Reported per run: wall time, output tokens/s over the whole run (prefill included), and per-user
@@ -159,8 +161,9 @@ def per_user_rate(arrivals: list[list[float]]) -> float | None:
 
 
 def run_runtime(model, spec, prompts, output_len: int, kv_memory_gb: float, max_batched_tokens: int,
-                overlap: bool = True) -> dict:
-    """One batch through ``LLM(model, spec)``; ``model`` is rewritten in place (use a fresh one)."""
+                overlap: bool = True, **engine_settings) -> dict:
+    """One batch through ``LLM(model, spec)``; ``model`` is rewritten in place (use a fresh one).
+    ``engine_settings``: further ``EngineConfig`` fields (a variant system's)."""
     from oscar_compile.runtime import LLM, SamplingParams
     from oscar_compile.runtime.engine_config import EngineConfig
 
@@ -169,7 +172,7 @@ def run_runtime(model, spec, prompts, output_len: int, kv_memory_gb: float, max_
     config = EngineConfig(kv_memory_gb=kv_memory_gb, max_num_seqs=max(batch, 1),
                           max_num_batched_tokens=max_batched_tokens,
                           max_model_len=prompt_len + output_len + 1, expected_seq_len=prompt_len + output_len,
-                          overlap_steps=overlap)
+                          overlap_steps=overlap, **engine_settings)
     llm = LLM(model, spec=spec, tokenizer=SpelledIdTokenizer(vocab), config=config)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     # compile the kernels and capture the decode graph of this batch size, on other tokens (no prefix hits)
@@ -202,20 +205,37 @@ def run_hf_continuous_batching(model, prompts, output_len: int) -> dict:
                 errors=[o.error for o in outs.values() if o.error][:3])
 
 
+# Variants of the INT2 runtime (the prefill issue's rows): EngineConfig fields on top of the defaults.
+INT2_VARIANTS = {
+    "oscar-int2-prompt-exact": dict(prefill_semantics="prompt-exact"),
+    "oscar-int2-no-prefix-caching": dict(enable_prefix_caching=False),
+}
+SYSTEMS = ("oscar-int2", "oscar-bf16", "hf-cb", "oscar-int2-sync", "oscar-bf16-sync", *INT2_VARIANTS)
+DEFAULT_SYSTEMS = ("oscar-int2", "oscar-bf16", "hf-cb")
+
+
+def _system_runs(spec_of_mode: dict) -> dict:
+    """System name -> (spec, overlap, EngineConfig fields); spec None is transformers' own batching."""
+    runs = {f"oscar-{mode}": (spec, True, {}) for mode, spec in spec_of_mode.items()}
+    runs["hf-cb"] = (None, True, {})
+    runs.update({f"oscar-{mode}-sync": (spec, False, {}) for mode, spec in spec_of_mode.items()})
+    if "int2" in spec_of_mode:
+        runs.update({name: (spec_of_mode["int2"], True, settings) for name, settings in INT2_VARIANTS.items()})
+    return runs
+
+
 def e2e_rows(make_model, spec_of_mode: dict, batches: list[int], prompt_len: int, output_len: int,
              kv_memory_gb: float, max_batched_tokens: int, time_limit_s: float, keep=print,
              systems: list[str] | None = None) -> list[dict]:
     """Every system at every batch size; a system skips its remaining sizes once it has used
     ``time_limit_s`` (the row says so), so one slow system cannot eat the whole run. ``keep``
-    sees each row as soon as it is measured; ``systems`` picks some of oscar-int2, oscar-bf16, hf-cb
-    and oscar-int2-sync / oscar-bf16-sync (the runtime with overlapped steps off, for comparison);
-    by default the first three."""
+    sees each row as soon as it is measured; ``systems`` picks some of ``SYSTEMS`` (the *-sync
+    ones: the runtime with overlapped steps off; the INT2 variants: prompt-exact prefill, prefix
+    caching off), in the order given; by default ``DEFAULT_SYSTEMS``."""
     rows = []
-    every = [(f"oscar-{mode}", spec) for mode, spec in spec_of_mode.items()] + [("hf-cb", None)]
-    every += [(f"oscar-{mode}-sync", spec) for mode, spec in spec_of_mode.items()]  # overlap off
-    for name, spec in every:
-        if (systems and name not in systems) or (not systems and name.endswith("-sync")):
-            continue
+    runs = _system_runs(spec_of_mode)
+    for name in [name for name in systems or DEFAULT_SYSTEMS if name in runs]:
+        spec, overlap, settings = runs[name]
         spent = 0.0
         for batch in batches:
             row = dict(system=name, batch=batch, prompt_len=prompt_len, output_len=output_len)
@@ -231,7 +251,7 @@ def e2e_rows(make_model, spec_of_mode: dict, batches: list[int], prompt_len: int
                     row.update(run_hf_continuous_batching(model, prompts, output_len))
                 else:
                     row.update(run_runtime(model, spec, prompts, output_len, kv_memory_gb, max_batched_tokens,
-                                           overlap=not name.endswith("-sync")))
+                                           overlap=overlap, **settings))
             except Exception as exc:  # a failing system is a result too; keep measuring the others
                 row["error"] = f"{type(exc).__name__}: {exc}"[:500]
             spent += time.perf_counter() - start

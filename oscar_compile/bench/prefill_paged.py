@@ -12,11 +12,10 @@ chunk of ``chunk`` tokens ends at ``context`` (cached = context - chunk). ms per
   ``torch.nn.attention.bias.causal_lower_right(chunk, context)`` per backend (``cudnn`` runs with
   the mask materialized once, outside the timing: the CausalBias only dispatches to flash or
   efficient; ``flash`` and ``efficient`` through the CausalBias);
-- ``views_triton_ms``: today's path (``cache.decode_consistent``: packed_views, then the kernel);
 
 ``x_cudnn`` / ``x_best_sdpa`` the ratios, ``tflops`` of each over the causal work
-(4 H_q D per (row, key) pair), ``rel_err`` of the paged op against today's path (both against the
-same reference semantics; the dense reference cannot hold these shapes). ``--sweep`` times tile
+(4 H_q D per (row, key) pair). Its agreement with the reference is the GPU test's
+(tests/kernels/attention/prefill); the dense reference cannot hold these shapes. ``--sweep`` times tile
 configs of the paged kernel at the first context first and keeps the fastest.
 """
 
@@ -27,7 +26,7 @@ import json
 
 import torch
 
-from oscar_compile.bench.kernel_setup import CLIPS, H_KV, H_Q, D, chunk_args, rel_err, time_ms
+from oscar_compile.bench.kernel_setup import CLIPS, H_KV, H_Q, D, chunk_args, time_ms
 from oscar_compile.evaluation.result_file import save_json
 
 SWEEP = [dict(block_rows=64, block_n=64, num_warps=4, num_stages=2), dict(block_rows=128, block_n=64, num_warps=8,
@@ -78,7 +77,7 @@ def sdpa_rows(chunk: int, context: int, reps: int, dev) -> dict:
     return out
 
 
-def bench_context(context: int, chunk: int, reps: int, tiles: dict, old: bool) -> dict:
+def bench_context(context: int, chunk: int, reps: int, tiles: dict) -> dict:
     from oscar_compile.kernels.attention.prefill.decode_consistent_paged_triton import (
         attention_decode_consistent_paged_triton as paged,
     )
@@ -93,7 +92,7 @@ def bench_context(context: int, chunk: int, reps: int, tiles: dict, old: bool) -
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     held = torch.cuda.memory_allocated()
-    got = paged(**args, **tiles)
+    paged(**args, **tiles)
     row["paged_peak_mib"] = (torch.cuda.max_memory_allocated() - held) / 2**20
     sdpa = sdpa_rows(chunk, context, reps, dev)
     row["sdpa_ms"] = sdpa
@@ -104,15 +103,6 @@ def bench_context(context: int, chunk: int, reps: int, tiles: dict, old: bool) -
     if best:
         row["x_best_sdpa"] = row["paged_ms"] / best
     row["tflops"] = {"paged": work / row["paged_ms"] / 1e9, **{k: work / t / 1e9 for k, t in times.items()}}
-    if old:
-        from oscar_compile.cache.decode_consistent import triton_decode_consistent_attention
-
-        try:
-            row["views_triton_ms"] = time_ms(lambda: triton_decode_consistent_attention(**args), max(2, reps // 3))
-            row["rel_err_vs_views_triton"] = rel_err(got, triton_decode_consistent_attention(**args))
-        except Exception as e:  # e.g. out of memory at long contexts: said so
-            row["views_triton_ms"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
-        torch.cuda.empty_cache()
     return row
 
 
@@ -140,7 +130,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--chunk", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--sweep", action="store_true", help="pick the paged kernel's tiles first")
-    parser.add_argument("--no-old", action="store_true", help="skip today's packed_views path")
     parser.add_argument("--out", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     tiles, rows = dict(SWEEP[3]), []  # the fastest of the sweep on an H100 (2026-12-05)
@@ -149,7 +138,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows += [{"sweep": r} for r in sweep_rows]
     for context in args.contexts:
         try:
-            rows.append(bench_context(context, args.chunk, args.reps, tiles, not args.no_old))
+            rows.append(bench_context(context, args.chunk, args.reps, tiles))
         except Exception as e:  # one context's failure leaves the others' rows
             rows.append({"context": context, "error": f"{type(e).__name__}: {str(e)[:500]}"})
         print(json.dumps(rows[-1]), flush=True)

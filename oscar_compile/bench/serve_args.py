@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from oscar_compile.bench.e2e import DEFAULT_SYSTEMS, SYSTEMS
+
 
 def build_parser(description: str, shapes: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m oscar_compile.bench.serve", description=description)
@@ -22,9 +24,9 @@ def build_parser(description: str, shapes: list[str]) -> argparse.ArgumentParser
     parser.add_argument("--e2e-time-limit", type=float, default=240.0,
                         help="seconds one system may spend before it skips its remaining batch sizes")
     parser.add_argument("--e2e-systems", nargs="+",
-                        choices=("oscar-int2", "oscar-bf16", "hf-cb", "oscar-int2-sync", "oscar-bf16-sync"),
-                        help="end-to-end systems to run "
-                             "(default: oscar-int2 oscar-bf16 hf-cb; *-sync: overlapped steps off)")
+                        choices=SYSTEMS, help="end-to-end systems to run, in this order (default: "
+                        f"{' '.join(DEFAULT_SYSTEMS)}; *-sync: overlapped steps off; oscar-int2-prompt-exact: "
+                        "prompt-exact prefill; oscar-int2-no-prefix-caching: prefix caching off)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill token budget per step (e2e)")
     parser.add_argument("--compare-unfused", action="store_true",
                         help="also time decode steps of models rewritten without the fused elementwise ops")

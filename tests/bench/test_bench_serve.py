@@ -25,6 +25,29 @@ def test_serve_benchmark_smoke(tmp_path, capsys):
     assert "max seqs" in capsys.readouterr().out
 
 
+def test_int2_variant_systems_run_with_their_engine_settings(tmp_path, monkeypatch):
+    import oscar_compile.runtime as runtime
+
+    made = []
+
+    class RecordingLLM(runtime.LLM):
+        def __init__(self, *args, config=None, **kwargs):
+            made.append(config)
+            super().__init__(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(runtime, "LLM", RecordingLLM)
+    out = tmp_path / "serve.json"
+    systems = ["oscar-int2-no-prefix-caching", "oscar-int2-prompt-exact"]
+    assert main(["--shapes", "tiny", "--device", "cpu", "--parts", "e2e", "--e2e-batches", "2", "--e2e-prompt", "40",
+                 "--e2e-output", "3", "--e2e-kv-memory", "0.01", "--e2e-systems", *systems, "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["e2e"]
+    assert [r["system"] for r in rows] == systems  # the order given
+    assert all("error" not in r and r["generated_tokens"] == 2 * 3 for r in rows), rows
+    no_cache, exact = made
+    assert not no_cache.enable_prefix_caching and no_cache.prefill_semantics == "decode-consistent"
+    assert exact.enable_prefix_caching and exact.prefill_semantics == "prompt-exact"
+
+
 class _Event:
     """A CUDA event stand-in at time t (ms) on the device clock."""
 

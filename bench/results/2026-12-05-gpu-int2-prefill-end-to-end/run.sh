@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Device calls for the prefill issue (#39): the paged decode-consistent prefill in the runtime and
+# window snapshots taken inside chunks. The GPU tests of what changed, the kernel rows, and the
+# end-to-end and TTFT rows of the INT2 mode and the BF16 mode, on this tree and on the landed tree
+# 707afb2 (.carry-base: its tree without the bundled model), one after the other on one machine.
+# From the repository root, .carry-base carried:
+#   PART=1 BUDGET_S=570 bash bench/results/2026-12-05-gpu-int2-prefill-end-to-end/run.sh
+set -u
+HERE=bench/results/2026-12-05-gpu-int2-prefill-end-to-end
+R=$OUT/r$PART; mkdir -p "$R"
+{ echo "tree: ${TREE:-?} (base: 707afb2)"; nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.total --format=csv;
+  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"; } > "$R/device.txt" 2>&1
+T_END=$(( $(date +%s) + ${BUDGET_S:-570} ))
+step() {  # step NAME SECONDS DIR CMD...: in DIR, at most SECONDS and never past T_END; results tarred after each
+  local name=$1 limit=$2 dir=$3; shift 3
+  local t0=$(date +%s); local left=$(( T_END - t0 - 10 ))
+  if [ "$left" -lt 20 ]; then echo "$name skipped: out of time" >> "$R/steps.txt"; return; fi
+  [ "$left" -lt "$limit" ] && limit=$left
+  echo "\$ (cd $dir) $*" > "$R/$name.log"
+  (cd "$dir" && PYTHONUNBUFFERED=1 PYTHONPATH=$PWD timeout "$limit" "$@") >> "$R/$name.log" 2>&1; local rc=$?
+  echo "$name rc=$rc ${limit}s-limit took=$(( $(date +%s) - t0 ))s" >> "$R/steps.txt"
+  (cd "$OUT" && tar -czf results$PART.tgz r$PART)
+}
+P="python3 -m pytest -q -rs --tb=short -p no:cacheprovider"
+E2E="python3 -m oscar_compile.bench.serve --shapes 8b --parts e2e --e2e-batches 1 32 --e2e-prompt 8192 --e2e-output 256 --e2e-kv-memory 60 --max-num-batched-tokens 8192"
+TTFT="python3 -m oscar_compile.bench.serve --shapes 8b --parts ttft --ttft-contexts 32768 131072 --kv-memory 40"
+case "$PART" in
+1)
+  step tests_gpu 150 . $P -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/worker tests/runtime/test_deterministic_gpu.py
+  step kernel 60 . python3 -m oscar_compile.bench.prefill_paged --contexts 8192 32768 131072 --reps 5 --out "$R/prefill_paged.json"
+  step sweep 45 . python3 $HERE/tile_sweep.py 32768 "$R/sweep.json"
+  step e2e_new 170 . $E2E --e2e-systems oscar-int2 oscar-bf16 --e2e-time-limit 100 --out "$R/e2e_new.json"
+  step e2e_base 150 .carry-base $E2E --e2e-systems oscar-int2 --e2e-time-limit 100 --out "$R/e2e_base.json" ;;
+2)
+  step ttft_new 200 . $TTFT --out "$R/ttft_new.json"
+  step ttft_base 150 .carry-base $TTFT --out "$R/ttft_base.json"
+  step e2e_variants 200 . $E2E --e2e-systems oscar-int2-no-prefix-caching oscar-int2-prompt-exact --e2e-time-limit 90 --out "$R/e2e_variants.json" ;;
+esac
+cd "$OUT" && tar -czf results$PART.tgz r$PART && rm -rf r$PART; tar -xzOf results$PART.tgz r$PART/steps.txt
