@@ -20,6 +20,7 @@ plain-torch reference elsewhere (:func:`decode_consistent_attention`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from itertools import accumulate
 
@@ -42,47 +43,72 @@ def decode_consistent_attention(device: torch.device, use_triton: bool | None = 
     return triton_decode_consistent_attention if use_triton else attention_decode_consistent_ref
 
 
-def triton_decode_consistent_attention(q, k, v, cu_seqlens, clip_k, clip_v, **rest) -> torch.Tensor:
-    """The reference's call, one group of sequences at a time: those with one new token (decode
-    rows) through ``oscar::attention``, whose one-token rows are the rule's (the decode step's own
-    kernels: a decode row's bits do not depend on whether a chunk shares its step), longer chunks
-    through the paged prefill kernel. Triton is imported on first use (``import oscar_compile``
-    stays cheap)."""
-    from ..kernels.attention.prefill.decode_consistent_paged_triton import attention_decode_consistent_paged_triton
+# One kind of a call's rows: (decode rows?, the rows of q / k / v, their cu_seqlens; None: the call's own)
+RowPart = tuple[bool, "slice | torch.Tensor", "torch.Tensor | None"]
 
-    starts = cu_seqlens.tolist()
-    counts = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
-    out = torch.zeros_like(q)
+
+def split_rows(counts: list[int], put: Callable[[list[int], torch.dtype], torch.Tensor]) -> list[RowPart]:
+    """A call's rows by kind, from its sequences' new-token counts on the host: decode rows (one new
+    token), then chunk rows. ``put`` makes a device tensor of a host list; the runner builds the
+    split once per step with a copy that does not wait on the stream, so no layer reads lengths
+    back from the device."""
+    starts = list(accumulate(counts, initial=0))
+    parts: list[RowPart] = []
     for decode in (True, False):
         keep = [n if (n == 1) == decode else 0 for n in counts]
         if not any(keep):
             continue
         if keep == counts:  # the whole call: no gather
-            rows, cu = slice(0, starts[-1]), cu_seqlens
+            parts.append((decode, slice(0, starts[-1]), None))
         else:
-            rows = torch.tensor(
-                [a + t for a, n in zip(starts[:-1], keep, strict=True) for t in range(n)], device=q.device
-            )
-            cu = torch.tensor(list(accumulate(keep, initial=0)), dtype=torch.int32, device=q.device)
-        args = dict(q=q[rows], k=k[rows], v=v[rows], cu_seqlens=cu, **rest)
+            rows = [a + t for a, n in zip(starts[:-1], keep, strict=True) for t in range(n)]
+            parts.append((decode, put(rows, torch.int64), put(list(accumulate(keep, initial=0)), torch.int32)))
+    return parts
+
+
+def triton_decode_consistent_attention(q, k, v, cu_seqlens, clip_k, clip_v, parts: list[RowPart] | None = None,
+                                       **rest) -> torch.Tensor:
+    """The reference's call, one kind of rows at a time (``parts``, by default split from
+    ``cu_seqlens`` read back to the host): those with one new token (decode rows) through
+    ``oscar::attention``, whose one-token rows are the rule's (the decode step's own kernels: a
+    decode row's bits do not depend on whether a chunk shares its step), longer chunks through the
+    paged prefill kernel. Triton is imported on first use (``import oscar_compile`` stays cheap)."""
+    from ..kernels.attention.prefill.decode_consistent_paged_triton import attention_decode_consistent_paged_triton
+
+    if parts is None:
+        starts = cu_seqlens.tolist()
+        counts = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
+        parts = split_rows(counts, lambda xs, dtype: torch.tensor(xs, dtype=dtype, device=q.device))
+    out = None
+    for decode, rows, cu in parts:
+        args = dict(q=q[rows], k=k[rows], v=v[rows], cu_seqlens=cu_seqlens if cu is None else cu, **rest)
         if decode:
-            out[rows] = torch.ops.oscar.attention(*AttentionArgs(**args))
+            got = torch.ops.oscar.attention(*AttentionArgs(**args))
         else:
-            out[rows] = attention_decode_consistent_paged_triton(**args, clip_k=clip_k, clip_v=clip_v)
-    return out
+            got = attention_decode_consistent_paged_triton(**args, clip_k=clip_k, clip_v=clip_v)
+        if cu is None:  # the whole call
+            return got
+        if out is None:
+            out = torch.zeros_like(q)
+        out[rows] = got
+    return torch.zeros_like(q) if out is None else out
 
 
 def run_decode_consistent(
-    inputs: tuple, layer: LayerFormat, scale: float, clip_k: float, clip_v: float, use_triton: bool | None = None
+    inputs: tuple, layer: LayerFormat, scale: float, clip_k: float, clip_v: float, use_triton: bool | None = None,
+    parts: list[RowPart] | None = None,
 ) -> tuple[torch.Tensor, tuple]:
     """Attend and write the new tokens of ``inputs`` (a windowed layer's ``layer_input_names``
     tuple) decode-consistently -> (output [N, H_q, D], the inputs of an empty chunk for the graph).
-    ``use_triton``: see :func:`decode_consistent_attention`."""
+    ``use_triton``: see :func:`decode_consistent_attention`; ``parts``: the Triton path's row
+    split (:func:`split_rows`), when the caller has it from the host."""
     part = dict(zip(layer_input_names(layer), inputs, strict=True))
     q, k, v = part["q"], part["k"], part["v"]
     cache = {name: part[name] for name in CacheWriteArgs._fields if name in part and name not in ("k", "v")}
     window = dict(sink=layer.sink, recent=layer.recent, bits=layer.bits, group_size=layer.group_size)
     attend = decode_consistent_attention(q.device, use_triton)
+    if attend is triton_decode_consistent_attention and parts is not None:
+        attend = functools.partial(attend, parts=parts)
     out = attend(q=q, k=k, v=v, scale=scale, clip_k=clip_k, clip_v=clip_v, **cache, **window)
     cache["cu_seqlens"] = part["write_cu"]
     torch.ops.oscar.cache_write(*CacheWriteArgs(k=k, v=v, clip_k=clip_k, clip_v=clip_v, **cache, **window))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from oscar_compile.cache.contract import layer_input_names
-from oscar_compile.cache.decode_consistent import run_decode_consistent
+from oscar_compile.cache.decode_consistent import run_decode_consistent, split_rows
 from oscar_compile.formats.cache import LayerFormat
 from oscar_compile.kernels.testing import build_case, random_kv
 
@@ -21,13 +21,18 @@ NEW = [50, 1, 45, 1, 0, 1]
 LAYER = LayerFormat(sink=16, recent=32, page_size=16, bits=2, group_size=32, scale_dtype="float16")
 
 
-def _step(case, q, k, v, use_triton: bool):
+def _put(values, dtype):
+    return torch.tensor(values, dtype=dtype)
+
+
+def _step(case, q, k, v, use_triton: bool, parts=None):
     cu = torch.tensor([0] + NEW).cumsum(0).to(torch.int32)
     named = dict(q=q, k=k, v=v, cu_seqlens=cu, cache_lens=case.cache_lens, window_table=case.window_table,
                  quant_table=case.quant_table, **case.pools._asdict(), write_cu=cu,
                  history_lens=case.history_lens)  # fmt: skip
     inputs = tuple(named[name] for name in layer_input_names(LAYER))
-    out, empty = run_decode_consistent(inputs, LAYER, 64**-0.5, case.clip_k, case.clip_v, use_triton=use_triton)
+    out, empty = run_decode_consistent(inputs, LAYER, 64**-0.5, case.clip_k, case.clip_v, use_triton=use_triton,
+                                       parts=parts)
     assert dict(zip(layer_input_names(LAYER), empty, strict=True))["q"].shape[0] == 0
     return out
 
@@ -40,8 +45,21 @@ def test_triton_path_equals_the_reference_path():
                       torch.float32, seed=4, extra_tokens=max(NEW), hits=[0, 16, 64, 0, 48, 100])  # fmt: skip
     gen = torch.Generator().manual_seed(6)
     q, k, v = (random_kv(sum(NEW), h, 64, gen, torch.float32) for h in (4, 2, 2))
-    ref_case, triton_case = copy.deepcopy(case), copy.deepcopy(case)
+    ref_case, triton_case, split_case = copy.deepcopy(case), copy.deepcopy(case), copy.deepcopy(case)
     want = _step(ref_case, q, k, v, use_triton=False)
     got = _step(triton_case, q, k, v, use_triton=True)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
     assert all(torch.equal(a, b) for a, b in zip(triton_case.pools, ref_case.pools, strict=True))
+    # the runner's split, made on the host once per step, gives the same bits as the one read back
+    split = _step(split_case, q, k, v, use_triton=True, parts=split_rows(NEW, _put))
+    assert torch.equal(split, got)
+
+
+def test_split_rows_from_host_counts():
+    (decode, rows_d, cu_d), (chunk, rows_c, cu_c) = split_rows(NEW, _put)
+    assert decode and not chunk
+    assert rows_d.tolist() == [50, 96, 97] and cu_d.tolist() == [0, 0, 1, 1, 2, 2, 3]
+    assert rows_c.tolist() == [*range(50), *range(51, 96)] and cu_c.tolist() == [0, 50, 50, 95, 95, 95, 95]
+    assert [(d, r, c) for d, r, c in split_rows([1, 0, 1], _put)] == [(True, slice(0, 2), None)]  # no gather
+    assert [(d, r, c) for d, r, c in split_rows([7, 3], _put)] == [(False, slice(0, 10), None)]
+    assert split_rows([0, 0], _put) == []

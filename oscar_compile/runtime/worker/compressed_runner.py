@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from oscar_compile.cache.decode_consistent import run_decode_consistent
+from oscar_compile.cache.decode_consistent import RowPart, run_decode_consistent, split_rows
 from oscar_compile.cache.hf_cache import OscarCache
 from oscar_compile.cache.op_constants import OpConstants
 from oscar_compile.formats.cache import CacheLayout, LayerFormat
@@ -50,12 +50,14 @@ class StepCache(OscarCache):
     """One packed step of many sequences, seen through the cache protocol of the rewritten graphs."""
 
     def __init__(self, runner: CompressedRunner, inputs: dict[str, torch.Tensor], staged: StagedStep | None = None,
-                 graph_decode: bool = False, takes: StepSnapshotTakes | None = None):
+                 graph_decode: bool = False, takes: StepSnapshotTakes | None = None,
+                 row_parts: list[RowPart] | None = None):
         super().__init__([None] * runner.num_layers)
         self.runner = runner
         self.staged = staged
         self.takes = takes  # window snapshots taken inside the step's chunks, before each layer's write
         self.graph_decode = graph_decode  # the forward of a decode step's CUDA graph (warm-up or capture)
+        self.row_parts = row_parts  # decode-consistent rows by kind, split on the host once per step
         self.cu = inputs["cu_seqlens"]
         self.cache_lens = inputs["cache_lens"]
         self.history_lens = inputs["history_lens"]
@@ -82,7 +84,8 @@ class StepCache(OscarCache):
         if self.runner.decode_consistent is None or self.graph_decode:
             return inputs
         c = self.runner.decode_consistent[layer_idx]  # every row runs here, the graph's ops get an empty chunk
-        self._outputs[layer_idx], inputs = run_decode_consistent(inputs, layer, c.scale, c.clip_k, c.clip_v)
+        self._outputs[layer_idx], inputs = run_decode_consistent(inputs, layer, c.scale, c.clip_k, c.clip_v,
+                                                                 parts=self.row_parts)
         return inputs
 
     def oscar_layer_outputs(self, layer_idx: int, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -309,12 +312,16 @@ class CompressedRunner:
             staged = StagedStep(batch, inputs, self.layout, self.staging_pools, self.op_constants,
                                 self.scratch_window, self.scratch_quant, self.scratch_staging)
         takes = StepSnapshotTakes(batch, self.device) if batch.snapshot_takes else None
+        parts = None
+        if self.decode_consistent is not None and self.device.type == "cuda":
+            parts = split_rows([len(ids) for ids in batch.token_ids],
+                               lambda values, dtype: to_device(values, dtype, self.device))
         self.mark_forward()
         rows = inputs["cu_seqlens"][1:].long() - 1  # each sequence's last new token
         if batch.logit_rows:  # then every new token of the rows that score their prompt, and no other
             every = torch.tensor(batch.logit_row_positions(), dtype=torch.int64)
             rows = torch.cat([rows, every.to(self.device, non_blocking=True)])
-        return self.forward(inputs, rows, staged, takes=takes).float()
+        return self.forward(inputs, rows, staged, takes=takes, row_parts=parts).float()
 
     def mark_forward(self) -> None:
         if self.forward_started is not None:
@@ -322,12 +329,13 @@ class CompressedRunner:
 
     def forward(self, inputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None,
                 staged: StagedStep | None = None, graph_decode: bool = False,
-                takes: StepSnapshotTakes | None = None) -> torch.Tensor:
+                takes: StepSnapshotTakes | None = None, row_parts: list[RowPart] | None = None) -> torch.Tensor:
         """The model over one packed step: logits ``[N, vocab]`` of every new token, or of ``rows``
         only (the LM head of an 8k-token prefill chunk would otherwise make 8k x vocab logits).
         ``graph_decode``: the forward a decode step's CUDA graph captures (cuda_graphs.py);
-        ``takes``: the window snapshots the step takes inside its chunks (snapshot_takes.py)."""
-        cache = StepCache(self, inputs, staged, graph_decode, takes)
+        ``takes``: the window snapshots the step takes inside its chunks (snapshot_takes.py);
+        ``row_parts``: the decode-consistent row split (cache.decode_consistent.split_rows)."""
+        cache = StepCache(self, inputs, staged, graph_decode, takes, row_parts)
         kwargs = {self.cache_kwarg: cache}
         if rows is not None and self.keeps_logit_rows:
             kwargs["logits_to_keep"] = rows

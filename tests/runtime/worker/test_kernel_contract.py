@@ -66,6 +66,9 @@ class KernelCache:
                         torch.tensor([L], dtype=torch.int32), window, quant, *self.pools,
                         self.layout.sink, self.layout.recent, 2, D, 1.0, 1.0, self._history_lens(seq))
 
+    def take_snapshots(self, out) -> None:
+        assert not out.snapshot_takes  # these page managers keep no window snapshots
+
     def check(self, seq: Sequence) -> None:
         L = seq.num_cached_tokens
         window, quant = self._tables(seq)
