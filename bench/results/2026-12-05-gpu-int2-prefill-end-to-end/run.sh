@@ -23,17 +23,18 @@ step() {  # step NAME SECONDS DIR CMD...: in DIR, at most SECONDS and never past
 }
 P="python3 -m pytest -q -rs --tb=short -p no:cacheprovider"
 E2E="python3 -m oscar_compile.bench.serve --shapes 8b --parts e2e --e2e-batches 1 32 --e2e-prompt 8192 --e2e-output 256 --e2e-kv-memory 60 --max-num-batched-tokens 8192"
-TTFT="python3 -m oscar_compile.bench.serve --shapes 8b --parts ttft --ttft-contexts 32768 131072 --kv-memory 40"
+TTFT="python3 -m oscar_compile.bench.serve --shapes 8b --parts ttft --kv-memory 40"
 case "$PART" in
-1)
-  step tests_gpu 150 . $P -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/worker tests/runtime/test_deterministic_gpu.py
-  step kernel 60 . python3 -m oscar_compile.bench.prefill_paged --contexts 8192 32768 131072 --reps 5 --out "$R/prefill_paged.json"
-  step sweep 45 . python3 $HERE/tile_sweep.py 32768 "$R/sweep.json"
+1)  # the first call: whatever comes after it may not get a machine
+  step tests_gpu 140 . $P -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/worker tests/runtime/test_deterministic_gpu.py
   step e2e_new 170 . $E2E --e2e-systems oscar-int2 oscar-bf16 --e2e-time-limit 100 --out "$R/e2e_new.json"
+  step kernel 50 . python3 -m oscar_compile.bench.prefill_paged --contexts 8192 32768 131072 --reps 5 --out "$R/prefill_paged.json"
+  step ttft_new 100 . $TTFT --ttft-contexts 32768 --out "$R/ttft_new.json"
   step e2e_base 150 .carry-base $E2E --e2e-systems oscar-int2 --e2e-time-limit 100 --out "$R/e2e_base.json" ;;
 2)
-  step ttft_new 200 . $TTFT --out "$R/ttft_new.json"
-  step ttft_base 150 .carry-base $TTFT --out "$R/ttft_base.json"
-  step e2e_variants 200 . $E2E --e2e-systems oscar-int2-no-prefix-caching oscar-int2-prompt-exact --e2e-time-limit 90 --out "$R/e2e_variants.json" ;;
+  step ttft_new 200 . $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_new.json"
+  step ttft_base 150 .carry-base $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_base.json"
+  step e2e_variants 150 . $E2E --e2e-systems oscar-int2-no-prefix-caching oscar-int2-prompt-exact --e2e-time-limit 70 --out "$R/e2e_variants.json"
+  step sweep 45 . python3 $HERE/tile_sweep.py 32768 "$R/sweep.json" ;;
 esac
 cd "$OUT" && tar -czf results$PART.tgz r$PART && rm -rf r$PART; tar -xzOf results$PART.tgz r$PART/steps.txt
