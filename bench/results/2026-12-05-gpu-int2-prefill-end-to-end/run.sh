@@ -29,7 +29,7 @@ case "$PART" in
   step tests_gpu 140 . $P -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/worker tests/runtime/test_deterministic_gpu.py
   step e2e_new 170 . $E2E --e2e-systems oscar-int2 oscar-bf16 --e2e-time-limit 100 --out "$R/e2e_new.json"
   step kernel 50 . python3 -m oscar_compile.bench.prefill_paged --contexts 8192 32768 131072 --reps 5 --out "$R/prefill_paged.json"
-  step ttft_new 100 . $TTFT --ttft-contexts 32768 --out "$R/ttft_new.json"
+  step ttft_new 130 . $TTFT --ttft-contexts 32768 --out "$R/ttft_new.json"
   step e2e_base 150 .carry-base $E2E --e2e-systems oscar-int2 --e2e-time-limit 100 --out "$R/e2e_base.json" ;;
 2)
   step ttft_new 200 . $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_new.json"
