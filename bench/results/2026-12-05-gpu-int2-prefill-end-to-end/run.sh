@@ -3,9 +3,11 @@
 # window snapshots taken inside chunks. The GPU tests of what changed, the kernel rows, and the
 # end-to-end and TTFT rows of the INT2 mode and the BF16 mode, on this tree and on the landed tree
 # 707afb2 (.carry-base: its tree without the bundled model), one after the other on one machine.
-# From the repository root, .carry-base carried:
+# From the repository root, .carry-base and .whl (the wheels the device lacks: pydantic and the
+# server's) carried:
 #   PART=1 BUDGET_S=570 bash bench/results/2026-12-05-gpu-int2-prefill-end-to-end/run.sh
 set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 HERE=bench/results/2026-12-05-gpu-int2-prefill-end-to-end
 R=$OUT/r$PART; mkdir -p "$R"
 { echo "tree: ${TREE:-?} (base: 707afb2)"; nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.total --format=csv;
@@ -17,7 +19,7 @@ step() {  # step NAME SECONDS DIR CMD...: in DIR, at most SECONDS and never past
   if [ "$left" -lt 20 ]; then echo "$name skipped: out of time" >> "$R/steps.txt"; return; fi
   [ "$left" -lt "$limit" ] && limit=$left
   echo "\$ (cd $dir) $*" > "$R/$name.log"
-  (cd "$dir" && PYTHONUNBUFFERED=1 PYTHONPATH=$PWD timeout "$limit" "$@") >> "$R/$name.log" 2>&1; local rc=$?
+  (cd "$dir" && PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD timeout "$limit" "$@") >> "$R/$name.log" 2>&1; local rc=$?
   echo "$name rc=$rc ${limit}s-limit took=$(( $(date +%s) - t0 ))s" >> "$R/steps.txt"
   (cd "$OUT" && tar -czf results$PART.tgz r$PART)
 }
@@ -25,6 +27,12 @@ P="python3 -m pytest -q -rs --tb=short -p no:cacheprovider"
 E2E="python3 -m oscar_compile.bench.serve --shapes 8b --parts e2e --e2e-batches 1 32 --e2e-prompt 8192 --e2e-output 256 --e2e-kv-memory 60 --max-num-batched-tokens 8192"
 TTFT="python3 -m oscar_compile.bench.serve --shapes 8b --parts ttft --kv-memory 40"
 case "$PART" in
+0)  # the session's last device time: the tests of the changed path, then the end-to-end rows
+  step tests_gpu 100 . $P -m gpu tests/kernels/attention/prefill/test_prefill_decode_consistent_paged.py tests/cache \
+    tests/runtime/worker/test_cuda_graphs.py tests/runtime/test_deterministic_gpu.py
+  step e2e_new 170 . $E2E --e2e-systems oscar-int2 oscar-bf16 --e2e-time-limit 100 --out "$R/e2e_new.json"
+  step kernel 40 . python3 -m oscar_compile.bench.prefill_paged --contexts 8192 32768 131072 --reps 5 --out "$R/prefill_paged.json"
+  step ttft_new 130 . $TTFT --ttft-contexts 32768 --out "$R/ttft_new.json" ;;
 1)  # the first call: whatever comes after it may not get a machine
   step tests_gpu 140 . $P -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/worker tests/runtime/test_deterministic_gpu.py
   step e2e_new 170 . $E2E --e2e-systems oscar-int2 oscar-bf16 --e2e-time-limit 100 --out "$R/e2e_new.json"
