@@ -33,6 +33,9 @@ case "$PART" in
   step e2e_new 170 . $E2E --e2e-systems oscar-int2 oscar-bf16 --e2e-time-limit 100 --out "$R/e2e_new.json"
   step kernel 40 . python3 -m oscar_compile.bench.prefill_paged --contexts 8192 32768 131072 --reps 5 --out "$R/prefill_paged.json"
   step ttft_new 130 . $TTFT --ttft-contexts 32768 --out "$R/ttft_new.json" ;;
+8)  # the shortest call: the runtime's GPU tests of the chunk path, then the kernel's as far as they get
+  step tests_runtime 70 . $P -m gpu tests/runtime/worker/test_cuda_graphs.py tests/cache
+  step tests_kernel 60 . $P -m gpu tests/kernels/attention/prefill/test_prefill_decode_consistent_paged.py ;;
 9)  # a last call of a few minutes: the kernel's GPU tests, then batch 32 of both modes
   step tests_gpu 80 . $P -x -m gpu tests/kernels/attention/prefill/test_prefill_decode_consistent_paged.py tests/cache
   step e2e_new 170 . ${E2E/--e2e-batches 1 32/--e2e-batches 32} --e2e-systems oscar-int2 oscar-bf16 --out "$R/e2e_new.json" ;;
