@@ -178,15 +178,20 @@ def attention_ref(
     return attend_over_cache(q, k, v, cu_seqlens, cache_lens, scale, gather)
 
 
+def sequences_with_new_tokens(cu_seqlens, cache_lens):
+    """(i, cached length L, first row a, end row b) of each sequence with new tokens, read on the
+    host (the references' loop)."""
+    cu = cu_seqlens.tolist()
+    for i, L in enumerate(cache_lens.tolist()):
+        if cu[i] < cu[i + 1]:
+            yield i, L, cu[i], cu[i + 1]
+
+
 def attend_over_cache(q, k, v, cu_seqlens, cache_lens, scale: float, gather) -> torch.Tensor:
     """Each sequence's new tokens attend to ``gather(i, L)`` (its cached keys and values, float32
     [L, H_kv, D]) plus their own chunk, causally. q: [N, H_q, D] -> [N, H_q, D] in q.dtype."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    cu = cu_seqlens.tolist()
-    for i, L in enumerate(cache_lens.tolist()):
-        a, b = cu[i], cu[i + 1]
-        if a == b:
-            continue
+    for i, L, a, b in sequences_with_new_tokens(cu_seqlens, cache_lens):
         kc, vc = gather(i, L)
         keys = torch.cat([kc, k[a:b].float()], dim=0)
         vals = torch.cat([vc, v[a:b].float()], dim=0)

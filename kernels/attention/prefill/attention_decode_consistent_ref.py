@@ -27,7 +27,12 @@ from __future__ import annotations
 import torch
 
 from oscar_compile import quant
-from oscar_compile.kernels.attention.decode.attention_ref import INVARIANT_KEY_BLOCK, INVARIANT_ROW_GROUP, gather_cached
+from oscar_compile.kernels.attention.decode.attention_ref import (
+    INVARIANT_KEY_BLOCK,
+    INVARIANT_ROW_GROUP,
+    gather_cached,
+    sequences_with_new_tokens,
+)
 from oscar_compile.kernels.determinism import is_deterministic
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, check_window_config, history_lens_of
 
@@ -91,11 +96,7 @@ def attention_decode_consistent_ref(
     hists = history_lens_of(cache_lens, history_lens, sink, recent)
     tables = (window_table, quant_table)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    cu = cu_seqlens.tolist()
-    for i, L in enumerate(cache_lens.tolist()):
-        a, b = cu[i], cu[i + 1]
-        if a == b:
-            continue
+    for i, L, a, b in sequences_with_new_tokens(cu_seqlens, cache_lens):
         geometry = (sink, recent, bits, group_size, hists[i])
         k_exact, k_hist = decode_consistent_views(
             i, L, k[a:b], k_win, k_codes, k_scale, k_zero, tables, geometry, clip_k, "k"
