@@ -32,7 +32,10 @@ from oscar_compile.evaluation.result_file import save_json
 SWEEP = [dict(block_rows=64, block_n=64, num_warps=4, num_stages=2), dict(block_rows=128, block_n=64, num_warps=8,
          num_stages=2), dict(block_rows=128, block_n=64, num_warps=8, num_stages=1),
          dict(block_rows=128, block_n=32, num_warps=4, num_stages=2), dict(block_rows=64, block_n=32, num_warps=4,
-         num_stages=2), dict(block_rows=128, block_n=64, num_warps=8, num_stages=2, fold=False)]  # fmt: skip
+         num_stages=2), dict(block_rows=128, block_n=64, num_warps=8, num_stages=2, fold=False),
+         # 256-row blocks (64 tokens x 4 heads) halve the stored-history decode per FLOP
+         dict(block_rows=256, block_n=16, num_warps=8, num_stages=2), dict(block_rows=256, block_n=32, num_warps=8,
+         num_stages=2), dict(block_rows=256, block_n=64, num_warps=8, num_stages=2)]  # fmt: skip
 
 
 def graph_ms(fn, reps: int) -> float:

@@ -8,7 +8,6 @@
 #   PART=1 BUDGET_S=570 bash bench/results/2026-12-05-gpu-int2-prefill-end-to-end/run.sh
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-HERE=bench/results/2026-12-05-gpu-int2-prefill-end-to-end
 R=$OUT/r$PART; mkdir -p "$R"
 { echo "tree: ${TREE:-?} (base: 707afb2)"; nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.total --format=csv;
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"; } > "$R/device.txt" 2>&1
@@ -49,6 +48,6 @@ case "$PART" in
   step ttft_new 200 . $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_new.json"
   step ttft_base 150 .carry-base $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_base.json"
   step e2e_variants 150 . $E2E --e2e-systems oscar-int2-no-prefix-caching oscar-int2-prompt-exact --e2e-time-limit 70 --out "$R/e2e_variants.json"
-  step sweep 45 . python3 $HERE/tile_sweep.py 32768 "$R/sweep.json" ;;
+  step sweep 90 . python3 -m oscar_compile.bench.prefill_paged --sweep --contexts 32768 --reps 5 --out "$R/sweep.json" ;;
 esac
 cd "$OUT" && tar -czf results$PART.tgz r$PART && rm -rf r$PART; tar -xzOf results$PART.tgz r$PART/steps.txt
