@@ -26,6 +26,15 @@ P="python3 -m pytest -q -rs --tb=short -p no:cacheprovider"
 E2E="python3 -m oscar_compile.bench.serve --shapes 8b --parts e2e --e2e-batches 1 32 --e2e-prompt 8192 --e2e-output 256 --e2e-kv-memory 60 --max-num-batched-tokens 8192"
 TTFT="python3 -m oscar_compile.bench.serve --shapes 8b --parts ttft --kv-memory 40"
 case "$PART" in
+3)  # bundled model stashed (tree, .whl and .carry-base within 64 MiB); .whl brings pytest-xdist
+  step tests_gpu 150 . $P -n 8 -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/worker
+  step e2e_new 170 . $E2E --e2e-systems oscar-int2 oscar-bf16 --e2e-time-limit 100 --out "$R/e2e_new.json"
+  step e2e_base 130 .carry-base $E2E --e2e-systems oscar-int2 --e2e-time-limit 100 --out "$R/e2e_base.json"
+  step kernel 40 . python3 -m oscar_compile.bench.prefill_paged --contexts 8192 32768 131072 --reps 5 --out "$R/prefill_paged.json" ;;
+4)  # bundled model carried, no .carry-base: TTFT of both modes, the INT2 variants, the whole GPU suite
+  step ttft_new 170 . $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_new.json"
+  step e2e_variants 150 . $E2E --e2e-systems oscar-int2-no-prefix-caching oscar-int2-prompt-exact --e2e-time-limit 70 --out "$R/e2e_variants.json"
+  step tests_all 200 . $P -n 8 -m gpu tests ;;
 0)  # the session's last device time: the tests of the changed path, then the end-to-end rows
   step tests_gpu 100 . $P -m gpu tests/kernels/attention/prefill/test_prefill_decode_consistent_paged.py tests/cache \
     tests/runtime/worker/test_cuda_graphs.py tests/runtime/test_deterministic_gpu.py
