@@ -67,12 +67,29 @@ def test_host_share_is_the_idle_part_of_the_decode_phase_on_the_device_clock():
 
     clock = object.__new__(_StepClock)
     clock.arrivals = {}
-    forwards = [(False, 0, 300), (True, 300, 315), (True, 316, 330), (False, 331, 400), (True, 400, 414)]
-    clock.steps = [(dec, 0.001, (_Event(a), _Event(b))) for dec, a, b in forwards]
-    clock.shapes = [(1, 1)] * len(forwards)
+    forwards = [("prefill", 0, 300), ("decode", 300, 315), ("decode", 316, 330), ("mixed", 331, 400),
+                ("decode", 400, 414)]
+    clock.steps = [(kind, 0.001, (_Event(a), _Event(b))) for kind, a, b in forwards]
+    clock.shapes = [(1, 8), (2, 2), (2, 2), (2, 9), (2, 2)]
+    clock.run_host_s = [0.030, 0.001, 0.001, 0.0069, 0.001]
     summary = clock.summary()
     assert summary["decode_steps"] == 3
     assert abs(summary["host_share_of_decode_step"] - 2 / 114) < 1e-12
+    # the mixed step: 6.9 ms in run() on the host against its 69 ms forward
+    mixed = summary["mixed_steps"]
+    assert mixed["count"] == 1 and mixed["tokens_median"] == 9 and mixed["forward_ms_median"] == 69
+    assert abs(mixed["host_over_forward"] - 0.1) < 1e-12
+    assert summary["prefill_steps"]["forward_ms_median"] == 300
+
+
+def test_step_kind():
+    from types import SimpleNamespace
+
+    from oscar_compile.bench.e2e import step_kind
+
+    assert step_kind(SimpleNamespace(token_ids=[[1], [2]])) == "decode"
+    assert step_kind(SimpleNamespace(token_ids=[[1], [2, 3]])) == "mixed"
+    assert step_kind(SimpleNamespace(token_ids=[[1, 2], [3, 4, 5]])) == "prefill"
 
 
 def test_prefill_and_swap_parts_smoke(tmp_path, capsys):
