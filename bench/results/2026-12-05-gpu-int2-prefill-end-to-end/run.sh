@@ -27,10 +27,12 @@ E2E="python3 -m oscar_compile.bench.serve --shapes 8b --parts e2e --e2e-batches 
 TTFT="python3 -m oscar_compile.bench.serve --shapes 8b --parts ttft --kv-memory 40"
 case "$PART" in
 3)  # bundled model stashed (tree, .whl and .carry-base within 64 MiB); .whl brings pytest-xdist
-  step tests_gpu 150 . $P -n 8 -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/worker
+  step tests_gpu 140 . $P -n 8 -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/worker \
+    --ignore tests/runtime/worker/test_memory_profile.py
   step e2e_new 170 . $E2E --e2e-systems oscar-int2 oscar-bf16 --e2e-time-limit 100 --out "$R/e2e_new.json"
   step e2e_base 130 .carry-base $E2E --e2e-systems oscar-int2 --e2e-time-limit 100 --out "$R/e2e_base.json"
-  step kernel 40 . python3 -m oscar_compile.bench.prefill_paged --contexts 8192 32768 131072 --reps 5 --out "$R/prefill_paged.json" ;;
+  step kernel 40 . python3 -m oscar_compile.bench.prefill_paged --contexts 8192 32768 131072 --reps 5 --out "$R/prefill_paged.json"
+  step memory_profile 60 . $P -m gpu tests/runtime/worker/test_memory_profile.py ;;  # alone: it reads free memory
 4)  # bundled model carried, no .carry-base: TTFT of both modes, the INT2 variants, the whole GPU suite
   step ttft_new 170 . $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_new.json"
   step e2e_variants 150 . $E2E --e2e-systems oscar-int2-no-prefix-caching oscar-int2-prompt-exact --e2e-time-limit 70 --out "$R/e2e_variants.json"
