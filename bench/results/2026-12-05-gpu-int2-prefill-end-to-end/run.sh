@@ -27,9 +27,9 @@ E2E="python3 -m oscar_compile.bench.serve --shapes 8b --parts e2e --e2e-batches 
 TTFT="python3 -m oscar_compile.bench.serve --shapes 8b --parts ttft --kv-memory 40"
 case "$PART" in
 3)  # bundled model stashed (tree, .whl and .carry-base within 64 MiB); .whl brings pytest-xdist
+  step e2e_new 170 . $E2E --e2e-systems oscar-int2 oscar-bf16 --e2e-time-limit 100 --out "$R/e2e_new.json"
   step tests_gpu 140 . $P -n 8 -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/worker \
     --ignore tests/runtime/worker/test_memory_profile.py
-  step e2e_new 170 . $E2E --e2e-systems oscar-int2 oscar-bf16 --e2e-time-limit 100 --out "$R/e2e_new.json"
   step e2e_base 130 .carry-base $E2E --e2e-systems oscar-int2 --e2e-time-limit 100 --out "$R/e2e_base.json"
   step kernel 40 . python3 -m oscar_compile.bench.prefill_paged --contexts 8192 32768 131072 --reps 5 --out "$R/prefill_paged.json"
   step memory_profile 60 . $P -m gpu tests/runtime/worker/test_memory_profile.py ;;  # alone: it reads free memory
