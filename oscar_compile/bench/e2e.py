@@ -21,8 +21,13 @@ two clocks drifted apart by up to 0.5 % of the phase, a negative share.) The tim
 other (prefill / mixed) steps, and the eight slowest steps with their shapes and forward times
 (a step far above the median is usually a kernel compile). For mixed steps (decode rows beside
 prefill chunks) and prefill-only steps: the median host time inside the runner's ``run()`` (packing
-and launching an eager forward) against the median forward on the device's clock; the host time
-hides behind the device only while it is the smaller. The tokenizer is
+and launching an eager forward; its wait for the step before, when the host runs ahead, left out)
+against the median forward on the device's clock; the host time hides behind the device only
+while it is the smaller. The warm-up runs the workload's step shapes on other prompts (every
+prompt at full length, with outputs long enough that prefill chunks run beside decode rows);
+``jit_compiles_in_warmup`` counts the Triton compiles it made after the engine's own startup
+warm-up (what a server would stall on) and ``jit_compiles_timed`` those in the timed run, each
+logged with its kernel (``kernels.jit_watch``). The tokenizer is
 a stub that spells token ids (random weights need no real vocabulary); it is not cheaper than a
 fast tokenizer's decode.
 """
@@ -34,6 +39,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from oscar_compile.kernels import jit_watch
 
 
 class SpelledIdTokenizer:
@@ -75,6 +82,8 @@ class _StepClock:
         run, step = engine.runner.run, engine.step
 
         def timed_run(batch, *pending):
+            if hasattr(engine.runner, "inputs"):
+                engine.runner.inputs.last_wait_s = 0.0
             start = time.perf_counter()
             events = None
             if torch.cuda.is_available():
@@ -87,7 +96,8 @@ class _StepClock:
                 engine.runner.forward_started = None
                 events[1].record()
             self._events, self._kind, self._shape = events, step_kind(batch), (batch.num_seqs, batch.num_tokens)
-            self._run_s = time.perf_counter() - start
+            # host work only: the wait for the step before (StepInputs.load) is the device's time
+            self._run_s = time.perf_counter() - start - getattr(engine.runner.inputs, "last_wait_s", 0.0)
             return logits
 
         def timed_step():
@@ -205,11 +215,25 @@ def run_runtime(model, spec, prompts, output_len: int, kv_memory_gb: float, max_
                           overlap_steps=overlap, **engine_settings)
     llm = LLM(model, spec=spec, tokenizer=SpelledIdTokenizer(vocab), config=config)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    # compile the kernels and capture the decode graph of this batch size, on other tokens (no prefix hits)
-    llm.generate(_warmup_prompts(batch, prompt_len, vocab),
-                 SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    run = timed_generate(llm, prompts, params)
+    # Triton compiles after the engine's own startup warmup: what a server would stall on
+    watching = jit_watch.install()
+    compiles = jit_watch.compile_stats()["jit_compiles_total"]
+    # the workload's step shapes on other tokens (no prefix hits): every prompt at full length, and
+    # long enough outputs that each prefill step after the first runs beside decode rows, as below
+    steps = -(-batch * prompt_len // max_batched_tokens)
+    llm.generate(random_prompts(batch, prompt_len, vocab, seed=1),
+                 SamplingParams(max_tokens=min(output_len, steps + 4), temperature=0.0, ignore_eos=True))
+    warmup_compiles = jit_watch.compile_stats()["jit_compiles_total"] - compiles
+    jit_watch.mark_serving()  # from here on each compile is logged, with its kernel and time
+    try:
+        run = timed_generate(llm, prompts, params)
+    finally:
+        jit_watch.mark_serving(False)
     row = dict(batch=batch, **run.throughput())
+    if watching:
+        stats = jit_watch.compile_stats()
+        row.update(jit_compiles_in_warmup=warmup_compiles,
+                   jit_compiles_timed=stats["jit_compiles_total"] - compiles - warmup_compiles)
     row.update(run.clock.summary())
     del llm
     return row

@@ -103,11 +103,12 @@ def time_to_first_token_s(engine, num_tokens: int, vocab: int, seed: int = 0) ->
 
 
 def ttft_rows(compressed, layout, shape: str, contexts: list[int], budget: int, vocab: int,
-              num_new_tokens: int = 512) -> list[dict]:
-    """The rows of every engine of ``ENGINES`` at every context (module docstring)."""
+              num_new_tokens: int = 512, engines: list[str] | None = None) -> list[dict]:
+    """The rows of every engine of ``ENGINES`` (or of ``engines``) at every context (module docstring)."""
     rows = []
     max_len = max(contexts) + 1
-    for name, (semantics, staging, prefix_caching) in ENGINES.items():
+    for name in engines or ENGINES:
+        semantics, staging, prefix_caching = ENGINES[name]
         engine = make_engine(compressed, layout, max_len, budget, staging, prefill_semantics=semantics,
                              prefix_caching=prefix_caching)
         warm_up = random_prompt(min(2 * budget + 1, max_len - 1), vocab, seed=99)
@@ -182,13 +183,15 @@ def _prefix_hit_rows(engine, context: int, vocab: int, num_new_tokens: int) -> l
 
 
 def _compare(rows: list[dict]) -> None:
-    """Each row against the old chunked prefill, and the staging decode-consistent prefill saves."""
+    """Each row against the old chunked prefill, and the staging decode-consistent prefill saves
+    (where those engines ran: ``--ttft-engines`` may leave them out)."""
     for row in rows:
         same = [r for r in rows if r["context"] == row["context"] and r["request"] == "miss"]
-        old = next(r for r in same if r["engine"] == "exact")
-        row["ttft_vs_old"] = row["ttft_s"] / old["ttft_s"]
-        if row["prefill_semantics"] == DECODE_CONSISTENT:
-            staged = next(r for r in same if r["engine"] == "exact+staging")
+        old = next((r for r in same if r["engine"] == "exact"), None)
+        if old is not None:
+            row["ttft_vs_old"] = row["ttft_s"] / old["ttft_s"]
+        staged = next((r for r in same if r["engine"] == "exact+staging"), None)
+        if row["prefill_semantics"] == DECODE_CONSISTENT and staged is not None:
             row["staging_saved_bytes"] = staged["staging_peak_bytes"] - row["staging_peak_bytes"]
 
 

@@ -383,7 +383,8 @@ def _prefill_swap_parts(args, device: torch.device, result: dict) -> None:
     vocab = compressed.model.config.vocab_size
     if "ttft" in parts:
         result["ttft"] += prefill_swap.ttft_rows(compressed, layout, shape, args.ttft_contexts,
-                                                 args.max_num_batched_tokens, vocab, args.ttft_new_tokens)
+                                                 args.max_num_batched_tokens, vocab, args.ttft_new_tokens,
+                                                 engines=args.ttft_engines)
         save_json(result, args.out)
     if "swap" in parts:
         result["swap"] += prefill_swap.swap_rows(compressed, layout, shape, args.swap_context,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from oscar_compile.bench.e2e import DEFAULT_SYSTEMS, SYSTEMS
+from oscar_compile.bench.prefill_swap import ENGINES
 
 
 def build_parser(description: str, shapes: list[str]) -> argparse.ArgumentParser:
@@ -37,6 +38,8 @@ def build_parser(description: str, shapes: list[str]) -> argparse.ArgumentParser
     parser.add_argument("--structured-output", type=int, default=256, help="generated tokens of the structured row")
     parser.add_argument("--ttft-contexts", nargs="+", type=int, default=[32768, 131072],
                         help="prompt lengths of the TTFT rows (--parts ttft)")
+    parser.add_argument("--ttft-engines", nargs="+", choices=list(ENGINES), default=list(ENGINES),
+                        help="the INT2 engines of the TTFT rows (the BF16 mode's row always runs)")
     parser.add_argument("--ttft-new-tokens", type=int, default=512,
                         help="tokens that differ at the end of the follow-up prompt of the prefix-hit rows")
     parser.add_argument("--swap-context", type=int, default=100000,

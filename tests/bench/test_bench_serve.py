@@ -127,6 +127,18 @@ def test_prefill_and_swap_parts_smoke(tmp_path, capsys):
     assert swap["bytes"] > 0 and swap["swap_out_ms"] > 0 and swap["recompute_ms"] > 0
 
 
+def test_ttft_engines_pick_the_int2_rows(tmp_path):
+    """``--ttft-engines`` runs only the engines named, beside the BF16 mode's row; a row whose
+    comparison engine did not run carries no ratio to it."""
+    out = tmp_path / "ttft.json"
+    assert main(["--shapes", "tiny", "--device", "cpu", "--parts", "ttft", "--ttft-contexts", "100",
+                 "--ttft-engines", "consistent", "--max-num-batched-tokens", "64", "--out", str(out)]) == 0
+    rows = {r["engine"]: r for r in json.loads(out.read_text())["ttft"]}
+    assert sorted(rows) == ["bf16-mode", "consistent"]
+    assert "ttft_vs_old" not in rows["consistent"] and "staging_saved_bytes" not in rows["consistent"]
+    assert rows["consistent"]["ttft_vs_bf16"] == rows["consistent"]["ttft_s"] / rows["bf16-mode"]["ttft_s"]
+
+
 def test_tensor_parallel_rows_over_two_ranks(tmp_path):
     """``--tensor-parallel-size 2`` on the CPU (gloo): the split rows with their all-reduce share,
     and twice the sequences of the unsplit model in the same per-rank KV budget."""

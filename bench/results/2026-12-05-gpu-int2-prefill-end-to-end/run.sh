@@ -33,6 +33,11 @@ case "$PART" in
   step e2e_base 130 .carry-base $E2E --e2e-systems oscar-int2 --e2e-time-limit 100 --out "$R/e2e_base.json"
   step kernel 40 . python3 -m oscar_compile.bench.prefill_paged --contexts 8192 32768 131072 --reps 5 --out "$R/prefill_paged.json"
   step memory_profile 60 . $P -m gpu tests/runtime/worker/test_memory_profile.py ;;  # alone: it reads free memory
+5)  # after part 3: batch 32 with the workload's warm-up and compiles logged, the GPU tests' failures, TTFT at 32k
+  step e2e_b32 170 . ${E2E/--e2e-batches 1 32/--e2e-batches 32} --e2e-systems oscar-int2 oscar-bf16 --out "$R/e2e_b32.json"
+  step tests_gpu 110 . $P -n 8 -v --maxfail 3 -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/worker \
+    --ignore tests/runtime/worker/test_memory_profile.py
+  step ttft_new 160 . $TTFT --ttft-contexts 32768 --ttft-engines consistent consistent+cache --out "$R/ttft_new.json" ;;
 4)  # bundled model carried, no .carry-base: TTFT of both modes, the INT2 variants, the whole GPU suite
   step ttft_new 170 . $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_new.json"
   step e2e_variants 150 . $E2E --e2e-systems oscar-int2-no-prefix-caching oscar-int2-prompt-exact --e2e-time-limit 70 --out "$R/e2e_variants.json"
