@@ -38,6 +38,10 @@ case "$PART" in
   step tests_gpu 110 . $P -n 8 -v --maxfail 3 -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/worker \
     --ignore tests/runtime/worker/test_memory_profile.py
   step ttft_new 160 . $TTFT --ttft-contexts 32768 --ttft-engines consistent consistent+cache --out "$R/ttft_new.json" ;;
+6)  # the last minutes: the GPU tests of part 3, each failure printed as it happens (live_failures.py)
+  cp bench/results/2026-12-05-gpu-int2-prefill-end-to-end/live_failures.py /tmp/site/
+  step tests_gpu 130 . $P -n 8 -p live_failures -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/worker \
+    --ignore tests/runtime/worker/test_memory_profile.py ;;
 4)  # bundled model carried, no .carry-base: TTFT of both modes, the INT2 variants, the whole GPU suite
   step ttft_new 170 . $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_new.json"
   step e2e_variants 150 . $E2E --e2e-systems oscar-int2-no-prefix-caching oscar-int2-prompt-exact --e2e-time-limit 70 --out "$R/e2e_variants.json"
