@@ -1,13 +1,17 @@
-"""Suite-wide markers: ``gpu`` tests are skipped on machines without CUDA; under
-``TRITON_INTERPRET=1`` a cheaper lookup of the builtins Triton's interpreter patches."""
+"""Suite-wide markers: ``gpu`` tests are skipped on machines without CUDA; the Ray tests are
+one xdist group; under ``TRITON_INTERPRET=1`` a cheaper lookup of the builtins Triton's
+interpreter patches; an xdist worker runs torch on one thread (the workers share the cores)."""
 import inspect
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 
 def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
     if os.environ.get("TRITON_INTERPRET") == "1":
         _cache_interpreter_builtin_names()
 
@@ -38,7 +42,14 @@ def _cache_interpreter_builtin_names() -> None:
     interpreter._patch_builtin = patch_builtin
 
 
+RAY_TESTS = Path(__file__).resolve().parent / "runtime" / "server" / "ray_serve"
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # under xdist (--dist loadgroup) one worker runs them: their conftest starts
+        # one Ray cluster and ends it after the folder's last test
+        if RAY_TESTS in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.xdist_group("ray"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
