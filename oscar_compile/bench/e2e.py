@@ -218,14 +218,14 @@ def run_runtime(model, spec, prompts, output_len: int, kv_memory_gb: float, max_
     # Triton compiles after the engine's own startup warmup: what a server would stall on
     watching = jit_watch.install()
     compiles = jit_watch.compile_stats()["jit_compiles_total"]
-    # the workload's step shapes on other tokens (no prefix hits): every prompt at full length, and
-    # long enough outputs that each prefill step after the first runs beside decode rows, as below
-    steps = -(-batch * prompt_len // max_batched_tokens)
-    llm.generate(random_prompts(batch, prompt_len, vocab, seed=1),
-                 SamplingParams(max_tokens=min(output_len, steps + 4), temperature=0.0, ignore_eos=True))
-    warmup_compiles = jit_watch.compile_stats()["jit_compiles_total"] - compiles
     jit_watch.mark_serving()  # from here on each compile is logged, with its kernel and time
     try:
+        # the workload's step shapes on other tokens (no prefix hits): every prompt at full length, and
+        # long enough outputs that each prefill step after the first runs beside decode rows, as below
+        steps = -(-batch * prompt_len // max_batched_tokens)
+        llm.generate(random_prompts(batch, prompt_len, vocab, seed=1),
+                     SamplingParams(max_tokens=min(output_len, steps + 4), temperature=0.0, ignore_eos=True))
+        warmup_compiles = jit_watch.compile_stats()["jit_compiles_total"] - compiles
         run = timed_generate(llm, prompts, params)
     finally:
         jit_watch.mark_serving(False)
