@@ -22,8 +22,10 @@ other (prefill / mixed) steps, and the eight slowest steps with their shapes and
 (a step far above the median is usually a kernel compile). For mixed steps (decode rows beside
 prefill chunks) and prefill-only steps: the median host time inside the runner's ``run()`` (packing
 and launching an eager forward; its wait for the step before, when the host runs ahead, left out)
-against the median forward on the device's clock; the host time hides behind the device only
-while it is the smaller. The warm-up runs the workload's step shapes on other prompts (every
+against the median forward on the device's clock, and the median gap on the device's clock from
+the forward before to each one's start (what the host work cost the device: once the host runs
+a step ahead, its time in ``run()`` also holds waits for room in the launch queue). The warm-up
+runs the workload's step shapes on other prompts (every
 prompt at full length, with outputs long enough that prefill chunks run beside decode rows);
 ``jit_compiles_in_warmup`` counts the Triton compiles it made after the engine's own startup
 warm-up (what a server would stall on) and ``jit_compiles_timed`` those in the timed run, each
@@ -153,9 +155,24 @@ class _StepClock:
         host_ms = statistics.median(self.run_host_s[i] for i in rows) * 1e3
         timed = [device_s[i] for i in rows if device_s[i] is not None]
         forward_ms = statistics.median(timed) * 1e3 if timed else None
+        # the device's gap before each forward, from the end of the one before (the sampler's kernels
+        # included): the stall the host work caused, where the host time above ends up waiting for
+        # the device anyway once it runs a step ahead (a full launch queue blocks a launch)
+        gaps = [self.steps[j][2][1].elapsed_time(self.steps[i][2][0]) for i, j in _with_previous(self.steps, rows)]
         return dict(count=len(rows), tokens_median=statistics.median(self.shapes[i][1] for i in rows),
                     run_host_ms_median=host_ms, forward_ms_median=forward_ms,
-                    host_over_forward=host_ms / forward_ms if forward_ms else None)
+                    host_over_forward=host_ms / forward_ms if forward_ms else None,
+                    device_gap_ms_median=statistics.median(gaps) if gaps else None)
+
+
+def _with_previous(steps: list, rows: list[int]) -> list[tuple[int, int]]:
+    """(i, j): each timed step of ``rows`` and the timed step before it."""
+    pairs = []
+    for i in rows:
+        j = next((j for j in range(i - 1, -1, -1) if steps[j][2] is not None), None)
+        if steps[i][2] is not None and j is not None:
+            pairs.append((i, j))
+    return pairs
 
 
 def step_kind(batch) -> str:

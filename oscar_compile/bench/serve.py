@@ -470,7 +470,7 @@ def print_tables(result: dict) -> None:
         print_rows(result["structured"])
     if result["e2e"]:
         print(f"\n{'system':>16} {'batch':>5} {'tok/s':>9} {'user tok/s':>10} {'host %':>6} "
-              f"{'prefill ms':>10} {'mixed ms':>8} {'mixed host %':>12}  note")
+              f"{'prefill ms':>10} {'mixed ms':>8} {'mixed host %':>12} {'mixed gap ms':>12}  note")
     nan = float("nan")
     for e in result["e2e"]:
         note = e.get("error") or e.get("skipped") or ""
@@ -480,7 +480,8 @@ def print_tables(result: dict) -> None:
         print(f"{e['system']:>16} {e['batch']:>5} {e.get('tokens_per_s') or 0:>9.1f} "
               f"{e.get('per_user_tokens_per_s') or 0:>10.1f} "
               f"{100 * host if host is not None else nan:>6.1f} {prefill.get('forward_ms_median') or nan:>10.1f} "
-              f"{mixed.get('forward_ms_median') or nan:>8.1f} {100 * mixed_host if mixed_host else nan:>12.1f}  {note}")
+              f"{mixed.get('forward_ms_median') or nan:>8.1f} {100 * mixed_host if mixed_host else nan:>12.1f} "
+              f"{mixed.get('device_gap_ms_median') or nan:>12.2f}  {note}")
 
 
 def main(argv=None) -> int:

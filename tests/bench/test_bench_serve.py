@@ -79,6 +79,8 @@ def test_host_share_is_the_idle_part_of_the_decode_phase_on_the_device_clock():
     mixed = summary["mixed_steps"]
     assert mixed["count"] == 1 and mixed["tokens_median"] == 9 and mixed["forward_ms_median"] == 69
     assert abs(mixed["host_over_forward"] - 0.1) < 1e-12
+    assert mixed["device_gap_ms_median"] == 1  # from the decode forward's end at 330 to its start at 331
+    assert summary["prefill_steps"]["device_gap_ms_median"] is None  # the first forward: none before it
     assert summary["prefill_steps"]["forward_ms_median"] == 300
 
 
