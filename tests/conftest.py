@@ -48,7 +48,7 @@ RAY_TESTS = Path(__file__).resolve().parent / "runtime" / "server" / "ray_serve"
 def pytest_collection_modifyitems(config, items):
     for item in items:  # under xdist (--dist loadgroup) one worker runs them: their conftest starts
         # one Ray cluster and ends it after the folder's last test
-        if RAY_TESTS in Path(str(item.fspath)).resolve().parents:
+        if RAY_TESTS in item.path.resolve().parents:
             item.add_marker(pytest.mark.xdist_group("ray"))
     if torch.cuda.is_available():
         return

@@ -21,12 +21,12 @@ two clocks drifted apart by up to 0.5 % of the phase, a negative share.) The tim
 other (prefill / mixed) steps, and the eight slowest steps with their shapes and forward times
 (a step far above the median is usually a kernel compile). For mixed steps (decode rows beside
 prefill chunks) and prefill-only steps: the median host time inside the runner's ``run()`` (packing
-and launching an eager forward; its wait for the step before, when the host runs ahead, left out)
-against the median forward on the device's clock, and the median gap on the device's clock from
-the forward before to each one's start (what the host work cost the device: once the host runs
-a step ahead, its time in ``run()`` also holds waits for room in the launch queue). The warm-up
-runs the workload's step shapes on other prompts (every
-prompt at full length, with outputs long enough that prefill chunks run beside decode rows);
+and launching an eager forward) against the median forward on the device's clock, and the median
+gap on the device's clock from the forward before to each one's start. The gap is what the host
+work cost the device: once the host runs a step ahead, its time in ``run()`` also holds waits for
+the device (the step inputs' buffers, room in the launch queue). The warm-up runs the workload's
+step shapes on other prompts (every prompt at full length, with outputs long enough that prefill
+chunks run beside decode rows);
 ``jit_compiles_in_warmup`` counts the Triton compiles it made after the engine's own startup
 warm-up (what a server would stall on) and ``jit_compiles_timed`` those in the timed run, each
 logged with its kernel (``kernels.jit_watch``). The tokenizer is
@@ -84,8 +84,6 @@ class _StepClock:
         run, step = engine.runner.run, engine.step
 
         def timed_run(batch, *pending):
-            if hasattr(engine.runner, "inputs"):
-                engine.runner.inputs.last_wait_s = 0.0
             start = time.perf_counter()
             events = None
             if torch.cuda.is_available():
@@ -98,8 +96,7 @@ class _StepClock:
                 engine.runner.forward_started = None
                 events[1].record()
             self._events, self._kind, self._shape = events, step_kind(batch), (batch.num_seqs, batch.num_tokens)
-            # host work only: the wait for the step before (StepInputs.load) is the device's time
-            self._run_s = time.perf_counter() - start - getattr(engine.runner.inputs, "last_wait_s", 0.0)
+            self._run_s = time.perf_counter() - start
             return logits
 
         def timed_step():
@@ -144,35 +141,29 @@ class _StepClock:
                                         forward_ms=device_s[i] * 1e3 if device_s[i] is not None else None)
                                    for i in slowest])
 
-
     def _host_and_device(self, kind: str, device_s: list) -> dict | None:
         """Steps of one kind: the median host time inside the runner's ``run()`` (packing the inputs
-        and launching the forward, and any sync it waits on) against the median forward on the
-        device's clock (the prefill issue's host-time goal: at most 10 %)."""
+        and launching the forward, and any wait for the device in it) against the median forward on
+        the device's clock (the prefill issue's host-time goal: at most 10 %), and the median gap on
+        the device's clock before each of their forwards, from the end of the forward before (the
+        sampler's kernels included): what the host work cost the device."""
         rows = [i for i, (k, _, _) in enumerate(self.steps) if k == kind and self.run_host_s[i] is not None]
         if not rows:
             return None
         host_ms = statistics.median(self.run_host_s[i] for i in rows) * 1e3
         timed = [device_s[i] for i in rows if device_s[i] is not None]
         forward_ms = statistics.median(timed) * 1e3 if timed else None
-        # the device's gap before each forward, from the end of the one before (the sampler's kernels
-        # included): the stall the host work caused, where the host time above ends up waiting for
-        # the device anyway once it runs a step ahead (a full launch queue blocks a launch)
-        gaps = [self.steps[j][2][1].elapsed_time(self.steps[i][2][0]) for i, j in _with_previous(self.steps, rows)]
+        gaps, before = [], None
+        for k, _, events in self.steps:
+            if events is None:
+                continue
+            if k == kind and before is not None:
+                gaps.append(before[1].elapsed_time(events[0]))
+            before = events
         return dict(count=len(rows), tokens_median=statistics.median(self.shapes[i][1] for i in rows),
                     run_host_ms_median=host_ms, forward_ms_median=forward_ms,
                     host_over_forward=host_ms / forward_ms if forward_ms else None,
                     device_gap_ms_median=statistics.median(gaps) if gaps else None)
-
-
-def _with_previous(steps: list, rows: list[int]) -> list[tuple[int, int]]:
-    """(i, j): each timed step of ``rows`` and the timed step before it."""
-    pairs = []
-    for i in rows:
-        j = next((j for j in range(i - 1, -1, -1) if steps[j][2] is not None), None)
-        if steps[i][2] is not None and j is not None:
-            pairs.append((i, j))
-    return pairs
 
 
 def step_kind(batch) -> str:

@@ -38,14 +38,12 @@ case "$PART" in
   step tests_gpu 110 . $P -n 8 -v --maxfail 3 -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/worker \
     --ignore tests/runtime/worker/test_memory_profile.py
   step ttft_new 160 . $TTFT --ttft-contexts 32768 --ttft-engines consistent consistent+cache --out "$R/ttft_new.json" ;;
-6)  # the last minutes: the GPU tests of part 3, each failure printed as it happens (live_failures.py)
-  cp bench/results/2026-12-05-gpu-int2-prefill-end-to-end/live_failures.py /tmp/site/
-  step tests_gpu 130 . $P -n 8 -p live_failures -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/worker \
+6)  # the last minutes: the GPU tests of part 3, each failure printed as it happens (.whl: pytest-instafail)
+  step tests_gpu 130 . $P -n 8 --instafail -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/worker \
     --ignore tests/runtime/worker/test_memory_profile.py ;;
 7)  # the next session's first call (bundled model carried, no .carry-base): the failures by name, the
     # issue's small mixed step (32 decodes beside 512 prefill tokens) in both modes, TTFT at 128k
-  cp bench/results/2026-12-05-gpu-int2-prefill-end-to-end/live_failures.py /tmp/site/
-  step tests_gpu 150 . $P -n 8 -p live_failures -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/worker \
+  step tests_gpu 150 . $P -n 8 --instafail -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/worker \
     tests/runtime/test_deterministic_gpu.py --ignore tests/runtime/worker/test_memory_profile.py
   SMALL=${E2E/--max-num-batched-tokens 8192/--max-num-batched-tokens 544}
   step e2e_small_chunks 150 . ${SMALL/--e2e-batches 1 32/--e2e-batches 32} --e2e-systems oscar-int2 oscar-bf16 \

@@ -17,7 +17,6 @@ prepare step N + 1 while step N runs, no further.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence as Seq
 
 import torch
@@ -88,7 +87,6 @@ class StepInputs:
         self.windows = TableMirror(max_seqs, window_width, device, fill=scratch_window)
         self.quants = TableMirror(max_seqs, quant_width, device, fill=scratch_quant)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None  # the last step's copies
-        self.last_wait_s = 0.0  # how long the last load waited for them (the host ahead of the device)
 
     def fits(self, batch: Batch, pad_to: int | None = None) -> bool:
         S = batch.num_seqs if pad_to is None else pad_to
@@ -104,9 +102,7 @@ class StepInputs:
             raise ValueError(f"a step of {B} sequences / {batch.num_tokens} tokens padded to {S} sequences does "
                              f"not fit {self.max_seqs} sequences / {self.max_tokens} tokens")
         if self._copied is not None:
-            start = time.perf_counter()
             self._copied.synchronize()  # the host buffers below are free again
-            self.last_wait_s = time.perf_counter() - start
         n_real = batch.num_tokens
         N = n_real + S - B  # padding sequences bring one token each
         tok = self._tokens_host.numpy()
