@@ -26,6 +26,7 @@ from oscar_compile.formats.prefill import DEFAULT_PREFILL_SEMANTICS, PREFILL_SEM
 from oscar_compile.runtime.core.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_PIECEWISE_MAX_TOKENS,
     DEFAULT_SWAP_SPACE_GB,
     PREFIX_HITS,
 )
@@ -96,7 +97,11 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
                              "logprobs alone or in any batch (batch-invariant matmuls, fixed attention splits; "
                              "CUDA graphs stay on; on a GPU, chunked prefill is not covered yet). Slower: see the "
                              "README")
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="launch decode steps eagerly (no CUDA graphs)")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="launch every step eagerly (no CUDA graphs)")
+    parser.add_argument("--piecewise-max-tokens", type=int, metavar="N",
+                        help="prefill and mixed steps of up to N tokens replay piecewise CUDA graphs (everything "
+                             "but attention, captured per padded token count at start); 0: they run eagerly "
+                             f"(default {DEFAULT_PIECEWISE_MAX_TOKENS})")
     parser.add_argument("--no-overlap", action="store_true",
                         help="run one step at a time "
                              "(by default a step's host work overlaps the next step on the device)")
@@ -222,7 +227,7 @@ def engine_config(args: argparse.Namespace):
                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                  prefill_staging_memory_gb=args.prefill_staging_memory, swap_space_gb=args.swap_space,
                  prefix_hits=args.prefix_hits, snapshot_interval=args.snapshot_interval,
-                 prefill_semantics=args.prefill_semantics)
+                 prefill_semantics=args.prefill_semantics, piecewise_max_tokens=args.piecewise_max_tokens)
     return EngineConfig(enable_prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
                         overlap_steps=not args.no_overlap, deterministic=args.deterministic,
                         **{name: value for name, value in given.items() if value is not None})

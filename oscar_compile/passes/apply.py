@@ -28,6 +28,7 @@ from torch import nn
 
 from ..architectures import ModelFingerprint, attention_modules
 from ..artifact import COMPRESSED_CONFIG_KEY, ArtifactError, Rotations
+from ..cache.attention_core import graph_attention_core
 from ..cache.hf_cache import OscarCache
 from ..cache.op_constants import OpConstants, graph_op_constants
 from ..formats.cache import LayerFormat, has_windows
@@ -64,9 +65,10 @@ def _set_buffer(modules: list[nn.Module], name: str, value: torch.Tensor) -> Non
 
 
 def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelFingerprint, fuse: bool,
-                   values_folded: bool) -> tuple[LayerReport, tuple[int, OpConstants] | None]:
-    """Rewrite one attention module: its report, and (layer index, the constants of its INT-b op
-    calls) as its graph passes them (None on a layer of full-precision pages)."""
+                   values_folded: bool) -> tuple[LayerReport, tuple[int, OpConstants] | None, tuple | None]:
+    """Rewrite one attention module: its report, (layer index, the constants of its INT-b op
+    calls) as its graph passes them (None on a layer of full-precision pages), and (layer index,
+    its attention core) (cache/attention_core.py; None where the graph has none)."""
     i = layer.index
     gm = trace_attention(attn)
     graph = gm.graph
@@ -104,7 +106,7 @@ def _rewrite_layer(attn: nn.Module, layer: LayerSpec, rot: Rotations, fp: ModelF
         notes.append("overridden to 16 bits: not rotated, keys and values stored as they are")
     return (LayerReport(i, layer.kv_cache.bits, layer.key.rotation, layer.value.rotation,
                         mean is not None, folded, attention, notes, rope_fused, qkv_merged),
-            graph_op_constants(graph))
+            graph_op_constants(graph), graph_attention_core(graph))
 
 
 def _sliding_window(attn: nn.Module) -> int | None:
@@ -209,7 +211,7 @@ def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: b
     layers = resolve_layers(spec, fp.num_layers)
     rewritten = [_rewrite_layer(attn, layer, rotations, fp, fuse, values_folded)
                  for layer, attn in zip(layers, modules, strict=True)]
-    reports = [report for report, _ in rewritten]
+    reports = [report for report, _, _ in rewritten]
     fused = {}
     if fuse:
         silu_mul, gate_up = fuse_gated_mlps(model)
@@ -217,7 +219,8 @@ def apply(model: nn.Module, spec: CompressionSpec, rotations: Rotations, fuse: b
                  "qkv_gemm": sum(r.qkv_merged for r in reports), "gate_up_gemm": gate_up}
     handle = CompressedModel(model, ApplyReport(fp, reports, spec, fused),
                              formats=tuple(LayerFormat.of(layer) for layer in layers),
-                             constants=dict(found for _, found in rewritten if found is not None))
+                             constants=dict(found for _, found, _ in rewritten if found is not None),
+                             attention_cores=dict(core for _, _, core in rewritten if core is not None))
     _install_cache_hook(handle)
     _HANDLES[model] = weakref.ref(handle)
     logger.info("oscar_compile rewrote %d layers, %d quantized", len(reports), sum(layer.quantized for layer in layers))

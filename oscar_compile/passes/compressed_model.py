@@ -12,7 +12,7 @@ and the module it describes stay two objects, and ``handle.model`` is the module
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -35,6 +35,9 @@ class CompressedModel:
     - ``constants``: layer index -> the scale and clip ratios its graph passes the INT-b ops, read
       back from the rewritten graph (cache/op_constants.py); the INT-b layers only. Code that runs
       a layer's ops beside its graph (staged rows, decode-consistent prefill) passes these.
+    - ``attention_cores``: layer index -> the calls its graph makes between its two cache nodes
+      (cache/attention_core.py), which the runtime's piecewise CUDA graphs run between their
+      pieces; a layer whose graph has no such core is missing, and its steps run eagerly.
     - ``prefill_semantics``: what prompt tokens of ``generate()`` and ``model(..., use_cache=True)``
       read (formats/prefill.py); change it with :meth:`set_prefill_semantics`.
     """
@@ -43,6 +46,7 @@ class CompressedModel:
     report: ApplyReport = field(repr=False)
     formats: tuple[LayerFormat, ...]
     constants: Mapping[int, OpConstants] = field(repr=False)
+    attention_cores: Mapping[int, Callable] = field(default_factory=dict, repr=False)
     prefill_semantics: str = DEFAULT_PREFILL_SEMANTICS
 
     def __post_init__(self):

@@ -49,6 +49,13 @@ case "$PART" in
   step e2e_small_chunks 150 . ${SMALL/--e2e-batches 1 32/--e2e-batches 32} --e2e-systems oscar-int2 oscar-bf16 \
     --out "$R/e2e_small_chunks.json"
   step ttft_128k 200 . $TTFT --ttft-contexts 131072 --ttft-engines consistent+cache --out "$R/ttft_128k.json" ;;
+10) # piecewise CUDA graphs of mixed steps: the GPU tests (engines sharing the device by conftest), then
+    # the small mixed step (32 decodes beside 512 prefill tokens) in both modes
+  step tests_gpu 200 . $P -n 4 --instafail -m gpu tests/runtime/worker/test_cuda_graphs.py tests/kernels/attention/prefill \
+    tests/cache tests/runtime/worker tests/runtime/test_deterministic_gpu.py --ignore tests/runtime/worker/test_memory_profile.py
+  SMALL=${E2E/--max-num-batched-tokens 8192/--max-num-batched-tokens 544}
+  step e2e_small_chunks 260 . ${SMALL/--e2e-batches 1 32/--e2e-batches 32} --e2e-systems oscar-int2 oscar-bf16 \
+    --e2e-time-limit 90 --out "$R/e2e_small_chunks.json" ;;
 4)  # bundled model carried, no .carry-base: TTFT of both modes, the INT2 variants, the whole GPU suite
   step ttft_new 170 . $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_new.json"
   step e2e_variants 150 . $E2E --e2e-systems oscar-int2-no-prefix-caching oscar-int2-prompt-exact --e2e-time-limit 70 --out "$R/e2e_variants.json"

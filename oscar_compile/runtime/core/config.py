@@ -25,6 +25,9 @@ from oscar_compile.formats.prefill import (
 
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# prefill and mixed steps of up to this many tokens replay piecewise CUDA graphs (worker/piecewise_graphs.py);
+# a larger step's host work hides behind its GPU time (an 8B step of 8192 tokens: 92 of 259 ms on an H100)
+DEFAULT_PIECEWISE_MAX_TOKENS = 2048
 DEFAULT_SWAP_SPACE_GB = 4.0
 PREFIX_HITS = ("history", "sink", "snapshot")
 
@@ -127,6 +130,9 @@ class RunnerConfig:
     """How steps run on the device."""
 
     cuda_graphs: bool = True  # replay captured CUDA graphs for decode steps (compressed runner on a GPU)
+    # with cuda_graphs, prefill and mixed steps of up to this many tokens replay piecewise graphs
+    # (everything but attention, per padded token count; vLLM v1's); 0: they run eagerly
+    piecewise_max_tokens: int = DEFAULT_PIECEWISE_MAX_TOKENS
     overlap_steps: bool = True  # host work of step n while step n + 1 runs (engine.py; compressed runner)
     # batch invariance and run-to-run determinism (kernels/determinism.py): batch-invariant linear
     # layers, attention split by a fixed number of tokens; vLLM's VLLM_BATCH_INVARIANT=1, SGLang's
@@ -134,6 +140,11 @@ class RunnerConfig:
     deterministic: bool = False
     # the base of the seeds of requests that give none (sampling_params.default_seed); vLLM's --seed
     seed: int = 0
+
+    def __post_init__(self):
+        if self.piecewise_max_tokens < 0:
+            raise ValueError(f"piecewise_max_tokens must be >= 0 (0: no piecewise graphs), "
+                             f"got {self.piecewise_max_tokens}")
 
 
 @dataclass(frozen=True)

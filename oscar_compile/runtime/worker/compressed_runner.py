@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import torch
@@ -34,7 +34,12 @@ from oscar_compile.formats.prefill import DECODE_CONSISTENT, DEFAULT_PREFILL_SEM
 from oscar_compile.kernels.attention.attention_dispatch import AttentionDispatch
 from oscar_compile.kernels.determinism import deterministic as deterministic_mode
 from oscar_compile.kernels.pools import allocate_layer_pools
-from oscar_compile.runtime.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, RunnerCapabilities
+from oscar_compile.runtime.core.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_PIECEWISE_MAX_TOKENS,
+    RunnerCapabilities,
+)
 from oscar_compile.runtime.worker.runner import Batch, RunnerFactory
 from oscar_compile.runtime.worker.snapshot_takes import StepSnapshotTakes
 from oscar_compile.runtime.worker.staging import StagedStep, allocate_staging_pools
@@ -88,6 +93,14 @@ class StepCache(OscarCache):
                                                                  parts=self.row_parts)
         return inputs
 
+    def run_attention(self, layer_idx: int, q, k, v, layer: LayerFormat, core) -> torch.Tensor:
+        """What the layer's graph runs from its first cache node through its second, the graph's
+        calls between them given as ``core`` (cache/attention_core.py): piecewise graphs run it
+        between their pieces. Returns ``[1, N, H_q, D]``."""
+        inputs = self.oscar_layer_inputs(layer_idx, q, k, v, layer)
+        out = None if layer_idx in self._outputs else core(inputs)  # decode-consistent rows ran already
+        return self.oscar_layer_outputs(layer_idx, out, q)
+
     def oscar_layer_outputs(self, layer_idx: int, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         out = self._outputs.pop(layer_idx, out)
         if self.staged is not None and not self.runner.layout.format_of(layer_idx).full_precision_pages:
@@ -102,6 +115,7 @@ class Rewritten(Protocol):
 
     model: torch.nn.Module
     constants: Mapping[int, OpConstants]
+    attention_cores: Mapping[int, Callable]
 
 
 class CompressedRunner:
@@ -111,8 +125,10 @@ class CompressedRunner:
     ``max_seq_len`` bounds one sequence (it sizes the page-table mirrors); ``max_num_seqs`` and
     ``max_num_batched_tokens`` size the step buffers (they grow if a step needs more).
     ``cuda_graphs``: replay captured graphs for decode steps of up to ``max_graph_batch``
-    sequences on CUDA (captured here, once per padded batch size). ``deterministic``: every forward,
-    the graphs' captures included, runs under ``kernels.determinism.deterministic()``.
+    sequences on CUDA (captured here, once per padded batch size), and piecewise graphs for the
+    other steps of up to ``piecewise_max_tokens`` tokens (piecewise_graphs.py; 0: none).
+    ``deterministic``: every forward, the graphs' captures included, runs under
+    ``kernels.determinism.deterministic()``; its prefill and mixed steps run eagerly.
     """
 
     @staticmethod
@@ -129,9 +145,11 @@ class CompressedRunner:
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, cuda_graphs: bool = True,
                  max_graph_batch: int = DEFAULT_MAX_NUM_SEQS, num_staging_pages: int = 0,
                  swap_bytes: int = 0, deterministic: bool = False,
-                 prefill_semantics: str = DEFAULT_PREFILL_SEMANTICS):
+                 prefill_semantics: str = DEFAULT_PREFILL_SEMANTICS,
+                 piecewise_max_tokens: int = DEFAULT_PIECEWISE_MAX_TOKENS):
         model = self.model = compressed.model
         self.constants = compressed.constants
+        self.attention_cores = dict(compressed.attention_cores)  # what piecewise graphs run between pieces
         self.layout = layout
         self.deterministic = deterministic
         self.attention = AttentionDispatch()  # the kernel choice: OSCAR_ATTENTION_KERNEL read once, here
@@ -169,6 +187,12 @@ class CompressedRunner:
 
             self.graphs = DecodeGraphs(self, min(max_graph_batch, max_num_seqs))
             self.graphs.capture_all(layout)
+        self.piecewise = None
+        if cuda_graphs and self.device.type == "cuda" and piecewise_max_tokens > 0 and not deterministic:
+            from oscar_compile.runtime.worker.piecewise_graphs import PiecewiseGraphs
+
+            self.piecewise = PiecewiseGraphs(self, piecewise_max_tokens, max_num_seqs)
+            self.piecewise.capture_all(layout)
         if self.device.type == "cuda":
             self._compile_prefill_kernels(layout)
 
@@ -301,10 +325,30 @@ class CompressedRunner:
         ``pending_tokens``: see ``Batch.pending_rows``."""
         if self.graphs is not None and not batch.logit_rows and not batch.snapshot_takes and self.graphs.can_run(batch):
             return self.graphs.run(batch, pending_tokens)
+        if self.piecewise is not None and self.piecewise.can_run(batch):
+            return self.piecewise.run(batch, pending_tokens)
+        inputs = self.load_inputs(batch, pending_tokens)
+        cache = self.step_cache(batch, inputs)
+        self.mark_forward()
+        rows = inputs["cu_seqlens"][1:].long() - 1  # each sequence's last new token
+        if batch.logit_rows:  # then every new token of the rows that score their prompt, and no other
+            every = torch.tensor(batch.logit_row_positions(), dtype=torch.int64)
+            rows = torch.cat([rows, every.to(self.device, non_blocking=True)])
+        return self.forward(inputs, rows, cache=cache).float()
+
+    def load_inputs(self, batch: Batch, pending_tokens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The step's input views (StepInputs, tables trimmed to the batch), its buffers grown first
+        if the step does not fit them."""
         if not self.inputs.fits(batch):
             self.inputs = self._step_inputs(max(batch.num_seqs, self.inputs.max_seqs),
                                             max(batch.num_tokens, self.inputs.max_tokens))
-        inputs = self.inputs.load(batch, pending_tokens=pending_tokens)
+        return self.inputs.load(batch, pending_tokens=pending_tokens)
+
+    def step_cache(self, batch: Batch | None, inputs: dict[str, torch.Tensor]) -> StepCache:
+        """The cache an eager or piecewise step runs on: its staged rows, window snapshots and
+        decode-consistent row split, made on the host once for every layer (None: a step of none)."""
+        if batch is None:
+            return StepCache(self, inputs)
         staged = None
         if batch.staging_tables:
             if not self.op_constants:
@@ -316,26 +360,27 @@ class CompressedRunner:
         if self.decode_consistent is not None and self.device.type == "cuda":
             parts = split_rows([len(ids) for ids in batch.token_ids],
                                lambda values, dtype: to_device(values, dtype, self.device))
-        self.mark_forward()
-        rows = inputs["cu_seqlens"][1:].long() - 1  # each sequence's last new token
-        if batch.logit_rows:  # then every new token of the rows that score their prompt, and no other
-            every = torch.tensor(batch.logit_row_positions(), dtype=torch.int64)
-            rows = torch.cat([rows, every.to(self.device, non_blocking=True)])
-        return self.forward(inputs, rows, staged, takes=takes, row_parts=parts).float()
+        return StepCache(self, inputs, staged, takes=takes, row_parts=parts)
+
+    def empty_step_inputs(self) -> dict[str, torch.Tensor]:
+        """The inputs of a step of one sequence with no new token, on the scratch pages (what
+        piecewise captures hand the graph's calls: nothing to attend or write)."""
+        zeros = torch.zeros(2, dtype=torch.int32, device=self.device)
+        tables = self._step_inputs(1, 1)
+        return dict(cu_seqlens=zeros, cache_lens=zeros[:1], history_lens=zeros[1:],
+                    window_table=tables.windows.device_table[:1], quant_table=tables.quants.device_table[:1, :1])
 
     def mark_forward(self) -> None:
         if self.forward_started is not None:
             self.forward_started.record()
 
     def forward(self, inputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None,
-                staged: StagedStep | None = None, graph_decode: bool = False,
-                takes: StepSnapshotTakes | None = None, row_parts: list[RowPart] | None = None) -> torch.Tensor:
+                graph_decode: bool = False, cache: StepCache | None = None) -> torch.Tensor:
         """The model over one packed step: logits ``[N, vocab]`` of every new token, or of ``rows``
         only (the LM head of an 8k-token prefill chunk would otherwise make 8k x vocab logits).
         ``graph_decode``: the forward a decode step's CUDA graph captures (cuda_graphs.py);
-        ``takes``: the window snapshots the step takes inside its chunks (snapshot_takes.py);
-        ``row_parts``: the decode-consistent row split (cache.decode_consistent.split_rows)."""
-        cache = StepCache(self, inputs, staged, graph_decode, takes, row_parts)
+        ``cache``: the step's (:meth:`step_cache`), by default a plain one of ``inputs``."""
+        cache = cache if cache is not None else StepCache(self, inputs, graph_decode=graph_decode)
         kwargs = {self.cache_kwarg: cache}
         if rows is not None and self.keeps_logit_rows:
             kwargs["logits_to_keep"] = rows
@@ -386,6 +431,7 @@ def runner_kwargs(model: torch.nn.Module, page_manager, config=None) -> dict:
         kwargs.update(max_num_seqs=config.scheduler.max_num_seqs,
                       max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                       cuda_graphs=config.runner.cuda_graphs, deterministic=config.runner.deterministic,
+                      piecewise_max_tokens=config.runner.piecewise_max_tokens,
                       prefill_semantics=config.cache.prefill_semantics)
     swap = page_manager.swap_space
     kwargs.update(num_staging_pages=page_manager.staging_pool.num_pages,

@@ -27,11 +27,11 @@ def _model(vocab_size: int):
     return Qwen3ForCausalLM(config).eval().to("cuda", torch.bfloat16)
 
 
-def _generate(tokenizer, spec, prompts, cuda_graphs: bool, max_tokens=40, overlap=True, params=None):
+def _generate(tokenizer, spec, prompts, cuda_graphs: bool, max_tokens=40, overlap=True, params=None, **config):
     # max_model_len 256: graphs plan the kernels for full-width page tables (256 tokens), eager
     # launches for the batch's longest; both stay below the first history split (4 blocks of 64
     # tokens), so they launch the same kernels, and float results can be compared bitwise
-    config = EngineConfig(max_num_batched_tokens=1024, max_model_len=256, cuda_graphs=cuda_graphs,
+    config = EngineConfig(**{"max_num_batched_tokens": 1024, **config}, max_model_len=256, cuda_graphs=cuda_graphs,
                           overlap_steps=overlap)
     llm = LLM(_model(len(tokenizer)), spec=spec, tokenizer=tokenizer, config=config)
     assert llm.engine.overlap is overlap
@@ -118,3 +118,27 @@ def test_decode_consistent_prefill_runs_on_the_gpu(tokenizer):
         assert len(request.outputs[0].token_ids) == 4
         rows.append(torch.tensor([e.logprob for e in request.prompt_logprobs[1:]]))
     assert rows[0].isfinite().all() and (rows[1] - rows[0]).abs().mean() < 0.1
+
+
+@pytest.mark.parametrize("spec", [SPEC, BF16], ids=["int2", "bf16"])
+def test_piecewise_graphs_run_mixed_steps(tokenizer, spec):
+    """Chunks of a 48-token budget beside decode rows replay the piecewise graphs (captured at
+    start for 16, 32 and 48 tokens) and give the tokens of eager steps. Padded token counts may
+    change cuBLAS's GEMMs, so tokens are compared for agreement, as for padded decode graphs; the
+    bookkeeping is checked exactly on the CPU (test_piecewise_graphs.py)."""
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(1, len(tokenizer), (n,), generator=g).tolist() for n in (70, 5, 33, 100, 12, 57)]
+    llm, graphed = _generate(tokenizer, spec, prompts, cuda_graphs=True, max_num_batched_tokens=48)
+    piecewise = llm.engine.runner.piecewise
+    assert sorted(piecewise.graphs) == [16, 32, 48]
+    replays = []
+    run = piecewise.run
+    piecewise.run = lambda batch, pending=None: replays.append(batch.num_tokens) or run(batch, pending)
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0,
+                                                                                   ignore_eos=True))]
+    assert again == graphed and len(replays) >= 5 and max(replays) == 48
+    _, eager = _generate(tokenizer, spec, prompts, cuda_graphs=True, max_num_batched_tokens=48,
+                         piecewise_max_tokens=0)
+    agree = (sum(a == b for x, y in zip(graphed, eager, strict=True) for a, b in zip(x, y, strict=True))
+             / sum(map(len, eager)))
+    assert agree > 0.9 and [x[:4] for x in graphed] == [y[:4] for y in eager]
