@@ -56,12 +56,13 @@ case "$PART" in
   SMALL=${E2E/--max-num-batched-tokens 8192/--max-num-batched-tokens 544}
   step e2e_small_chunks 260 . ${SMALL/--e2e-batches 1 32/--e2e-batches 32} --e2e-systems oscar-int2 oscar-bf16 \
     --e2e-time-limit 90 --out "$R/e2e_small_chunks.json" ;;
-11) # the default token budget (2048: every step of the batch-32 run replays piecewise graphs) in both
-    # modes, then the kernel and runtime GPU tests that part 10 did not reach
+11) # the CUDA-graph tests by name (piecewise included), the default token budget (2048: every step of
+    # the batch-32 run replays piecewise graphs) in both modes, then the GPU tests part 10 did not reach
+  step tests_graphs 120 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -n 2 -m gpu tests/runtime/worker/test_cuda_graphs.py
   MID=${E2E/--max-num-batched-tokens 8192/--max-num-batched-tokens 2048}
-  step e2e_default_budget 200 . ${MID/--e2e-batches 1 32/--e2e-batches 32} --e2e-systems oscar-int2 oscar-bf16 \
+  step e2e_default_budget 190 . ${MID/--e2e-batches 1 32/--e2e-batches 32} --e2e-systems oscar-int2 oscar-bf16 \
     --e2e-time-limit 70 --out "$R/e2e_default_budget.json"
-  step tests_gpu 250 . $P -n 4 --instafail -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/test_deterministic_gpu.py \
+  step tests_gpu 200 . $P -n 4 --instafail -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/test_deterministic_gpu.py \
     tests/runtime/worker/test_prompt_logprobs.py tests/runtime/worker/test_decode_consistent_prefill.py ;;
 4)  # bundled model carried, no .carry-base: TTFT of both modes, the INT2 variants, the whole GPU suite
   step ttft_new 170 . $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_new.json"
