@@ -60,19 +60,23 @@ def split_rows(counts: list[int], put: Callable[[list[int], torch.dtype], torch.
             continue
         if keep == counts:  # the whole call: no gather
             parts.append((decode, slice(0, starts[-1]), None))
-        else:
-            rows = [a + t for a, n in zip(starts[:-1], keep, strict=True) for t in range(n)]
-            parts.append((decode, put(rows, torch.int64), put(list(accumulate(keep, initial=0)), torch.int32)))
+            continue
+        rows = [a + t for a, n in zip(starts[:-1], keep, strict=True) for t in range(n)]
+        # one run of rows (a mixed step's decode rows, then its chunk, as the scheduler orders
+        # them): a view, where a gather would launch a kernel per tensor and layer
+        taken = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] + 1 == len(rows) else put(rows, torch.int64)
+        parts.append((decode, taken, put(list(accumulate(keep, initial=0)), torch.int32)))
     return parts
 
 
 def triton_decode_consistent_attention(q, k, v, cu_seqlens, clip_k, clip_v, parts: list[RowPart] | None = None,
-                                       **rest) -> torch.Tensor:
+                                       step_memo: dict | None = None, **rest) -> torch.Tensor:
     """The reference's call, one kind of rows at a time (``parts``, by default split from
     ``cu_seqlens`` read back to the host): those with one new token (decode rows) through
     ``oscar::attention``, whose one-token rows are the rule's (the decode step's own kernels: a
     decode row's bits do not depend on whether a chunk shares its step), longer chunks through the
-    paged prefill kernel. Triton is imported on first use (``import oscar_compile`` stays cheap)."""
+    paged prefill kernel (``step_memo``: the kernel's, one dict per step). Triton is imported on
+    first use (``import oscar_compile`` stays cheap)."""
     from ..kernels.attention.prefill.decode_consistent_paged_triton import attention_decode_consistent_paged_triton
 
     if parts is None:
@@ -85,30 +89,31 @@ def triton_decode_consistent_attention(q, k, v, cu_seqlens, clip_k, clip_v, part
         if decode:
             got = torch.ops.oscar.attention(*AttentionArgs(**args))
         else:
-            got = attention_decode_consistent_paged_triton(**args, clip_k=clip_k, clip_v=clip_v)
+            got = attention_decode_consistent_paged_triton(**args, clip_k=clip_k, clip_v=clip_v, step_memo=step_memo)
         if cu is None:  # the whole call
             return got
-        if out is None:
-            out = torch.zeros_like(q)
+        if out is None:  # two parts: every row is a decode row or a chunk row, each written below
+            out = torch.empty_like(q) if len(parts) == 2 else torch.zeros_like(q)
         out[rows] = got
     return torch.zeros_like(q) if out is None else out
 
 
 def run_decode_consistent(
     inputs: tuple, layer: LayerFormat, scale: float, clip_k: float, clip_v: float, use_triton: bool | None = None,
-    parts: list[RowPart] | None = None,
+    parts: list[RowPart] | None = None, step_memo: dict | None = None,
 ) -> tuple[torch.Tensor, tuple]:
     """Attend and write the new tokens of ``inputs`` (a windowed layer's ``layer_input_names``
     tuple) decode-consistently -> (output [N, H_q, D], the inputs of an empty chunk for the graph).
     ``use_triton``: see :func:`decode_consistent_attention`; ``parts``: the Triton path's row
-    split (:func:`split_rows`), when the caller has it from the host."""
+    split (:func:`split_rows`), when the caller has it from the host; ``step_memo``: a dict the
+    caller keeps for one step, which the Triton path's every layer shares."""
     part = dict(zip(layer_input_names(layer), inputs, strict=True))
     q, k, v = part["q"], part["k"], part["v"]
     cache = {name: part[name] for name in CacheWriteArgs._fields if name in part and name not in ("k", "v")}
     window = dict(sink=layer.sink, recent=layer.recent, bits=layer.bits, group_size=layer.group_size)
     attend = decode_consistent_attention(q.device, use_triton)
-    if attend is triton_decode_consistent_attention and parts is not None:
-        attend = functools.partial(attend, parts=parts)
+    if attend is triton_decode_consistent_attention:
+        attend = functools.partial(attend, parts=parts, step_memo=step_memo)
     out = attend(q=q, k=k, v=v, scale=scale, clip_k=clip_k, clip_v=clip_v, **cache, **window)
     cache["cu_seqlens"] = part["write_cu"]
     torch.ops.oscar.cache_write(*CacheWriteArgs(k=k, v=v, clip_k=clip_k, clip_v=clip_v, **cache, **window))

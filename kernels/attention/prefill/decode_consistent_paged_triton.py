@@ -253,6 +253,14 @@ def _paged_kernel(
              mask=row_ok[:, None])  # fmt: skip
 
 
+def _memo(memo: dict | None, key: tuple, make):
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
 def _torch_dtype(dt) -> torch.dtype:
     return {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}[dt]
 
@@ -261,6 +269,7 @@ def attention_decode_consistent_paged_triton(
     q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win, k_codes, k_scale, k_zero,
     v_codes, v_scale, v_zero, scale, sink, recent, bits, group_size, clip_k, clip_v, history_lens=None,
     block_rows: int = 128, block_n: int = 32, num_warps: int = 4, num_stages: int = 2, fold: bool = True,
+    step_memo: dict | None = None,
 ):  # fmt: skip
     """The reference's call (same arguments): the band pre-pass, then the kernel; two launches,
     no host sync (``history_lens`` None: the standard h, computed on the device). q: [N, H_q, D],
@@ -269,7 +278,10 @@ def attention_decode_consistent_paged_triton(
     per row (group_size = head_dim), fold scale and zero out of the stored-history tiles (never in
     deterministic mode, whose tiles must equal the band's dequantized operands). The default tiles
     are the fastest of bench.prefill_paged's sweep at 32k on an H100 (128 rows, 32 keys, 4 warps:
-    27.3 ms against 59.0 at 64 / 64, bench/results/2026-12-05-h100-decode-consistent-prefill-kernel)."""
+    27.3 ms against 59.0 at 64 / 64, bench/results/2026-12-05-h100-decode-consistent-prefill-kernel).
+    ``step_memo``: a dict that lives for one step of a runner (every layer passes the same
+    ``cu_seqlens`` object, alive for the step): the band and query-block offsets, a dozen small
+    launches, are made by the first layer and read by the others."""
     N, H_q, D = q.shape
     H_kv = k.shape[1]
     if H_q % H_kv:
@@ -289,14 +301,14 @@ def attention_decode_consistent_paged_triton(
     g = H_q // H_kv
     block_m = max(1, block_rows // g)
     dot_dt = dot_dtype(q.dtype)
-    bcu = band_cu(cu_seqlens, recent)
+    bcu = _memo(step_memo, ("band_cu", id(cu_seqlens), recent), lambda: band_cu(cu_seqlens, recent))
     full = bits == FULL_PRECISION_BITS
     band = write_band(k, v, cu_seqlens, bcu, cache_lens, history_lens, window_table, k_win, v_win,
                       k_win.dtype if full else k_scale.dtype, sink, recent, bits, group_size, clip_k, clip_v,
                       _torch_dtype(dot_dt))  # fmt: skip
     if full:  # no scale / zero pools: stand-ins, never read
         pools = (k_win, v_win, k_codes, k_win, k_win, v_codes, v_win, v_win)
-    cub = query_block_prefix(cu_seqlens, block_m)
+    cub = _memo(step_memo, ("query_blocks", id(cu_seqlens), block_m), lambda: query_block_prefix(cu_seqlens, block_m))
     aligned = is_deterministic()
     grid = (triton.cdiv(N, block_m) + B, H_kv)
     _paged_kernel[grid](

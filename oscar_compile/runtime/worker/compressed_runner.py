@@ -69,6 +69,7 @@ class StepCache(OscarCache):
         self.window_table = inputs["window_table"]
         self.quant_table = inputs["quant_table"]
         self._outputs: dict[int, torch.Tensor] = {}  # decode-consistent outputs, until the graph hands in its own
+        self._memo: dict = {}  # what the decode-consistent kernel makes once per step (its step_memo)
 
     def begin_step(self, attention_mask, num_new: int) -> None:  # the runner packs tokens itself
         pass
@@ -90,7 +91,7 @@ class StepCache(OscarCache):
             return inputs
         c = self.runner.decode_consistent[layer_idx]  # every row runs here, the graph's ops get an empty chunk
         self._outputs[layer_idx], inputs = run_decode_consistent(inputs, layer, c.scale, c.clip_k, c.clip_v,
-                                                                 parts=self.row_parts)
+                                                                 parts=self.row_parts, step_memo=self._memo)
         return inputs
 
     def run_attention(self, layer_idx: int, q, k, v, layer: LayerFormat, core) -> torch.Tensor:
