@@ -111,6 +111,14 @@ def _smallest_kv_budget(device: torch.device, ranks: RankGroup) -> int:
     return int(free.item())
 
 
+def _rank_runner_kwargs(model, page_manager, config) -> dict:
+    """Every rank's runner arguments: the engine's, less piecewise CUDA graphs (prefill and mixed
+    steps run eagerly on the ranks). Their captures and replays, which all-reduce inside the
+    pieces, have not run on several GPUs yet (multi-GPU machines were not lent to the sessions
+    that built them); decode graphs stay on."""
+    return {**runner_kwargs(model, page_manager, config), "piecewise_max_tokens": 0}
+
+
 def profile_ranks(compressed, layout, kwargs: dict, rows: list[StepRow], ranks: RankGroup) -> list[MemoryProfile]:
     """Every rank's memory profile (runtime/worker/memory_profile.py), in rank order: each builds
     the profile runner of ``kwargs`` (the steps of its construction and the largest step of
@@ -257,7 +265,7 @@ class TensorParallelGroup:
         compressed, tokenizer, config, report = prepare_rank(self.setup, self.ranks)
 
         def build(page_manager) -> TensorParallelRunner:
-            kwargs = runner_kwargs(compressed.model, page_manager, config)
+            kwargs = _rank_runner_kwargs(compressed.model, page_manager, config)
             try:
                 self.ranks.send(("runner", kwargs))
             except RuntimeError as err:  # a rank died while it loaded or compressed its slice
@@ -268,7 +276,7 @@ class TensorParallelGroup:
             return self.runner
 
         def profile(page_manager, rows) -> list[MemoryProfile]:
-            kwargs = runner_kwargs(compressed.model, page_manager, config)
+            kwargs = _rank_runner_kwargs(compressed.model, page_manager, config)
             try:
                 self.ranks.send(("profile", kwargs, rows))
             except RuntimeError as err:
