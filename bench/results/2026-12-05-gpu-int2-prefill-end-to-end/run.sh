@@ -64,6 +64,16 @@ case "$PART" in
     --e2e-time-limit 70 --out "$R/e2e_default_budget.json"
   step tests_gpu 200 . $P -n 4 --instafail -m gpu tests/kernels/attention/prefill tests/cache tests/runtime/test_deterministic_gpu.py \
     tests/runtime/worker/test_prompt_logprobs.py tests/runtime/worker/test_decode_consistent_prefill.py ;;
+12) # the session's last call: batch 32 at a 544-token budget in both modes (piecewise graphs, the row
+    # views and the per-step offsets), the CUDA-graph tests by name, then where INT2's host time
+    # goes in those mixed steps (cProfile: the Python of the eager attention between the pieces)
+  SMALL=${E2E/--max-num-batched-tokens 8192/--max-num-batched-tokens 544}
+  step e2e_small_chunks 200 . ${SMALL/--e2e-batches 1 32/--e2e-batches 32} --e2e-systems oscar-int2 oscar-bf16 \
+    --e2e-time-limit 90 --out "$R/e2e_small_chunks.json"
+  step tests_graphs 100 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -n 2 -m gpu tests/runtime/worker/test_cuda_graphs.py
+  step profile_int2 130 . python3 -m cProfile -o "$R/int2_small_chunks.prof" -m oscar_compile.bench.serve --shapes 8b \
+    --parts e2e --e2e-batches 32 --e2e-prompt 8192 --e2e-output 32 --e2e-kv-memory 60 --max-num-batched-tokens 544 \
+    --e2e-systems oscar-int2 --out "$R/e2e_profiled.json" ;;
 4)  # bundled model carried, no .carry-base: TTFT of both modes, the INT2 variants, the whole GPU suite
   step ttft_new 170 . $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_new.json"
   step e2e_variants 150 . $E2E --e2e-systems oscar-int2-no-prefix-caching oscar-int2-prompt-exact --e2e-time-limit 70 --out "$R/e2e_variants.json"
