@@ -8,6 +8,8 @@ stay the graph's own: no second place spells their arguments.
 """
 from __future__ import annotations
 
+import inspect
+
 from torch import fx, nn
 
 from . import nodes
@@ -30,12 +32,17 @@ def graph_attention_core(graph: fx.Graph) -> tuple[int, fx.GraphModule] | None:
         if node.op != "call_function" or any(arg not in env for arg in node.all_input_nodes):
             return None
         env[node] = core.node_copy(node, env.__getitem__)
-    out = last.args[2]  # layer_outputs(cache, layer_idx, out, q)
+    out = _bound(nodes.layer_outputs, last)["out"]
     if not isinstance(out, fx.Node) or out not in env:
         return None
     core.output(env[out])
     core.lint()
-    return int(first.args[1]), fx.GraphModule(nn.Module(), core)
+    return int(_bound(nodes.layer_inputs, first)["layer_idx"]), fx.GraphModule(nn.Module(), core)
+
+
+def _bound(fn, node: fx.Node) -> dict:
+    """A cache node's arguments by the names of its function."""
+    return inspect.signature(fn).bind(*node.args, **node.kwargs).arguments
 
 
 __all__ = ["graph_attention_core"]

@@ -33,8 +33,8 @@ import time
 
 import torch
 
-from oscar_compile.runtime.worker.compressed_runner import StepCache
 from oscar_compile.runtime.worker.runner import Batch
+from oscar_compile.runtime.worker.step_cache import StepCache
 
 _log = logging.getLogger(__name__)
 
