@@ -217,6 +217,9 @@ FORWARDS_ALLOWED = {
     ("determinism.py", "func"): "a torch function mode passes every torch call on as it came",
     ("determinism.py", "batch_invariant_linear"): "F.linear's own arguments, as the mode received them",
     ("ops.py", "definition"): "an op's definition (its formats/op_args.py NamedTuple), handed to _triton_on_cuda",
+    ("ops.py", "op"): "direct(): under torch.compile, the op called with the arguments it came with",
+    ("ops.py", "cuda"): "direct(): the op's CUDA implementation, which binds them to its definition",
+    ("ops.py", "default"): "direct(): the op's default implementation, which binds them to its definition",
 }
 
 

@@ -4,7 +4,9 @@ A piecewise CUDA graph of a step (``runtime/worker/piecewise_graphs.py``) captur
 attention: between the replayed pieces it asks the step's cache for a layer's op inputs, runs
 what the layer's graph runs on them (the ``oscar::`` attention and cache-write calls, with the
 constants they carry) and hands the output back. Copied node for node out of the graph, the calls
-stay the graph's own: no second place spells their arguments.
+stay the graph's own: no second place spells their arguments. The copies call the attention and
+cache-write ops' implementations directly (``kernels.ops.direct``): the dispatcher's wrappers
+cost more host time than the launches.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import inspect
 
 from torch import fx, nn
 
+from ..kernels import ops
 from . import nodes
 
 
@@ -31,7 +34,8 @@ def graph_attention_core(graph: fx.Graph) -> tuple[int, fx.GraphModule] | None:
     for node in order[order.index(first) + 1:order.index(last)]:
         if node.op != "call_function" or any(arg not in env for arg in node.all_input_nodes):
             return None
-        env[node] = core.node_copy(node, env.__getitem__)
+        env[node] = copied = core.node_copy(node, env.__getitem__)
+        copied.target = ops.direct(node.target)  # the same implementation, without the dispatcher
     out = _bound(nodes.layer_outputs, last)["out"]
     if not isinstance(out, fx.Node) or out not in env:
         return None

@@ -28,7 +28,7 @@ import torch
 
 from ..formats.cache import LayerFormat
 from ..formats.op_args import AttentionArgs, CacheWriteArgs
-from ..kernels import ops  # noqa: F401  registers the oscar:: ops called below (cheap: no Triton at import)
+from ..kernels import ops  # the oscar:: ops called below, directly (cheap: no Triton at import)
 from ..kernels.attention.prefill.attention_decode_consistent_ref import attention_decode_consistent_ref
 from .contract import layer_input_names
 
@@ -87,7 +87,7 @@ def triton_decode_consistent_attention(q, k, v, cu_seqlens, clip_k, clip_v, part
     for decode, rows, cu in parts:
         args = dict(q=q[rows], k=k[rows], v=v[rows], cu_seqlens=cu_seqlens if cu is None else cu, **rest)
         if decode:
-            got = torch.ops.oscar.attention(*AttentionArgs(**args))
+            got = ops.direct(torch.ops.oscar.attention.default)(*AttentionArgs(**args))
         else:
             got = attention_decode_consistent_paged_triton(**args, clip_k=clip_k, clip_v=clip_v, step_memo=step_memo)
         if cu is None:  # the whole call
@@ -116,7 +116,8 @@ def run_decode_consistent(
         attend = functools.partial(attend, parts=parts, step_memo=step_memo)
     out = attend(q=q, k=k, v=v, scale=scale, clip_k=clip_k, clip_v=clip_v, **cache, **window)
     cache["cu_seqlens"] = part["write_cu"]
-    torch.ops.oscar.cache_write(*CacheWriteArgs(k=k, v=v, clip_k=clip_k, clip_v=clip_v, **cache, **window))
+    ops.direct(torch.ops.oscar.cache_write.default)(*CacheWriteArgs(k=k, v=v, clip_k=clip_k, clip_v=clip_v, **cache,
+                                                                    **window))
     none = torch.zeros_like(part["cu_seqlens"])
     empty = {**part, "q": q[:0], "k": k[:0], "v": v[:0], "cu_seqlens": none, "write_cu": none}
     return out, tuple(empty.values())
