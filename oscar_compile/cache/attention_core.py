@@ -5,8 +5,8 @@ attention: between the replayed pieces it asks the step's cache for a layer's op
 what the layer's graph runs on them (the ``oscar::`` attention and cache-write calls, with the
 constants they carry) and hands the output back. Copied node for node out of the graph, the calls
 stay the graph's own: no second place spells their arguments. The copies call the attention and
-cache-write ops' implementations directly (``kernels.ops.direct``): the dispatcher's wrappers
-cost more host time than the launches.
+cache-write ops' implementations directly (``kernels.ops.direct``), without the custom-op
+wrappers' host time.
 """
 from __future__ import annotations
 
