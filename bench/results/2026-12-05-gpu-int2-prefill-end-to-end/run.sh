@@ -4,8 +4,8 @@
 # end-to-end and TTFT rows of the INT2 mode and the BF16 mode, on this tree and on the landed tree
 # 707afb2 (.carry-base: its tree without the bundled model), one after the other on one machine.
 # From the repository root, .carry-base and .whl (the wheels the device lacks: pydantic and the
-# server's) carried:
-#   PART=1 BUDGET_S=570 bash bench/results/2026-12-05-gpu-int2-prefill-end-to-end/run.sh
+# server's) carried, TREE the commit as a literal (git on the device does not see the session's):
+#   TREE=<sha> PART=1 BUDGET_S=570 bash bench/results/2026-12-05-gpu-int2-prefill-end-to-end/run.sh
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 R=$OUT/r$PART; mkdir -p "$R"
@@ -74,6 +74,16 @@ case "$PART" in
   step profile_int2 130 . python3 -m cProfile -o "$R/int2_small_chunks.prof" -m oscar_compile.bench.serve --shapes 8b \
     --parts e2e --e2e-batches 32 --e2e-prompt 8192 --e2e-output 32 --e2e-kv-memory 60 --max-num-batched-tokens 544 \
     --e2e-systems oscar-int2 --out "$R/e2e_profiled.json" ;;
+14) # the next session's first call (TREE given as a literal: the device's .git is not the session's):
+    # INT2 and the BF16 mode at the 544-token budget with the ops called directly between the pieces
+    # (unmeasured), the CUDA-graph tests by name, then the kernel / cache / worker GPU tests
+  SMALL=${E2E/--max-num-batched-tokens 8192/--max-num-batched-tokens 544}
+  step e2e_small_chunks 200 . ${SMALL/--e2e-batches 1 32/--e2e-batches 32} --e2e-systems oscar-int2 oscar-bf16 \
+    --e2e-time-limit 90 --out "$R/e2e_small_chunks.json"
+  step tests_graphs 90 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -n 2 -m gpu tests/runtime/worker/test_cuda_graphs.py
+  step tests_gpu 200 . $P -n 4 --instafail -m gpu tests/cache tests/runtime/worker tests/runtime/test_deterministic_gpu.py \
+    tests/kernels/attention/prefill --ignore tests/runtime/worker/test_memory_profile.py \
+    --ignore tests/runtime/worker/test_cuda_graphs.py ;;
 4)  # bundled model carried, no .carry-base: TTFT of both modes, the INT2 variants, the whole GPU suite
   step ttft_new 170 . $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_new.json"
   step e2e_variants 150 . $E2E --e2e-systems oscar-int2-no-prefix-caching oscar-int2-prompt-exact --e2e-time-limit 70 --out "$R/e2e_variants.json"
