@@ -325,7 +325,7 @@ def test_every_cuda_registration_names_an_existing_triton_wrapper():
     pytest.importorskip("triton")
     source = inspect.getsource(ops)
     pairs = set(re.findall(r'_triton_impl\("([\w.]+)", "(\w+)"\)', source))
-    pairs |= set(re.findall(r'_triton_on_cuda\(\w+, \w+, "([\w.]+)", "(\w+)"', source))
+    pairs |= set(re.findall(r'_triton_on_cuda\(\s*\w+,\s*\w+,\s*"([\w.]+)",\s*"(\w+)"', source))
     assert len(pairs) >= 7
     for module, name in sorted(pairs):
         assert ops._triton_impl(module, name) is not None, f"oscar_compile.kernels.{module}.{name}"
