@@ -60,8 +60,11 @@ def _counted(run, used: list):
     return counted
 
 
-@pytest.mark.parametrize("spec", [INT2, BF16], ids=["int2", "bf16"])
-def test_piecewise_steps_equal_eager_steps(tokenizer, tiny_model, spec):
+@pytest.mark.parametrize("spec,semantics", [(INT2, "decode-consistent"), (INT2, "prompt-exact"),
+                                           (BF16, "decode-consistent")], ids=["int2", "int2-prompt-exact", "bf16"])
+def test_piecewise_steps_equal_eager_steps(tokenizer, tiny_model, spec, semantics):
+    """Decode-consistent INT2 layers attend in the step's cache; prompt-exact INT2 layers (no
+    staging pages: the graph's own ops) and BF16 layers through their attention cores."""
     rot = calibrate(tiny_model, spec, [torch.randint(0, len(tokenizer), (2, 48),
                                                      generator=torch.Generator().manual_seed(0))])
     g = torch.Generator().manual_seed(5)
@@ -72,7 +75,7 @@ def test_piecewise_steps_equal_eager_steps(tokenizer, tiny_model, spec):
         # a budget of 24 tokens: chunked prompts beside decode rows (mixed steps), padded to 16 or 24;
         # window snapshots every 8 tokens, taken inside the chunks
         config = EngineConfig(num_window_pages=64, num_quant_pages=64, max_num_batched_tokens=24, max_num_seqs=8,
-                              snapshot_interval=8)
+                              snapshot_interval=8, prefill_semantics=semantics, num_staging_pages=0)
         llm = LLM(copy.deepcopy(tiny_model), spec=spec, rotations=rot, tokenizer=tokenizer, config=config)
         runner = llm.engine.runner
         assert sorted(runner.attention_cores) == list(range(runner.num_layers))
@@ -87,7 +90,7 @@ def test_piecewise_steps_equal_eager_steps(tokenizer, tiny_model, spec):
                          [[lp.logprob] + [x for _, x in lp.top] for lp in o.outputs[0].logprobs]) for o in outs])
     # chunks and padded steps went through it, and (windowed layers) steps taking snapshots
     assert any(n > 8 for n, _ in used) and any(n < 16 for n, _ in used)
-    assert any(takes for _, takes in used) == (spec is INT2)
+    assert any(takes for _, takes in used) == (spec is INT2 and semantics == "decode-consistent")
     for (tokens, logprobs), (tokens_pw, logprobs_pw) in zip(*results, strict=True):
         assert tokens == tokens_pw
         for a, b in zip(logprobs, logprobs_pw, strict=True):
