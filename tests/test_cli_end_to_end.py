@@ -8,6 +8,7 @@ way (one group per head row), where serve used to refuse what calibrate had acce
 
 Tiny random models (2 layers, 1 KV head) from transformers config objects: no downloads.
 """
+import gc
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +74,7 @@ def test_calibrate_apply_generate_serve(tmp_path, tokenizer, arch, head_dim, cap
     answers = []
 
     def run_server(app, args):  # in place of uvicorn: one request through the app the CLI built
+        assert gc.get_freeze_count() > 0  # the startup heap is left out of collections while serving
         with TestClient(app) as client:
             prompt = np.random.default_rng(1).integers(3, len(tokenizer), PROMPT_TOKENS).tolist()
             answers.append(client.post("/v1/completions", json={"model": model_dir.name, "prompt": prompt,
@@ -82,6 +84,7 @@ def test_calibrate_apply_generate_serve(tmp_path, tokenizer, arch, head_dim, cap
     assert main(["serve", "--model", str(model_dir), "--spec", SPEC, "--rotations", str(rot_file),
                  "--device", "cpu", "--kv-memory", "0.01", "--max-model-len", "512", "--no-cuda-graphs"]) == 0
     (answer,) = answers
+    assert gc.get_freeze_count() == 0
     assert answer.status_code == 200, answer.text
     body = answer.json()
     assert body["usage"] == {**body["usage"], "prompt_tokens": PROMPT_TOKENS, "completion_tokens": 3}
