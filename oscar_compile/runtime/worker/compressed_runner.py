@@ -135,7 +135,7 @@ class CompressedRunner:
             from oscar_compile.runtime.worker.piecewise_graphs import PiecewiseGraphs
 
             self.piecewise = PiecewiseGraphs(self, piecewise_max_tokens, max_num_seqs)
-            self.piecewise.capture_all(layout)
+            self.piecewise.capture_all()
         if self.device.type == "cuda":
             self._compile_prefill_kernels(layout)
 
@@ -309,9 +309,10 @@ class CompressedRunner:
         """The inputs of a step of one sequence with no new token, on the scratch pages (what
         piecewise captures hand the graph's calls: nothing to attend or write)."""
         zeros = torch.zeros(2, dtype=torch.int32, device=self.device)
-        tables = self._step_inputs(1, 1)
+        window = max(1, self.layout.num_window_pages_per_seq)  # (as StepInputs' table mirrors are)
         return dict(cu_seqlens=zeros, cache_lens=zeros[:1], history_lens=zeros[1:],
-                    window_table=tables.windows.device_table[:1], quant_table=tables.quants.device_table[:1, :1])
+                    window_table=torch.full((1, window), self.scratch_window, dtype=torch.int32, device=self.device),
+                    quant_table=torch.full((1, 1), self.scratch_quant, dtype=torch.int32, device=self.device))
 
     def mark_forward(self) -> None:
         if self.forward_started is not None:

@@ -33,6 +33,23 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+def capture_largest_first(sizes: list[int], capture, what: str, fallback: str) -> dict:
+    """``{size: capture(size)}`` for every size, largest first: the later, smaller captures reuse
+    the memory pool the first one sized. Any failure is logged with ``fallback`` (what runs
+    instead) and leaves no graph at all."""
+    start = time.perf_counter()
+    graphs = {}
+    try:
+        for size in reversed(sizes):
+            graphs[size] = capture(size)
+    except Exception:
+        _log.warning("capturing CUDA %s) failed; %s", what, fallback, exc_info=True)
+        torch.cuda.synchronize()
+        return {}
+    _log.info("captured CUDA %s %s) in %.1f s", what, ",".join(map(str, sizes)), time.perf_counter() - start)
+    return graphs
+
+
 class DecodeGraphs:
     def __init__(self, runner, max_batch: int):
         self.runner = runner
@@ -54,17 +71,8 @@ class DecodeGraphs:
         Any failure (e.g. a shape the Triton kernels do not cover, whose reference fallback syncs
         with the host, or a kernel that does not compile) leaves no graph: the runner decodes eagerly.
         """
-        start = time.perf_counter()
-        try:
-            for size in reversed(self.sizes):
-                self.graphs[size] = self._capture(size, layout)
-        except Exception:
-            _log.warning("capturing CUDA graphs of the decode step failed; decoding eagerly", exc_info=True)
-            self.graphs.clear()
-            torch.cuda.synchronize()
-            return
-        _log.info("captured %d decode graphs (batch %s) in %.1f s", len(self.sizes),
-                  ",".join(map(str, self.sizes)), time.perf_counter() - start)
+        self.graphs = capture_largest_first(self.sizes, lambda size: self._capture(size, layout),
+                                            "decode graphs (batch sizes", "decoding eagerly")
 
     def run(self, batch: Batch, pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, vocab]`` (float32). A view of the graph's output: valid until the next step."""

@@ -29,16 +29,15 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 
 import torch
 
+from oscar_compile.runtime.worker.cuda_graphs import capture_largest_first
 from oscar_compile.runtime.worker.runner import Batch
 from oscar_compile.runtime.worker.step_cache import StepCache
 
 _log = logging.getLogger(__name__)
 
-DEFAULT_MAX_TOKENS = 2048  # larger steps hide their host time behind the GPU (an 8192-token step: 92 of 259 ms)
 _SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 
 
@@ -84,43 +83,34 @@ class PiecewiseGraphs:
         return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
 
     @torch.no_grad()
-    def capture_all(self, layout) -> None:
-        """Capture every size, largest first (the smaller ones reuse the shared pool). Any
-        failure leaves no graph: prefill and mixed steps then run eagerly."""
+    def capture_all(self) -> None:
+        """Capture every size (cuda_graphs.capture_largest_first). Any failure leaves no graph:
+        prefill and mixed steps then run eagerly."""
         if not self.sizes or any(i not in self.cores for i in range(self.runner.num_layers)):
             _log.info("piecewise CUDA graphs: %s", "no size to capture" if not self.sizes
                       else "a layer's graph has no attention core (cache/attention_core.py); mixed steps run eagerly")
             return
-        start = time.perf_counter()
-        try:
-            for size in reversed(self.sizes):
-                self.graphs[size] = self._capture(size, layout)
-        except Exception:
-            _log.warning("capturing piecewise CUDA graphs failed; prefill and mixed steps run eagerly", exc_info=True)
-            self.graphs.clear()
-            torch.cuda.synchronize()
-            return
-        _log.info("captured piecewise graphs of %d layers for %d step sizes (%s tokens) in %.1f s",
-                  len(self.layers), len(self.sizes), ",".join(map(str, self.sizes)), time.perf_counter() - start)
+        self.graphs = capture_largest_first(self.sizes, self._capture, "piecewise graphs (step tokens",
+                                            "prefill and mixed steps run eagerly")
 
-    def _capture(self, size: int, layout) -> tuple[list, torch.Tensor]:
+    def _capture(self, size: int) -> tuple[list, torch.Tensor]:
         """Warm up (Triton compiles the dense ops' kernels) and capture the pieces of ``size`` tokens."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.forward(size, layout)
+                self.forward(size)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             pieces: list = []
-            logits = self.forward(size, layout, pieces=pieces)
+            logits = self.forward(size, pieces=pieces)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         if len(pieces) != len(self.layers) + 1:
             raise RuntimeError(f"{len(pieces)} pieces captured for {len(self.layers)} layers")
         return pieces, logits
 
-    def forward(self, size: int, layout, pieces: list | None = None, step=None) -> torch.Tensor:
+    def forward(self, size: int, pieces: list | None = None, step=None) -> torch.Tensor:
         """The model over the static tokens of ``size`` on a :class:`_CaptureCache`: with
         ``pieces``, captured into CUDA graphs appended there; with ``step`` (the real step's
         StepCache and token count, a test's stand-in for replay), each layer's attention run in
@@ -159,19 +149,25 @@ class PiecewiseGraphs:
     def replay(self, size: int, step: StepCache, n: int) -> torch.Tensor:
         """The pieces of ``size`` with the attention of the step's ``n`` tokens between them."""
         pieces, logits = self.graphs[size]
+        qkv = self.step_views(n)
         with self.runner.attention.step():
             for piece, (i, layer) in zip(pieces, self.layers, strict=False):
                 piece.replay()
-                self.attend(step, n, i, layer)
+                self.attend(step, qkv, i, layer)
             pieces[-1].replay()
         return logits
 
-    def attend(self, step, n: int, layer_idx: int, layer) -> None:
-        """Layer ``layer_idx``'s attention over the step's ``n`` tokens, from the static q / k / v
-        into the static output."""
-        q, k, v = (x[:n].transpose(0, 1).unsqueeze(0) for x in self.qkv)  # [1, H, n, D], as the graph hands them
+    def step_views(self, n: int) -> list[torch.Tensor]:
+        """The static q / k / v of the step's ``n`` tokens, ``[1, H, n, D]`` as the graph hands
+        them to the cache (made once a step: every layer's pieces write the same buffers)."""
+        return [x[:n].transpose(0, 1).unsqueeze(0) for x in self.qkv]
+
+    def attend(self, step, qkv: list[torch.Tensor], layer_idx: int, layer) -> None:
+        """Layer ``layer_idx``'s attention over the step's tokens (:meth:`step_views`), into the
+        static output."""
+        q, k, v = qkv
         out = step.run_attention(layer_idx, q, k, v, layer, self.cores[layer_idx])
-        self.out[:, :n].copy_(out)
+        self.out[:, :q.shape[2]].copy_(out)
 
 
 class _CaptureCache(StepCache):
@@ -214,7 +210,7 @@ class _CaptureCache(StepCache):
             g.out = torch.zeros(1, g.tokens.shape[1], *empty.shape[2:], dtype=empty.dtype, device=empty.device)
         if self.step is not None:  # a stand-in for replay: the real step's attention, here
             step, n = self.step
-            g.attend(step, n, layer_idx, next(layer for i, layer in g.layers if i == layer_idx))
+            g.attend(step, g.step_views(n), layer_idx, next(layer for i, layer in g.layers if i == layer_idx))
         if self.pieces is not None:
             self.begin_piece()
         return g.out[:, :self.size]

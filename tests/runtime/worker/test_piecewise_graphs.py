@@ -46,11 +46,11 @@ def test_a_core_is_refused_when_its_calls_read_what_came_before():
                                                                "output"]
 
 
-def _replay_in_python(graphs: PiecewiseGraphs, layout):
+def _replay_in_python(graphs: PiecewiseGraphs):
     """Capture nothing; replay = the forward of the padded size, each layer's attention the real step's."""
-    graphs.forward(graphs.sizes[-1], layout)  # the warm-up: buffers made, layers recorded
+    graphs.forward(graphs.sizes[-1])  # the warm-up: buffers made, layers recorded
     graphs.graphs = {size: None for size in graphs.sizes}
-    graphs.replay = lambda size, step, n: graphs.forward(size, layout, step=(step, n))
+    graphs.replay = lambda size, step, n: graphs.forward(size, step=(step, n))
 
 
 def _counted(run, used: list):
@@ -82,7 +82,7 @@ def test_piecewise_steps_equal_eager_steps(tokenizer, tiny_model, spec, semantic
         if piecewise:
             graphs = PiecewiseGraphs(runner, max_tokens=2048, max_rows=8)
             assert graphs.sizes == [16, 24]
-            _replay_in_python(graphs, runner.layout)
+            _replay_in_python(graphs)
             graphs.run = _counted(graphs.run, used)
             runner.piecewise = graphs
         outs = llm.generate(prompts, params)
