@@ -97,9 +97,12 @@ def test_shared_prefixes_go_to_the_replica_that_cached_them(affinity_app, ray_cl
         affinity_cached = _cached_tokens(port, prefix, _shared_prefix_workload(seed=2))
     finally:
         serve.delete("default-router")
-    # p2c sends each follow-up to either replica: with 6 follow-ups, all on the right one has odds 1/64
-    num_missed = sum(c < 1008 for c in default_cached[num_docs:])
-    assert num_missed >= 1 and all(c >= 1008 for c in affinity_cached[num_docs:]), (default_cached, affinity_cached)
+    # the default router knows nothing of prefixes: it may miss (p2c ties between idle replicas
+    # go either way) or, sending every one-at-a-time request to one replica, hit as well (a CI run
+    # of f20304d did so). Affinity hits every follow-up, so it never does worse.
+    affinity_hits = sum(c >= 1008 for c in affinity_cached[num_docs:])
+    assert affinity_hits == len(workload) - num_docs, (default_cached, affinity_cached)
+    assert affinity_hits >= sum(c >= 1008 for c in default_cached[num_docs:]), (default_cached, affinity_cached)
 
 
 def test_idle_replicas_hold_no_pages(affinity_app):
