@@ -5,7 +5,8 @@ prints one JSON row per context: one Qwen3-8B layer (bench.kernel_setup: 32 / 8 
 128, sink 64, recent 256, pages of 16, INT2 group 128, fp16 scale / zero), one sequence whose
 chunk of ``chunk`` tokens ends at ``context`` (cached = context - chunk). ms per layer of
 
-- ``paged_ms``: kernels/attention/prefill (band pre-pass + kernel: every launch of the op),
+- ``paged_ms``: kernels/attention/prefill (band pre-pass, the stored history's partial where the
+  tiles' ``history`` is "partial", and the kernel: every launch of the op),
   eager, CUDA events; ``paged_graph_ms``: the same call replayed from a CUDA graph (it captures:
   no host sync);
 - ``sdpa_ms``: torch SDPA in BF16 over a contiguous cache with
@@ -13,7 +14,9 @@ chunk of ``chunk`` tokens ends at ``context`` (cached = context - chunk). ms per
   the mask materialized once, outside the timing: the CausalBias only dispatches to flash or
   efficient; ``flash`` and ``efficient`` through the CausalBias);
 
-``x_cudnn`` / ``x_best_sdpa`` the ratios, ``tflops`` of each over the causal work
+``vs_folded``: the relative Frobenius difference of the output from the folded in-kernel loop's
+(the previous default), a check at shapes the reference cannot hold; ``x_cudnn`` / ``x_best_sdpa``
+the ratios, ``tflops`` of each over the causal work
 (4 H_q D per (row, key) pair). Its agreement with the reference is the GPU test's
 (tests/kernels/attention/prefill); the dense reference cannot hold these shapes. ``--sweep`` times tile
 configs of the paged kernel at the first context first and keeps the fastest.
@@ -29,13 +32,19 @@ import torch
 from oscar_compile.bench.kernel_setup import CLIPS, H_KV, H_Q, D, chunk_args, time_ms
 from oscar_compile.evaluation.result_file import save_json
 
-SWEEP = [dict(block_rows=64, block_n=64, num_warps=4, num_stages=2), dict(block_rows=128, block_n=64, num_warps=8,
-         num_stages=2), dict(block_rows=128, block_n=64, num_warps=8, num_stages=1),
-         dict(block_rows=128, block_n=32, num_warps=4, num_stages=2), dict(block_rows=64, block_n=32, num_warps=4,
-         num_stages=2), dict(block_rows=128, block_n=64, num_warps=8, num_stages=2, fold=False),
-         # 256-row blocks (64 tokens x 4 heads) halve the stored-history decode per FLOP
-         dict(block_rows=256, block_n=16, num_warps=8, num_stages=2), dict(block_rows=256, block_n=32, num_warps=8,
-         num_stages=2), dict(block_rows=256, block_n=64, num_warps=8, num_stages=2)]  # fmt: skip
+# the paged kernel's tiles (block_rows, block_n, num_warps) and the stored history's path and tiles
+# (history_partial_triton: history_rows, history_block_n, history_warps); the first is the old
+# default (the folded loop in the paged kernel), kept to compare in the same run
+SWEEP = [dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="folded"),
+         dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="partial"),
+         dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="partial", history_rows=128,
+              history_block_n=64, history_warps=8),
+         dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="partial", history_rows=128,
+              history_block_n=128, history_warps=8),
+         dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="partial", history_rows=64,
+              history_block_n=64, history_warps=4),
+         dict(block_rows=64, block_n=64, num_warps=4, num_stages=2, history="partial")]  # fmt: skip
+DEFAULT_TILES = 1  # the wrapper's defaults
 
 
 def graph_ms(fn, reps: int) -> float:
@@ -97,6 +106,10 @@ def bench_context(context: int, chunk: int, reps: int, tiles: dict) -> dict:
     held = torch.cuda.memory_allocated()
     paged(**args, **tiles)
     row["paged_peak_mib"] = (torch.cuda.max_memory_allocated() - held) / 2**20
+    if tiles.get("history") != "folded":
+        got, ref = paged(**args, **tiles).float(), paged(**args, **{**tiles, "history": "folded"}).float()
+        row["vs_folded"] = ((got - ref).norm() / ref.norm()).item()
+        del got, ref
     sdpa = sdpa_rows(chunk, context, reps, dev)
     row["sdpa_ms"] = sdpa
     times = {k: t for k, t in sdpa.items() if isinstance(t, float)}
@@ -123,7 +136,7 @@ def sweep(context: int, chunk: int, reps: int) -> tuple[dict, list[dict]]:
         except Exception as e:
             rows.append({"context": context, "tiles": tiles, "error": f"{type(e).__name__}: {str(e)[:300]}"})
         print(json.dumps(rows[-1]), flush=True)
-    ok = [r for r in rows if "paged_ms" in r and r["tiles"].get("fold", True)]
+    ok = [r for r in rows if "paged_ms" in r]
     return min(ok, key=lambda r: r["paged_ms"])["tiles"], rows
 
 
@@ -135,7 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--sweep", action="store_true", help="pick the paged kernel's tiles first")
     parser.add_argument("--out", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
-    tiles, rows = dict(SWEEP[3]), []  # the fastest of the sweep on an H100 (2026-12-05)
+    tiles, rows = dict(SWEEP[DEFAULT_TILES]), []
     if args.sweep:
         tiles, sweep_rows = sweep(args.contexts[min(1, len(args.contexts) - 1)], args.chunk, args.reps)
         rows += [{"sweep": r} for r in sweep_rows]

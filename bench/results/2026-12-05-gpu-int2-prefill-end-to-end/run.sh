@@ -84,6 +84,21 @@ case "$PART" in
   step tests_gpu 200 . $P -n 4 --instafail -m gpu tests/cache tests/runtime/worker tests/runtime/test_deterministic_gpu.py \
     tests/kernels/attention/prefill --ignore tests/runtime/worker/test_memory_profile.py \
     --ignore tests/runtime/worker/test_cuda_graphs.py ;;
+15) # the stored history's partial (history_partial_triton) in the paged op: its GPU tests, the tiles
+    # sweep at 32k (the old folded loop first, in the same run) and the kernel rows, then TTFT of both modes
+  step tests_kernel 110 . $P -n 4 --instafail -m gpu tests/kernels/attention/prefill
+  step kernel 190 . python3 -m oscar_compile.bench.prefill_paged --sweep --contexts 8192 32768 131072 --reps 5 \
+    --out "$R/prefill_paged.json"
+  step ttft 250 . $TTFT --ttft-contexts 32768 131072 --ttft-engines consistent+cache --out "$R/ttft.json" ;;
+16) # after part 15: end to end at the 8192-token budget (batches 1 and 32) and at 544 (batch 32),
+    # both modes, then the CUDA-graph and the other GPU tests
+  step e2e 230 . $E2E --e2e-systems oscar-int2 oscar-bf16 --e2e-time-limit 90 --out "$R/e2e.json"
+  SMALL=${E2E/--max-num-batched-tokens 8192/--max-num-batched-tokens 544}
+  step e2e_small_chunks 170 . ${SMALL/--e2e-batches 1 32/--e2e-batches 32} --e2e-systems oscar-int2 oscar-bf16 \
+    --e2e-time-limit 70 --out "$R/e2e_small_chunks.json"
+  step tests_graphs 90 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -n 2 -m gpu tests/runtime/worker/test_cuda_graphs.py
+  step tests_gpu 200 . $P -n 4 --instafail -m gpu tests/cache tests/runtime/worker tests/runtime/test_deterministic_gpu.py \
+    --ignore tests/runtime/worker/test_memory_profile.py --ignore tests/runtime/worker/test_cuda_graphs.py ;;
 4)  # bundled model carried, no .carry-base: TTFT of both modes, the INT2 variants, the whole GPU suite
   step ttft_new 170 . $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_new.json"
   step e2e_variants 150 . $E2E --e2e-systems oscar-int2-no-prefix-caching oscar-int2-prompt-exact --e2e-time-limit 70 --out "$R/e2e_variants.json"

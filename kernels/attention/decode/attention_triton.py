@@ -62,6 +62,21 @@ def _note_asm_failure() -> None:
                  exc_info=True)
 
 
+def launch_with_asm(launch, use_asm: bool | None, on_cuda: bool) -> None:
+    """``launch(USE_ASM=...)``: with ``use_asm`` None, the bit-trick decode on a CUDA device
+    (outside the interpreter), and plain unpacking if its inline PTX does not build there."""
+    auto = use_asm is None
+    if auto:
+        use_asm = on_cuda and not interpreting() and not _ASM_FAILED
+    try:
+        launch(USE_ASM=use_asm)
+    except Exception:  # the inline PTX did not build for this GPU / Triton: plain unpack instead
+        if not (auto and use_asm):
+            raise
+        _note_asm_failure()
+        launch(USE_ASM=False)
+
+
 # B and nsplit stay specialized (1 / multiple of 16 / other): without, batch-1 decode measured up to
 # 40 % slower on the H200 (2026-11-30). The runner compiles those variants at startup instead.
 @triton.jit
@@ -240,7 +255,7 @@ def _attn_kernel(
 # 16 concurrent requests on the bundled model: 16 compiles after startup, run 14 in
 # bench/results/2026-12-02-h200-serve-load); a prefill program's work dwarfs what specializing
 # them saves.
-_attn_kernel_prefill = triton.jit(do_not_specialize=["B", "nsplit", "nwin"])(_attn_kernel.fn)
+attn_kernel_prefill = triton.jit(do_not_specialize=["B", "nsplit", "nwin"])(_attn_kernel.fn)
 
 
 @triton.jit
@@ -462,11 +477,8 @@ def attention_triton(
     # (a 16-bit history spills some registers under the cap, and still runs faster than uncapped,
     # as fast as attention_bf16: 264.6 / 356.1 / 264.4 µs at 32k, batch 8, H200 2026-11-30)
     cap = maxnreg if block_m == 1 else prefill_maxnreg
-    auto_asm = use_asm is None
-    if auto_asm:
-        use_asm = q.is_cuda and not interpreting() and not _ASM_FAILED
     launch = functools.partial(
-        (_attn_kernel if block_m == 1 else _attn_kernel_prefill)[(nblocks, H_kv, nsplit + nwin)],
+        (_attn_kernel if block_m == 1 else attn_kernel_prefill)[(nblocks, H_kv, nsplit + nwin)],
         q, k, v, cu_seqlens, cub, cache_lens,
         history_lens if history_lens is not None else cache_lens, window_table, quant_table,
         k_win, v_win, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
@@ -484,13 +496,7 @@ def attention_triton(
         MASKED=masked,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": cap} if cap else {}),
     )
-    try:
-        launch(USE_ASM=use_asm)
-    except Exception:  # the inline PTX did not build for this GPU / Triton: plain unpack instead
-        if not (auto_asm and use_asm):
-            raise
-        _note_asm_failure()
-        launch(USE_ASM=False)
+    launch_with_asm(launch, use_asm, q.is_cuda)
     if nsplit:
         merge = merge_partials_in_order if split_len is not None else merge_partials
         merge(po, pl, out, nsplit + nwin)

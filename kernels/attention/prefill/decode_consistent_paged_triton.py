@@ -53,6 +53,7 @@ from oscar_compile.kernels.attention.attention_blocks_triton import seq_of_progr
 from oscar_compile.kernels.attention.decode.attention_triton import LOG2E, dot_dtype, query_block_prefix
 from oscar_compile.kernels.attention.prefill.attention_decode_consistent_ref import attention_decode_consistent_ref
 from oscar_compile.kernels.attention.prefill.band_triton import band_cu, write_band
+from oscar_compile.kernels.attention.prefill.history_partial_triton import history_partial, takes
 from oscar_compile.kernels.attention.prefill.paged_tiles_triton import (
     band_tile,
     code_tile,
@@ -130,11 +131,11 @@ def _attend_folded(q, qsum, m, den, acc, zacc, kc_ptr, ks_ptr, kz_ptr, vc_ptr, v
 def _paged_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, cub_ptr, bcu_ptr, lens_ptr, hist_ptr, wt_ptr, qt_ptr,
     kwin_ptr, vwin_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, ke_ptr, kh_ptr, ve_ptr, vh_ptr,
-    B, qk_scale, sqn, sqh, skn, skh, svn, svh, stride_wt, stride_qt,
+    po_ptr, pl_ptr, B, qk_scale, sqn, sqh, skn, skh, svn, svh, stride_wt, stride_qt,
     H_KV: tl.constexpr, G_Q: tl.constexpr, D: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr,
     RECENT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, MASKED: tl.constexpr,
     HAS_HIST: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DT: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr, FOLD: tl.constexpr,
+    DOT_DT: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr, HIST: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -162,6 +163,16 @@ def _paged_kernel(
     m = tl.sum(qf * k_own, axis=1) * qk_scale  # the own key opens the softmax
     den = tl.zeros([ROWS], tl.float32) + 1.0
     acc = tl.load(v_ptr + n * svn + h * svh + d, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    if HIST == 2:  # the stored history's partial (history_partial_triton) joins the own key
+        prow = (start + tok).to(tl.int64) * (H_KV * G_Q) + head
+        lse = tl.load(pl_ptr + prow, mask=row_ok, other=float("-inf"))
+        m_new = tl.maximum(m, lse)
+        a_own = tl.math.exp2(m - m_new)
+        a_hist = tl.math.exp2(lse - m_new)
+        hist_o = tl.load(po_ptr + prow[:, None] * D + d, mask=row_ok[:, None], other=0.0)
+        acc = acc * a_own[:, None] + hist_o * a_hist[:, None]
+        den = a_own + a_hist
+        m = m_new
     q = qf.to(DOT_DT)
     p_hi = L + tl.minimum(t0 + BLOCK_M, T) - 1
     sink_end = tl.minimum(SINK, L)  # cached sink tokens
@@ -198,7 +209,7 @@ def _paged_kernel(
             kt = window_tile(kwin_ptr, wt_row, pos, ok, h, H_KV, P, D, DOT_DT)
             vt = window_tile(vwin_ptr, wt_row, pos, ok, h, H_KV, P, D, DOT_DT)
             m, den, acc = _attend(q, m, den, acc, kt, vt, ok[None, :], qk_scale, IEEE)
-        if FOLD:  # stored history, straight from the pages, scale and zero folded out
+        if HIST == 1:  # stored history, straight from the pages, scale and zero folded out
             qsum = tl.sum(q.to(tl.float32), axis=1)
             zacc = tl.zeros([ROWS], tl.float32)
             for n0 in range(SINK, hist_top, BLOCK_N):
@@ -207,7 +218,7 @@ def _paged_kernel(
                                                    vz_ptr, qt_row, pos, pos < hist_top, h, qk_scale, SINK, H_KV, P,
                                                    D, BITS, MASKED, DOT_DT, IEEE)  # fmt: skip
             acc -= zacc[:, None]
-        else:
+        elif HIST == 0:
             for n0 in range(SINK, hist_top, BLOCK_N):  # stored history, dequantized tiles
                 pos = n0 + tl.arange(0, BLOCK_N)
                 ok = pos < hist_top
@@ -261,6 +272,25 @@ def _memo(memo: dict | None, key: tuple, make):
     return memo[key]
 
 
+HISTORY_MODES = {"tiles": 0, "folded": 1, "partial": 2}  # the kernel's HIST
+
+
+def _history_mode(history: str | None, aligned: bool, q_dtype: torch.dtype, H_q: int, H_kv: int, D: int, bits: int,
+                  group_size: int, history_block_n: int) -> str:  # fmt: skip
+    """The stored-history path a call runs (see the wrapper's ``history``)."""
+    if aligned:
+        return "tiles"
+    takes_partial = takes(H_q, H_kv, D, bits, group_size, history_block_n)
+    if history is None:
+        history = "partial" if q_dtype != torch.float32 and takes_partial else "folded"
+    if history == "partial" and not takes_partial:
+        raise ValueError(f"history='partial' cannot take head_dim {D}, {bits} bits, group {group_size}, "
+                         f"history_block_n {history_block_n}")  # fmt: skip
+    if history == "folded" and (group_size != D or bits == FULL_PRECISION_BITS):
+        history = "tiles"
+    return history
+
+
 def _torch_dtype(dt) -> torch.dtype:
     return {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}[dt]
 
@@ -268,20 +298,29 @@ def _torch_dtype(dt) -> torch.dtype:
 def attention_decode_consistent_paged_triton(
     q, k, v, cu_seqlens, cache_lens, window_table, quant_table, k_win, v_win, k_codes, k_scale, k_zero,
     v_codes, v_scale, v_zero, scale, sink, recent, bits, group_size, clip_k, clip_v, history_lens=None,
-    block_rows: int = 128, block_n: int = 32, num_warps: int = 4, num_stages: int = 2, fold: bool = True,
-    step_memo: dict | None = None,
+    block_rows: int = 128, block_n: int = 32, num_warps: int = 4, num_stages: int = 2, history: str | None = None,
+    history_rows: int = 64, history_block_n: int = 128, history_warps: int = 4, step_memo: dict | None = None,
 ):  # fmt: skip
-    """The reference's call (same arguments): the band pre-pass, then the kernel; two launches,
-    no host sync (``history_lens`` None: the standard h, computed on the device). q: [N, H_q, D],
-    k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype (rows past cu_seqlens[B]: zero). A head_dim the
-    tiles cannot take (not a power of two >= 16) runs the reference. ``fold``: with one group
-    per row (group_size = head_dim), fold scale and zero out of the stored-history tiles (never in
-    deterministic mode, whose tiles must equal the band's dequantized operands). The default tiles
-    are the fastest of bench.prefill_paged's sweep at 32k on an H100 (128 rows, 32 keys, 4 warps:
-    27.3 ms against 59.0 at 64 / 64, bench/results/2026-12-05-h100-decode-consistent-prefill-kernel).
+    """The reference's call (same arguments): the band pre-pass, the stored history's partial
+    (``history`` "partial"), then the kernel; no host sync (``history_lens`` None: the standard h,
+    computed on the device). q: [N, H_q, D], k, v: [N, H_kv, D] -> [N, H_q, D] in q.dtype (rows
+    past cu_seqlens[B]: zero). A head_dim the tiles cannot take (not a power of two >= 16) runs
+    the reference.
+
+    ``history``, how the stored history is read (deterministic mode ignores it: its aligned
+    blocks must equal the band's dequantized operands): "partial", by the extend kernel's history
+    loop in a launch of its own (history_partial_triton; ``history_rows`` query rows and
+    ``history_block_n`` keys per program, ``history_warps`` warps), the default for 16-bit
+    queries; "folded", scale and zero folded out of the tiles in this kernel, the dots on the
+    codes (one group per row only, else "tiles"), the default for float32 queries (exact dots);
+    "tiles", dequantized tiles in this kernel. The default tiles of this kernel are the fastest of
+    bench.prefill_paged's sweep at 32k on an H100 (128 rows, 32 keys, 4 warps: 27.3 ms against 59.0
+    at 64 / 64, bench/results/2026-12-05-h100-decode-consistent-prefill-kernel).
     ``step_memo``: a dict that lives for one step of a runner (every layer passes the same
     ``cu_seqlens`` object, alive for the step): the band and query-block offsets, a dozen small
     launches, are made by the first layer and read by the others."""
+    if history is not None and history not in HISTORY_MODES:
+        raise ValueError(f"history must be one of {sorted(HISTORY_MODES)} or None, got {history!r}")
     N, H_q, D = q.shape
     H_kv = k.shape[1]
     if H_q % H_kv:
@@ -310,24 +349,31 @@ def attention_decode_consistent_paged_triton(
         pools = (k_win, v_win, k_codes, k_win, k_win, v_codes, v_win, v_win)
     cub = _memo(step_memo, ("query_blocks", id(cu_seqlens), block_m), lambda: query_block_prefix(cu_seqlens, block_m))
     aligned = is_deterministic()
+    mode = _history_mode(history, aligned, q.dtype, H_q, H_kv, D, bits, group_size, history_block_n)
+    partial = (out, out)  # stand-ins, never read
+    if mode == "partial":
+        hist_m = max(1, history_rows // g)
+        hub = _memo(step_memo, ("query_blocks", id(cu_seqlens), hist_m), lambda: query_block_prefix(cu_seqlens, hist_m))
+        partial = history_partial(q, k, v, cu_seqlens, hub, hist_m, cache_lens, history_lens, window_table,
+                                  quant_table, pools, scale, sink, recent, bits, group_size, history_block_n,
+                                  history_warps)  # fmt: skip
     grid = (triton.cdiv(N, block_m) + B, H_kv)
     _paged_kernel[grid](
         q, k, v, out, cu_seqlens, cub, bcu, cache_lens, history_lens if history_lens is not None else cache_lens,
-        window_table, quant_table, *pools, *band, B, scale * LOG2E,
+        window_table, quant_table, *pools, *band, *partial, B, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         window_table.stride(0), quant_table.stride(0),
         H_KV=H_kv, G_Q=g, D=D, P=k_win.shape[2], SINK=sink, RECENT=recent, BITS=bits, GROUP=group_size,
         MASKED=code_layout(bits, D, k_win.shape[2]) == "masked", HAS_HIST=history_lens is not None,
         BLOCK_M=block_m, ROWS=max(16, triton.next_power_of_2(block_m * g)), BLOCK_N=block_n, DOT_DT=dot_dt,
         IEEE=dot_dt == tl.float32, ALIGNED=aligned,
-        FOLD=fold and not aligned and group_size == D and bits != FULL_PRECISION_BITS,
-        num_warps=num_warps, num_stages=num_stages,
+        HIST=HISTORY_MODES[mode], num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 
 
 def compile_offline(block_rows: int = 128, block_n: int = 32, num_warps: int = 4, num_stages: int = 2,
-                    aligned: bool = False, fold: bool = True, bits: int = 2):  # fmt: skip
+                    aligned: bool = False, history: str = "partial", bits: int = 2):  # fmt: skip
     """Compile the kernel for sm_90 without a GPU (Qwen3-8B's layer: bf16, 32 / 8 heads, head_dim
     128, group 128, S0 64, W 256, pages of 16; INT2 masked). Returns Triton's compiled kernel."""
     from triton.backends.compiler import GPUTarget
@@ -336,7 +382,8 @@ def compile_offline(block_rows: int = 128, block_n: int = 32, num_warps: int = 4
     ptrs = dict(q_ptr="bf16", k_ptr="bf16", v_ptr="bf16", out_ptr="bf16", cu_ptr="i32", cub_ptr="i32",
                 bcu_ptr="i32", lens_ptr="i32", hist_ptr="i32", wt_ptr="i32", qt_ptr="i32", kwin_ptr="bf16",
                 vwin_ptr="bf16", kc_ptr="u8", ks_ptr="fp16", kz_ptr="fp16", vc_ptr="u8", vs_ptr="fp16",
-                vz_ptr="fp16", ke_ptr="bf16", kh_ptr="bf16", ve_ptr="bf16", vh_ptr="bf16")  # fmt: skip
+                vz_ptr="fp16", ke_ptr="bf16", kh_ptr="bf16", ve_ptr="bf16", vh_ptr="bf16", po_ptr="fp32",
+                pl_ptr="fp32")  # fmt: skip
     sig = {name: f"*{t}" for name, t in ptrs.items()}
     sig.update(B="i32", qk_scale="fp32")
     sig.update({n: "i32" for n in ("sqn", "sqh", "skn", "skh", "svn", "svh", "stride_wt", "stride_qt")})
@@ -344,7 +391,7 @@ def compile_offline(block_rows: int = 128, block_n: int = 32, num_warps: int = 4
     consts = dict(H_KV=8, G_Q=4, D=128, P=16, SINK=64, RECENT=256, BITS=bits, GROUP=128,
                   MASKED=code_layout(bits, 128, 16) == "masked", HAS_HIST=False, BLOCK_M=block_m,
                   ROWS=max(16, triton.next_power_of_2(block_m * 4)), BLOCK_N=block_n, DOT_DT=tl.bfloat16,
-                  IEEE=False, ALIGNED=aligned, FOLD=fold and not aligned)  # fmt: skip
+                  IEEE=False, ALIGNED=aligned, HIST=0 if aligned else HISTORY_MODES[history])  # fmt: skip
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))}
     src = ASTSource(_paged_kernel, sig, consts, attrs=attrs)

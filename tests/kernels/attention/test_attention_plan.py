@@ -188,10 +188,10 @@ WRAPPERS = {  # (module, its kernels, the shapes of the call)
     "gluon int4": ("attention_gluon", ("_decode_kernel",), {"bits": 4}),
     "gluon int4, 8k": ("attention_gluon", ("_decode_kernel",), {"bits": 4, "N": 2, "B": 1, "qcols": 512}),
     "gluon head_dim 64": ("attention_gluon", ("_decode_kernel",), {"D": 64, "qcols": 300}),
-    "triton 16-bit prefill": ("attention_triton", ("_attn_kernel", "_attn_kernel_prefill"), {"N": 40, "bits": 16}),
-    "triton 16-bit decode": ("attention_triton", ("_attn_kernel", "_attn_kernel_prefill"),
+    "triton 16-bit prefill": ("attention_triton", ("_attn_kernel", "attn_kernel_prefill"), {"N": 40, "bits": 16}),
+    "triton 16-bit decode": ("attention_triton", ("_attn_kernel", "attn_kernel_prefill"),
                              {"bits": 16, "qcols": 600}),
-    "triton prefill, no pages": ("attention_triton", ("_attn_kernel", "_attn_kernel_prefill"), {"N": 40, "qcols": 0}),
+    "triton prefill, no pages": ("attention_triton", ("_attn_kernel", "attn_kernel_prefill"), {"N": 40, "qcols": 0}),
 }
 
 
@@ -212,7 +212,7 @@ def test_a_wrapper_given_the_plan_launches_what_it_plans(monkeypatch, case, sms,
     mod = importlib.import_module(f"oscar_compile.kernels.attention.decode.{module}")
     rec = _Recorder()
     names = ("_decode_int8_kernel",) if kernel == "gluon_int8" else ("_decode_kernel",) if kernel == "gluon" else (
-        "_attn_kernel", "_attn_kernel_prefill")
+        "_attn_kernel", "attn_kernel_prefill")
     for name in names:
         monkeypatch.setattr(mod, name, rec)
     monkeypatch.setattr(mod, "num_sms", lambda device: sms)

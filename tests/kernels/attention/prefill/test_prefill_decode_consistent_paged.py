@@ -122,6 +122,57 @@ def test_small_tiles_match_reference(device, params):
            attention_decode_consistent_ref(*args, history_lens=case.history_lens))  # fmt: skip
 
 
+def _check_partial(got, want):
+    """history="partial": the stored history's dots take q rounded to fp16 (the extend kernel's
+    history loop, as every decode step over these pages), against float32 dots in the reference."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert err < (2e-3 if want.dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.parametrize("params", CASES[:5])
+@pytest.mark.parametrize("hits", [None, HITS], ids=["standard", "hits"])
+def test_history_partial_matches_reference(device, params, hits):
+    """The stored history by the extend kernel's loop (history_partial_triton) and joined to the
+    paged kernel's softmax, also on the float32 windows whose default is the folded loop; the
+    other two paths too ("tiles" exact). INT4 at head_dim 128 in groups of 32 splits the extend
+    kernel's 64-channel planes: refused, and the default reads the history in this kernel."""
+    from oscar_compile.kernels.attention.prefill.history_partial_triton import takes
+
+    case = _case(params, device, hits)
+    q, k, v = _tokens(params, NEW, device, seed=2)
+    args = _args(case, q, k, v, NEW)
+    want = attention_decode_consistent_ref(*args, history_lens=case.history_lens)
+    H_q, H_kv, D, bits, G = params[:5]
+    if takes(H_q, H_kv, D, bits, G, 128):
+        _check_partial(_paged(*args, history_lens=case.history_lens, history="partial"), want)
+    else:
+        with pytest.raises(ValueError, match="cannot take"):
+            _paged(*args, history_lens=case.history_lens, history="partial")
+    _check(_paged(*args, history_lens=case.history_lens, history="tiles"), want)
+
+
+@pytest.mark.parametrize("params", [CASES[1], CASES[6]])
+@pytest.mark.parametrize("chunks", [[16, 16, 7], [5, 27, 7]], ids=["pages", "ragged"])
+def test_history_partial_chunked_small_tiles(device, params, chunks):
+    """Chunks written one after the other, 16-row and 16-key programs in both launches: several
+    query blocks per sequence, history blocks ending inside pages."""
+    case = _case(params, device, extra_tokens=39)
+    for step, n in enumerate(chunks):
+        new = [n] * len(LENS)
+        q, k, v = _tokens(params, new, device, seed=step)
+        args = _args(case, q, k, v, new)
+        got = _paged(*args, history_lens=case.history_lens, block_rows=16, block_n=16, history="partial",
+                     history_rows=16, history_block_n=16)  # fmt: skip
+        _check_partial(got, attention_decode_consistent_ref(*args, history_lens=case.history_lens))
+        _write(case, k, v, new)
+
+
+def test_history_mode_is_checked():
+    with pytest.raises(ValueError, match="history must be one of"):
+        _paged(*([None] * 22), history="fast")
+
+
 @pytest.mark.parametrize("params", [CASES[0], CASES[1], CASES[2]])
 @pytest.mark.parametrize("chunks", [[13, 13, 13], [16, 16, 7], [5, 27, 7]], ids=["13", "pages", "ragged"])
 def test_chunked_prompt_matches_reference(device, params, chunks):
