@@ -35,11 +35,13 @@ zero out of the tiles (``_attend_folded``): the dots take the codes themselves (
 which cut the 32k row from 54.6 to 31.9 ms on an H100 (bench/results/2026-12-05-h100-...). Not in
 deterministic mode, whose tiles must equal the band's dequantized operands.
 
-Status: the runtime's chunk path (cache/decode_consistent.py). 0.6x cuDNN at 8k, but 2.3x cuDNN
-and 3.0x flash at 128k on an H100 (bench/results/2026-12-05-gpu-architecture-decode-host-time),
-bounded by the per-element byte gather and decode of the history tiles on the CUDA cores (and
-register spills), not by the tensor cores; the Hopper path (wgmma fed from registers, issue 32's
-probes) is not written yet.
+Status: the runtime's chunk path (cache/decode_consistent.py). With 16-bit queries the stored
+history runs in a launch of its own (history_partial_triton, the extend kernel's loop) and this
+kernel opens its softmax with that partial (HIST = 2): 0.68x / 1.46x / 1.41x cuDNN at 8k / 32k /
+128k on an H100, against 2.22x / 2.32x at 32k / 128k with the folded loop in this kernel (HIST = 1,
+which gathers and converts one code byte per (token, channel);
+bench/results/2026-12-05-gpu-int2-prefill-end-to-end, call 15). A Hopper path (wgmma fed from
+registers, issue 32's probes) is not written yet.
 """
 
 from __future__ import annotations
