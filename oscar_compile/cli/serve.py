@@ -62,9 +62,9 @@ def build_parser(prog: str = "python -m oscar_compile.runtime.serve", add_help: 
                              "run on a GPU; vLLM's default is 0.9; not used on the CPU, which keeps --kv-memory or "
                              "1 GiB, nor with --kv-memory)")
     parser.add_argument("--kv-memory", type=float, metavar="GIB",
-                        help="KV cache budget in GiB, overriding --gpu-memory-utilization's plan (default: the "
-                             "plan where --gpu-memory-utilization is given, else half the free GPU memory; 1 GiB "
-                             "on the CPU)")
+                        help="KV cache budget in GiB, overriding --gpu-memory-utilization's plan; on a GPU a "
+                             "profile run of the largest step checks that it fits (default: the plan where "
+                             "--gpu-memory-utilization is given, else half the free GPU memory; 1 GiB on the CPU)")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int,
                         help=f"sequences running at once (default: {DEFAULT_MAX_NUM_SEQS})")

@@ -26,7 +26,7 @@ from oscar_compile.runtime.core.config import (  # noqa: F401  (PREFIX_HITS re-e
     RunnerConfig,
     SchedulerConfig,
 )
-from oscar_compile.runtime.core.memory_plan import checked_kv_bytes, largest_step, plan_memory, smallest
+from oscar_compile.runtime.core.memory_plan import check_override, checked_kv_bytes, largest_step, plan_memory, smallest
 from oscar_compile.runtime.core.page_manager import PageManager
 from oscar_compile.runtime.core.page_plan import GIB, plan_pages
 from oscar_compile.runtime.core.swap_space import SwapSpace
@@ -128,15 +128,19 @@ def _layout(model, cache: CacheConfig) -> CacheLayout:
 def _page_counts(config: EngineConfig, layout: CacheLayout, max_model_len: int, device: torch.device,
                  capabilities: RunnerCapabilities, make_runner: RunnerFactory | None, model=None) -> tuple[int, int]:
     """(window, quant) pages: the config's counts, else the plan of a budget: ``kv_memory_gb``
-    (an absolute override), else on CUDA what ``gpu_memory_utilization`` (when set) leaves after a
-    profile run of the runner ``make_runner`` builds (:func:`planned_kv_bytes`), else the default
+    (an absolute override; on CUDA checked against a profile run of the runner ``make_runner``
+    builds, :func:`checked_kv_override`), else on CUDA what ``gpu_memory_utilization`` (when set)
+    leaves after that profile run (:func:`planned_kv_bytes`), else the default
     (:func:`default_kv_memory_bytes`)."""
     cache = config.cache
     if cache.num_window_pages is not None:
         return cache.num_window_pages, cache.num_quant_pages
+    profiled = device.type == "cuda" and make_runner is not None
     if cache.kv_memory_gb is not None:
         kv_bytes = int(cache.kv_memory_gb * GIB)
-    elif device.type == "cuda" and make_runner is not None and cache.gpu_memory_utilization is not None:
+        if profiled:
+            checked_kv_override(config, layout, max_model_len, device, capabilities, make_runner, model)
+    elif profiled and cache.gpu_memory_utilization is not None:
         kv_bytes = planned_kv_bytes(config, layout, max_model_len, device, capabilities, make_runner, model)
     else:
         kv_bytes = default_kv_memory_bytes(device)
@@ -164,6 +168,37 @@ def planned_kv_bytes(config: EngineConfig, layout: CacheLayout, max_model_len: i
     ``max_model_len`` tokens runs the largest step on every device; the smallest remainder
     wins; InsufficientMemoryError when it cannot hold one such sequence. ``model``: the loaded
     model (its weights count as the engine's own; a factory that profiles itself measures them)."""
+    cache = config.cache
+    plans, later, one_seq = _profile_plans(config, layout, max_model_len, device, capabilities, make_runner, model,
+                                           cache.gpu_memory_utilization)
+    kv_bytes = checked_kv_bytes(plans, one_seq, f"one sequence of max_model_len {max_model_len}")
+    plan = smallest(plans)
+    logger.info("GPU memory plan: %.2f GiB of %.2f GiB (gpu_memory_utilization %g); weights and the largest step "
+                "%.2f GiB, pools beside the pages %.2f GiB: %.2f GiB for the KV pages", plan.requested / GIB,
+                plan.total / GIB, plan.utilization, plan.own / GIB, sum(later.values()) / GIB, kv_bytes / GIB)
+    return kv_bytes
+
+
+def checked_kv_override(config: EngineConfig, layout: CacheLayout, max_model_len: int, device: torch.device,
+                        capabilities: RunnerCapabilities, make_runner: RunnerFactory, model=None) -> None:
+    """``kv_memory_gb`` on CUDA: the same profile run, and InsufficientMemoryError (with what
+    fits) when a device cannot hold those pages beside the weights, the largest step and the
+    pools beside the pages. A 60 GiB budget beside an 8B model and an 8192-token step was
+    accepted unchecked and ran out of memory capturing graphs on an 80 GB H100."""
+    kv_bytes = int(config.cache.kv_memory_gb * GIB)
+    plans, later, _ = _profile_plans(config, layout, max_model_len, device, capabilities, make_runner, model, 1.0)
+    check_override(plans, kv_bytes)
+    plan = max(plans, key=lambda p: (p.non_kv + p.others, p.rank))
+    logger.info("GPU memory check: --kv-memory %.2f GiB beside the weights and the largest step (%.2f GiB) and the "
+                "pools beside the pages (%.2f GiB): %.2f GiB of the %.2f GiB free for this engine", kv_bytes / GIB,
+                plan.own / GIB, sum(later.values()) / GIB, (plan.non_kv + kv_bytes) / GIB, plan.free_for_engine / GIB)
+
+
+def _profile_plans(config: EngineConfig, layout: CacheLayout, max_model_len: int, device: torch.device,
+                   capabilities: RunnerCapabilities, make_runner: RunnerFactory, model,
+                   utilization: float) -> tuple[list, dict[str, int], int]:
+    """(one MemoryPlan per device, the pools beside the pages, one max_model_len sequence's page
+    bytes) from a profile run of the largest step on a runner of one such sequence."""
     from oscar_compile.runtime.worker.memory_profile import measure_step_memory, weight_bytes
 
     cache = config.cache
@@ -178,14 +213,8 @@ def planned_kv_bytes(config: EngineConfig, layout: CacheLayout, max_model_len: i
         profiles = [measure_step_memory(lambda: make_runner(probe), rows, device, weight_bytes(model, device),
                                         score_prompts=capabilities.prompt_logits)]
     later = later_pool_bytes(cache, layout, capabilities, max_model_len)
-    plans = [plan_memory(p, cache.gpu_memory_utilization, later, rank=i) for i, p in enumerate(profiles)]
-    one_seq = num_window * layout.window_page_bytes + num_quant * layout.quant_page_bytes
-    kv_bytes = checked_kv_bytes(plans, one_seq, f"one sequence of max_model_len {max_model_len}")
-    plan = smallest(plans)
-    logger.info("GPU memory plan: %.2f GiB of %.2f GiB (gpu_memory_utilization %g); weights and the largest step "
-                "%.2f GiB, pools beside the pages %.2f GiB: %.2f GiB for the KV pages", plan.requested / GIB,
-                plan.total / GIB, plan.utilization, plan.own / GIB, sum(later.values()) / GIB, kv_bytes / GIB)
-    return kv_bytes
+    plans = [plan_memory(p, utilization, later, rank=i) for i, p in enumerate(profiles)]
+    return plans, later, num_window * layout.window_page_bytes + num_quant * layout.quant_page_bytes
 
 
 def build_page_manager(cache: CacheConfig, layout: CacheLayout, capabilities: RunnerCapabilities,

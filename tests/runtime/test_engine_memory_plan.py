@@ -84,9 +84,29 @@ def test_kv_memory_overrides_the_plan():
     fake = FakeProfile(_own(6))
     config = EngineConfig(kv_memory_gb=2.0, gpu_memory_utilization=0.5)
     assert _counts(config, profile=fake) == _planned(2 * GIB, config)
-    assert fake.calls == []  # no profile run
+    (_, rows), = fake.calls  # the profile run checked the override: the largest step, as for the plan
+    assert rows == largest_step(config.max_num_seqs, config.max_num_batched_tokens, MAX_MODEL_LEN)
     counts = EngineConfig(num_window_pages=7, num_quant_pages=9)
-    assert _counts(counts, profile=fake) == (7, 9) and fake.calls == []
+    assert _counts(counts, profile=fake) == (7, 9) and len(fake.calls) == 1
+    assert _counts(config, device=torch.device("cpu"), profile=fake) == _planned(2 * GIB, config)
+    assert len(fake.calls) == 1  # the CPU is not profiled
+
+
+def test_a_kv_memory_that_does_not_fit_beside_the_step_stops_the_start():
+    """All of the device but the weights and the largest step is free for the override; one byte
+    more is refused with the largest budget that fits (the plan's share plays no part in it)."""
+    config = EngineConfig(kv_memory_gb=10.0)
+    later = sum(later_pool_bytes(config.cache, LAYOUT, CAPS, MAX_MODEL_LEN).values())
+    exact = FakeProfile(_own_bytes(6 * GIB - later))  # 6 GiB in use with the later pools: 10 GiB left
+    assert _counts(config, profile=exact) == _planned(10 * GIB, config)
+    refused = (r"--kv-memory 10\.00 GiB beside the weights and the largest step .* needs 16\.00 GiB, but 16\.00 GiB of "
+               r"the device's 16\.00 GiB is free for this engine: --kv-memory 9\.99 would fit")
+    with pytest.raises(InsufficientMemoryError, match=refused):
+        _counts(config, profile=FakeProfile(_own_bytes(6 * GIB - later + 2**20)))
+    held = MemoryProfile(total=16 * GIB, before=9 * GIB, peak_in_use=9 * GIB, weights=2 * GIB)  # 7 GiB elsewhere
+    with pytest.raises(InsufficientMemoryError, match=r"on rank 1 of 2: .*9\.00 GiB of the device's 16\.00 GiB is "
+                                                      r"free for this engine"):
+        _counts(EngineConfig(kv_memory_gb=8.0), profile=FakeProfile(_own(6), held))
 
 
 def test_without_a_share_cuda_keeps_todays_default(monkeypatch):

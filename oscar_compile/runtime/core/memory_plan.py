@@ -153,6 +153,29 @@ def checked_kv_bytes(plans: Sequence[MemoryPlan], min_kv_bytes: int, needs: str)
         f"{_size(min_kv_bytes)}: {fits} (or give --kv-memory GiB to size the cache yourself)")
 
 
+def check_override(plans: Sequence[MemoryPlan], kv_bytes: int) -> None:
+    """``--kv-memory`` (an absolute budget): :class:`InsufficientMemoryError` when a device cannot
+    hold ``kv_bytes`` of pages beside what its profile run measured and the pools beside the
+    pages, in the memory free for the engine (the device less what is held outside it). The
+    message names the sizes and the largest ``--kv-memory`` that fits."""
+    if kv_bytes < 0:
+        raise ValueError(f"kv_bytes must be >= 0, got {kv_bytes}")
+    for plan in plans:
+        fits = plan.free_for_engine - plan.non_kv
+        if kv_bytes <= fits:
+            continue
+        pools = "".join(f", {name} {_size(b)}" for name, b in plan.later_pools.items() if b)
+        if fits > 0:
+            advice = f"--kv-memory {math.floor(fits / GIB * 100) / 100:.2f} would fit"
+        else:
+            advice = "no KV budget fits: lower --max-num-batched-tokens, --max-num-seqs or --max-model-len"
+        raise InsufficientMemoryError(
+            f"GPU memory{_where(plan, len(plans))}: --kv-memory {_size(kv_bytes)} beside the weights and the largest "
+            f"step ({_size(plan.own)} at the profile run's peak{pools}) needs {_size(plan.non_kv + kv_bytes)}, but "
+            f"{_size(plan.free_for_engine)} of the device's {_size(plan.total)} is free for this engine: {advice} "
+            "(or leave --kv-memory out: --gpu-memory-utilization sizes the cache from the profile run)")
+
+
 def _where(plan: MemoryPlan, num_ranks: int) -> str:
     return f" on rank {plan.rank} of {num_ranks}" if num_ranks > 1 else ""
 

@@ -44,7 +44,9 @@ def capture_largest_first(sizes: list[int], capture, what: str, fallback: str) -
             graphs[size] = capture(size)
     except Exception:
         _log.warning("capturing CUDA %s) failed; %s", what, fallback, exc_info=True)
+        graphs.clear()
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the dropped graphs' pool goes back to the device
         return {}
     _log.info("captured CUDA %s %s) in %.1f s", what, ",".join(map(str, sizes)), time.perf_counter() - start)
     return graphs

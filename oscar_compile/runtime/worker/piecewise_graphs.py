@@ -94,16 +94,28 @@ class PiecewiseGraphs:
                                             "prefill and mixed steps run eagerly")
 
     def _capture(self, size: int) -> tuple[list, torch.Tensor]:
-        """Warm up (Triton compiles the dense ops' kernels) and capture the pieces of ``size`` tokens."""
+        """Warm up (Triton compiles the dense ops' kernels) and capture the pieces of ``size`` tokens.
+
+        The warm-ups' blocks are cached on the side stream, where neither the graphs' pool nor a
+        later step can reuse them: they go back before the capture (as ``torch.cuda.graph`` does
+        on entry). An 8192-token capture beside a 60 GiB budget ran out of memory without this
+        (H100, bench/results/2026-12-05-gpu-int2-prefill-end-to-end, call 16). A failure inside
+        the capture ends it, so the stream is usable again (``capture_largest_first``'s fallback)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
                 self.forward(size)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             pieces: list = []
-            logits = self.forward(size, pieces=pieces)
+            try:
+                logits = self.forward(size, pieces=pieces)
+            except BaseException:
+                _end_open_capture(pieces)
+                raise
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         if len(pieces) != len(self.layers) + 1:
@@ -168,6 +180,16 @@ class PiecewiseGraphs:
         q, k, v = qkv
         out = step.run_attention(layer_idx, q, k, v, layer, self.cores[layer_idx])
         self.out[:, :q.shape[2]].copy_(out)
+
+
+def _end_open_capture(pieces: list) -> None:
+    """End the capture a failure left open on the current stream (its graph is dropped with the
+    error): a stream left capturing fails every later launch and ``empty_cache``."""
+    if pieces and torch.cuda.is_current_stream_capturing():
+        try:
+            pieces[-1].capture_end()
+        except RuntimeError:  # an invalidated capture still ends, with an error of its own
+            pass
 
 
 class _CaptureCache(StepCache):

@@ -6,6 +6,7 @@ from oscar_compile.runtime.core.memory_plan import (
     InsufficientMemoryError,
     MemoryProfile,
     StepRow,
+    check_override,
     checked_kv_bytes,
     largest_step,
     plan_memory,
@@ -90,6 +91,23 @@ def test_a_share_that_is_not_free_is_refused():
                                                       r".*leaves 40\.00 GiB: --gpu-memory-utilization 0\.50 would"):
         checked_kv_bytes(plans, GIB, "one sequence")
     assert checked_kv_bytes([plan_memory(_profile(others=40), 0.5)], GIB, "one sequence") > GIB
+
+
+def test_a_kv_memory_override_fits_what_the_engine_does_not_hold():
+    """``--kv-memory``: the device less what is held outside the engine, its own memory at the
+    profile run's peak and the later pools; the share (utilization) plays no part."""
+    plan = plan_memory(_profile(), 1.0, {"staging pages": 2 * GIB}, rank=1)  # 80 - 1 elsewhere - 20 own - 2 later
+    check_override([plan], 57 * GIB)
+    with pytest.raises(InsufficientMemoryError) as err:
+        check_override([plan_memory(_profile(), 1.0), plan], 58 * GIB)  # rank 0 (59 GiB free) would hold it
+    text = str(err.value)
+    assert "on rank 1 of 2: --kv-memory 58.00 GiB beside the weights and the largest step (20.00 GiB" in text
+    assert "staging pages 2.00 GiB) needs 80.00 GiB, but 79.00 GiB of the device's 80.00 GiB" in text
+    assert "--kv-memory 57.00 would fit" in text
+    with pytest.raises(InsufficientMemoryError, match="no KV budget fits: lower --max-num-batched-tokens"):
+        check_override([plan_memory(_profile(weights=70, step=9), 1.0)], GIB)
+    with pytest.raises(ValueError, match=">= 0"):
+        check_override([plan], -1)
 
 
 def test_bad_sizes_are_refused():

@@ -143,3 +143,32 @@ def test_piecewise_graphs_run_mixed_steps(tokenizer, spec):
     agree = (sum(a == b for x, y in zip(graphed, eager, strict=True) for a, b in zip(x, y, strict=True))
              / sum(map(len, eager)))
     assert agree > 0.9 and [x[:4] for x in graphed] == [y[:4] for y in eager]
+
+
+def test_a_failed_piecewise_capture_falls_back_to_eager_steps(tokenizer, monkeypatch):
+    """A failure inside a piecewise capture (an 8192-token capture ran out of memory on an H100,
+    bench/results/2026-12-05-gpu-int2-prefill-end-to-end call 16) ends the capture: no graph is
+    kept, the stream is not left capturing (``empty_cache`` and later launches work), and mixed
+    steps run eagerly and give eager tokens."""
+    from oscar_compile.runtime.worker import piecewise_graphs
+
+    calls = []
+    outputs = piecewise_graphs._CaptureCache.oscar_layer_outputs
+
+    def fail_in_the_second_piece(self, layer_idx, out, q):
+        if self.pieces is not None:
+            calls.append(layer_idx)
+            raise torch.cuda.OutOfMemoryError("a capture that runs out of memory (test)")
+        return outputs(self, layer_idx, out, q)
+
+    monkeypatch.setattr(piecewise_graphs._CaptureCache, "oscar_layer_outputs", fail_in_the_second_piece)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(1, len(tokenizer), (n,), generator=g).tolist() for n in (70, 5, 33)]
+    llm, failed = _generate(tokenizer, SPEC, prompts, cuda_graphs=True, max_num_batched_tokens=48, max_tokens=8)
+    assert calls and llm.engine.runner.piecewise.graphs == {}
+    assert not torch.cuda.is_current_stream_capturing()
+    torch.cuda.empty_cache()  # raised cudaErrorStreamCaptureUnsupported while the capture stayed open
+    monkeypatch.undo()
+    _, eager = _generate(tokenizer, SPEC, prompts, cuda_graphs=True, max_num_batched_tokens=48, max_tokens=8,
+                         piecewise_max_tokens=0)
+    assert failed == eager
