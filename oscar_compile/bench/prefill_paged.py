@@ -15,9 +15,10 @@ chunk of ``chunk`` tokens ends at ``context`` (cached = context - chunk). ms per
   efficient; ``flash`` and ``efficient`` through the CausalBias);
 
 ``vs_folded``: the relative Frobenius difference of the output from the folded in-kernel loop's
-(the previous default), a check at shapes the reference cannot hold; ``x_cudnn`` / ``x_best_sdpa``
-the ratios, ``tflops`` of each over the causal work
-(4 H_q D per (row, key) pair). Its agreement with the reference is the GPU test's
+(the previous default), a check at shapes the reference cannot hold; ``vs_ref``: both paths'
+relative error against the fp32 reference on a chunk of 64 rows ending at the same context;
+``x_cudnn`` / ``x_best_sdpa`` the ratios, ``tflops`` of each over the causal work (4 H_q D per
+(row, key) pair). Its agreement with the reference is the GPU test's
 (tests/kernels/attention/prefill); the dense reference cannot hold these shapes. ``--sweep`` times tile
 configs of the paged kernel at the first context first and keeps the fastest.
 """
@@ -45,6 +46,7 @@ SWEEP = [dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="fo
               history_block_n=64, history_warps=4),
          dict(block_rows=64, block_n=64, num_warps=4, num_stages=2, history="partial")]  # fmt: skip
 DEFAULT_TILES = 1  # the wrapper's defaults
+REF_ROWS = 64  # rows of the chunk that ``vs_ref`` checks against the reference
 
 
 def graph_ms(fn, reps: int) -> float:
@@ -110,6 +112,7 @@ def bench_context(context: int, chunk: int, reps: int, tiles: dict) -> dict:
         got, ref = paged(**args, **tiles).float(), paged(**args, **{**tiles, "history": "folded"}).float()
         row["vs_folded"] = ((got - ref).norm() / ref.norm()).item()
         del got, ref
+        row["vs_ref"] = reference_errors(context, tiles, dev)
     sdpa = sdpa_rows(chunk, context, reps, dev)
     row["sdpa_ms"] = sdpa
     times = {k: t for k, t in sdpa.items() if isinstance(t, float)}
@@ -120,6 +123,27 @@ def bench_context(context: int, chunk: int, reps: int, tiles: dict) -> dict:
         row["x_best_sdpa"] = row["paged_ms"] / best
     row["tflops"] = {"paged": work / row["paged_ms"] / 1e9, **{k: work / t / 1e9 for k, t in times.items()}}
     return row
+
+
+def reference_errors(context: int, tiles: dict, device, rows: int = REF_ROWS) -> dict[str, float]:
+    """Relative Frobenius error against ``attention_decode_consistent_ref`` (fp32) of a chunk of
+    ``rows`` tokens ending at ``context``, for ``tiles`` and for the folded loop with the same
+    tiles: the reference cannot hold a whole chunk's scores at 128k, but these rows read the same
+    stored history, whose running sum is what differs between the two paths."""
+    from oscar_compile.kernels.attention.prefill.attention_decode_consistent_ref import (
+        attention_decode_consistent_ref,
+    )
+    from oscar_compile.kernels.attention.prefill.decode_consistent_paged_triton import (
+        attention_decode_consistent_paged_triton as paged,
+    )
+
+    args = _inputs(context - rows, rows, device)
+    want = attention_decode_consistent_ref(**args).float()
+    errors = {}
+    for name, t in ((tiles.get("history") or "default", tiles), ("folded", {**tiles, "history": "folded"})):
+        got = paged(**args, **t).float()
+        errors[name] = ((got - want).norm() / want.norm()).item()
+    return errors
 
 
 def sweep(context: int, chunk: int, reps: int) -> tuple[dict, list[dict]]:
