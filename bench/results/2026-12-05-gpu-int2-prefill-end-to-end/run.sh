@@ -111,6 +111,16 @@ case "$PART" in
   step tests_graphs 100 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -n 2 -m gpu tests/runtime/worker/test_cuda_graphs.py
   step tests_memory 110 . $P -m gpu tests/runtime/worker/test_memory_profile.py
   step tests_kernel 150 . $P -n 4 --instafail -m gpu tests/kernels/attention/prefill/test_prefill_decode_consistent_paged.py ;;
+18) # after part 17: the kernel rows (vs_ref: both history paths against the reference at 128k) and TTFT
+    # of one 32k and one 128k prompt, INT2 default beside the BF16 mode
+  step kernel 120 . python3 -m oscar_compile.bench.prefill_paged --contexts 8192 32768 131072 --reps 5 \
+    --out "$R/prefill_paged.json"
+  step ttft 250 . $TTFT --ttft-contexts 32768 131072 --ttft-engines consistent+cache --out "$R/ttft.json"
+  step tests_deterministic 150 . $P -m gpu tests/runtime/test_deterministic_gpu.py ;;
+19) # bench.load, the 32-client workload at equal KV memory (50 GiB), INT2 then the BF16 mode
+  step load32 560 . python3 -m oscar_compile.bench.load --launch random:8b --modes int2 bf16 --concurrency 32 \
+    --duration 120 --prompt-len 1024:8192 --output-len 64:512 --stream-share 1 --disconnect-share 0 \
+    --server-args "--kv-memory 50" --out "$R/load32.json" ;;
 4)  # bundled model carried, no .carry-base: TTFT of both modes, the INT2 variants, the whole GPU suite
   step ttft_new 170 . $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_new.json"
   step e2e_variants 150 . $E2E --e2e-systems oscar-int2-no-prefix-caching oscar-int2-prompt-exact --e2e-time-limit 70 --out "$R/e2e_variants.json"
