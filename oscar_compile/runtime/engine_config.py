@@ -183,8 +183,8 @@ def checked_kv_override(config: EngineConfig, layout: CacheLayout, max_model_len
                         capabilities: RunnerCapabilities, make_runner: RunnerFactory, model=None) -> None:
     """``kv_memory_gb`` on CUDA: the same profile run, and InsufficientMemoryError (with what
     fits) when a device cannot hold those pages beside the weights, the largest step and the
-    pools beside the pages. A 60 GiB budget beside an 8B model and an 8192-token step was
-    accepted unchecked and ran out of memory capturing graphs on an 80 GB H100."""
+    pools beside the pages (unchecked, a 60 GiB budget beside an 8B model and 8192-token steps
+    ran out of memory capturing graphs on an 80 GB H100)."""
     kv_bytes = int(config.cache.kv_memory_gb * GIB)
     plans, later, _ = _profile_plans(config, layout, max_model_len, device, capabilities, make_runner, model, 1.0)
     check_override(plans, kv_bytes)
