@@ -44,7 +44,15 @@ SWEEP = [dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="fo
               history_block_n=128, history_warps=8),
          dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="partial", history_rows=64,
               history_block_n=64, history_warps=4),
-         dict(block_rows=64, block_n=64, num_warps=4, num_stages=2, history="partial")]  # fmt: skip
+         dict(block_rows=64, block_n=64, num_warps=4, num_stages=2, history="partial"),
+         # 32 tokens x 4 query heads: FlashAttention-3's 128-row tile (the history program packs a KV
+         # head's query heads into its rows: 64 tokens make 256 rows, 256 accumulator registers a thread at 4 warps)
+         dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="partial", history_rows=32,
+              history_block_n=128, history_warps=4),
+         dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="partial", history_rows=32,
+              history_block_n=128, history_warps=8),
+         dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="partial", history_rows=32,
+              history_block_n=64, history_warps=4)]  # fmt: skip
 DEFAULT_TILES = 1  # the wrapper's defaults
 REF_ROWS = 64  # rows of the chunk that ``vs_ref`` checks against the reference
 

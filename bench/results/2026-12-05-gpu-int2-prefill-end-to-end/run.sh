@@ -113,9 +113,9 @@ case "$PART" in
   step tests_graphs 100 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -n 2 -m gpu tests/runtime/worker/test_cuda_graphs.py
   step kernel 90 . python3 -m oscar_compile.bench.prefill_paged --contexts 32768 131072 --reps 5 --out "$R/prefill_paged.json"
   step tests_kernel 150 . $P -n 4 --instafail -m gpu tests/kernels/attention/prefill/test_prefill_decode_consistent_paged.py ;;
-18) # after part 17: the kernel rows (vs_ref: both history paths against the reference at 128k) and TTFT
+18) # after part 17: the kernel rows with the history tiles swept at 32k (32-token tiles added), and TTFT
     # of one 32k and one 128k prompt, INT2 default beside the BF16 mode
-  step kernel 120 . python3 -m oscar_compile.bench.prefill_paged --contexts 8192 32768 131072 --reps 5 \
+  step kernel 200 . python3 -m oscar_compile.bench.prefill_paged --sweep --contexts 32768 8192 131072 --reps 5 \
     --out "$R/prefill_paged.json"
   step ttft 250 . $TTFT --ttft-contexts 32768 131072 --ttft-engines consistent+cache --out "$R/ttft.json"
   step tests_deterministic 150 . $P -m gpu tests/runtime/test_deterministic_gpu.py ;;
