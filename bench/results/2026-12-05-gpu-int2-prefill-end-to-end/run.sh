@@ -102,7 +102,7 @@ case "$PART" in
 17) # the 8192-token budget's OOM (call 16) fixed: piecewise warm-ups' blocks released before the capture,
     # --kv-memory checked by a profile run. End to end at the issue's command (60 GiB), and at the largest
     # whole GiB that fits if the start refuses 60; then the memory plan's GPU test, the CUDA-graph tests (an aborted capture
-    # included), the kernel rows at 32k / 128k (vs_ref) and the paged prefill kernel's GPU tests
+    # included), the history tiles swept at 32k and the kernel rows at 32k / 128k (vs_ref), and the paged prefill kernel's GPU tests
   step e2e 240 . $E2E --e2e-systems oscar-int2 oscar-bf16 --e2e-time-limit 90 --out "$R/e2e.json"
   FIT=$(grep -ho "kv-memory [0-9.]* would fit" "$R/e2e.json" "$R/e2e.log" 2>/dev/null | awk '{print int($2)}' | sort -n | head -1)
   if [ -n "$FIT" ]; then  # both modes at the largest whole GiB the start accepts
@@ -111,7 +111,7 @@ case "$PART" in
   fi
   step tests_memory 110 . $P -m gpu tests/runtime/worker/test_memory_profile.py
   step tests_graphs 100 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -n 2 -m gpu tests/runtime/worker/test_cuda_graphs.py
-  step kernel 90 . python3 -m oscar_compile.bench.prefill_paged --contexts 32768 131072 --reps 5 --out "$R/prefill_paged.json"
+  step kernel 150 . python3 -m oscar_compile.bench.prefill_paged --sweep --contexts 32768 131072 --reps 5 --out "$R/prefill_paged.json"
   step tests_kernel 150 . $P -n 4 --instafail -m gpu tests/kernels/attention/prefill/test_prefill_decode_consistent_paged.py ;;
 18) # after part 17: the kernel rows with the history tiles swept at 32k (32-token tiles added), and TTFT
     # of one 32k and one 128k prompt, INT2 default beside the BF16 mode
