@@ -103,7 +103,7 @@ case "$PART" in
     # --kv-memory checked by a profile run. End to end at the command (60 GiB), and at the largest
     # whole GiB that fits if the start refuses 60; then the memory plan's GPU test, the CUDA-graph tests (an aborted capture
     # included), the history tiles swept at 32k and the kernel rows at 32k / 128k (vs_ref), and the paged prefill kernel's GPU tests
-  step e2e 240 . $E2E --e2e-systems oscar-int2 oscar-bf16 --e2e-time-limit 90 --out "$R/e2e.json"
+  step e2e 320 . $E2E --e2e-systems oscar-int2 oscar-bf16 --e2e-time-limit 150 --out "$R/e2e.json"
   FIT=$(grep -ho "kv-memory [0-9.]* would fit" "$R/e2e.json" "$R/e2e.log" 2>/dev/null | awk '{print int($2)}' | sort -n | head -1)
   if [ -n "$FIT" ]; then  # both modes at the largest whole GiB the start accepts
     step e2e_fit 220 . ${E2E/--e2e-kv-memory 60/--e2e-kv-memory $FIT} --e2e-systems oscar-int2 oscar-bf16 \
