@@ -113,6 +113,10 @@ case "$PART" in
   step tests_graphs 100 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -n 2 -m gpu tests/runtime/worker/test_cuda_graphs.py
   step kernel 150 . python3 -m oscar_compile.bench.prefill_paged --sweep --contexts 32768 131072 --reps 5 --out "$R/prefill_paged.json"
   step tests_kernel 150 . $P -n 4 --instafail -m gpu tests/kernels/attention/prefill/test_prefill_decode_consistent_paged.py ;;
+20) # part 17 cut to the session's last device minutes: batch 32 at the 8192-token budget, both
+    # modes, then the memory plan's GPU test
+  step e2e_b32 190 . ${E2E/--e2e-batches 1 32/--e2e-batches 32} --e2e-systems oscar-int2 oscar-bf16 --out "$R/e2e_b32.json"
+  step tests_memory 110 . $P -m gpu tests/runtime/worker/test_memory_profile.py ;;
 18) # after part 17: the kernel rows with the history tiles swept at 32k (32-token tiles added), and TTFT
     # of one 32k and one 128k prompt, INT2 default beside the BF16 mode
   step kernel 200 . python3 -m oscar_compile.bench.prefill_paged --sweep --contexts 32768 8192 131072 --reps 5 \
