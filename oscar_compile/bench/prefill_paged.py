@@ -36,23 +36,20 @@ from oscar_compile.evaluation.result_file import save_json
 # the paged kernel's tiles (block_rows, block_n, num_warps) and the stored history's path and tiles
 # (history_partial_triton: history_rows, history_block_n, history_warps); the first is the old
 # default (the folded loop in the paged kernel), kept to compare in the same run
-SWEEP = [dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="folded"),
-         dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="partial"),
-         dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="partial", history_rows=128,
-              history_block_n=64, history_warps=8),
-         dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="partial", history_rows=128,
-              history_block_n=128, history_warps=8),
-         dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="partial", history_rows=64,
-              history_block_n=64, history_warps=4),
-         dict(block_rows=64, block_n=64, num_warps=4, num_stages=2, history="partial"),
+_PAGED = dict(block_rows=128, block_n=32, num_warps=4, num_stages=2)
+
+
+def _history_tiles(rows: int, block_n: int, warps: int) -> dict:
+    return dict(_PAGED, history="partial", history_rows=rows, history_block_n=block_n, history_warps=warps)
+
+
+SWEEP = [dict(_PAGED, history="folded"), dict(_PAGED, history="partial"),
+         _history_tiles(128, 64, 8), _history_tiles(128, 128, 8), _history_tiles(64, 64, 4),
+         dict(_PAGED, block_rows=64, block_n=64, history="partial"),
          # 32 tokens x 4 query heads: FlashAttention-3's 128-row tile (the history program packs a KV
-         # head's query heads into its rows: 64 tokens make 256 rows, 256 accumulator registers a thread at 4 warps)
-         dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="partial", history_rows=32,
-              history_block_n=128, history_warps=4),
-         dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="partial", history_rows=32,
-              history_block_n=128, history_warps=8),
-         dict(block_rows=128, block_n=32, num_warps=4, num_stages=2, history="partial", history_rows=32,
-              history_block_n=64, history_warps=4)]  # fmt: skip
+         # head's query heads into its rows: 64 tokens make 256 rows, 256 accumulator registers a
+         # thread at 4 warps)
+         _history_tiles(32, 128, 4), _history_tiles(32, 128, 8), _history_tiles(32, 64, 4)]
 DEFAULT_TILES = 1  # the wrapper's defaults
 REF_ROWS = 64  # rows of the chunk that ``vs_ref`` checks against the reference
 

@@ -139,7 +139,7 @@ def _page_counts(config: EngineConfig, layout: CacheLayout, max_model_len: int, 
     if cache.kv_memory_gb is not None:
         kv_bytes = int(cache.kv_memory_gb * GIB)
         if profiled:
-            checked_kv_override(config, layout, max_model_len, device, capabilities, make_runner, model)
+            checked_kv_override(kv_bytes, config, layout, max_model_len, device, capabilities, make_runner, model)
     elif profiled and cache.gpu_memory_utilization is not None:
         kv_bytes = planned_kv_bytes(config, layout, max_model_len, device, capabilities, make_runner, model)
     else:
@@ -179,13 +179,13 @@ def planned_kv_bytes(config: EngineConfig, layout: CacheLayout, max_model_len: i
     return kv_bytes
 
 
-def checked_kv_override(config: EngineConfig, layout: CacheLayout, max_model_len: int, device: torch.device,
-                        capabilities: RunnerCapabilities, make_runner: RunnerFactory, model=None) -> None:
-    """``kv_memory_gb`` on CUDA: the same profile run, and InsufficientMemoryError (with what
+def checked_kv_override(kv_bytes: int, config: EngineConfig, layout: CacheLayout, max_model_len: int,
+                        device: torch.device, capabilities: RunnerCapabilities, make_runner: RunnerFactory,
+                        model=None) -> None:
+    """``kv_bytes`` (``kv_memory_gb``) on CUDA: the same profile run, and InsufficientMemoryError (with what
     fits) when a device cannot hold those pages beside the weights, the largest step and the
     pools beside the pages (unchecked, a 60 GiB budget beside an 8B model and 8192-token steps
     ran out of memory capturing graphs on an 80 GB H100)."""
-    kv_bytes = int(config.cache.kv_memory_gb * GIB)
     plans, later, _ = _profile_plans(config, layout, max_model_len, device, capabilities, make_runner, model, 1.0)
     check_override(plans, kv_bytes)
     plan = max(plans, key=lambda p: (p.non_kv + p.others, p.rank))

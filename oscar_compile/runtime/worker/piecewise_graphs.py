@@ -98,8 +98,8 @@ class PiecewiseGraphs:
 
         The warm-ups' blocks are cached on the side stream, where neither the graphs' pool nor a
         later step can reuse them: they go back before the capture (as ``torch.cuda.graph`` does
-        on entry). An 8192-token capture beside a 60 GiB budget ran out of memory without this
-        (H100, bench/results/2026-12-05-gpu-int2-prefill-end-to-end, call 16). A failure inside
+        on entry). An 8192-token capture beside a 60 GiB budget ran out of memory with 1.39 GiB
+        of them held (H100, bench/results/2026-12-05-gpu-int2-prefill-end-to-end, call 16). A failure inside
         the capture ends it, so the stream is usable again (``capture_largest_first``'s fallback)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
