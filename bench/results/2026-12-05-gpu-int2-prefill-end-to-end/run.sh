@@ -3,8 +3,8 @@
 # window snapshots taken inside chunks. The GPU tests of what changed, the kernel rows, and the
 # end-to-end and TTFT rows of the INT2 mode and the BF16 mode, on this tree and on the landed tree
 # 707afb2 (.carry-base: its tree without the bundled model), one after the other on one machine.
-# From the repository root, .carry-base and .whl (the wheels the device lacks: pydantic and the
-# server's) carried, TREE the commit as a literal (git on the device does not see the session's):
+# From the repository root, .carry-base and .whl (the wheels the device lacks: pydantic, pytest-xdist,
+# and the server's fastapi, starlette, uvicorn and opentelemetry-api) carried, TREE the commit as a literal (git on the device does not see the session's):
 #   TREE=<sha> PART=1 BUDGET_S=570 bash bench/results/2026-12-05-gpu-int2-prefill-end-to-end/run.sh
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -127,6 +127,23 @@ case "$PART" in
   step load32 560 . python3 -m oscar_compile.bench.load --launch random:8b --modes int2 bf16 --concurrency 32 \
     --duration 120 --prompt-len 1024:8192 --output-len 64:512 --stream-share 1 --disconnect-share 0 \
     --server-args "--kv-memory 50" --out "$R/load32.json" ;;
+21) # part 19 in a short call (.whl now brings fastapi, starlette, uvicorn and opentelemetry-api, which the
+    # server needs and the device lacks): 90 s per mode
+  step load32 470 . python3 -m oscar_compile.bench.load --launch random:8b --modes int2 bf16 --concurrency 32 \
+    --duration 90 --prompt-len 1024:8192 --output-len 64:512 --stream-share 1 --disconnect-share 0 \
+    --server-args "--kv-memory 50" --out "$R/load32.json" ;;
+22) # after call 21: the memory plan's GPU test with prompt scoring in blocks and the drawing rows' logits
+    # copied (call 20: the step peaked 9.5 / 11.3 GiB over the plan's share on an H200), the CUDA-graph
+    # tests with the collector paused during captures (call 17: a BF16 engine's capture invalidated), and
+    # TTFT of one 32k and one 128k prompt, INT2 default beside the BF16 mode
+  step tests_memory 200 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -m gpu tests/runtime/worker/test_memory_profile.py
+  step tests_graphs 100 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -n 2 -m gpu tests/runtime/worker/test_cuda_graphs.py
+  step ttft 250 . $TTFT --ttft-contexts 32768 131072 --ttft-engines consistent+cache --out "$R/ttft.json" ;;
+23) # the issue's long-context load, one mode per call (each takes ~400 s): 64 clients, prompts 16k-32k,
+    # outputs 512-1024, 300 s at 50 GiB; MODE=int2 or bf16, both on the same warm machine
+  step load64 560 . python3 -m oscar_compile.bench.load --launch random:8b --modes ${MODE:-int2} --concurrency 64 \
+    --duration 300 --prompt-len 16384:32768 --output-len 512:1024 --stream-share 1 --disconnect-share 0 \
+    --server-args "--kv-memory 50" --out "$R/load64_${MODE:-int2}.json" ;;
 4)  # bundled model carried, no .carry-base: TTFT of both modes, the INT2 variants, the whole GPU suite
   step ttft_new 170 . $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_new.json"
   step e2e_variants 150 . $E2E --e2e-systems oscar-int2-no-prefix-caching oscar-int2-prompt-exact --e2e-time-limit 70 --out "$R/e2e_variants.json"

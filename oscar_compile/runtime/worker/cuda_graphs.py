@@ -18,6 +18,8 @@ page that a sequence owns (writing a real token twice would demote the wrong rin
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
 import time
 
@@ -33,15 +35,36 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off (after one full pass) while graphs are captured.
+
+    A collection inside a capture can free a dead engine's CUDA graphs, and destroying a graph
+    while a stream captures invalidates that capture (``cudaErrorStreamCaptureInvalidated``):
+    with a former engine's graphs dying mid-capture, a BF16 test engine decoded eagerly (H200,
+    bench/results/2026-12-05-gpu-int2-prefill-end-to-end, call 17). ``torch.cuda.graph`` no longer
+    collects on entry; vLLM freezes the collector around its captures too."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def capture_largest_first(sizes: list[int], capture, what: str, fallback: str) -> dict:
     """``{size: capture(size)}`` for every size, largest first: the later, smaller captures reuse
-    the memory pool the first one sized. Any failure is logged with ``fallback`` (what runs
-    instead) and leaves no graph at all."""
+    the memory pool the first one sized, with the garbage collector paused
+    (:func:`collector_paused`). Any failure is logged with ``fallback`` (what runs instead) and
+    leaves no graph at all."""
     start = time.perf_counter()
     graphs = {}
     try:
-        for size in reversed(sizes):
-            graphs[size] = capture(size)
+        with collector_paused():
+            for size in reversed(sizes):
+                graphs[size] = capture(size)
     except Exception:
         _log.warning("capturing CUDA %s) failed; %s", what, fallback, exc_info=True)
         graphs.clear()

@@ -62,10 +62,13 @@ def run_largest_step(runner, rows: Sequence[StepRow], score_prompts: bool, sampl
     Returns the logits' shape ``(B + N, V)`` (the rows' last tokens, then every token)."""
     batch = profile_batch(runner, rows)
     logits = runner.run(batch)  # [B + N, V] float32
+    shape = tuple(logits.shape)
     B = batch.num_seqs
     on_cuda = runner.device.type == "cuda"
-    if score_prompts:
-        score_tokens(logits[B:], [0] * (logits.shape[0] - B), MAX_LOGPROBS)
+    if score_prompts:  # gathered per block, as a chunk that ends its prompt is (model_worker)
+        num_scored = shape[0] - B
+        score_tokens(logits[B:], [0] * num_scored, MAX_LOGPROBS, rows=list(range(num_scored)))
+        logits = logits[:B].clone()  # what a scoring step keeps while it is in flight
     if sample:
         words = -(-logits.shape[1] // 32)
         bitmask = torch.full((B, words), -1, dtype=torch.int32, pin_memory=on_cuda)  # every token allowed
@@ -74,7 +77,7 @@ def run_largest_step(runner, rows: Sequence[StepRow], score_prompts: bool, sampl
                          None, bitmask).result()
     if on_cuda:
         torch.cuda.synchronize(runner.device)
-    return tuple(logits.shape)
+    return shape
 
 
 def weight_bytes(model: torch.nn.Module, device: torch.device) -> int:

@@ -65,3 +65,41 @@ def test_graph_path_equals_eager_decoding(tokenizer, tiny_model):
         pools = (llm.engine.page_manager.window_pool, llm.engine.page_manager.quant_pool)
         assert all(pool.num_used == 0 for pool in pools)
     assert outputs[0] == outputs[1]
+
+
+def test_graphs_are_captured_with_the_garbage_collector_paused_after_a_full_pass():
+    """A dead engine's graphs freed by a collection inside a capture invalidate it (an H200 test
+    engine fell back to eager decoding): cycles dead before the captures are collected first,
+    none during them, and the collector is back on after, also when a capture fails."""
+    import gc
+
+    import pytest
+
+    from oscar_compile.runtime.worker.cuda_graphs import capture_largest_first, collector_paused
+
+    freed = []
+
+    class Dead:  # a reference cycle, as an engine dropped with its graphs
+        def __init__(self, name):
+            self.me, self.name = self, name
+
+        def __del__(self):
+            freed.append(self.name)
+
+    Dead("before")
+    seen = []
+
+    def capture(size):
+        seen.append((size, gc.isenabled(), list(freed)))
+        Dead(f"during {size}")
+        return size
+
+    assert gc.isenabled()
+    assert capture_largest_first([1, 2, 4], capture, "test graphs (sizes", "eager") == {4: 4, 2: 2, 1: 1}
+    assert seen == [(4, False, ["before"]), (2, False, ["before"]), (1, False, ["before"])]
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collector_paused():
+        raise RuntimeError("a capture failed")
+    assert gc.isenabled()
+    gc.collect()
+    assert sorted(freed) == ["before", "during 1", "during 2", "during 4"]

@@ -168,3 +168,47 @@ def test_prompt_logprobs_on_the_gpu_path(kind, tiny_model, tokenizer, rotations)
         want = expected[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
         assert torch.allclose(got, want, atol=1e-3), (got - want).abs().max()
         assert all(e.logprob == e.top[0][1] for e in entries[1:] if e.rank == 1)
+
+
+def test_blocked_scoring_equals_scoring_every_row_at_once(monkeypatch):
+    """Rows scored a few at a time, gathered per block by index, give the very numbers of one
+    whole pass (each row's log-softmax, rank and top-k do not depend on its neighbours)."""
+    from oscar_compile.runtime.worker import logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(23, 50, generator=g) * 4
+    logits[5, 7] = logits[5].max() + 1  # a greedy target: its logprob and the top-1 value are one float
+    rows = [0, 2, 3, 5, 8, 13, 21, 22, 1]
+    targets = torch.randint(0, 50, (len(rows),), generator=g).tolist()
+    targets[3] = 7
+    whole = logprobs.score_tokens(logits[rows], targets, 4)
+    monkeypatch.setattr(logprobs, "SCORE_BLOCK_BYTES", 3 * 50 * 4)  # blocks of 3 rows, the last of 0
+    blocked = logprobs.score_tokens(logits, targets, 4, rows=rows)
+    assert blocked == whole and blocked.ranks[3] == 1 and blocked.logprobs[3] == blocked.top_logprobs[3][0]
+    assert logprobs.score_tokens(logits[:2], [1, 2], 0, rows=None).top_ids == [[], []]
+    assert logprobs.score_tokens(logits, [], 4, rows=[]) == logprobs.ScoredTokens([], [], [], [])
+
+
+def test_a_scoring_step_keeps_only_its_drawing_rows_logits(tiny_model, tokenizer):
+    """The rows that draw a token are copied out of a scoring step's logits: a view would keep
+    every scored row's logits (8192 x vocab in float32) alive while the step is in flight, beside
+    the next step's, which the memory plan's profile run does not count."""
+    from oscar_compile.runtime.worker.model_worker import Worker
+
+    engine = _engine("bf16", tiny_model, tokenizer, None, 64)
+    kept = []
+    execute = Worker.execute
+
+    def spy(self, batch, *args):
+        forward, scores = execute(self, batch, *args)
+        if batch.logit_rows and forward is not None:
+            kept.append((forward.logits.shape, forward.logits.untyped_storage().nbytes()))
+        return forward, scores
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Worker, "execute", spy)
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=K)
+        _run(engine, [_prompt(len(tokenizer), 30, seed=3)], params)
+    assert kept, "no step scored a prompt and drew a token"
+    for shape, nbytes in kept:
+        assert nbytes == shape.numel() * 4  # the drawing rows alone, float32
