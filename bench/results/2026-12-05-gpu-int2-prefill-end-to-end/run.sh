@@ -134,10 +134,12 @@ case "$PART" in
     --server-args "--kv-memory 50" --out "$R/load32.json" ;;
 22) # after call 21: the memory plan's GPU test with prompt scoring in blocks and the drawing rows' logits
     # copied (call 20: the step peaked 9.5 / 11.3 GiB over the plan's share on an H200), the CUDA-graph
-    # tests with the collector paused during captures (call 17: a BF16 engine's capture invalidated), and
+    # tests with the collector paused during captures (call 17: a BF16 engine's capture invalidated), the
+    # kernel at 128k with vs_ref of the partial path's plain decode (call 17: 8.5 % from the reference), and
     # TTFT of one 32k and one 128k prompt, INT2 default beside the BF16 mode
   step tests_memory 200 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -m gpu tests/runtime/worker/test_memory_profile.py
   step tests_graphs 100 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -n 2 -m gpu tests/runtime/worker/test_cuda_graphs.py
+  step kernel 90 . python3 -m oscar_compile.bench.prefill_paged --contexts 131072 --reps 3 --out "$R/prefill_paged.json"
   step ttft 250 . $TTFT --ttft-contexts 32768 131072 --ttft-engines consistent+cache --out "$R/ttft.json" ;;
 23) # the issue's long-context load, one mode per call (each takes ~400 s): 64 clients, prompts 16k-32k,
     # outputs 512-1024, 300 s at 50 GiB; MODE=int2 or bf16, both on the same warm machine

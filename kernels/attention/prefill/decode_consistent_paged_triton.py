@@ -302,6 +302,7 @@ def attention_decode_consistent_paged_triton(
     v_codes, v_scale, v_zero, scale, sink, recent, bits, group_size, clip_k, clip_v, history_lens=None,
     block_rows: int = 128, block_n: int = 32, num_warps: int = 4, num_stages: int = 2, history: str | None = None,
     history_rows: int = 64, history_block_n: int = 128, history_warps: int = 4, step_memo: dict | None = None,
+    history_asm: bool | None = None,
 ):  # fmt: skip
     """The reference's call (same arguments): the band pre-pass, the stored history's partial
     (``history`` "partial"), then the kernel; no host sync (``history_lens`` None: the standard h,
@@ -320,7 +321,8 @@ def attention_decode_consistent_paged_triton(
     at 64 / 64, bench/results/2026-12-05-h100-decode-consistent-prefill-kernel).
     ``step_memo``: a dict that lives for one step of a runner (every layer passes the same
     ``cu_seqlens`` object, alive for the step): the band and query-block offsets, a dozen small
-    launches, are made by the first layer and read by the others."""
+    launches, are made by the first layer and read by the others. ``history_asm``: the partial's
+    code decode (``launch_with_asm``; None: inline PTX on a GPU), for checks of its numerics."""
     if history is not None and history not in HISTORY_MODES:
         raise ValueError(f"history must be one of {sorted(HISTORY_MODES)} or None, got {history!r}")
     N, H_q, D = q.shape
@@ -358,7 +360,7 @@ def attention_decode_consistent_paged_triton(
         hub = _memo(step_memo, ("query_blocks", id(cu_seqlens), hist_m), lambda: query_block_prefix(cu_seqlens, hist_m))
         partial = history_partial(q, k, v, cu_seqlens, hub, hist_m, cache_lens, history_lens, window_table,
                                   quant_table, pools, scale, sink, recent, bits, group_size, history_block_n,
-                                  history_warps)  # fmt: skip
+                                  history_warps, use_asm=history_asm)  # fmt: skip
     grid = (triton.cdiv(N, block_m) + B, H_kv)
     _paged_kernel[grid](
         q, k, v, out, cu_seqlens, cub, bcu, cache_lens, history_lens if history_lens is not None else cache_lens,

@@ -154,16 +154,18 @@ def test_history_partial_matches_reference(device, params, hits):
 
 @pytest.mark.parametrize("params", [CASES[1], CASES[6]])
 @pytest.mark.parametrize("chunks", [[16, 16, 7], [5, 27, 7]], ids=["pages", "ragged"])
-def test_history_partial_chunked_small_tiles(device, params, chunks):
+@pytest.mark.parametrize("asm", [None, pytest.param(False, marks=pytest.mark.gpu)], ids=["auto", "plain-decode"])
+def test_history_partial_chunked_small_tiles(device, params, chunks, asm):
     """Chunks written one after the other, 16-row and 16-key programs in both launches: several
-    query blocks per sequence, history blocks ending inside pages."""
+    query blocks per sequence, history blocks ending inside pages. On a GPU also with the codes
+    decoded without inline PTX (the interpreter's decode; ``history_asm``)."""
     case = _case(params, device, extra_tokens=39)
     for step, n in enumerate(chunks):
         new = [n] * len(LENS)
         q, k, v = _tokens(params, new, device, seed=step)
         args = _args(case, q, k, v, new)
         got = _paged(*args, history_lens=case.history_lens, block_rows=16, block_n=16, history="partial",
-                     history_rows=16, history_block_n=16)  # fmt: skip
+                     history_rows=16, history_block_n=16, history_asm=asm)  # fmt: skip
         _check_partial(got, attention_decode_consistent_ref(*args, history_lens=case.history_lens))
         _write(case, k, v, new)
 
