@@ -43,7 +43,8 @@ def collector_paused():
     while a stream captures invalidates that capture (``cudaErrorStreamCaptureInvalidated``):
     with a former engine's graphs dying mid-capture, a BF16 test engine decoded eagerly (H200,
     bench/results/2026-12-05-gpu-int2-prefill-end-to-end, call 17). ``torch.cuda.graph`` no longer
-    collects on entry; vLLM freezes the collector around its captures too."""
+    collects on entry (``torch.compiler.config.force_cudagraph_gc``, off by default); SGLang's and
+    vLLM's graph runners freeze the collector around their captures too."""
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
