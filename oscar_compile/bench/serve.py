@@ -32,6 +32,10 @@ real ``CompressedRunner`` on a synthetic batch whose caches are pre-filled to th
 6. (``--tensor-parallel-size 1 2``) the decode and capacity rows with the model split over 2 GPUs
    beside the unsplit ones, each step's all-reduce time in the breakdown (``allred``); the KV
    budget is per GPU (see ``oscar_compile.bench.serve_tp``).
+7. (``--parts steps``, first shape only) a prefill step of ``--max-num-batched-tokens`` tokens and a
+   mixed step (that budget with ``--step-decodes`` decode rows) ending at each of ``--step-contexts``,
+   INT2 against the BF16 mode, each step's largest kernels by device time (see
+   ``oscar_compile.bench.serve_steps``).
 ``--deterministic`` runs every part in deterministic mode (issue 31: its cost against the default).
 ``--plan-ab`` adds to each decode row (``--decode-batches`` sets their batch sizes) eager steps with
 the attention plan memoized per step against planned at every layer (issue #32: host time saved).
@@ -296,7 +300,8 @@ def run(args) -> dict:
     """Every section, in order; the result so far is written to ``args.out`` after each row
     group, so a run stopped by a time limit still leaves what it measured."""
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    max_len = max(args.contexts + args.capacity_contexts + [args.e2e_prompt + args.e2e_output]) + 1
+    max_len = max(args.contexts + args.capacity_contexts + [args.e2e_prompt + args.e2e_output]
+                  + (args.step_contexts if "steps" in args.parts else [])) + 1
     result = dict(device=_device_line(device), command=args.command, deterministic=args.deterministic, decode=[],
                   capacity=[], e2e=[])
     if "ttft" in args.parts or "swap" in args.parts:
@@ -332,6 +337,10 @@ def run(args) -> dict:
                 _empty_cache(device)
     if "structured" in args.parts:
         _structured_part(args, device, result)
+    if "steps" in args.parts:
+        from oscar_compile.bench.serve_steps import steps_part
+
+        steps_part(args, device, max_len, result)
     if args.e2e_batches and "e2e" in args.parts:
         from oscar_compile.bench.e2e import e2e_rows
 

@@ -32,7 +32,13 @@ def build_parser(description: str, shapes: list[str]) -> argparse.ArgumentParser
     parser.add_argument("--compare-unfused", action="store_true",
                         help="also time decode steps of models rewritten without the fused elementwise ops")
     parser.add_argument("--parts", nargs="+", default=["decode", "capacity", "e2e"],
-                        choices=("decode", "capacity", "e2e", "ttft", "swap", "structured"), help="sections to run")
+                        choices=("decode", "capacity", "e2e", "ttft", "swap", "structured", "steps"),
+                        help="sections to run")
+    parser.add_argument("--step-contexts", nargs="+", type=int, default=[8192],
+                        help="--parts steps: where the prompt of the prefill and mixed steps ends (their chunk "
+                             "is --max-num-batched-tokens)")
+    parser.add_argument("--step-decodes", type=int, default=31,
+                        help="--parts steps: decode rows beside the mixed step's chunk (31: batch 32 of the e2e runs)")
     parser.add_argument("--structured-batch", type=int, default=32, help="batch of the structured-output row")
     parser.add_argument("--structured-prompt", type=int, default=512, help="prompt tokens of the structured row")
     parser.add_argument("--structured-output", type=int, default=256, help="generated tokens of the structured row")

@@ -1,6 +1,8 @@
 """The end-to-end benchmark runs (tiny shape, CPU): the real runner, INT2 and BF16 mode, JSON out."""
 import json
 
+import pytest
+
 from oscar_compile.bench.serve import main
 
 
@@ -183,3 +185,33 @@ def test_structured_part_smoke(tmp_path, monkeypatch):
     assert row["plain"]["generated_tokens"] == 30 and row["plain"]["full_batch_decode_step_ms"] > 0
     assert row["json"]["num_mask_fills"] > 0 and row["json"]["mask_ms_per_step"] > 0
     assert row["decode_step_cost"] is not None
+
+
+def test_steps_part_profiles_the_prefill_and_mixed_steps_of_both_modes(tmp_path, capsys):
+    """--parts steps: a whole-budget chunk, and the same budget as a chunk beside decode rows, in
+    INT2 and the BF16 mode, each with its largest ops' time (CPU: self time per op), then INT2
+    against BF16 per step."""
+    from oscar_compile.bench.serve_steps import step_shapes
+
+    out = tmp_path / "serve.json"
+    assert main(["--shapes", "tiny", "--device", "cpu", "--parts", "steps", "--max-num-batched-tokens", "48",
+                 "--step-contexts", "48", "80", "--step-decodes", "3", "--reps", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    shapes = sorted((r["mode"], r["kind"], r["context"], r["tokens"], r["seqs"]) for r in result["steps"])
+    assert shapes == sorted((mode, kind, context, 48, seqs) for mode in ("int2", "bf16") for context in (48, 80)
+                            for kind, seqs in (("prefill", 1), ("mixed", 4)))
+    for row in result["steps"]:
+        assert row["step_ms"] > 0 and 0 < len(row["kernels_ms"]) <= 20
+        assert all(ms >= 0 for ms in row["kernels_ms"].values())
+    assert any("oscar::attention_bf16" in r["kernels_ms"] for r in result["steps"] if r["mode"] == "bf16")
+    pairs = result["steps_int2_vs_bf16"]
+    assert sorted((p["kind"], p["context"]) for p in pairs) == [("mixed", 48), ("mixed", 80), ("prefill", 48),
+                                                                 ("prefill", 80)]
+    for p in pairs:
+        assert p["ratio"] == p["int2_ms"] / p["bf16_ms"]
+    assert "mixed at 80: INT2" in capsys.readouterr().out
+    # the rows: a chunk of the budget ending at the context, or a smaller one beside decode rows
+    assert step_shapes(48, 80, 3)["mixed"][0].num_new == 45 and step_shapes(48, 80, 3)["prefill"][0].cache_len == 32
+    for bad in ((96, 80, 3), (48, 80, 48)):
+        with pytest.raises(ValueError):
+            step_shapes(*bad)
