@@ -147,9 +147,12 @@ case "$PART" in
     --duration 300 --prompt-len 16384:32768 --output-len 512:1024 --stream-share 1 --disconnect-share 0 \
     --server-args "--kv-memory 50" --out "$R/load64_${MODE:-int2}.json" ;;
 24) # where INT2's 8192-token steps lose their 8 % (call 17: 276 against 257 ms, batch 32 at 1.085x): the
-    # prefill and the mixed step (31 decode rows) at 8k and 32k, both modes, each step's largest kernels
+    # prefill and the mixed step (31 decode rows) at 8k and 32k, both modes, each step's largest kernels;
+    # then the paged kernel's tiles swept at 8k
   step steps 400 . python3 -m oscar_compile.bench.serve --shapes 8b --parts steps --max-num-batched-tokens 8192 \
-    --step-contexts 8192 32768 --step-decodes 31 --reps 5 --out "$R/steps.json" ;;
+    --step-contexts 8192 32768 --step-decodes 31 --reps 5 --out "$R/steps.json"
+  # the paged kernel's tiles swept where that step's chunk is the whole context (the sweep so far: at 32k)
+  step kernel8k 150 . python3 -m oscar_compile.bench.prefill_paged --sweep --contexts 8192 --reps 5 --out "$R/prefill_paged_8k.json" ;;
 4)  # bundled model carried, no .carry-base: TTFT of both modes, the INT2 variants, the whole GPU suite
   step ttft_new 170 . $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_new.json"
   step e2e_variants 150 . $E2E --e2e-systems oscar-int2-no-prefix-caching oscar-int2-prompt-exact --e2e-time-limit 70 --out "$R/e2e_variants.json"
