@@ -53,65 +53,24 @@ import time
 import torch
 
 from oscar_compile.bench.serve_args import build_parser
+from oscar_compile.bench.serve_models import (
+    MODES,
+    SHAPES,
+    build_model,
+    empty_cache,
+    mode_spec,
+    random_model,
+    release,
+    step_time_s,
+    sync,
+)
+from oscar_compile.bench.serve_steps import steps_part
 from oscar_compile.evaluation.result_file import save_json
 from oscar_compile.kernels.determinism import LINEAR_RANGE, deterministic
-from oscar_compile.passes import apply
-from oscar_compile.runtime.worker.compressed_runner import CompressedRunner, compressed_layout
+from oscar_compile.runtime.worker.compressed_runner import CompressedRunner
 from oscar_compile.runtime.worker.runner import Batch
-from oscar_compile.spec import shipped_spec
 
-SHAPES = {
-    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, vocab_size=151936),
-    "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, vocab_size=151936),
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=512),
-}
-HEADS = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128)
-TINY_HEADS = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=128)
-MODES = {"int2": "hadamard-int2", "bf16": "bf16"}
 GIB = 1024**3
-
-
-def random_model(shape: str, max_len: int, device: torch.device, seed: int = 0, vocab_size: int | None = None):
-    """A random-weight Qwen3 of ``shape`` (bfloat16 on CUDA, float32 on CPU), with the shape's
-    vocabulary unless ``vocab_size`` is given."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    heads = TINY_HEADS if shape == "tiny" else HEADS
-    sizes = {**SHAPES[shape], **({"vocab_size": vocab_size} if vocab_size else {})}
-    config = Qwen3Config(**sizes, **heads, max_position_embeddings=max_len, tie_word_embeddings=False)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    torch.manual_seed(seed)
-    try:
-        with torch.device(device):
-            model = Qwen3ForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    return model
-
-
-def mode_spec(shape: str, mode: str):
-    spec = shipped_spec(MODES[mode])
-    if shape == "tiny":  # windows that fit the smoke run's short contexts
-        spec = spec.model_copy(update={"kv_cache": spec.kv_cache.model_copy(update={"sink_tokens": 16,
-                                                                                      "recent_tokens": 32})})
-    return spec
-
-
-def build_model(shape: str, mode: str, max_len: int, device: torch.device, fuse: bool = True, prepare=None):
-    """A random-weight Qwen3 of ``shape``, rewritten for ``mode``; returns (the handle ``apply``
-    returned, layout).
-    ``prepare(model)`` runs before the rewrite (serve_tp.py keeps a rank's slice there)."""
-    from oscar_compile.calibration import calibrate
-    from oscar_compile.spec_fit import fit_spec_to_model
-
-    model = random_model(shape, max_len, device)
-    if prepare is not None:
-        prepare(model)
-    spec = fit_spec_to_model(mode_spec(shape, mode), model)  # once: calibrate, apply and the layout take it
-    compressed = apply(model, spec, calibrate(model, spec), fuse=fuse)
-    return compressed, compressed_layout(model, spec)
 
 
 def decode_batch(layout, batch_size: int, context: int) -> tuple[Batch, int, int]:
@@ -127,24 +86,6 @@ def decode_batch(layout, batch_size: int, context: int) -> tuple[Batch, int, int
         context_token_ids=[[] for _ in seqs], layout=layout,
     )
     return batch, batch_size * num_window, batch_size * num_quant
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def step_time_s(runner: CompressedRunner, batch: Batch, reps: int) -> float:
-    """Median wall time of one decode step (after a warm-up that compiles the kernels)."""
-    runner.run(batch)
-    _sync(runner.device)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        runner.run(batch)
-        _sync(runner.device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 _OPS = {
@@ -184,7 +125,7 @@ def step_breakdown(runner: CompressedRunner, batch: Batch, reps: int = 3) -> dic
     with profile(activities=activities) as prof:
         for _ in range(reps):
             runner.run(batch)
-        _sync(runner.device)
+        sync(runner.device)
     ours = {name for names in _OPS.values() for name in names}
     totals = dict.fromkeys([*_OPS, "gemm", "all_reduce"], 0.0)  # all_reduce: tensor-parallel ranks (serve_tp.py)
     whole = 0.0
@@ -237,7 +178,7 @@ def plan_ab_ms(runner: CompressedRunner, batch: Batch, reps: int) -> dict:
                 runner.attention.max_plans = max_plans  # (a planned step plans at its first layer)
                 start = time.perf_counter()
                 runner.run(batch)
-                _sync(runner.device)
+                sync(runner.device)
                 times[name].append(time.perf_counter() - start)
     finally:
         runner.attention.max_plans = kept
@@ -262,15 +203,8 @@ def decode_rows(compressed, layout, shape: str, mode: str, contexts: list[int], 
         row["breakdown"] = step_breakdown(_eager(runner), batch)
         print(row, flush=True)
         rows.append(row)
-        _release(runner)
+        release(runner)
     return rows
-
-
-def _release(runner: CompressedRunner) -> None:
-    """Free a runner's pools and graphs now (the runner and its graphs refer to each other)."""
-    runner.graphs = runner.pools = None
-    gc.collect()
-    _empty_cache(runner.device)
 
 
 def _eager(runner: CompressedRunner) -> CompressedRunner:
@@ -290,7 +224,7 @@ def capacity_rows(compressed, layout, shape: str, mode: str, contexts: list[int]
             runner = _runner(compressed, layout, batch, num_window, num_quant, context, graphs=True)
             t = step_time_s(runner, batch, reps)
             row.update(step_ms=t * 1e3, tokens_per_s=max_seqs / t, cuda_graphs=_graph_covers(runner, batch))
-            _release(runner)
+            release(runner)
         print(row, flush=True)
         rows.append(row)
     return rows
@@ -327,19 +261,17 @@ def run(args) -> dict:
                 save_json(result, args.out)
             del compressed
             gc.collect()
-            _empty_cache(device)
+            empty_cache(device)
             if args.compare_unfused and "decode" in args.parts:
                 compressed, layout = build_model(shape, mode, max_len, device, fuse=False)
                 result["decode"] += decode_rows(compressed, layout, shape, mode, args.contexts, args.reps)
                 save_json(result, args.out)
                 del compressed
                 gc.collect()
-                _empty_cache(device)
+                empty_cache(device)
     if "structured" in args.parts:
         _structured_part(args, device, result)
     if "steps" in args.parts:
-        from oscar_compile.bench.serve_steps import steps_part
-
         steps_part(args, device, max_len, result)
     if args.e2e_batches and "e2e" in args.parts:
         from oscar_compile.bench.e2e import e2e_rows
@@ -375,7 +307,7 @@ def split_model_rows(rank: int, world_size: int, group, device: torch.device, ar
                                                   smallest(budget, device, group), args.reps)
             del compressed
             gc.collect()
-            _empty_cache(device)
+            empty_cache(device)
             if rank == 0:  # what was measured so far survives a time limit
                 save_json(dict(rows, partial=True, tensor_parallel_size=world_size), args.out)
     return rows
@@ -401,7 +333,7 @@ def _prefill_swap_parts(args, device: torch.device, result: dict) -> None:
         save_json(result, args.out)
     del compressed
     gc.collect()
-    _empty_cache(device)
+    empty_cache(device)
     if "ttft" in parts:  # the BF16 mode's rows, on its own model (the INT2 one released first)
         compressed, layout = build_model(shape, "bf16", max_len, device)
         result["ttft"] += prefill_swap.bf16_rows(compressed, layout, shape, args.ttft_contexts,
@@ -410,7 +342,7 @@ def _prefill_swap_parts(args, device: torch.device, result: dict) -> None:
         save_json(result, args.out)
         del compressed
         gc.collect()
-        _empty_cache(device)
+        empty_cache(device)
 
 
 def _structured_part(args, device: torch.device, result: dict) -> None:
@@ -422,16 +354,11 @@ def _structured_part(args, device: torch.device, result: dict) -> None:
     kv_memory = args.e2e_kv_memory if device.type == "cuda" else None
     result["structured"] = structured.structured_rows(
         model, mode_spec(shape, "int2"), bpe_tokenizer.load(), shape, args.structured_batch, args.structured_prompt,
-        args.structured_output, kv_memory, lambda: _sync(device))
+        args.structured_output, kv_memory, lambda: sync(device))
     save_json(result, args.out)
     del model
     gc.collect()
-    _empty_cache(device)
-
-
-def _empty_cache(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    empty_cache(device)
 
 
 def _bytes_per_seq(layout, context: int) -> int:

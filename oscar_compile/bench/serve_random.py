@@ -19,7 +19,7 @@ _DEFAULT_MAX_MODEL_LEN = 4096
 
 
 def parse_args(argv: list[str] | None = None):
-    from oscar_compile.bench.serve import MODES, SHAPES
+    from oscar_compile.bench.serve_models import MODES, SHAPES
     from oscar_compile.cli import serve
 
     parser = serve.build_parser(prog="python -m oscar_compile.bench.serve_random")
@@ -39,7 +39,7 @@ def assemble_random(args):
     """The assembly of a random model of ``args.shape`` in ``args.mode`` (served by ``assembly.build_app``)."""
     from oscar_compile.assembly import Assembly
     from oscar_compile.bench.e2e import SpelledIdTokenizer
-    from oscar_compile.bench.serve import mode_spec, random_model
+    from oscar_compile.bench.serve_models import mode_spec, random_model
     from oscar_compile.cli import serve
     from oscar_compile.compress import compress
     from oscar_compile.runtime.engine_config import build_engine, resolve_device

@@ -29,7 +29,7 @@ from collections import defaultdict
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from oscar_compile.bench.serve import MODES, _empty_cache, _release, _sync, build_model, step_time_s
+from oscar_compile.bench.serve_models import MODES, build_model, empty_cache, release, step_time_s, sync
 from oscar_compile.evaluation.result_file import save_json
 from oscar_compile.runtime.core.memory_plan import StepRow
 from oscar_compile.runtime.worker.compressed_runner import CompressedRunner
@@ -62,7 +62,7 @@ def step_rows(compressed, layout, shape: str, mode: str, budget: int, contexts: 
                        seqs=batch.num_seqs, step_ms=step_s * 1e3, kernels_ms=kernel_ms(runner, batch))
             print(row, flush=True)
             rows.append(row)
-            _release(runner)
+            release(runner)
     return rows
 
 
@@ -73,7 +73,7 @@ def kernel_ms(runner, batch, reps: int = 3, top: int = 20) -> dict[str, float]:
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(reps):
             runner.run(batch)
-        _sync(runner.device)
+        sync(runner.device)
     totals: dict[str, float] = defaultdict(float)
     for ev in prof.events():
         if cuda and ev.device_type != DeviceType.CPU:
@@ -119,7 +119,7 @@ def steps_part(args, device, max_len: int, result: dict) -> None:
         save_json(result, args.out)
         del compressed
         gc.collect()
-        _empty_cache(device)
+        empty_cache(device)
     result["steps_int2_vs_bf16"] = compare(result["steps"])
     print_comparison(result["steps_int2_vs_bf16"])
     save_json(result, args.out)
