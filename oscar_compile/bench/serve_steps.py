@@ -49,7 +49,7 @@ def step_shapes(budget: int, context: int, decodes: int) -> dict[str, list[StepR
 
 def step_rows(compressed, layout, shape: str, mode: str, budget: int, contexts: list[int], decodes: int,
               reps: int) -> list[dict]:
-    """One row per (context, step kind): ms per step and the device time's shares per op."""
+    """One row per (context, step kind): ms per step and its largest kernels' ms (:func:`kernel_ms`)."""
     rows = []
     for context in contexts:
         for kind, shape_rows in step_shapes(budget, context, decodes).items():
@@ -76,10 +76,10 @@ def kernel_ms(runner, batch, reps: int = 3, top: int = 20) -> dict[str, float]:
         sync(runner.device)
     totals: dict[str, float] = defaultdict(float)
     for ev in prof.events():
-        if cuda and ev.device_type != DeviceType.CPU:
-            totals[ev.name[:90]] += ev.device_time_total
-        elif not cuda:
+        if not cuda:
             totals[ev.name[:90]] += ev.self_cpu_time_total
+        elif ev.device_type != DeviceType.CPU:
+            totals[ev.name[:90]] += ev.device_time_total
     largest = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
     return {name: us / reps / 1e3 for name, us in largest}
 

@@ -56,7 +56,7 @@ def score_tokens(logits: torch.Tensor, targets: list[int], k: int, rows: list[in
             top = logprobs.topk(k, dim=-1)
             top_values.append(top.values)
             top_ids.append(top.indices)
-        del block, logprobs
+        del block, logprobs  # freed before the next block is made: one block's tensors at a time
     return ScoredTokens(
         logprobs=torch.cat(chosen).squeeze(1).tolist(), ranks=torch.cat(ranks).tolist(),
         top_ids=torch.cat(top_ids).tolist() if k else [[] for _ in targets],
