@@ -256,18 +256,26 @@ def _key_plane(s, dg, kb, kc_ptr, qp, qg, PL: tl.constexpr, BITS: tl.constexpr, 
 
 
 @triton.jit
-def _value_plane(acc, zacc, pv, zs, vb, p, PL: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
+def _value_plane(acc, al, zacc, pv, zs, vb, p, PL: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
                  GROUP: tl.constexpr, NG: tl.constexpr, vs, vz, USE_ASM: tl.constexpr, VMASKED: tl.constexpr):
-    """acc += (p * s_g) @ codes; zacc += sum_n p s_g z_g, with (pv, zs) recomputed at a group start.
-    VMASKED: vb holds masked value bytes and plane PL is their bit pair PL (value_columns)."""
+    """acc = acc * al + (p * s_g) @ codes; zacc += sum_n p s_g z_g, with (pv, zs) recomputed at a
+    group start. VMASKED: vb holds masked value bytes and plane PL is their bit pair PL (value_columns).
+
+    The tile's dot starts from zero and joins acc in one fused multiply-add, rounded to nearest,
+    instead of accumulating into acc inside the MMA: the codes are non-negative, so acc is a sum
+    of positive terms about sqrt(n) times the output once the zero term is subtracted, and the
+    tensor cores' truncating accumulation over a whole 128k history (one history split in
+    prefill) biased it by 2.5-8.5 % of the output on an H200 (bench.prefill_paged's vs_ref,
+    call 17 of bench/results/2026-12-05-gpu-int2-prefill-end-to-end). Same instruction count:
+    the multiply by al was there."""
     if (PL * WP) % GROUP == 0:
         g: tl.constexpr = (PL * WP) // GROUP
         sc = _group(vs, g, NG)
         zr = _group(vz, g, NG)
         pv = (p * sc[None, :]).to(tl.float16)
         zs = tl.sum(pv.to(tl.float32) * zr[None, :], axis=1)
-    acc = tl.dot(pv, decode_plane(vb, PL, BITS, USE_ASM, VMASKED and PL == 3), acc)
-    return acc, zacc + zs, pv, zs
+    tile = tl.dot(pv, decode_plane(vb, PL, BITS, USE_ASM, VMASKED and PL == 3))
+    return tl.fma(acc, tl.broadcast_to(al, tile.shape), tile), zacc + zs, pv, zs
 
 
 @triton.jit
@@ -318,14 +326,14 @@ def history_block(q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, 
     al = alpha[:, None]
     pv = tl.zeros([ROWS, BN], tl.float16)
     zs = tl.zeros([ROWS], tl.float32)
-    a0, z0, pv, zs = _value_plane(a0 * al, z0 * alpha, pv, zs, vb, p, 0, BITS, WP, GROUP, NG,
+    a0, z0, pv, zs = _value_plane(a0, al, z0 * alpha, pv, zs, vb, p, 0, BITS, WP, GROUP, NG,
                                   vs, vz, USE_ASM, VMASKED)
-    a1, z1, pv, zs = _value_plane(a1 * al, z1 * alpha, pv, zs, vb, p, 1, BITS, WP, GROUP, NG,
+    a1, z1, pv, zs = _value_plane(a1, al, z1 * alpha, pv, zs, vb, p, 1, BITS, WP, GROUP, NG,
                                   vs, vz, USE_ASM, VMASKED)
     if NPL == 4:
-        a2, z2, pv, zs = _value_plane(a2 * al, z2 * alpha, pv, zs, vb, p, 2, BITS, WP, GROUP, NG,
+        a2, z2, pv, zs = _value_plane(a2, al, z2 * alpha, pv, zs, vb, p, 2, BITS, WP, GROUP, NG,
                                       vs, vz, USE_ASM, VMASKED)
-        a3, z3, pv, zs = _value_plane(a3 * al, z3 * alpha, pv, zs, vb, p, 3, BITS, WP, GROUP, NG,
+        a3, z3, pv, zs = _value_plane(a3, al, z3 * alpha, pv, zs, vb, p, 3, BITS, WP, GROUP, NG,
                                       vs, vz, USE_ASM, VMASKED)
     return m, l, a0, a1, a2, a3, z0, z1, z2, z3
 

@@ -126,7 +126,8 @@ def _attend_folded(q, qsum, m, den, acc, zacc, kc_ptr, ks_ptr, kz_ptr, vc_ptr, v
     pv = (p * sv[None, :]).to(DOT_DT)
     zacc = zacc * alpha + tl.sum(pv.to(tl.float32) * zv[None, :], axis=1)
     vt = code_values(code_tile(vc_ptr, hidx, rows, ok, D, BITS, MASKED, False), BITS, DOT_DT)
-    return m_new, den, _dot(pv, vt, acc * alpha[:, None], IEEE), zacc
+    tile = _dot(pv, vt, None, IEEE)  # from zero, joined to acc rounded to nearest (_value_plane's docstring)
+    return m_new, den, tl.fma(acc, tl.broadcast_to(alpha[:, None], tile.shape), tile), zacc
 
 
 @triton.jit
