@@ -257,25 +257,32 @@ def _key_plane(s, dg, kb, kc_ptr, qp, qg, PL: tl.constexpr, BITS: tl.constexpr, 
 
 @triton.jit
 def _value_plane(acc, al, zacc, pv, zs, vb, p, PL: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
-                 GROUP: tl.constexpr, NG: tl.constexpr, vs, vz, USE_ASM: tl.constexpr, VMASKED: tl.constexpr):
+                 GROUP: tl.constexpr, NG: tl.constexpr, vs, vz, USE_ASM: tl.constexpr, VMASKED: tl.constexpr,
+                 PROMOTE: tl.constexpr):
     """acc = acc * al + (p * s_g) @ codes; zacc += sum_n p s_g z_g, with (pv, zs) recomputed at a
     group start. VMASKED: vb holds masked value bytes and plane PL is their bit pair PL (value_columns).
 
-    The tile's dot starts from zero and joins acc in one fused multiply-add, rounded to nearest,
-    instead of accumulating into acc inside the MMA: the codes are non-negative, so acc is a sum
-    of positive terms about sqrt(n) times the output once the zero term is subtracted, and the
-    tensor cores' truncating accumulation over a whole 128k history (one history split in
-    prefill) biased it by 2.5-8.5 % of the output on an H200 (bench.prefill_paged's vs_ref,
-    call 17 of bench/results/2026-12-05-gpu-int2-prefill-end-to-end). Same instruction count:
-    the multiply by al was there."""
+    PROMOTE: the tile's dot starts from zero and joins acc in one fused multiply-add, rounded to
+    nearest, instead of accumulating into acc inside the MMA. The codes are non-negative, so acc
+    is a sum of positive terms, about sqrt(n) times the output once the zero term is subtracted
+    (flat attention over n keys); the tensor cores' accumulation truncates, and over a whole 128k
+    history in one program (prefill's history partial) that bias reached percents of the output
+    (bench/results/2026-12-05-gpu-int2-prefill-end-to-end, calls 17 and 25). It holds a second
+    tile of registers: decode, whose splits bound each program's history, keeps its 128-register
+    cap without spills by accumulating in the MMA."""
     if (PL * WP) % GROUP == 0:
         g: tl.constexpr = (PL * WP) // GROUP
         sc = _group(vs, g, NG)
         zr = _group(vz, g, NG)
         pv = (p * sc[None, :]).to(tl.float16)
         zs = tl.sum(pv.to(tl.float32) * zr[None, :], axis=1)
-    tile = tl.dot(pv, decode_plane(vb, PL, BITS, USE_ASM, VMASKED and PL == 3))
-    return tl.fma(acc, tl.broadcast_to(al, tile.shape), tile), zacc + zs, pv, zs
+    codes = decode_plane(vb, PL, BITS, USE_ASM, VMASKED and PL == 3)
+    if PROMOTE:
+        tile = tl.dot(pv, codes)
+        acc = tl.fma(acc, tl.broadcast_to(al, tile.shape), tile)
+    else:
+        acc = tl.dot(pv, codes, acc * al)
+    return acc, zacc + zs, pv, zs
 
 
 @triton.jit
@@ -283,7 +290,7 @@ def history_block(q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, 
                   kc_ptr, vc_ptr, ks, kz, vs, vz, rowq, tmask, qk_scale,
                   ROWS: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
                   GROUP: tl.constexpr, NG: tl.constexpr, NPL: tl.constexpr, USE_ASM: tl.constexpr,
-                  MASKED: tl.constexpr, VMASKED: tl.constexpr):
+                  MASKED: tl.constexpr, VMASKED: tl.constexpr, PROMOTE: tl.constexpr = False):
     """Attend to BN quantized history tokens (flat pool rows ``rowq``: [BN], masked by tmask).
 
     Keys, with k = s (c - z) per group: q . k = sum_g s_g (q_g . c_g - z_g * sum(q_g)), so the
@@ -299,6 +306,7 @@ def history_block(q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, 
     of the token's bit pair, _key_group_fix), group sums g0..g3 times 2^CODE_EXP and qk_scale
     times 2^-CODE_EXP; a_i accumulates in units of plane i's factor (the caller rescales).
     q0..q3: [ROWS, WP] fp16; ks, kz, vs, vz: [BN, NG] scales / zeros (group_params).
+    PROMOTE: each tile's value sums join the accumulators rounded to nearest (_value_plane).
     """
     if MASKED:
         kb = masked_block_rows(rowq, BN)  # [BN / 16] flat rows of the tile's blocks
@@ -327,14 +335,14 @@ def history_block(q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, 
     pv = tl.zeros([ROWS, BN], tl.float16)
     zs = tl.zeros([ROWS], tl.float32)
     a0, z0, pv, zs = _value_plane(a0, al, z0 * alpha, pv, zs, vb, p, 0, BITS, WP, GROUP, NG,
-                                  vs, vz, USE_ASM, VMASKED)
+                                  vs, vz, USE_ASM, VMASKED, PROMOTE)
     a1, z1, pv, zs = _value_plane(a1, al, z1 * alpha, pv, zs, vb, p, 1, BITS, WP, GROUP, NG,
-                                  vs, vz, USE_ASM, VMASKED)
+                                  vs, vz, USE_ASM, VMASKED, PROMOTE)
     if NPL == 4:
         a2, z2, pv, zs = _value_plane(a2, al, z2 * alpha, pv, zs, vb, p, 2, BITS, WP, GROUP, NG,
-                                      vs, vz, USE_ASM, VMASKED)
+                                      vs, vz, USE_ASM, VMASKED, PROMOTE)
         a3, z3, pv, zs = _value_plane(a3, al, z3 * alpha, pv, zs, vb, p, 3, BITS, WP, GROUP, NG,
-                                      vs, vz, USE_ASM, VMASKED)
+                                      vs, vz, USE_ASM, VMASKED, PROMOTE)
     return m, l, a0, a1, a2, a3, z0, z1, z2, z3
 
 

@@ -191,7 +191,7 @@ def _attn_kernel(
                         q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, z2, z3,
                         kc_ptr, vc_ptr, ks, kz, vs, vz, rowq, tmask,
                         qk_scale * plane_factor(-CODE_EXP), ROWS, BLOCK_N, BITS, WP, GROUP, NG, NPL,
-                        USE_ASM, MASKED, VMASKED)
+                        USE_ASM, MASKED, VMASKED, PROMOTE=BLOCK_M > 1)
                     rowq, tmask, ks, kz, vs, vz = rowq_n, tmask_n, ks_n, kz_n, vs_n, vz_n
                 # the value accumulators hold plane i in units of its code factor (a0..a3 start at
                 # zero, so the history is all they hold here)
