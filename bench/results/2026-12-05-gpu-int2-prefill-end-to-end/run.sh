@@ -164,6 +164,11 @@ case "$PART" in
   step kernel_new 100 . $KERNEL --out "$R/prefill_paged_new.json"
   step tests_memory 200 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -m gpu tests/runtime/worker/test_memory_profile.py
   step tests_prefill 160 . $P -n 4 --instafail -m gpu tests/kernels/attention/prefill ;;
+26) # after part 25: the CUDA-graph tests with the collector paused during captures (call 17: a BF16
+    # engine's capture invalidated), then where INT2's 8192-token steps lose their 8 % (part 24's steps)
+  step tests_graphs 100 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -n 2 -m gpu tests/runtime/worker/test_cuda_graphs.py
+  step steps 420 . python3 -m oscar_compile.bench.serve --shapes 8b --parts steps --max-num-batched-tokens 8192 \
+    --step-contexts 8192 32768 --step-decodes 31 --reps 5 --out "$R/steps.json" ;;
 4)  # bundled model carried, no .carry-base: TTFT of both modes, the INT2 variants, the whole GPU suite
   step ttft_new 170 . $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_new.json"
   step e2e_variants 150 . $E2E --e2e-systems oscar-int2-no-prefix-caching oscar-int2-prompt-exact --e2e-time-limit 70 --out "$R/e2e_variants.json"
