@@ -29,7 +29,9 @@ page or from the band (band_triton's docstring), so a row's bits do not depend o
 
 Numerics: dots in the window / q dtype with float32
 accumulation on the GPU (float32 and IEEE in the interpreter), dequantized history rounded once
-to the operand dtype, softmax in float32 base 2, the output rounded once to q.dtype. With one
+to the operand dtype, softmax in float32 base 2, the output rounded once to q.dtype; the folded
+loop's value sums (codes, non-negative) join the accumulator per tile, rounded to nearest
+(attention_blocks_triton._value_plane says why). With one
 group per row (group_size = head_dim, Qwen3-8B's layers) the stored-history loop folds scale and
 zero out of the tiles (``_attend_folded``): the dots take the codes themselves (exact in bf16),
 which cut the 32k row from 54.6 to 31.9 ms on an H100 (bench/results/2026-12-05-h100-...). Not in

@@ -13,7 +13,9 @@ the normalised partial over the stored history and its log2-sum-exp (the split l
 ``merge_partials``: one partial per row); the paged kernel opens its softmax with them
 (decode_consistent_paged_triton, ``history="partial"``). Numerics are the extend kernel's: the
 query rounded to fp16 for the history dots (as every decode step of this cache does), the value
-zero-point term subtracted once, float32 accumulation.
+zero-point term subtracted once, float32 accumulation, each tile's value sums joined to the
+accumulators rounded to nearest (attention_blocks_triton._value_plane: one program reads the whole
+history, where the MMA's truncating accumulation biased the output by percents at 128k).
 """
 
 from __future__ import annotations
