@@ -16,8 +16,7 @@ chunk of ``chunk`` tokens ends at ``context`` (cached = context - chunk). ms per
 
 ``vs_folded``: the relative Frobenius difference of the output from the folded in-kernel loop's
 (the previous default), a check at shapes the reference cannot hold; ``vs_ref``: both paths'
-relative error against the fp32 reference on a chunk of 64 rows ending at the same context (on a
-GPU also the partial path with its code decode in plain Triton instead of inline PTX);
+relative error against the fp32 reference on a chunk of 64 rows ending at the same context;
 ``x_cudnn`` / ``x_best_sdpa`` the ratios, ``tflops`` of each over the causal work (4 H_q D per
 (row, key) pair). Its agreement with the reference is the GPU test's
 (tests/kernels/attention/prefill); the dense reference cannot hold these shapes. ``--sweep`` times tile
@@ -135,10 +134,9 @@ def reference_errors(context: int, tiles: dict, device, rows: int = REF_ROWS) ->
     """Relative Frobenius error against ``attention_decode_consistent_ref`` (fp32) of a chunk of
     ``rows`` tokens ending at ``context``, for ``tiles`` and for the folded loop with the same
     tiles: the reference cannot hold a whole chunk's scores at 128k, but these rows read the same
-    stored history, whose running sum is what differs between the two paths. On a GPU the partial
-    path also runs with ``history_asm=False``: the one part of it that Triton's interpreter, where
-    both paths sit at the bf16 rounding at 128k, does not run (call 17 of
-    bench/results/2026-12-05-gpu-int2-prefill-end-to-end: 8.5 % on an H200)."""
+    stored history, whose running sum is what differs between the two paths (on an H200 it drifted
+    by 8.1 % / 2.4 % at 128k until each tile's value sums were promoted: attention_blocks_triton's
+    ``_value_plane``; call 25 of bench/results/2026-12-05-gpu-int2-prefill-end-to-end)."""
     from oscar_compile.kernels.attention.prefill.attention_decode_consistent_ref import (
         attention_decode_consistent_ref,
     )
@@ -150,8 +148,6 @@ def reference_errors(context: int, tiles: dict, device, rows: int = REF_ROWS) ->
     want = attention_decode_consistent_ref(**args).float()
     errors = {}
     variants = [(tiles.get("history") or "default", tiles), ("folded", {**tiles, "history": "folded"})]
-    if device.type == "cuda" and tiles.get("history") in (None, "partial"):  # the partial's decode without PTX
-        variants.append(("partial_plain_decode", {**tiles, "history": "partial", "history_asm": False}))
     for name, t in variants:
         got = paged(**args, **t).float()
         errors[name] = ((got - want).norm() / want.norm()).item()

@@ -113,4 +113,8 @@ def test_the_planned_budget_runs_the_largest_step_without_running_out(tokenizer,
     free, total = torch.cuda.mem_get_info()
     non_torch = total - free - torch.cuda.memory_reserved()
     peak = non_torch + torch.cuda.max_memory_reserved()
-    assert peak <= share * total + context, f"peak {peak / GIB:.2f} GiB over the share {share * total / GIB:.2f} GiB"
+    # the allocator's reserve at its peak, as the plan measures it; the live tensors' peak beside it
+    # says whether an excess is live memory or the allocator's cache (call 25: 4.9 / 6.6 GiB over)
+    live = non_torch + torch.cuda.max_memory_allocated()
+    assert peak <= share * total + context, (f"peak {peak / GIB:.2f} GiB ({live / GIB:.2f} GiB of live tensors) "
+                                             f"over the share {share * total / GIB:.2f} GiB")
