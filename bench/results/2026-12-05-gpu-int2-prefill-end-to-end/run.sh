@@ -146,12 +146,8 @@ case "$PART" in
   step load64 560 . python3 -m oscar_compile.bench.load --launch random:8b --modes ${MODE:-int2} --concurrency 64 \
     --duration 300 --prompt-len 16384:32768 --output-len 512:1024 --stream-share 1 --disconnect-share 0 \
     --server-args "--kv-memory 50" --out "$R/load64_${MODE:-int2}.json" ;;
-24) # where INT2's 8192-token steps lose their 8 % (call 17: 276 against 257 ms, batch 32 at 1.085x): the
-    # prefill and the mixed step (31 decode rows) at 8k and 32k, both modes, each step's largest kernels;
-    # then the paged kernel's tiles swept at 8k
-  step steps 400 . python3 -m oscar_compile.bench.serve --shapes 8b --parts steps --max-num-batched-tokens 8192 \
-    --step-contexts 8192 32768 --step-decodes 31 --reps 5 --out "$R/steps.json"
-  # the paged kernel's tiles swept where that step's chunk is the whole context (the sweep so far: at 32k)
+24) # the paged kernel's tiles swept where the mixed step's chunk is the whole context (the sweep so far: at
+    # 32k); the steps profile it was planned beside is part 27
   step kernel8k 150 . python3 -m oscar_compile.bench.prefill_paged --sweep --contexts 8192 --reps 5 --out "$R/prefill_paged_8k.json" ;;
 25) # the stored history's sums promoted per tile (tl.fma onto the accumulator, rounded to nearest) against
     # the tree without it (promote.patch reversed, in /tmp/base): the paged kernel's time and vs_ref at 8k,
@@ -164,11 +160,19 @@ case "$PART" in
   step kernel_new 100 . $KERNEL --out "$R/prefill_paged_new.json"
   step tests_memory 200 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -m gpu tests/runtime/worker/test_memory_profile.py
   step tests_prefill 160 . $P -n 4 --instafail -m gpu tests/kernels/attention/prefill ;;
-26) # after part 25: the CUDA-graph tests with the collector paused during captures (call 17: a BF16
-    # engine's capture invalidated), then where INT2's 8192-token steps lose their 8 % (part 24's steps)
+26) # after call 25: the memory plan's GPU test, whose message now says live tensors or the allocator's
+    # cache (call 25: 4.9 / 6.6 GiB over the share), the new 128k GPU test of the promoted history sums,
+    # the CUDA-graph tests with the collector paused during captures (call 17: a BF16 capture invalidated)
+  step tests_memory 200 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -m gpu tests/runtime/worker/test_memory_profile.py
+  step tests_128k 90 . $P -m gpu tests/kernels/attention/prefill/test_prefill_decode_consistent_paged.py -k 128k
   step tests_graphs 100 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -n 2 -m gpu tests/runtime/worker/test_cuda_graphs.py
-  step steps 420 . python3 -m oscar_compile.bench.serve --shapes 8b --parts steps --max-num-batched-tokens 8192 \
-    --step-contexts 8192 32768 --step-decodes 31 --reps 5 --out "$R/steps.json" ;;
+  step ttft 180 . $TTFT --ttft-contexts 32768 131072 --ttft-engines consistent+cache --out "$R/ttft.json" ;;
+27) # where INT2's 8192-token steps lose their 8 % (call 17: 276 against 257 ms, batch 32 at 1.085x): the
+    # prefill and the mixed step (31 decode rows) at 8k and 32k, both modes, each step's largest kernels;
+    # then the issue's end-to-end command on this tree (the promoted history sums: +1 % kernel time)
+  step steps 330 . python3 -m oscar_compile.bench.serve --shapes 8b --parts steps --max-num-batched-tokens 8192 \
+    --step-contexts 8192 32768 --step-decodes 31 --reps 5 --out "$R/steps.json"
+  step e2e_b32 240 . ${E2E/--e2e-batches 1 32/--e2e-batches 32} --e2e-systems oscar-int2 oscar-bf16 --out "$R/e2e_b32.json" ;;
 4)  # bundled model carried, no .carry-base: TTFT of both modes, the INT2 variants, the whole GPU suite
   step ttft_new 170 . $TTFT --ttft-contexts 32768 131072 --out "$R/ttft_new.json"
   step e2e_variants 150 . $E2E --e2e-systems oscar-int2-no-prefix-caching oscar-int2-prompt-exact --e2e-time-limit 70 --out "$R/e2e_variants.json"
