@@ -290,7 +290,7 @@ def history_block(q0, q1, q2, q3, g0, g1, g2, g3, m, l, a0, a1, a2, a3, z0, z1, 
                   kc_ptr, vc_ptr, ks, kz, vs, vz, rowq, tmask, qk_scale,
                   ROWS: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr, WP: tl.constexpr,
                   GROUP: tl.constexpr, NG: tl.constexpr, NPL: tl.constexpr, USE_ASM: tl.constexpr,
-                  MASKED: tl.constexpr, VMASKED: tl.constexpr, PROMOTE: tl.constexpr = False):
+                  MASKED: tl.constexpr, VMASKED: tl.constexpr, PROMOTE: tl.constexpr):
     """Attend to BN quantized history tokens (flat pool rows ``rowq``: [BN], masked by tmask).
 
     Keys, with k = s (c - z) per group: q . k = sum_g s_g (q_g . c_g - z_g * sum(q_g)), so the

@@ -149,17 +149,6 @@ case "$PART" in
 24) # the paged kernel's tiles swept where the mixed step's chunk is the whole context (the sweep so far: at
     # 32k); the steps profile it was planned beside is part 27
   step kernel8k 150 . python3 -m oscar_compile.bench.prefill_paged --sweep --contexts 8192 --reps 5 --out "$R/prefill_paged_8k.json" ;;
-25) # the stored history's sums promoted per tile (tl.fma onto the accumulator, rounded to nearest) against
-    # the tree without it (promote.patch reversed, in /tmp/base): the paged kernel's time and vs_ref at 8k,
-    # 32k and 128k in both (call 17: 8.5 % / 2.5 % at 128k), then the memory plan's GPU test, then the
-    # paged prefill kernel's GPU tests on the new tree
-  rm -rf /tmp/base && cp -a . /tmp/base && (cd /tmp/base && X=bench/results/2026-12-05-gpu-int2-prefill-end-to-end/promote.patch && { patch -s -R -p1 < $X || git apply -R $X; }) \
-    || echo "base tree: patch failed" >> "$R/steps.txt"
-  KERNEL="python3 -m oscar_compile.bench.prefill_paged --contexts 8192 32768 131072 --reps 5"
-  step kernel_base 100 /tmp/base $KERNEL --out "$R/prefill_paged_base.json"
-  step kernel_new 100 . $KERNEL --out "$R/prefill_paged_new.json"
-  step tests_memory 200 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -m gpu tests/runtime/worker/test_memory_profile.py
-  step tests_prefill 160 . $P -n 4 --instafail -m gpu tests/kernels/attention/prefill ;;
 26) # after call 25: the memory plan's GPU test, whose message now says live tensors or the allocator's
     # cache (call 25: 4.9 / 6.6 GiB over the share), the new 128k GPU test of the promoted history sums,
     # the CUDA-graph tests with the collector paused during captures (call 17: a BF16 capture invalidated)
