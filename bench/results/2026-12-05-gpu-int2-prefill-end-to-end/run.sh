@@ -153,6 +153,10 @@ case "$PART" in
     # cache (call 25: 4.9 / 6.6 GiB over the share), the new 128k GPU test of the promoted history sums,
     # the CUDA-graph tests with the collector paused during captures (call 17: a BF16 capture invalidated)
   step tests_memory 200 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -m gpu tests/runtime/worker/test_memory_profile.py
+  # the same test of one semantics with expandable segments (no fixed-size segments to fragment): if
+  # this passes where the first fails, the excess is the cache across steps of many shapes
+  step tests_memory_expandable 110 . env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m pytest -v -rs \
+    --tb=short -p no:cacheprovider -m gpu tests/runtime/worker/test_memory_profile.py -k decode-consistent
   step tests_128k 90 . $P -m gpu tests/kernels/attention/prefill/test_prefill_decode_consistent_paged.py -k 128k
   step tests_graphs 100 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -n 2 -m gpu tests/runtime/worker/test_cuda_graphs.py
   step ttft 180 . $TTFT --ttft-contexts 32768 131072 --ttft-engines consistent+cache --out "$R/ttft.json" ;;
