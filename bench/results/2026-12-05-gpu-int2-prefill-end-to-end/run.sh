@@ -160,13 +160,13 @@ case "$PART" in
   step tests_128k 90 . $P -m gpu tests/kernels/attention/prefill/test_prefill_decode_consistent_paged.py -k 128k
   step tests_graphs 100 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -n 2 -m gpu tests/runtime/worker/test_cuda_graphs.py
   step ttft 180 . $TTFT --ttft-contexts 32768 131072 --ttft-engines consistent+cache --out "$R/ttft.json" ;;
-28) # one call when machines are scarce: the memory test (live or cache), the 8k steps profile that
-    # bounds batch 32, the memory test with expandable segments, the 128k test
-  step tests_memory 190 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -m gpu tests/runtime/worker/test_memory_profile.py
+28) # one call when machines are scarce: the memory test with the allocator limited at the share (live
+    # tensors and the reserve), the 8k steps profile that bounds batch 32, the CUDA-graph tests (captures
+    # under the limit), the 128k test
+  step tests_memory 190 . python3 -m pytest -v -s -rs --tb=short -p no:cacheprovider -m gpu tests/runtime/worker/test_memory_profile.py
   step steps 200 . python3 -m oscar_compile.bench.serve --shapes 8b --parts steps --max-num-batched-tokens 8192 \
     --step-contexts 8192 --step-decodes 31 --reps 5 --out "$R/steps.json"
-  step tests_memory_expandable 100 . env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m pytest -v -rs \
-    --tb=short -p no:cacheprovider -m gpu tests/runtime/worker/test_memory_profile.py -k decode-consistent
+  step tests_graphs 100 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -n 2 -m gpu tests/runtime/worker/test_cuda_graphs.py
   step tests_128k 70 . $P -m gpu tests/kernels/attention/prefill/test_prefill_decode_consistent_paged.py -k 128k ;;
 27) # where INT2's 8192-token steps lose their 8 % (call 17: 276 against 257 ms, batch 32 at 1.085x): the
     # prefill and the mixed step (31 decode rows) at 8k and 32k, both modes, each step's largest kernels;
