@@ -160,6 +160,11 @@ case "$PART" in
   step tests_128k 90 . $P -m gpu tests/kernels/attention/prefill/test_prefill_decode_consistent_paged.py -k 128k
   step tests_graphs 100 . python3 -m pytest -v -rs --tb=short -p no:cacheprovider -n 2 -m gpu tests/runtime/worker/test_cuda_graphs.py
   step ttft 180 . $TTFT --ttft-contexts 32768 131072 --ttft-engines consistent+cache --out "$R/ttft.json" ;;
+29) # part 28 in a short call: the memory test, the 8k steps profile, the 128k test
+  step tests_memory 190 . python3 -m pytest -v -s -rs --tb=short -p no:cacheprovider -m gpu tests/runtime/worker/test_memory_profile.py
+  step steps 170 . python3 -m oscar_compile.bench.serve --shapes 8b --parts steps --max-num-batched-tokens 8192 \
+    --step-contexts 8192 --step-decodes 31 --reps 3 --out "$R/steps.json"
+  step tests_128k 60 . $P -m gpu tests/kernels/attention/prefill/test_prefill_decode_consistent_paged.py -k 128k ;;
 28) # one call when machines are scarce: the memory test with the allocator limited at the share (live
     # tensors and the reserve), the 8k steps profile that bounds batch 32, the CUDA-graph tests (captures
     # under the limit), the 128k test
