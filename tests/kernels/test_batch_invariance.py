@@ -16,6 +16,9 @@ from oscar_compile.kernels.determinism import batch_invariant_linear, determinis
 from oscar_compile.kernels.elementwise.elementwise_ref import rms_norm_ref
 from oscar_compile.kernels.matmul.matmul_ref import ROW_TILE, linear_ref, linear_tiled
 
+# bitwise invariance of the kernel, not of the host's BLAS (tests/kernels/conftest.py)
+pytestmark = pytest.mark.usefixtures("row_invariant_dot")
+
 BATCHES = (1, 3, 64)
 
 

@@ -17,6 +17,9 @@ from oscar_compile.kernels import determinism
 from oscar_compile.kernels.attention.decode.attention_ref import attention_ref
 from oscar_compile.kernels.testing import build_case, random_kv
 
+# bitwise invariance of the kernel, not of the host's BLAS (tests/kernels/conftest.py)
+pytestmark = pytest.mark.usefixtures("row_invariant_dot")
+
 TOL = 1e-2
 LENS = [150, 70, 9, 200, 48, 120, 31, 100]
 

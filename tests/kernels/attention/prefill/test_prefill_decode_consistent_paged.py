@@ -201,6 +201,7 @@ def test_own_token_as_passed(device):
 
 
 @pytest.mark.parametrize("params", [CASES[1], CASES[2], CASES[6]])
+@pytest.mark.usefixtures("row_invariant_dot")  # the kernel's invariance, not the host BLAS's (conftest)
 def test_deterministic_rows_do_not_depend_on_the_chunking(device, params):
     """Deterministic mode: 39 tokens per sequence in one call equal, bitwise, chunks of 13, of
     16 + 16 + 7 (page boundaries), of 2 + 37 and of 1 + 11 + 27, each written before the next. A
