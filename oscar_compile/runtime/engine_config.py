@@ -207,13 +207,11 @@ def _profile_plans(config: EngineConfig, layout: CacheLayout, max_model_len: int
                                max(1, num_quant), max_model_len, config.runner.deterministic)
     rows = largest_step(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                         min(max_model_len, probe.max_seq_len()))
-    # planned by the share (no --kv-memory): the allocator is then limited to it, as the plan assumes
-    share = utilization if cache.kv_memory_gb is None else None
     if make_runner.profile is not None:
-        profiles = make_runner.profile(probe, rows, share)
+        profiles = make_runner.profile(probe, rows)
     else:
         profiles = [measure_step_memory(lambda: make_runner(probe), rows, device, weight_bytes(model, device),
-                                        score_prompts=capabilities.prompt_logits, share=share)]
+                                        score_prompts=capabilities.prompt_logits)]
     later = later_pool_bytes(cache, layout, capabilities, max_model_len)
     plans = [plan_memory(p, utilization, later, rank=i) for i, p in enumerate(profiles)]
     return plans, later, num_window * layout.window_page_bytes + num_quant * layout.quant_page_bytes

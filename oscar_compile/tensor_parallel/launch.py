@@ -119,20 +119,16 @@ def _rank_runner_kwargs(model, page_manager, config) -> dict:
     return {**runner_kwargs(model, page_manager, config), "piecewise_max_tokens": 0}
 
 
-def profile_ranks(compressed, layout, kwargs: dict, rows: list[StepRow], share: float | None,
-                  ranks: RankGroup) -> list[MemoryProfile]:
+def profile_ranks(compressed, layout, kwargs: dict, rows: list[StepRow], ranks: RankGroup) -> list[MemoryProfile]:
     """Every rank's memory profile (runtime/worker/memory_profile.py), in rank order: each builds
     the profile runner of ``kwargs`` (the steps of its construction and the largest step of
     ``rows`` all-reduce in lockstep) and measures its own device; rank 0 samples, as it does when
-    serving (no prompt logits across ranks), then limits its allocator at ``share`` (None: no
-    limit). Every rank calls this (rank 0 after sending ``("profile", kwargs, rows, share)``); the
-    engine plans from the tightest."""
+    serving (no prompt logits across ranks). Every rank calls this (rank 0 after sending
+    ``("profile", kwargs, rows)``); the engine plans from the tightest."""
     device = torch.device("cuda", ranks.rank)
     mine = measure_step_memory(lambda: CompressedRunner(compressed, layout, **kwargs), rows, device,
-                               weight_bytes(compressed.model, device), score_prompts=False, sample=ranks.rank == 0,
-                               share=share)
-    numbers = torch.tensor([mine.total, mine.before, mine.peak_in_use, mine.profile_pools, mine.weights,
-                            mine.reserved_others],
+                               weight_bytes(compressed.model, device), score_prompts=False, sample=ranks.rank == 0)
+    numbers = torch.tensor([mine.total, mine.before, mine.peak_in_use, mine.profile_pools, mine.weights],
                            dtype=torch.int64, device=device)
     gathered = [torch.empty_like(numbers) for _ in range(ranks.world_size)]
     dist.all_gather(gathered, numbers, group=ranks.data_group)
@@ -208,7 +204,7 @@ def _worker_main(rank: int, world_size: int, port: int, setup: RankSetup) -> Non
         compressed, _, config, report = prepare_rank(setup, ranks)
         message = ranks.receive()
         while message[0] == "profile":  # the memory plan's profile run (engine_config.planned_kv_bytes)
-            profile_ranks(compressed, config.layout, message[1], message[2], message[3], ranks)
+            profile_ranks(compressed, config.layout, message[1], message[2], ranks)
             message = ranks.receive()
         if message[0] == "runner":
             runner = CompressedRunner(compressed, config.layout, **message[1])
@@ -279,13 +275,13 @@ class TensorParallelGroup:
             self.runner = TensorParallelRunner(local, self.ranks)
             return self.runner
 
-        def profile(page_manager, rows, share) -> list[MemoryProfile]:
+        def profile(page_manager, rows) -> list[MemoryProfile]:
             kwargs = _rank_runner_kwargs(compressed.model, page_manager, config)
             try:
-                self.ranks.send(("profile", kwargs, rows, share))
+                self.ranks.send(("profile", kwargs, rows))
             except RuntimeError as err:
                 raise self.ranks.fail(err) from err
-            return profile_ranks(compressed, config.layout, kwargs, rows, share, self.ranks)
+            return profile_ranks(compressed, config.layout, kwargs, rows, self.ranks)
 
         capabilities = replace(CompressedRunner.capabilities_for(config.cache.prefill_semantics),
                                prompt_logits=False, tensor_parallel_size=self.ranks.world_size)

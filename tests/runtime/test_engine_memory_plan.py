@@ -24,11 +24,10 @@ class FakeProfile:
     """A factory's ``profile``: records what it was asked and returns the given profiles."""
 
     def __init__(self, *profiles: MemoryProfile):
-        self.profiles, self.calls, self.shares = list(profiles), [], []
+        self.profiles, self.calls = list(profiles), []
 
-    def __call__(self, page_manager, rows, share):
+    def __call__(self, page_manager, rows):
         self.calls.append((page_manager, rows))
-        self.shares.append(share)
         return self.profiles
 
     def factory(self, capabilities=CAPS) -> RunnerFactory:
@@ -72,7 +71,6 @@ def test_the_profile_plan_sizes_the_pages_on_cuda():
     assert probe.max_seq_len() >= MAX_MODEL_LEN
     assert rows == largest_step(32, 4096, MAX_MODEL_LEN)
     assert probe.swap_space is None  # no host swap for a runner that lives a moment
-    assert fake.shares == [0.8]  # every device's allocator is then limited to the share planned with
 
 
 def test_more_utilization_gives_more_pages():
@@ -88,7 +86,6 @@ def test_kv_memory_overrides_the_plan():
     assert _counts(config, profile=fake) == _planned(2 * GIB, config)
     (_, rows), = fake.calls  # the profile run checked the override: the largest step, as for the plan
     assert rows == largest_step(config.max_num_seqs, config.max_num_batched_tokens, MAX_MODEL_LEN)
-    assert fake.shares == [None]  # an absolute budget: the allocator is not limited to a share
     counts = EngineConfig(num_window_pages=7, num_quant_pages=9)
     assert _counts(counts, profile=fake) == (7, 9) and len(fake.calls) == 1
     assert _counts(config, device=torch.device("cpu"), profile=fake) == _planned(2 * GIB, config)

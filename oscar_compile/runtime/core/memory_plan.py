@@ -48,9 +48,7 @@ class MemoryProfile:
       graph pools and step buffers included);
     - ``profile_pools``: the profile runner's own page pools, inside ``peak_in_use``: the real
       pools (the budget and the later pools) take their place;
-    - ``weights``: the model's parameters and buffers on the device, inside ``before``;
-    - ``reserved_others``: what this process's caching allocator held before the profile run
-      besides the weights (another engine's tensors), inside ``before`` (:func:`allocator_limit`).
+    - ``weights``: the model's parameters and buffers on the device, inside ``before``.
     """
 
     total: int
@@ -58,7 +56,6 @@ class MemoryProfile:
     peak_in_use: int
     profile_pools: int = 0
     weights: int = 0
-    reserved_others: int = 0
 
     def __post_init__(self) -> None:
         if self.total <= 0:
@@ -71,9 +68,6 @@ class MemoryProfile:
                              f"{self.peak_in_use - self.before} B")
         if not 0 <= self.weights <= self.before:
             raise ValueError(f"weights of {self.weights} B outside the {self.before} B in use before the profile run")
-        if not 0 <= self.reserved_others <= self.before - self.weights:
-            raise ValueError(f"{self.reserved_others} B reserved beside the weights outside the "
-                             f"{self.before - self.weights} B in use before the profile run besides them")
 
 
 @dataclass(frozen=True)
@@ -117,22 +111,6 @@ def plan_memory(profile: MemoryProfile, utilization: float, later_pools: Mapping
     own = profile.weights + profile.peak_in_use - profile.before - profile.profile_pools
     return MemoryPlan(total=profile.total, utilization=utilization, requested=int(utilization * profile.total),
                       others=profile.before - profile.weights, own=own, later_pools=later, rank=rank)
-
-
-def allocator_limit(profile: MemoryProfile, utilization: float) -> int:
-    """The bytes this process's caching allocator may reserve on the device once the engine is
-    planned: the engine's share and what the allocator held outside the engine (``reserved_others``).
-
-    Why a limit: the plan bounds the live tensors of any step by the largest step's, but the
-    allocator caches freed blocks and reuses one only for a request no larger. Steps whose large
-    tensors change size (an 8k step's fp32 prompt logits, 4.65 GiB at Qwen3's vocabulary, grow by a
-    row per sequence in the step) can each reserve a new block beside the cached one: on an H200 the
-    engine's reserve peaked 4.9 GiB past its share of 0.9, about one such tensor. At the limit the allocator frees
-    its cached blocks and retries (``torch.cuda.set_per_process_memory_fraction``) instead of
-    reserving past the share; memory outside the allocator (the CUDA context) is not counted."""
-    if not 0 < utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-    return min(profile.total, int(utilization * profile.total) + profile.reserved_others)
 
 
 def smallest(plans: Sequence[MemoryPlan]) -> MemoryPlan:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from oscar_compile.runtime.core.memory_plan import GIB, InsufficientMemoryError, MemoryProfile, StepRow, allocator_limit
+from oscar_compile.runtime.core.memory_plan import GIB, InsufficientMemoryError, MemoryProfile, StepRow
 from oscar_compile.runtime.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from oscar_compile.runtime.worker.logprobs import score_tokens
 from oscar_compile.runtime.worker.runner import Batch
@@ -91,19 +91,13 @@ def weight_bytes(model: torch.nn.Module, device: torch.device) -> int:
 
 
 def measure_step_memory(build: Callable[[], object], rows: Sequence[StepRow], device: torch.device,
-                        weights: int, score_prompts: bool = True, sample: bool = True,
-                        share: float | None = None) -> MemoryProfile:
+                        weights: int, score_prompts: bool = True, sample: bool = True) -> MemoryProfile:
     """Build a profile runner (``build()``: one sequence's pages), run the largest step of
     ``rows`` on it and measure; the runner is freed before this returns. ``weights``: the bytes
-    of the model on ``device`` (:func:`weight_bytes`), already loaded. ``share``: the engine's
-    ``gpu_memory_utilization``, at which the process's allocator is then limited
-    (``core.memory_plan.allocator_limit``); None leaves it unlimited. The run itself is unlimited:
-    an earlier engine's limit must not bound what this one measures."""
+    of the model on ``device`` (:func:`weight_bytes`), already loaded."""
     _release(device)
-    torch.cuda.set_per_process_memory_fraction(1.0, device)
     free, total = torch.cuda.mem_get_info(device)
     before = total - free
-    reserved_others = min(max(0, torch.cuda.memory_reserved(device) - weights), before - min(weights, before))
     torch.cuda.reset_peak_memory_stats(device)
     runner = None
     try:
@@ -116,7 +110,7 @@ def measure_step_memory(build: Callable[[], object], rows: Sequence[StepRow], de
         pools = pool_bytes(runner)
         # (another process that freed memory meanwhile must not make the run look smaller than its pages)
         profile = MemoryProfile(total=total, before=before, peak_in_use=max(peak_in_use, before + pools),
-                                profile_pools=pools, weights=min(weights, before), reserved_others=reserved_others)
+                                profile_pools=pools, weights=min(weights, before))
     except torch.cuda.OutOfMemoryError as err:
         num_tokens = sum(r.num_new for r in rows)
         raise InsufficientMemoryError(
@@ -127,12 +121,6 @@ def measure_step_memory(build: Callable[[], object], rows: Sequence[StepRow], de
     finally:
         del runner
         _release(device)
-    if share is not None:
-        limit = allocator_limit(profile, share)
-        torch.cuda.set_per_process_memory_fraction(limit / profile.total, device)
-        logger.info("the allocator may reserve %.2f GiB of %.2f GiB (gpu_memory_utilization %g, %.2f GiB of it held "
-                    "outside this engine): at that point it frees its cache", limit / GIB, profile.total / GIB,
-                    share, profile.reserved_others / GIB)
     logger.info("profile run: %.2f GiB in use before, %.2f GiB at the largest step's peak (%.2f GiB of it the "
                 "profile runner's pages; weights %.2f GiB) of %.2f GiB", profile.before / GIB,
                 profile.peak_in_use / GIB, profile.profile_pools / GIB, profile.weights / GIB, profile.total / GIB)

@@ -130,13 +130,12 @@ class RunnerFactory:
     ``profile``: where one device's profile run is not enough, the memory profiles
     (``core.memory_plan.MemoryProfile``) of every device of the runner, each measured by a
     runner built over the page manager given (one sequence's pages) running the step of the
-    rows given (``core.memory_plan.largest_step``): the tensor-parallel ranks, in lockstep; its
-    third argument is the share each device's allocator is then limited to (None: unlimited).
+    rows given (``core.memory_plan.largest_step``): the tensor-parallel ranks, in lockstep.
     None: ``build_engine`` builds one and measures it (worker/memory_profile.py)."""
 
     capabilities: RunnerCapabilities
     build: Callable[[PageManager], ModelRunner]
-    profile: Callable[[PageManager, list, float | None], list] | None = None
+    profile: Callable[[PageManager, list], list] | None = None
 
     def __call__(self, page_manager: PageManager) -> ModelRunner:
         return self.build(page_manager)

@@ -6,7 +6,6 @@ from oscar_compile.runtime.core.memory_plan import (
     InsufficientMemoryError,
     MemoryProfile,
     StepRow,
-    allocator_limit,
     check_override,
     checked_kv_bytes,
     largest_step,
@@ -111,18 +110,6 @@ def test_a_kv_memory_override_fits_what_the_engine_does_not_hold():
         check_override([plan], -1)
 
 
-def test_the_allocator_is_limited_to_the_share_and_what_it_held_outside_the_engine():
-    """The share is the engine's; another engine's tensors in this process's allocator are kept
-    beside it; never more than the device."""
-    assert allocator_limit(_profile(), 0.9) == int(0.9 * TOTAL)
-    beside = MemoryProfile(total=TOTAL, before=30 * GIB, peak_in_use=34 * GIB, weights=16 * GIB,
-                           reserved_others=12 * GIB)  # 2 GiB of the 14 outside the allocator (the context)
-    assert allocator_limit(beside, 0.5) == int(0.5 * TOTAL) + 12 * GIB
-    assert allocator_limit(beside, 0.9) == TOTAL
-    with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        allocator_limit(beside, 0.0)
-
-
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         plan_memory(_profile(), 0.0)
@@ -134,8 +121,6 @@ def test_bad_sizes_are_refused():
         MemoryProfile(TOTAL, GIB, 2 * GIB, weights=2 * GIB)
     with pytest.raises(ValueError, match="before the profile run"):
         MemoryProfile(TOTAL, 3 * GIB, 2 * GIB)
-    with pytest.raises(ValueError, match="reserved beside the weights"):
-        MemoryProfile(TOTAL, 3 * GIB, 3 * GIB, weights=2 * GIB, reserved_others=2 * GIB)
     with pytest.raises(ValueError, match=">= 0"):
         plan_memory(_profile(), 0.9, {"x": -1})
 
