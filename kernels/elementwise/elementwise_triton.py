@@ -14,6 +14,7 @@ import triton.language as tl
 from oscar_compile.kernels.determinism import is_deterministic
 from oscar_compile.kernels.device import num_sms
 from oscar_compile.kernels.elementwise.rotate_ref import check_rotate_args
+from oscar_compile.kernels.quant.quant_triton import interpreting
 
 
 @triton.jit(do_not_specialize=["n_rows", "inner"])
@@ -65,10 +66,13 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, rot_ptr, mean_ptr, qo_ptr, ko_ptr, T, NT, rot_group,
                  sqb, sqh, sqt, skb, skh, skt, scb, sct, ssb, sst,
                  H_KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, TOKS: tl.constexpr,
-                 BK: tl.constexpr, BN: tl.constexpr, HAS_ROT: tl.constexpr, HAS_MEAN: tl.constexpr):
+                 BK: tl.constexpr, BN: tl.constexpr, HAS_ROT: tl.constexpr, HAS_MEAN: tl.constexpr,
+                 PRECISION: tl.constexpr, SPLIT_DT: tl.constexpr):
     """TOKS tokens x one KV head: row r is head r % (G + 1) of token r // (G + 1), heads 0..G-1
     its query heads, head G its key head (rows past TOKS * (G + 1) idle). With the rotation,
-    program_id(2) picks BN of the D output columns (each program redoes the RoPE)."""
+    program_id(2) picks BN of the D output columns (each program redoes the RoPE); PRECISION is
+    the rotation's (rope_precision), SPLIT_DT the dtype bf16x3's parts enter the dot in: bfloat16,
+    float32 in the interpreter (whose dot would multiply bfloat16's raw bit patterns)."""
     r = tl.arange(0, ROWS)
     hh = r % (G + 1)
     # offsets of a large batch pass 2^31 (64 x 8k tokens x 32 heads x 128)
@@ -91,6 +95,7 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, rot_ptr, mean_ptr, qo_ptr, ko_p
     t0 = tl.program_id(0).to(tl.int64) % T
     HALF: tl.constexpr = D // 2
     acc = tl.zeros([ROWS, BN], dtype=tl.float32)
+    mean_rot = tl.zeros([BN], dtype=tl.float32)  # bf16x3: mean @ R, taken off the key rows at the end
     cols = tl.program_id(2) * BN + tl.arange(0, BN)
     for k0 in tl.static_range(0, D, BK):
         c = k0 + tl.arange(0, BK)
@@ -110,15 +115,36 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, rot_ptr, mean_ptr, qo_ptr, ko_p
         y = ((x * cos).to(dt).to(tl.float32) + (sign[None, :] * xp * sin).to(dt).to(tl.float32))
         y = y.to(dt).to(tl.float32)
         if HAS_ROT:
+            R = tl.load(rot_ptr + (j // rot_group) * D * D + c[:, None] * D + cols[None, :])
             if HAS_MEAN:
                 mu = tl.load(mean_ptr + (j // rot_group) * D + c)
-                y = y - tl.where(is_k[:, None], mu[None, :], 0.0)
-            R = tl.load(rot_ptr + (j // rot_group) * D * D + c[:, None] * D + cols[None, :])
-            acc += tl.dot(y, R, input_precision="ieee")
+            if PRECISION == "bf16x3":
+                # y holds bfloat16 values (the output dtype), an exact bf16 operand; R is cut into
+                # three bf16 parts that sum to it exactly (8 + 8 + 8 bits of its 24), so each
+                # product is exact and only the float32 sums round, as in the ieee path. The
+                # centred key rows are not bf16 values: (y - mean) R = y R - mean R, the latter
+                # in float32 here.
+                a = y.to(tl.bfloat16).to(SPLIT_DT)
+                r1 = R.to(tl.bfloat16)
+                rest = R - r1.to(tl.float32)
+                r2 = rest.to(tl.bfloat16)
+                r3 = (rest - r2.to(tl.float32)).to(tl.bfloat16).to(SPLIT_DT)
+                r1, r2 = r1.to(SPLIT_DT), r2.to(SPLIT_DT)
+                acc = tl.dot(a, r3, acc)
+                acc = tl.dot(a, r2, acc)
+                acc = tl.dot(a, r1, acc)
+                if HAS_MEAN:
+                    mean_rot += tl.sum(mu[:, None] * R, axis=0)
+            else:
+                if HAS_MEAN:
+                    y = y - tl.where(is_k[:, None], mu[None, :], 0.0)
+                acc += tl.dot(y, R, input_precision=PRECISION)
         else:
             tl.store(qo_rows[:, None] + c[None, :], y.to(dt), mask=is_q[:, None])
             tl.store(ko_rows[:, None] + c[None, :], y.to(dt), mask=is_k[:, None])
     if HAS_ROT:
+        if PRECISION == "bf16x3" and HAS_MEAN:
+            acc = acc - tl.where(is_k[:, None], mean_rot[None, :], 0.0)
         tl.store(qo_rows[:, None] + cols[None, :], acc.to(dt), mask=is_q[:, None])
         tl.store(ko_rows[:, None] + cols[None, :], acc.to(dt), mask=is_k[:, None])
 
@@ -143,9 +169,33 @@ def rope_column_blocks(programs: int, D: int, device: torch.device) -> int:
     return blocks
 
 
-def rope_triton(q, k, cos, sin, rot=None, mean=None, col_blocks: int | None = None):
+# the rotation of a prefill-sized bf16 call on the tensor cores ("bf16x3": _rope_kernel) from this
+# many tokens on, in programs of MMA_ROWS rows; below it (decode steps), for other dtypes and in
+# deterministic mode, float32 products on the CUDA cores ("ieee") in 16-row programs
+MMA_MIN_TOKENS = 64
+MMA_ROWS = 64
+PRECISIONS = ("ieee", "bf16x3", "tf32x3", "tf32")
+
+
+def rope_precision(num_tokens: int, dtype: torch.dtype) -> str:
+    """The rotation's precision. ``bf16x3`` sums the same exact products as ``ieee`` in another
+    order (float32 rounding before the output's own rounding: at most an ulp of it). Deterministic
+    mode keeps ``ieee``: one K order for every token count, whatever the MMA shape."""
+    if is_deterministic() or dtype != torch.bfloat16 or num_tokens < MMA_MIN_TOKENS:
+        return "ieee"
+    return "bf16x3"
+
+
+def rope_triton(q, k, cos, sin, rot=None, mean=None, col_blocks: int | None = None,
+                rows_per_program: int | None = None, precision: str | None = None, num_warps: int = 4):
     """See elementwise_ref.rope_ref; outputs stored [B, T, H, D], returned as [B, H, T, D] views.
-    ``col_blocks`` overrides the rotation's column split (rope_column_blocks)."""
+    ``col_blocks`` overrides the rotation's column split (rope_column_blocks); ``rows_per_program``,
+    ``precision`` (rope_precision; "tf32x3" and "tf32" only to compare) and ``num_warps`` the
+    rotation's tiling: benchmark knobs."""
+    if precision not in (None, *PRECISIONS):
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "bf16x3" and q.dtype != torch.bfloat16:
+        raise ValueError(f"bf16x3 takes bfloat16 inputs (exact bf16 operands), got {q.dtype}")
     B, H_q, T, D = q.shape
     H_kv = k.shape[1]
     G = H_q // H_kv
@@ -159,11 +209,14 @@ def rope_triton(q, k, cos, sin, rot=None, mean=None, col_blocks: int | None = No
     if B * T:
         NT = B * T
         rows, toks, ncol = triton.next_power_of_2(G + 1), 1, 1
+        precision = precision or ("ieee" if rot is None else rope_precision(NT, q.dtype))
         if rot is not None:
-            # a 16-row dot, of which one token fills G + 1 rows (Qwen3-8B: 5): pack as many
-            # tokens as fit (3), a third of the multiply-adds per token (sm_90 SASS, Triton 3.6;
-            # 64 rows gained no more and spilled)
-            rows = max(16, rows)
+            # ieee: a 16-row dot, of which one token fills G + 1 rows (Qwen3-8B: 5): pack as
+            # many tokens as fit (3), a third of the multiply-adds per token (sm_90 SASS, Triton
+            # 3.6; 64 rows gained no more and spilled); on the tensor cores, 64 rows (12 tokens)
+            rows = rows_per_program or max(MMA_ROWS if precision != "ieee" else 16, rows)
+            if rows < G + 1 or rows & (rows - 1):
+                raise ValueError(f"rows_per_program must be a power of two >= {G + 1}, got {rows}")
             # (one token: the TOKS == 1 path; else a fixed count, the tail masked, so that a
             # server's steps of 2, 3, ... tokens do not each compile a variant)
             toks = 1 if NT == 1 and not is_deterministic() else max(1, rows // (G + 1))
@@ -186,8 +239,8 @@ def rope_triton(q, k, cos, sin, rot=None, mean=None, col_blocks: int | None = No
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
             H_KV=H_kv, G=G, D=D, ROWS=rows, TOKS=toks, BK=bk, BN=bn, HAS_ROT=rot is not None,
-            HAS_MEAN=mean is not None,
-            num_warps=4, enable_fp_fusion=False)  # float32: torch's separate multiply and add, no FMA
+            HAS_MEAN=mean is not None, PRECISION=precision, SPLIT_DT=tl.float32 if interpreting() else tl.bfloat16,
+            num_warps=num_warps, enable_fp_fusion=False)  # float32: torch's separate multiply and add, no FMA
     return q_out.transpose(1, 2), k_out.transpose(1, 2)
 
 

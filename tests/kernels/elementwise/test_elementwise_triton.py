@@ -102,12 +102,13 @@ def test_rope_without_rotation_is_bitwise(tdevice, dtype, B, H_q, H_kv, T, D):
 @pytest.mark.parametrize("B,H_q,H_kv,T,D,dtype", [
     (1, 4, 4, 1, 64, torch.float32), (2, 8, 2, 3, 128, torch.float32), (1, 16, 2, 2, 64, torch.bfloat16),
     (2, 2, 2, 5, 32, torch.float32), (2, 8, 2, 41, 64, torch.float32), (2, 8, 2, 1, 64, torch.float32),
-    (2, 16, 2, 2, 64, torch.float32)])
+    (2, 16, 2, 2, 64, torch.float32), (2, 8, 2, 41, 64, torch.bfloat16), (1, 32, 8, 70, 128, torch.bfloat16)])
 def test_rope_with_rotation(tdevice, per_head, centred, col_blocks, B, H_q, H_kv, T, D, dtype):
     """The rotation's output columns in one program or split over several (rope_column_blocks);
     tokens packed into a program's 16 rows: 3 (G = 4; in an 82-token prefill the last program
     is partial and sequences meet inside programs), 2 (a batch-2 decode step), 8 (G = 1), 1
-    (G = 8, each program its own sequence's cos / sin row)."""
+    (G = 8, each program its own sequence's cos / sin row). The bf16 prefills of 82 and 70 tokens
+    take the tensor cores (bf16x3) in 64-row programs of 12 and 6 tokens, the last one partial."""
     from oscar_compile.kernels.elementwise.elementwise_triton import rope_triton
 
     q, k, cos, sin = _rope_inputs(B, H_q, H_kv, T, D, dtype, tdevice)
@@ -138,6 +139,30 @@ def test_silu_mul(tdevice, dtype, shape, merged):
     # one ulp of the rounded silu, carried through the product, plus the product's own rounding
     bound = 2 * ULP[dtype] * (torch.nn.functional.silu(gate.float()).abs() * up.float().abs()).clamp_min(1e-3) + 1e-6
     assert ((got.float() - want.float()).abs() <= bound).all()
+
+
+def test_rope_precision_plan(monkeypatch):
+    """Prefill-sized bf16 calls rotate on the tensor cores; decode steps, other dtypes and
+    deterministic mode keep the float32 products (one K order for every token count)."""
+    from oscar_compile.kernels.elementwise import elementwise_triton as ew
+
+    assert ew.rope_precision(ew.MMA_MIN_TOKENS, torch.bfloat16) == "bf16x3"
+    assert ew.rope_precision(ew.MMA_MIN_TOKENS - 1, torch.bfloat16) == "ieee"
+    assert ew.rope_precision(8192, torch.float16) == "ieee"
+    assert ew.rope_precision(8192, torch.float32) == "ieee"
+    monkeypatch.setattr(ew, "is_deterministic", lambda: True)
+    assert ew.rope_precision(8192, torch.bfloat16) == "ieee"
+
+
+def test_rope_refuses_an_inexact_bf16x3():
+    from oscar_compile.kernels.elementwise.elementwise_triton import rope_triton
+
+    q, k, cos, sin = _rope_inputs(1, 4, 2, 3, 32, torch.float32, "cpu")
+    rot, mean = _rotations(1, 32, "cpu")
+    with pytest.raises(ValueError, match="bf16x3 takes bfloat16"):
+        rope_triton(q, k, cos, sin, rot, mean, precision="bf16x3")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        rope_triton(q, k, cos, sin, rot, mean, precision="fp8")
 
 
 def test_rope_column_plan():
