@@ -14,9 +14,13 @@ of that run:
   chunk when ``context`` equals the budget);
 - ``mixed``: that chunk less ``decodes`` tokens beside ``decodes`` decode rows at ``context``.
 
-Each step runs eagerly on the runner's scratch pages (``memory_profile.profile_batch``; the values
-are garbage, the work is the real step's), without prompt logits; the median of ``reps`` steps
-after a warm-up that compiles the kernels.
+Each step runs eagerly on garbage values (``memory_profile.profile_batch``), without prompt logits;
+the median of ``reps`` steps after a warm-up that compiles the kernels. The chunk's row writes to
+pages of its own (:func:`own_pages`): on the profile's one scratch page every token of the chunk
+wrote the same words, and INT2's write, whose key bits are set by atomics, took 32 ms per 8192-token
+step (H100, call 29 in bench/results/2026-12-07-gpu-int2-prefill-step) where its launch on distinct
+pages takes 0.14 ms per layer (call a). The decode rows stay on the scratch pages, so their history
+reads hit in L2: their attention is a lower bound.
 """
 
 from __future__ import annotations
@@ -53,10 +57,10 @@ def step_rows(compressed, layout, shape: str, mode: str, budget: int, contexts: 
     rows = []
     for context in contexts:
         for kind, shape_rows in step_shapes(budget, context, decodes).items():
-            runner = CompressedRunner(compressed, layout, 1, math.ceil(context / layout.page_size) + 1,
-                                      max_seq_len=context + 1, max_num_seqs=len(shape_rows),
-                                      max_num_batched_tokens=budget, cuda_graphs=False)
-            batch = dataclasses.replace(profile_batch(runner, shape_rows), logit_rows=())
+            runner = CompressedRunner(compressed, layout, layout.num_window_pages_per_seq,
+                                      math.ceil(context / layout.page_size) + 1, max_seq_len=context + 1,
+                                      max_num_seqs=len(shape_rows), max_num_batched_tokens=budget, cuda_graphs=False)
+            batch = dataclasses.replace(own_pages(profile_batch(runner, shape_rows)), logit_rows=())
             step_s = step_time_s(runner, batch, reps)
             row = dict(shape=shape, mode=mode, kind=kind, context=context, tokens=batch.num_tokens,
                        seqs=batch.num_seqs, step_ms=step_s * 1e3, kernels_ms=kernel_ms(runner, batch))
@@ -64,6 +68,16 @@ def step_rows(compressed, layout, shape: str, mode: str, budget: int, contexts: 
             rows.append(row)
             release(runner)
     return rows
+
+
+def own_pages(batch):
+    """``batch`` with its first row (the chunk) on pages 0, 1, ... of both tables, the others left
+    on the scratch pages: a runner built with a sequence's window pages and its context's quant
+    pages holds them (the scratch pages come after)."""
+    window = list(range(len(batch.window_tables[0])))
+    quant = list(range(len(batch.quant_tables[0])))
+    return dataclasses.replace(batch, window_tables=[window] + batch.window_tables[1:],
+                               quant_tables=[quant] + batch.quant_tables[1:])
 
 
 def kernel_ms(runner, batch, reps: int = 3, top: int = 20) -> dict[str, float]:

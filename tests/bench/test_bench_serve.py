@@ -215,3 +215,28 @@ def test_steps_part_profiles_the_prefill_and_mixed_steps_of_both_modes(tmp_path,
     for bad in ((96, 80, 3), (48, 80, 48)):
         with pytest.raises(ValueError):
             step_shapes(*bad)
+
+
+def test_the_steps_chunk_writes_to_pages_of_its_own():
+    """A chunk written to the profile's one scratch page contends on the same words (INT2's key bits
+    are set by atomics): the steps part gives the chunk's row distinct pages inside the runner's pools,
+    and leaves the decode rows on the scratch pages."""
+    import math
+
+    import torch
+
+    from oscar_compile.bench.serve_models import build_model
+    from oscar_compile.bench.serve_steps import own_pages, step_shapes
+    from oscar_compile.runtime.worker.compressed_runner import CompressedRunner
+    from oscar_compile.runtime.worker.memory_profile import profile_batch
+
+    compressed, layout = build_model("tiny", "int2", 128, torch.device("cpu"))
+    context = 96
+    runner = CompressedRunner(compressed, layout, layout.num_window_pages_per_seq,
+                              math.ceil(context / layout.page_size) + 1, max_seq_len=context + 1, max_num_seqs=4,
+                              max_num_batched_tokens=48, cuda_graphs=False)
+    batch = own_pages(profile_batch(runner, step_shapes(48, context, 3)["mixed"]))
+    for table, scratch in ((batch.window_tables, runner.scratch_window), (batch.quant_tables, runner.scratch_quant)):
+        assert len(set(table[0])) == len(table[0]) and all(0 <= p < scratch for p in table[0])
+        assert all(p == scratch for row in table[1:] for p in row)
+    runner.run(batch)
