@@ -1,7 +1,7 @@
 """Suite-wide markers: ``gpu`` tests are skipped on machines without CUDA; the Ray tests are
 one xdist group; under ``TRITON_INTERPRET=1`` a cheaper lookup of the builtins Triton's
-interpreter patches; an xdist worker runs torch on one thread (the workers share the cores) and,
-on a GPU, its engines' default KV budget is its share of the device's free memory."""
+interpreter patches; an xdist worker runs torch on one thread (the workers share the cores); on a
+GPU, engines built without a budget take a share of the free memory, not the library's planned 0.9."""
 import inspect
 import os
 from pathlib import Path
@@ -13,20 +13,23 @@ import torch
 def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
-        _share_the_gpu(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    _share_the_gpu(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     if os.environ.get("TRITON_INTERPRET") == "1":
         _cache_interpreter_builtin_names()
 
 
 def _share_the_gpu(workers: int) -> None:
-    """An engine built without a KV budget takes half the device's free memory for its pages (the
-    library's default for one process): the first of 8 workers' engines took 40 GB, and the
-    kernel tests of the others ran out of memory (bench/results/2026-12-05-gpu-int2-prefill-end-to-end,
-    call 7). Here each worker's engines take half of a 1/workers share."""
-    if workers > 1 and torch.cuda.is_available():
+    """The library's default engine plans for 0.9 of the device, which must be free at its start:
+    one process's. Here engines built without a budget take the default before the plan instead,
+    half the free memory (the tests of the plan give their share), and under xdist each worker's
+    half of a 1/workers share: the first of 8 workers' engines took 40 GB, and the kernel tests of
+    the others ran out of memory (bench/results/2026-12-05-gpu-int2-prefill-end-to-end, call 7)."""
+    if torch.cuda.is_available():
         from oscar_compile.runtime import engine_config
+        from oscar_compile.runtime.core import config
 
-        engine_config._GPU_KV_FRACTION /= workers
+        config.GPU_MEMORY_UTILIZATION = None
+        engine_config._GPU_KV_FRACTION /= max(1, workers)
 
 
 def _cache_interpreter_builtin_names() -> None:

@@ -109,13 +109,23 @@ def test_a_kv_memory_that_does_not_fit_beside_the_step_stops_the_start():
         _counts(EngineConfig(kv_memory_gb=8.0), profile=FakeProfile(_own(6), held))
 
 
-def test_without_a_share_cuda_keeps_todays_default(monkeypatch):
-    """The plan is opt-in until its profile run has run on a GPU: no share, no profile run."""
+def test_the_plan_is_the_default_on_cuda():
+    """No budget given: on CUDA a profile run and 0.9 of the device, as vLLM plans it."""
+    fake = FakeProfile(_own(6))
+    config = EngineConfig()
+    assert config.cache.gpu_memory_utilization == 0.9
+    later = sum(later_pool_bytes(config.cache, LAYOUT, CAPS, MAX_MODEL_LEN).values())
+    assert _counts(config, profile=fake) == _planned(int(0.9 * 16 * GIB) - 6 * GIB - later, config)
+    assert len(fake.calls) == 1
+
+
+def test_without_a_share_cuda_takes_half_the_free_memory(monkeypatch):
+    """``gpu_memory_utilization=None`` turns the plan off: no profile run, the default before it."""
     from oscar_compile.runtime import engine_config
 
     monkeypatch.setattr(engine_config, "default_kv_memory_bytes", lambda device: 3 * GIB)
     fake = FakeProfile(_own(6))
-    config = EngineConfig()
+    config = EngineConfig(gpu_memory_utilization=None)
     assert _counts(config, profile=fake) == _planned(3 * GIB, config)
     assert fake.calls == []
 

@@ -13,7 +13,7 @@ steps overlap and which requests it can serve.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from oscar_compile.formats.cache import CacheLayout
 from oscar_compile.formats.prefill import (
@@ -32,6 +32,11 @@ DEFAULT_SWAP_SPACE_GB = 4.0
 PREFIX_HITS = ("history", "sink", "snapshot")
 
 
+# the default share of the GPU an engine plans for (read when a CacheConfig is made: the GPU test
+# session sets None, tests/conftest.py, where xdist workers' engines share one device)
+GPU_MEMORY_UTILIZATION: float | None = 0.9
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The KV pages and what may be shared between sequences.
@@ -42,14 +47,14 @@ class CacheConfig:
 
     layout: CacheLayout | None = None
     # the KV pages' budget, an absolute override; None: on CUDA what gpu_memory_utilization leaves
-    # after a profile run (core/memory_plan.py) when it is set, else half the free memory; on the
+    # after a profile run (core/memory_plan.py), or half the free memory when that is None; on the
     # CPU 1 GiB (bookkeeping: no pages there)
     kv_memory_gb: float | None = None
     # the share of the GPU's memory the engine may fill: weights, the largest step, the pools and
-    # the KV pages (vLLM's --gpu-memory-utilization, whose default is 0.9); read on CUDA when
-    # kv_memory_gb is None. None (the default) until the profile run has run on a GPU: the plan
-    # is written and tested on the CPU only (issue #39)
-    gpu_memory_utilization: float | None = None
+    # the KV pages (vLLM's --gpu-memory-utilization and default, GPU_MEMORY_UTILIZATION); read on
+    # CUDA when kv_memory_gb is None. None: no profile run, half the free memory after the weights
+    # (the default before the plan passed its GPU test, tests/runtime/worker/test_memory_profile.py)
+    gpu_memory_utilization: float | None = field(default_factory=lambda: GPU_MEMORY_UTILIZATION)
     num_window_pages: int | None = None
     num_quant_pages: int | None = None
     expected_seq_len: int | None = None  # sizes the window / quant split of the budget (page_plan.py)

@@ -35,7 +35,7 @@ def test_the_facade_routes_each_keyword_to_its_frozen_config():
 def test_replace_keeps_the_other_settings():
     config = dataclasses.replace(EngineConfig(seed=3, max_num_batched_tokens=16), layout=None, cuda_graphs=False)
     assert (config.seed, config.max_num_batched_tokens, config.cuda_graphs) == (3, 16, False)
-    assert config.cache.gpu_memory_utilization is None  # the plan is opt-in until it has run on a GPU
+    assert config.cache.gpu_memory_utilization == 0.9  # vLLM's default share
 
 
 def test_checks_run_when_a_config_is_made():

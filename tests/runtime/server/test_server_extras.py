@@ -277,3 +277,23 @@ def test_serve_flags_for_names_strict_fields_and_the_template(tmp_path):
     assert not defaults.strict_fields and defaults.chat_template is None
     with pytest.raises(FileNotFoundError, match="--chat-template"):
         serve.server_config(serve.parse_args(["--chat-template", str(tmp_path / "missing.jinja")]))
+
+
+def test_a_one_gpu_server_takes_expandable_segments_unless_told_otherwise():
+    """The allocator's cache of split blocks held 5.9 GiB past the planned share on an H100;
+    expandable segments 1.4 (calls c and d of bench/results/2026-12-07-gpu-int2-prefill-step)."""
+    from oscar_compile.cli.serve import default_allocator_settings
+
+    env = {}
+    default_allocator_settings(serve.parse_args([]), env)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}  # the user's own settings stay
+    default_allocator_settings(serve.parse_args([]), env)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
+    for flags in (["--tensor-parallel-size", "2"], ["--device", "cpu"]):
+        env = {}
+        default_allocator_settings(serve.parse_args(flags), env)
+        assert env == {}
+    assert serve.engine_config(serve.parse_args([])).cache.gpu_memory_utilization == 0.9
+    given = serve.engine_config(serve.parse_args(["--gpu-memory-utilization", "0.8"]))
+    assert given.cache.gpu_memory_utilization == 0.8
