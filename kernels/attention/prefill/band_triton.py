@@ -16,7 +16,10 @@ operand dtype:
 
 Layout: sequence i's band rows start at ``bcu[i] = cu[i] + i W`` and row ``bcu[i] + s - (L - W)``
 holds position s, so the buffer has ``N + B W`` rows, fixed by shapes: no host sync, the launch
-can be captured in a CUDA graph. Rows below band_lo are left unwritten and never read.
+can be captured in a CUDA graph. Rows below band_lo, and the rows of a sequence with no new token
+(the decode rows of a mixed step: their queries go to the decode kernel), are left unwritten and
+never read: in an 8192-token step beside 31 decode rows, writing their windows took as long as the
+chunk's band (H100, bench/results/2026-12-07-gpu-int2-prefill-step, call b: 8.0 against 4.1 ms).
 """
 
 from __future__ import annotations
@@ -73,7 +76,12 @@ def _band_kernel(
     else:
         n_hist = tl.maximum(L - RECENT - SINK, 0)
     s = L - RECENT + (n - tl.load(bcu_ptr + seq))  # the row's position
-    ok = in_use & (s >= tl.minimum(L, SINK + n_hist))
+    # a sequence without new tokens (a mixed step's decode rows, which the decode kernel attends)
+    # has no query to read its band
+    has_new = tl.load(cu_ptr + seq + 1) > start
+    ok = in_use & has_new & (s >= tl.minimum(L, SINK + n_hist))
+    if tl.max(ok.to(tl.int32), axis=0) == 0:
+        return
     is_new = ok & (s >= L)
     is_ring = ok & (s < L)
     slot = window_slot_of(tl.where(is_ring, s, 0), SINK, RECENT)
@@ -131,3 +139,24 @@ def write_band(k, v, cu_seqlens, bcu, cache_lens, history_lens, window_table, k_
         WIN_BF16=k_win.dtype == torch.bfloat16, num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return bufs
+
+
+def compile_offline(num_warps: int = 4, block_t: int = 16):
+    """Compile the pre-pass for sm_90 without a GPU (CI: the early exit of sequences without new
+    tokens and the quantizer must build for the device, not only run in the interpreter). The 8B
+    layer's shapes, bf16 windows and band, fp16 scales, the clip on; returns Triton's compiled kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptrs = dict(k_ptr="bf16", v_ptr="bf16", cu_ptr="i32", bcu_ptr="i32", lens_ptr="i32", hist_ptr="i32",
+                wt_ptr="i32", kwin_ptr="bf16", vwin_ptr="bf16", ke_ptr="bf16", kh_ptr="bf16", ve_ptr="bf16",
+                vh_ptr="bf16")
+    sig = {name: f"*{t}" for name, t in ptrs.items()}
+    sig.update({name: "i32" for name in ("B", "skn", "skh", "svn", "svh", "stride_wt", "klo", "khi", "vlo", "vhi")})
+    sig.update(kfrac="fp32", vfrac="fp32")
+    consts = dict(H=8, D=128, P=16, SINK=64, RECENT=256, BITS=2, GROUP=128, CLIP_K=True, CLIP_V=True, HAS_HIST=True,
+                  BLOCK_T=block_t, CLIP_LOW=16, SCALE_DT=tl.float16, WIN_BF16=True)
+    sig.update({k: "constexpr" for k in consts})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))}
+    return triton.compile(ASTSource(_band_kernel, sig, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "enable_fp_fusion": False})
