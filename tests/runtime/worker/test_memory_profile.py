@@ -114,9 +114,10 @@ def test_the_planned_budget_runs_the_largest_step_without_running_out(tokenizer,
     non_torch = total - free - torch.cuda.memory_reserved()
     peak = non_torch + torch.cuda.max_memory_reserved()
     # the plan's promise is the live tensors' peak, as in vLLM; the allocator's reserve may pass it by
-    # the blocks it caches across steps of many shapes (call 25: 4.9 / 6.6 GiB past a 0.9 share on an
-    # H200; a limit at the share made that an out-of-memory error instead, call a), which the device's
-    # remaining tenth holds: the step above ran, and the numbers are printed for the record
+    # the blocks it caches across steps of many shapes (4.9 / 6.6 GiB past a 0.9 share on an H200; a
+    # limit at the share made that an out-of-memory error instead; with expandable segments, which
+    # `oscar-compile serve` sets, 1.4 GiB on an H100: bench/results/2026-12-07-gpu-int2-prefill-step),
+    # which the device's remaining tenth holds: the step above ran, and the numbers are printed
     live = non_torch + torch.cuda.max_memory_allocated()
     stats = torch.cuda.memory_stats()  # cached blocks split by smaller tensors: the cache's fragments
     numbers = (f"live {live / GIB:.2f} GiB, reserve {peak / GIB:.2f} GiB (at most "
