@@ -70,9 +70,11 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, rot_ptr, mean_ptr, qo_ptr, ko_p
                  PRECISION: tl.constexpr, SPLIT_DT: tl.constexpr):
     """TOKS tokens x one KV head: row r is head r % (G + 1) of token r // (G + 1), heads 0..G-1
     its query heads, head G its key head (rows past TOKS * (G + 1) idle). With the rotation,
-    program_id(2) picks BN of the D output columns (each program redoes the RoPE); PRECISION is
-    the rotation's (rope_precision), SPLIT_DT the dtype bf16x3's parts enter the dot in: bfloat16,
-    float32 in the interpreter (whose dot would multiply bfloat16's raw bit patterns)."""
+    program_id(2) picks BN of the D output columns (each program redoes the RoPE). PRECISION is
+    the rotation's, "ieee" or "bf16x3" (rope_precision; Triton's tf32x3 was slower than ieee on
+    an H100: bench/results/2026-12-07-gpu-int2-prefill-step, call a); SPLIT_DT the dtype bf16x3's
+    parts enter the dot in: bfloat16, float32 in the interpreter (whose dot would multiply
+    bfloat16's raw bit patterns)."""
     r = tl.arange(0, ROWS)
     hh = r % (G + 1)
     # offsets of a large batch pass 2^31 (64 x 8k tokens x 32 heads x 128)
@@ -138,7 +140,7 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, rot_ptr, mean_ptr, qo_ptr, ko_p
             else:
                 if HAS_MEAN:
                     y = y - tl.where(is_k[:, None], mu[None, :], 0.0)
-                acc += tl.dot(y, R, input_precision=PRECISION)
+                acc += tl.dot(y, R, input_precision="ieee")
         else:
             tl.store(qo_rows[:, None] + c[None, :], y.to(dt), mask=is_q[:, None])
             tl.store(ko_rows[:, None] + c[None, :], y.to(dt), mask=is_k[:, None])
@@ -174,7 +176,7 @@ def rope_column_blocks(programs: int, D: int, device: torch.device) -> int:
 # deterministic mode, float32 products on the CUDA cores ("ieee") in 16-row programs
 MMA_MIN_TOKENS = 64
 MMA_ROWS = 64
-PRECISIONS = ("ieee", "bf16x3", "tf32x3", "tf32")
+PRECISIONS = ("ieee", "bf16x3")
 
 
 def rope_precision(num_tokens: int, dtype: torch.dtype) -> str:
@@ -190,8 +192,7 @@ def rope_triton(q, k, cos, sin, rot=None, mean=None, col_blocks: int | None = No
                 rows_per_program: int | None = None, precision: str | None = None, num_warps: int = 4):
     """See elementwise_ref.rope_ref; outputs stored [B, T, H, D], returned as [B, H, T, D] views.
     ``col_blocks`` overrides the rotation's column split (rope_column_blocks); ``rows_per_program``,
-    ``precision`` (rope_precision; "tf32x3" and "tf32" only to compare) and ``num_warps`` the
-    rotation's tiling: benchmark knobs."""
+    ``precision`` (rope_precision) and ``num_warps`` the rotation's tiling: benchmark knobs."""
     if precision not in (None, *PRECISIONS):
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "bf16x3" and q.dtype != torch.bfloat16:

@@ -109,8 +109,12 @@ def test_a_kv_memory_that_does_not_fit_beside_the_step_stops_the_start():
         _counts(EngineConfig(kv_memory_gb=8.0), profile=FakeProfile(_own(6), held))
 
 
-def test_the_plan_is_the_default_on_cuda():
-    """No budget given: on CUDA a profile run and 0.9 of the device, as vLLM plans it."""
+def test_the_plan_is_the_default_on_cuda(monkeypatch):
+    """No budget given: on CUDA a profile run and 0.9 of the device, as vLLM plans it (a GPU test
+    session sets no share by default, tests/conftest.py: the library's is put back here)."""
+    from oscar_compile.runtime.core import config as core_config
+
+    monkeypatch.setattr(core_config, "GPU_MEMORY_UTILIZATION", 0.9)
     fake = FakeProfile(_own(6))
     config = EngineConfig()
     assert config.cache.gpu_memory_utilization == 0.9

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from oscar_compile.cli.serve import engine_config, parse_args
+from oscar_compile.runtime.core import config as core_config
 from oscar_compile.runtime.core.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -35,7 +36,17 @@ def test_the_facade_routes_each_keyword_to_its_frozen_config():
 def test_replace_keeps_the_other_settings():
     config = dataclasses.replace(EngineConfig(seed=3, max_num_batched_tokens=16), layout=None, cuda_graphs=False)
     assert (config.seed, config.max_num_batched_tokens, config.cuda_graphs) == (3, 16, False)
-    assert config.cache.gpu_memory_utilization == 0.9  # vLLM's default share
+    assert config.cache.gpu_memory_utilization == core_config.GPU_MEMORY_UTILIZATION
+
+
+def test_the_default_share_is_vllms():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU test session plans no share by default (tests/conftest.py)")
+    assert core_config.GPU_MEMORY_UTILIZATION == 0.9
+    assert CacheConfig().gpu_memory_utilization == EngineConfig().cache.gpu_memory_utilization == 0.9
+    assert engine_config(parse_args([])).cache.gpu_memory_utilization == 0.9
 
 
 def test_checks_run_when_a_config_is_made():

@@ -294,6 +294,9 @@ def test_a_one_gpu_server_takes_expandable_segments_unless_told_otherwise():
         env = {}
         default_allocator_settings(serve.parse_args(flags), env)
         assert env == {}
-    assert serve.engine_config(serve.parse_args([])).cache.gpu_memory_utilization == 0.9
+    from oscar_compile.runtime.core import config as core_config
+
+    default = core_config.GPU_MEMORY_UTILIZATION  # 0.9 (test_the_default_share_is_vllms); None in a GPU session
+    assert serve.engine_config(serve.parse_args([])).cache.gpu_memory_utilization == default
     given = serve.engine_config(serve.parse_args(["--gpu-memory-utilization", "0.8"]))
     assert given.cache.gpu_memory_utilization == 0.8
