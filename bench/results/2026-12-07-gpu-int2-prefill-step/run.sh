@@ -6,22 +6,8 @@
 # pytest-instafail, fastapi, ...), TREE the commit as a literal:
 #   TREE=<sha> PART=a BUDGET_S=420 bash bench/results/2026-12-07-gpu-int2-prefill-step/run.sh
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-R=$OUT/r$PART; mkdir -p "$R"
-{ echo "tree: ${TREE:-?}"; nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.total --format=csv;
-  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"; } > "$R/device.txt" 2>&1
-T_END=$(( $(date +%s) + ${BUDGET_S:-420} ))
-step() {  # step NAME SECONDS CMD...: at most SECONDS and never past T_END; results tarred after each
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s); local left=$(( T_END - t0 - 10 ))
-  if [ "$left" -lt 20 ]; then echo "$name skipped: out of time" >> "$R/steps.txt"; return; fi
-  [ "$left" -lt "$limit" ] && limit=$left
-  echo "\$ $*" > "$R/$name.log"
-  (PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD timeout "$limit" "$@") >> "$R/$name.log" 2>&1; local rc=$?
-  echo "$name rc=$rc ${limit}s-limit took=$(( $(date +%s) - t0 ))s" >> "$R/steps.txt"
-  (cd "$OUT" && tar -czf results$PART.tgz r$PART)
-}
-P="python3 -m pytest -q -rs --tb=short -p no:cacheprovider"
+R=$OUT/r$PART
+. bench/results/device_step.sh  # the helper these calls ran inline, moved there unchanged
 E2E="python3 -m oscar_compile.bench.serve --shapes 8b --parts e2e --e2e-batches 1 32 --e2e-prompt 8192 --e2e-output 256 --e2e-kv-memory 60 --max-num-batched-tokens 8192"
 case "$PART" in
 a)  # the write and RoPE variants (a prototype beside the tree, not kept: its output is calla/), the write under
