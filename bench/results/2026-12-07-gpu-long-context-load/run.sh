@@ -3,7 +3,7 @@
 # 512-1024, 300 s, 50 GiB of KV in both modes), one mode per call since one level with its drain
 # takes most of a call; then TTFT at 32k and 128k beside the BF16 mode and the 8192-token steps
 # profile. From the repository root, .whl carried, TREE the commit as a literal:
-#   TREE=<sha> PART=int2|bf16|ttft BUDGET_S=580 bash bench/results/2026-12-07-gpu-long-context-load/run.sh
+#   TREE=<sha> PART=int2|bf16|ttft|tests BUDGET_S=580 bash bench/results/2026-12-07-gpu-long-context-load/run.sh
 set -u
 R=$OUT/$PART
 . bench/results/device_step.sh
@@ -20,5 +20,7 @@ ttft)  # TTFT of one 32k and one 128k prompt, INT2 default beside the BF16 mode;
   step steps 150 python3 -m oscar_compile.bench.serve --shapes 8b --parts steps --max-num-batched-tokens 8192 \
     --step-contexts 8192 --step-decodes 31 --reps 3 --out "$R/steps.json"
   step tests_prefill 120 $P -n 4 -m gpu tests/kernels/attention/prefill ;;
-*) echo "PART must be int2, bf16 or ttft" >&2; exit 2 ;;
+tests)  # those GPU tests alone (part ttft's 120 s ran out in the compiles of their float32 cases)
+  step tests_prefill 310 $P -n 8 -m gpu --durations=15 tests/kernels/attention/prefill ;;
+*) echo "PART must be int2, bf16, ttft or tests" >&2; exit 2 ;;
 esac
