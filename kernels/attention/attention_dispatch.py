@@ -54,6 +54,7 @@ import torch
 from oscar_compile.formats.cache import code_layout
 from oscar_compile.formats.op_args import AttentionArgs
 from oscar_compile.kernels.determinism import split_tokens
+from oscar_compile.kernels.device import interpreting
 
 ENV = "OSCAR_ATTENTION_KERNEL"
 CHOICES = ("auto", "gluon", "triton")
@@ -81,7 +82,7 @@ def gluon_device_problem(device_index: int) -> str | None:
 
     if GLUON_IMPORT_ERROR is not None:
         return f"Triton has no usable Gluon ({GLUON_IMPORT_ERROR})"
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return "the Triton interpreter runs no Gluon kernel"
     major, minor = torch.cuda.get_device_capability(device_index)
     if (major, minor) != (9, 0):

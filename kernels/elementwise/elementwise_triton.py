@@ -12,9 +12,8 @@ import triton
 import triton.language as tl
 
 from oscar_compile.kernels.determinism import is_deterministic
-from oscar_compile.kernels.device import num_sms
+from oscar_compile.kernels.device import interpreting, num_sms
 from oscar_compile.kernels.elementwise.rotate_ref import check_rotate_args
-from oscar_compile.kernels.quant.quant_triton import interpreting
 
 
 @triton.jit(do_not_specialize=["n_rows", "inner"])

@@ -17,15 +17,8 @@ rounding per torch op:
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
-
-
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (kernels then pick interpreter-friendly variants)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def clip_indices(clip_ratio: float, head_dim: int) -> tuple[int, int, float]:

@@ -44,10 +44,9 @@ from oscar_compile.kernels.attention.attention_blocks_triton import (
 )
 from oscar_compile.kernels.attention.attention_split_plan import deterministic_launch, merge_partials_in_order
 from oscar_compile.kernels.determinism import split_tokens
-from oscar_compile.kernels.device import num_sms
+from oscar_compile.kernels.device import interpreting, num_sms
 from oscar_compile.kernels.layout.code_decode_triton import CODE_EXP, plane_factor
 from oscar_compile.kernels.pools import FULL_PRECISION_BITS, attention_output_for
-from oscar_compile.kernels.quant.quant_triton import interpreting
 
 LOG2E = 1.4426950408889634
 MAX_SPLIT_TOKENS = 8192
